@@ -1,0 +1,10 @@
+"""jaxflash: FlashAttention-3/4 class attention for JAX (CuTe DSL kernels through the XLA FFI).
+
+Importing it needs jax only: no kernels, no Flax, no GPU.
+"""
+
+from jaxflash.attention import attention
+
+__version__ = "0.1.0.dev0"
+
+__all__ = ["attention", "__version__"]

@@ -1,0 +1,173 @@
+"""The public `jaxflash.attention`: argument checks, defaults, and the choice of implementation."""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflash import _jax_internal, primitives
+from jaxflash.config import (AttentionConfig, IMPLEMENTATIONS, REFERENCE_DTYPES, kernel_support)
+
+log = logging.getLogger("jaxflash")
+
+_RANK4 = "(batch, seq, heads, head_dim)"
+
+
+def _check_array(name: str, x, rank: int, layout: str):
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name}: expected an array {layout}, got {type(x).__name__}")
+  if x.ndim != rank:
+    raise ValueError(f"{name}: expected rank {rank} {layout}, got shape {tuple(x.shape)}")
+
+
+def _check_tensors(query, key, value):
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    _check_array(name, x, 4, _RANK4)
+  dtypes = {np.dtype(x.dtype).name for x in (query, key, value)}
+  if len(dtypes) != 1:
+    raise TypeError(f"query/key/value: dtypes must match, got {query.dtype}, {key.dtype}, "
+                    f"{value.dtype}")
+  dtype = dtypes.pop()
+  accepted = REFERENCE_DTYPES + ("float64",)  # float64 exists only with x64 on: oracle runs
+  if dtype not in accepted:
+    raise TypeError(f"query: dtype {dtype} not supported; accepted: {', '.join(accepted)}")
+  b, _, h, d = query.shape
+  if key.shape[0] != b or value.shape[0] != b:
+    raise ValueError(f"key/value: batch must equal query's {b}, got key {tuple(key.shape)}, "
+                     f"value {tuple(value.shape)}")
+  if key.shape[3] != d:
+    raise ValueError(f"key: head_dim must equal query's {d}, got key {tuple(key.shape)}")
+  if value.shape[1] != key.shape[1] or value.shape[2] != key.shape[2]:
+    raise ValueError(f"value: (seq_k, num_kv_heads) must equal key's {tuple(key.shape[1:3])}, "
+                     f"got value {tuple(value.shape)}")
+  h_kv = key.shape[2]
+  if h_kv == 0 or h % h_kv:
+    raise ValueError(f"key: num_heads {h} must be a multiple of num_kv_heads {h_kv} (MQA/GQA)")
+  return dtype
+
+
+def _check_segments(q_segment_ids, kv_segment_ids, query, key):
+  if q_segment_ids is None and kv_segment_ids is None:
+    return False
+  if q_segment_ids is None or kv_segment_ids is None:
+    raise ValueError("q_segment_ids/kv_segment_ids: pass both or neither (for self-attention "
+                     "pass the same ids twice)")
+  for name, ids, seq in (("q_segment_ids", q_segment_ids, query.shape[1]),
+                         ("kv_segment_ids", kv_segment_ids, key.shape[1])):
+    _check_array(name, ids, 2, "(batch, seq)")
+    if tuple(ids.shape) != (query.shape[0], seq):
+      raise ValueError(f"{name}: expected shape {(query.shape[0], seq)}, got {tuple(ids.shape)}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise TypeError(f"{name}: expected an integer dtype, got {ids.dtype}")
+  return True
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_options(causal, softmax_scale, window_size, softcap, deterministic, return_lse,
+                   implementation, head_dim):
+  for name, flag in (("causal", causal), ("deterministic", deterministic),
+                     ("return_lse", return_lse)):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(f"{name}: expected a Python bool, got {flag!r}")
+  if softmax_scale is None:
+    softmax_scale = head_dim ** -0.5
+  elif not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool):
+    raise TypeError(f"softmax_scale: expected a static positive float or None, got {softmax_scale!r}")
+  elif not np.isfinite(softmax_scale) or softmax_scale <= 0:
+    raise ValueError(f"softmax_scale: expected a finite float > 0, got {softmax_scale!r}")
+  if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+      or not all(w is None or _is_int(w) for w in window_size)):
+    raise ValueError(f"window_size: expected (left, right), each None or an int, got "
+                     f"{window_size!r}")
+  if softcap is not None:
+    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool):
+      raise TypeError(f"softcap: expected a static float > 0 or None, got {softcap!r}")
+    if not np.isfinite(softcap) or softcap <= 0:
+      raise ValueError(f"softcap: expected a finite float > 0 or None, got {softcap!r}")
+  if implementation not in (None,) + IMPLEMENTATIONS:
+    raise ValueError(f"implementation: expected None, 'cute' or 'reference', got "
+                     f"{implementation!r}")
+  left, right = (None if w is None else int(w) for w in window_size)
+  return AttentionConfig(
+      softmax_scale=float(softmax_scale), causal=bool(causal), window_left=left,
+      window_right=right, softcap=None if softcap is None else float(softcap),
+      deterministic=bool(deterministic))
+
+
+def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
+                            head_dim_v: int, config: AttentionConfig) -> str:
+  """'cute' or 'reference'. Auto picks the kernels on a Hopper GPU when they cover the call."""
+  if requested == "reference":
+    return "reference"
+  ok, reason = kernel_support("fwd", dtype, head_dim, head_dim_v, config)
+  if requested == "cute":
+    if not ok:
+      raise ValueError(f"implementation='cute': {reason}; use implementation=None (auto) or "
+                       f"'reference'")
+    return "cute"
+  if not _jax_internal.has_hopper_device():
+    return "reference"
+  if not ok:
+    log.info("jaxflash: using the reference implementation: %s", reason)
+    return "reference"
+  return "cute"
+
+
+def _empty_result(query, key, value, return_lse):
+  """No query, head or key to attend to: zeros and lse = -inf, without any kernel."""
+  b, seq_q, h, _ = query.shape
+  out = jnp.zeros((b, seq_q, h, value.shape[-1]), query.dtype)  # grads w.r.t. inputs: zeros
+  lse = jnp.full((b, h, seq_q), -jnp.inf, jnp.float32)
+  return (out, lse) if return_lse else out
+
+
+def attention(query, key, value, *, causal: bool = False, softmax_scale: Optional[float] = None,
+              window_size=(None, None), softcap: Optional[float] = None, q_segment_ids=None,
+              kv_segment_ids=None, deterministic: bool = False, return_lse: bool = False,
+              implementation: Optional[str] = None):
+  """Scaled dot-product attention, FlashAttention style.
+
+  Args:
+    query: (batch, seq_q, num_heads, head_dim), float16/bfloat16 (float32 on the reference).
+    key: (batch, seq_k, num_kv_heads, head_dim); num_heads % num_kv_heads == 0 (MQA/GQA).
+    value: (batch, seq_k, num_kv_heads, head_dim_v).
+    causal: query i sees keys j <= i + seq_k - seq_q (bottom-right aligned, as FlashAttention).
+    softmax_scale: multiplies the scores; default head_dim ** -0.5.
+    window_size: (left, right): query i sees keys in [i' - left, i' + right] where
+      i' = i + seq_k - seq_q; None is unbounded. Negative values shift the band.
+    softcap: if set, scores become softcap * tanh(scores / softcap) (after scaling).
+    q_segment_ids: (batch, seq_q) integers; with kv_segment_ids (batch, seq_k), tokens attend
+      only to keys with an equal id (packed sequences, padding).
+    deterministic: make the backward pass bitwise reproducible run to run.
+    return_lse: also return the log-sum-exp (batch, num_heads, seq_q) float32, natural log of
+      the softmax denominator in the scaled-score domain; -inf for rows that see no key.
+      It is differentiable.
+    implementation: None (CuTe kernels on a Hopper GPU when they cover the call, else the
+      reference), "cute" (kernels or an error), "reference" (pure JAX).
+
+  Returns:
+    out (batch, seq_q, num_heads, head_dim_v) in the query dtype, or (out, lse). Rows that see
+    no key are exactly zero.
+  """
+  dtype = _check_tensors(query, key, value)
+  config = _check_options(causal, softmax_scale, window_size, softcap, deterministic,
+                          return_lse, implementation, query.shape[-1])
+  has_segments = _check_segments(q_segment_ids, kv_segment_ids, query, key)
+  config = config.replace(has_segment_ids=has_segments)
+  impl = _resolve_implementation(implementation, dtype, query.shape[-1], value.shape[-1], config)
+  config = config.replace(implementation=impl)
+  if 0 in query.shape[:3] or 0 in key.shape[:2]:
+    return _empty_result(query, key, value, return_lse)
+  if has_segments:
+    q_segment_ids = jnp.asarray(q_segment_ids, jnp.int32)
+    kv_segment_ids = jnp.asarray(kv_segment_ids, jnp.int32)
+  out, lse = primitives.attention_core(config, query, key, value, q_segment_ids, kv_segment_ids)
+  return (out, lse) if return_lse else out

@@ -1,0 +1,47 @@
+// The C ABI between the FFI handler library and each per-variant kernel library.
+// Every variant library (one shared object per KernelVariant, built by jaxflash.build) exports
+// these functions with plain C linkage; the handler dlopens it and calls through them.
+// Includes nothing but the C headers: the handler side must not see any exported kernel header.
+#ifndef JAXFLASH_FFI_KERNEL_ABI_H_
+#define JAXFLASH_FFI_KERNEL_ABI_H_
+
+#include <stdint.h>
+
+#define JAXFLASH_KERNEL_ABI_VERSION 1
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Forward call. Tensors are dense row-major, exactly as XLA hands them over:
+//   q   (batch, seqlen_q, num_heads,    head_dim)    fp16/bf16
+//   k   (batch, seqlen_k, num_kv_heads, head_dim)
+//   v   (batch, seqlen_k, num_kv_heads, head_dim_v)
+//   out (batch, seqlen_q, num_heads,    head_dim_v)  same dtype as q
+//   lse (batch, num_heads, seqlen_q)                  float32, natural log; -inf for empty rows
+typedef struct {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  float* lse;
+  int32_t batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, head_dim, head_dim_v;
+  float softmax_scale;
+  int32_t window_left, window_right;  // -1: unbounded (only read by window variants)
+  float softcap;                      // 0: off (only read by softcap variants)
+} JaxflashFwdArgs;
+
+// Returns JAXFLASH_KERNEL_ABI_VERSION; the handler refuses a library with another version.
+int32_t jaxflash_variant_abi_version(void);
+// The KernelVariant.key the library was built for (a NUL-terminated static string).
+const char* jaxflash_variant_key(void);
+// Loads the cubin on every visible device. Idempotent and thread-safe; 0 on success.
+int32_t jaxflash_variant_load(void);
+// Launches on `stream` (a cudaStream_t). 0 on success, else the CuTe DSL / CUDA status.
+int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // JAXFLASH_FFI_KERNEL_ABI_H_

@@ -1,0 +1,240 @@
+"""JAX primitives for attention: abstract eval, lowerings, batching, and the custom_vjp core.
+
+Two primitives per direction (DESIGN.md): the inner one lowers to the FFI custom call on CUDA
+(reference elsewhere); the outer one carries the batching rule and the sharding wiring.
+Imports ffi, reference, sharding and config; never Flax.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.interpreters import batching, mlir
+
+from jaxflash import _jax_internal, reference
+from jaxflash.config import (AttentionConfig, FWD_TARGET, KernelVariant, LSE_CHECKPOINT_NAME,
+                             OUT_CHECKPOINT_NAME, kernel_support)
+
+log = logging.getLogger("jaxflash")
+
+
+def _split_segments(args, config: AttentionConfig):
+  """Positional operands -> (tensors, (q_segment_ids, kv_segment_ids) or (None, None))."""
+  if config.has_segment_ids:
+    return args[:-2], tuple(args[-2:])
+  return args, (None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Abstract evaluation (shared by inner and outer primitives: no scratch outputs yet)
+
+def _fwd_abstract(q, k, v, *segment_ids, config):
+  del segment_ids, config
+  b, seq_q, h, _ = q.shape
+  out = _jax_internal.shaped_like(q, (b, seq_q, h, v.shape[-1]), q.dtype, (q, k, v))
+  # float32, or float64 for float64 inputs (reference-only oracle runs).
+  lse_dtype = np.promote_types(q.dtype, np.float32)
+  lse = _jax_internal.shaped_like(q, (b, h, seq_q), lse_dtype, (q, k, v))
+  return out, lse
+
+
+def _bwd_abstract(q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
+  del segment_ids, config
+  ins = (q, k, v, out, lse, d_out, d_lse)
+  return tuple(_jax_internal.shaped_like(x, x.shape, x.dtype, ins) for x in (q, k, v))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference implementations bound by the lowerings
+
+def _fwd_reference(q, k, v, *segment_ids, config):
+  _, (q_seg, kv_seg) = _split_segments((q, k, v) + segment_ids, config)
+  return reference.blocked_forward(q, k, v, config, q_seg, kv_seg)
+
+
+def _bwd_reference(q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
+  _, (q_seg, kv_seg) = _split_segments((q,) + segment_ids, config)
+  return reference.blocked_backward(q, k, v, out, lse, d_out, d_lse, config, q_seg, kv_seg)
+
+
+_fwd_lower_reference = mlir.lower_fun(_fwd_reference, multiple_results=True)
+_bwd_lower_reference = mlir.lower_fun(_bwd_reference, multiple_results=True)
+
+
+def _dtype_name(aval) -> str:
+  return np.dtype(aval.dtype).name
+
+
+def _fwd_lower_cuda(ctx, q, k, v, *segment_ids, config):
+  """CUDA: the stable FFI custom call when the kernel exists, the reference otherwise."""
+  if config.implementation != "cute":
+    return _fwd_lower_reference(ctx, q, k, v, *segment_ids, config=config)
+  q_aval, _, v_aval = ctx.avals_in[:3]
+  dtype, head_dim, head_dim_v = _dtype_name(q_aval), q_aval.shape[-1], v_aval.shape[-1]
+  ok, reason = kernel_support("fwd", dtype, head_dim, head_dim_v, config)
+  if not ok:  # attention.py checks this at trace time; this guards direct primitive use.
+    raise ValueError(f"implementation='cute': {reason}")
+  variant = KernelVariant.for_call("fwd", "sm90a", dtype, head_dim, head_dim_v, config)
+  from jaxflash import ffi  # imported on first CUDA lowering only: keeps `import jaxflash` light
+  if _jax_internal.has_cuda_device():
+    ffi.ensure_variant(variant)  # cross-lowering on a CPU host needs no library
+  attrs = ffi.fwd_attributes(variant, config)
+  return jax.ffi.ffi_lowering(FWD_TARGET)(ctx, q, k, v, **attrs)
+
+
+def _reject_cute_off_gpu(lower_reference, platform):
+  """Non-CUDA lowering: the reference, unless the caller insisted on the kernels."""
+
+  def rule(ctx, *args, config):
+    if config.implementation == "cute":
+      raise ValueError(
+          f"implementation='cute' needs an NVIDIA Hopper GPU, but this computation is lowered for "
+          f"platform {platform!r}; use implementation=None (auto) or 'reference'")
+    return lower_reference(ctx, *args, config=config)
+
+  return rule
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching: fold every mapped axis into the batch axis (exact for attention).
+
+def _fold_batch(args, dims):
+  """Moves each mapped axis to the front and merges it into batch; broadcasts unmapped args."""
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  folded = []
+  for a, d in zip(args, dims):
+    a = jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
+    folded.append(a.reshape((size * a.shape[1],) + a.shape[2:]))
+  return size, folded
+
+
+def _unfold(size, outs):
+  return [o.reshape((size, o.shape[0] // size) + o.shape[1:]) for o in outs]
+
+
+def _batch_rule(prim):
+  def rule(args, dims, *, config):
+    size, folded = _fold_batch(args, dims)
+    outs = prim.bind(*folded, config=config)
+    return _unfold(size, outs), (0,) * len(outs)
+
+  return rule
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration
+
+def _make_primitive(name: str, abstract):
+  p = jax.extend.core.Primitive(name)
+  p.multiple_results = True
+  p.def_abstract_eval(abstract)
+  p.def_impl(functools.partial(_jax_internal.apply_primitive, p))
+  return p
+
+
+_flash_fwd_kernel_p = _make_primitive("jaxflash_fwd_kernel", _fwd_abstract)
+_flash_bwd_kernel_p = _make_primitive("jaxflash_bwd_kernel", _bwd_abstract)
+flash_fwd_p = _make_primitive("jaxflash_fwd", _fwd_abstract)
+flash_bwd_p = _make_primitive("jaxflash_bwd", _bwd_abstract)
+
+mlir.register_lowering(_flash_fwd_kernel_p, _reject_cute_off_gpu(_fwd_lower_reference, "cpu"))
+mlir.register_lowering(_flash_fwd_kernel_p, _fwd_lower_cuda, platform="cuda")
+# The backward kernel is a later issue: on CUDA the backward runs the reference for now.
+mlir.register_lowering(_flash_bwd_kernel_p, _bwd_lower_reference)
+
+batching.primitive_batchers[flash_fwd_p] = _batch_rule(flash_fwd_p)
+batching.primitive_batchers[flash_bwd_p] = _batch_rule(flash_bwd_p)
+
+
+# ---- sharding wiring: owned by the sharding helper (jaxflash/sharding.py) ----
+# The outer primitives lower through custom_partitioning (Shardy rules), whose per-shard
+# function binds the inner primitive: batch/head sharding runs shard-local, no collectives.
+from jax.experimental.custom_partitioning import custom_partitioning  # noqa: E402
+
+from jaxflash import sharding  # noqa: E402
+
+
+def _partitioned(inner, direction: str):
+  """custom_partitioning of `inner` under the rules of jaxflash.sharding for `direction`."""
+  rule_fn = {"fwd": sharding.fwd_sharding_rule, "bwd": sharding.bwd_sharding_rule}[direction]
+  partition_fn = {"fwd": sharding.fwd_partition, "bwd": sharding.bwd_partition}[direction]
+
+  def impl(config, *args):
+    return tuple(inner.bind(*args, config=config))
+
+  def partition(config, mesh, arg_shapes, result_shapes):
+    del result_shapes
+    compute = lambda *a: inner.bind(*a, config=config)
+    arg_shardings, result_shardings, per_shard = partition_fn(config, mesh, arg_shapes, compute)
+    return mesh, per_shard, result_shardings, arg_shardings
+
+  def rule(config, mesh, operand_types, result_types):
+    del result_types
+    return rule_fn(config, operand_types[0].shape[2], operand_types[1].shape[2],
+                   tuple(mesh.shape.values()))
+
+  partitioned = custom_partitioning(impl, static_argnums=(0,))
+  partitioned.def_partition(partition=partition, sharding_rule=rule)
+  return partitioned
+
+
+def _outer_lowering(inner, direction: str):
+  partitioned = _partitioned(inner, direction)
+
+  def lower(ctx, *args, config):
+    return mlir.lower_fun(lambda *a: partitioned(config, *a), multiple_results=True)(ctx, *args)
+
+  return lower
+
+
+mlir.register_lowering(flash_fwd_p, _outer_lowering(_flash_fwd_kernel_p, "fwd"))
+mlir.register_lowering(flash_bwd_p, _outer_lowering(_flash_bwd_kernel_p, "bwd"))
+_jax_internal.require_devices_during_lowering(flash_fwd_p, flash_bwd_p)
+# ---- end sharding wiring ----
+
+
+# ---------------------------------------------------------------------------------------------
+# custom_vjp core
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attention_core(config: AttentionConfig, q, k, v, q_segment_ids, kv_segment_ids):
+  """(out, lse) of one attention call; differentiable in q, k, v and through the lse."""
+  return _bind_fwd(config, q, k, v, q_segment_ids, kv_segment_ids)
+
+
+def _segments(config, q_segment_ids, kv_segment_ids):
+  return (q_segment_ids, kv_segment_ids) if config.has_segment_ids else ()
+
+
+def _bind_fwd(config, q, k, v, q_segment_ids, kv_segment_ids):
+  out, lse = flash_fwd_p.bind(q, k, v, *_segments(config, q_segment_ids, kv_segment_ids),
+                              config=config)
+  return out, lse
+
+
+def _core_fwd(config, q, k, v, q_segment_ids, kv_segment_ids):
+  out, lse = _bind_fwd(config, q, k, v, q_segment_ids, kv_segment_ids)
+  # Named so that remat policies (save_only_these_names, ...) can keep or drop the residuals.
+  # The named values are also the primal outputs, so a policy that keeps them needs no
+  # recomputation for the caller's own use of `out` either.
+  out = checkpoint_name(out, OUT_CHECKPOINT_NAME)
+  lse = checkpoint_name(lse, LSE_CHECKPOINT_NAME)
+  return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, out, lse)
+
+
+def _core_bwd(config, residuals, cotangents):
+  q, k, v, q_segment_ids, kv_segment_ids, out, lse = residuals
+  d_out, d_lse = cotangents
+  dq, dk, dv = flash_bwd_p.bind(q, k, v, out, lse, d_out.astype(out.dtype),
+                                d_lse.astype(lse.dtype),
+                                *_segments(config, q_segment_ids, kv_segment_ids), config=config)
+  return dq, dk, dv, None, None
+
+
+attention_core.defvjp(_core_fwd, _core_bwd)

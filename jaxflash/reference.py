@@ -1,0 +1,242 @@
+"""Pure-JAX attention: the naive test oracle and the blocked O(seq)-memory forward/backward.
+
+Imports jax and jaxflash.config only. Layout BTNH, as in jax.nn.dot_product_attention.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflash.config import AttentionConfig
+
+# Key/value rows per step of the blocked scan. 512 keeps CPU matmuls efficient while the
+# score block (batch, heads, seq_q, 512) stays far below a (seq_q x seq_k) buffer at long seq.
+DEFAULT_BLOCK_K = 512
+
+
+def _compute_dtype(dtype) -> jnp.dtype:
+  """Accumulate in float32, or in the input dtype when it is wider (float64 oracle runs)."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def visible_mask(config: AttentionConfig, seq_q: int, seq_k: int, rows, cols,
+                 q_segment_ids=None, kv_segment_ids=None):
+  """Boolean (…, rows, cols) mask of the keys each query sees.
+
+  `rows`/`cols` are integer query/key positions. Causal and window are measured from the
+  bottom-right aligned diagonal: query i sits at key position i + seq_k - seq_q.
+  """
+  diag = rows[:, None] + (seq_k - seq_q)
+  col = cols[None, :]
+  mask = col < seq_k
+  if config.causal:
+    mask &= col <= diag
+  if config.window_right is not None:
+    mask &= col <= diag + config.window_right
+  if config.window_left is not None:
+    mask &= col >= diag - config.window_left
+  if q_segment_ids is not None:
+    # (batch, rows, cols) once segment ids enter.
+    mask = mask[None] & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
+  return mask
+
+
+def _split_groups(q, num_kv_heads):
+  """(b, s, h, d) -> (b, s, h_kv, g, d): query heads grouped by the kv head they read."""
+  b, s, h, d = q.shape
+  return q.reshape(b, s, num_kv_heads, h // num_kv_heads, d)
+
+
+def _scores(config: AttentionConfig, qg, k, cdt):
+  """Scaled (and soft-capped) scores (b, h_kv, g, s_q, s_k) plus the pre-cap tanh for the bwd."""
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qg.astype(cdt), k.astype(cdt),
+                 precision=lax.Precision.HIGHEST) * config.softmax_scale
+  if config.softcap is None:
+    return s, None
+  t = jnp.tanh(s / config.softcap)
+  return config.softcap * t, t
+
+
+def _expand_mask(mask):
+  """Broadcast a (rows, cols) or (b, rows, cols) mask against (b, h_kv, g, rows, cols)."""
+  if mask.ndim == 2:
+    return mask
+  return mask[:, None, None]
+
+
+def naive_attention(query, key, value, config: AttentionConfig, q_segment_ids=None,
+                    kv_segment_ids=None, compute_dtype=None):
+  """Materialises all scores: the test oracle. Returns (out, lse).
+
+  compute_dtype: None = float32 (float64 for float64 inputs); pass the input dtype to get the
+  "same math done naively in the input dtype" that bounds kernel error in tests.
+  """
+  cdt = compute_dtype or _compute_dtype(query.dtype)
+  b, seq_q, h, _ = query.shape
+  seq_k, h_kv = key.shape[1], key.shape[2]
+  qg = _split_groups(query, h_kv)
+  s, _ = _scores(config, qg, key, cdt)
+  mask = _expand_mask(visible_mask(config, seq_q, seq_k, jnp.arange(seq_q), jnp.arange(seq_k),
+                                   q_segment_ids, kv_segment_ids))
+  s = jnp.where(mask, s, -jnp.inf).astype(cdt)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0)
+  p = jnp.exp(s - m_safe)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / jnp.where(l > 0, l, 1)
+  out = jnp.einsum("bhgqk,bkhd->bqhgd", p, value.astype(cdt), precision=lax.Precision.HIGHEST)
+  out = out.reshape(b, seq_q, h, value.shape[-1])
+  lse = jnp.where(l[..., 0] > 0, m_safe[..., 0] + jnp.log(l[..., 0]), -jnp.inf)
+  return out.astype(query.dtype), lse.reshape(b, h, seq_q).astype(_compute_dtype(cdt))
+
+
+def _block_k(seq_k: int, block_k: Optional[int]) -> int:
+  return max(1, min(block_k or DEFAULT_BLOCK_K, seq_k))
+
+
+def _pad_keys(x, num_blocks: int, block_k: int, axis: int = 1):
+  """Pads the key axis to num_blocks * block_k; padded columns are masked by col < seq_k."""
+  pad = num_blocks * block_k - x.shape[axis]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths)
+
+
+def _key_blocks(x, num_blocks: int, block_k: int):
+  """(b, s_k, ...) -> (num_blocks, b, block_k, ...), the scan's leading axis."""
+  x = _pad_keys(x, num_blocks, block_k)
+  x = x.reshape(x.shape[0], num_blocks, block_k, *x.shape[2:])
+  return jnp.moveaxis(x, 1, 0)
+
+
+def _block_mask(config, seq_q, seq_k, start, block_k, q_segment_ids, kv_seg_block):
+  cols = start + jnp.arange(block_k)
+  return _expand_mask(visible_mask(config, seq_q, seq_k, jnp.arange(seq_q), cols,
+                                   q_segment_ids, kv_seg_block))
+
+
+def blocked_forward(query, key, value, config: AttentionConfig, q_segment_ids=None,
+                    kv_segment_ids=None, block_k: Optional[int] = None):
+  """Online-softmax forward over key blocks; never builds a (seq_q x seq_k) buffer.
+
+  Returns (out in the query dtype, lse float32 (batch, heads, seq_q), -inf where no key).
+  """
+  cdt = _compute_dtype(query.dtype)
+  b, seq_q, h, _ = query.shape
+  seq_k, h_kv, dv = key.shape[1], key.shape[2], value.shape[-1]
+  g = h // h_kv
+  bk = _block_k(seq_k, block_k)
+  nblocks = -(-seq_k // bk)
+  qg = _split_groups(query, h_kv).astype(cdt)
+  segs = _key_blocks(kv_segment_ids, nblocks, bk) if kv_segment_ids is not None else None
+  xs = (jnp.arange(nblocks) * bk, _key_blocks(key, nblocks, bk),
+        _key_blocks(value, nblocks, bk), segs)
+
+  def step(carry, x):
+    m, l, acc = carry
+    start, kb, vb, segb = x
+    s, _ = _scores(config, qg, kb, cdt)
+    mask = _block_mask(config, seq_q, seq_k, start, bk, q_segment_ids, segb)
+    s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)  # rows with no key yet: keep p = 0
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+    l = l * alpha + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bhgqk,bkhd->bhgqd", p, vb.astype(cdt), precision=lax.Precision.HIGHEST)
+    return (m_new, l, acc * alpha[..., None] + pv), None
+
+  init = (jnp.full((b, h_kv, g, seq_q), -jnp.inf, cdt), jnp.zeros((b, h_kv, g, seq_q), cdt),
+          jnp.zeros((b, h_kv, g, seq_q, dv), cdt))
+  (m, l, acc), _ = lax.scan(step, init, xs)
+  seen = l > 0
+  out = acc / jnp.where(seen, l, 1)[..., None]
+  out = jnp.moveaxis(out, 3, 1).reshape(b, seq_q, h, dv)  # (b, s_q, h_kv, g, dv) -> BTNH
+  lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
+  return out.astype(query.dtype), lse.reshape(b, h, seq_q).astype(jnp.promote_types(cdt, jnp.float32))
+
+
+def blocked_backward(query, key, value, out, lse, d_out, d_lse, config: AttentionConfig,
+                     q_segment_ids=None, kv_segment_ids=None, block_k: Optional[int] = None):
+  """FlashAttention-2 style backward: recomputes P from the saved lse, one key block at a time.
+
+  d_lse is the cotangent of the lse output (zeros when the caller did not use lse); since
+  d lse / d s = P it enters as a shift of the row term delta. Returns (dq, dk, dv).
+  """
+  cdt = _compute_dtype(query.dtype)
+  b, seq_q, h, d = query.shape
+  seq_k, h_kv = key.shape[1], key.shape[2]
+  g = h // h_kv
+  bk = _block_k(seq_k, block_k)
+  nblocks = -(-seq_k // bk)
+  qg = _split_groups(query, h_kv).astype(cdt)
+  dog = _split_groups(d_out, h_kv).astype(cdt)
+  lse_g = lse.reshape(b, h_kv, g, seq_q).astype(cdt)
+  seen = jnp.isfinite(lse_g)
+  lse_safe = jnp.where(seen, lse_g, 0)
+  delta = jnp.einsum("bqhgd,bqhgd->bhgq", dog, _split_groups(out, h_kv).astype(cdt),
+                     precision=lax.Precision.HIGHEST)
+  delta = delta - d_lse.reshape(b, h_kv, g, seq_q).astype(cdt)
+  segs = _key_blocks(kv_segment_ids, nblocks, bk) if kv_segment_ids is not None else None
+  xs = (jnp.arange(nblocks) * bk, _key_blocks(key, nblocks, bk),
+        _key_blocks(value, nblocks, bk), segs)
+
+  def step(dq, x):
+    start, kb, vb, segb = x
+    s, t = _scores(config, qg, kb, cdt)
+    mask = _block_mask(config, seq_q, seq_k, start, bk, q_segment_ids, segb)
+    mask = mask & seen[..., None]
+    p = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0) - lse_safe[..., None]), 0)
+    dv_b = jnp.einsum("bhgqk,bqhgd->bkhd", p, dog, precision=lax.Precision.HIGHEST)
+    dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vb.astype(cdt), precision=lax.Precision.HIGHEST)
+    ds = p * (dp - delta[..., None])
+    if t is not None:
+      ds = ds * (1 - t * t)  # d/dx of c*tanh(x/c)
+    ds = ds * config.softmax_scale
+    dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", ds, kb.astype(cdt), precision=lax.Precision.HIGHEST)
+    dk_b = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg, precision=lax.Precision.HIGHEST)
+    return dq, (dk_b, dv_b)
+
+  dq, (dk, dv) = lax.scan(step, jnp.zeros_like(qg), xs)
+
+  def unblock(x, like):
+    x = jnp.moveaxis(x, 0, 1).reshape(b, nblocks * bk, *x.shape[3:])
+    return x[:, :seq_k].astype(like.dtype)
+
+  return dq.reshape(b, seq_q, h, d).astype(query.dtype), unblock(dk, key), unblock(dv, value)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _reference_attention(config, query, key, value, q_segment_ids, kv_segment_ids):
+  return blocked_forward(query, key, value, config, q_segment_ids, kv_segment_ids)
+
+
+def _reference_attention_fwd(config, query, key, value, q_segment_ids, kv_segment_ids):
+  out, lse = blocked_forward(query, key, value, config, q_segment_ids, kv_segment_ids)
+  return (out, lse), (query, key, value, q_segment_ids, kv_segment_ids, out, lse)
+
+
+def _reference_attention_bwd(config, res, cotangents):
+  query, key, value, q_seg, kv_seg, out, lse = res
+  d_out, d_lse = cotangents
+  dq, dk, dv = blocked_backward(query, key, value, out, lse, d_out, d_lse, config, q_seg, kv_seg)
+  return dq, dk, dv, None, None
+
+
+_reference_attention.defvjp(_reference_attention_fwd, _reference_attention_bwd)
+
+
+def reference_attention(query, key, value, config: AttentionConfig, q_segment_ids=None,
+                        kv_segment_ids=None):
+  """Blocked attention with its explicit backward as a custom_vjp, without any primitive.
+
+  For callers that want the pure-JAX path directly (context-parallel helpers, tests).
+  """
+  return _reference_attention(config, query, key, value, q_segment_ids, kv_segment_ids)

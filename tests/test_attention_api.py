@@ -1,0 +1,103 @@
+"""Every bad input to jaxflash.attention raises a named error at trace time."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from tests._cases import make_qkv
+
+Q, K, V = make_qkv(0, 2, 8, 8, 4, 2, 16)
+
+
+def _call(**overrides):
+  args = {"query": Q, "key": K, "value": V}
+  args.update(overrides)
+  return jaxflash.attention(args.pop("query"), args.pop("key"), args.pop("value"), **args)
+
+
+BAD = {  # id -> (overrides, exception, words the message must contain)
+    "query_rank": ({"query": Q[0]}, ValueError, ["query", "rank 4", "(8, 4, 16)"]),
+    "key_not_array": ({"key": [[1.0]]}, TypeError, ["key", "list"]),
+    "batch_mismatch": ({"key": K[:1], "value": V[:1]}, ValueError, ["batch", "2"]),
+    "head_dim_mismatch": ({"key": K[..., :8]}, ValueError, ["key", "head_dim", "16"]),
+    "value_seq_mismatch": ({"value": V[:, :5]}, ValueError, ["value", "seq_k"]),
+    "heads_not_divisible": ({"key": jnp.ones((2, 8, 3, 16)), "value": jnp.ones((2, 8, 3, 16))},
+                            ValueError, ["num_heads 4", "num_kv_heads 3"]),
+    "dtype_mismatch": ({"key": K.astype(jnp.bfloat16)}, TypeError, ["dtypes must match"]),
+    "int_dtype": ({"query": Q.astype(jnp.int32), "key": K.astype(jnp.int32),
+                   "value": V.astype(jnp.int32)}, TypeError, ["int32", "float16"]),
+    "causal_not_bool": ({"causal": 1}, TypeError, ["causal", "bool"]),
+    "scale_negative": ({"softmax_scale": -1.0}, ValueError, ["softmax_scale", "-1.0"]),
+    "scale_traced_like": ({"softmax_scale": jnp.float32(0.5)}, TypeError, ["softmax_scale"]),
+    "window_shape": ({"window_size": (3,)}, ValueError, ["window_size", "(3,)"]),
+    "window_float": ({"window_size": (3.5, None)}, ValueError, ["window_size", "3.5"]),
+    "softcap_zero": ({"softcap": 0.0}, ValueError, ["softcap", "0.0"]),
+    "softcap_string": ({"softcap": "1"}, TypeError, ["softcap"]),
+    "one_segment_id": ({"q_segment_ids": jnp.zeros((2, 8), jnp.int32)}, ValueError,
+                       ["q_segment_ids/kv_segment_ids", "both"]),
+    "segment_shape": ({"q_segment_ids": jnp.zeros((2, 7), jnp.int32),
+                       "kv_segment_ids": jnp.zeros((2, 8), jnp.int32)}, ValueError,
+                      ["q_segment_ids", "(2, 8)", "(2, 7)"]),
+    "segment_float": ({"q_segment_ids": jnp.zeros((2, 8)), "kv_segment_ids": jnp.zeros((2, 8))},
+                      TypeError, ["q_segment_ids", "integer"]),
+    "implementation_name": ({"implementation": "cudnn"}, ValueError,
+                            ["implementation", "'cudnn'", "'reference'"]),
+    "return_lse_not_bool": ({"return_lse": "yes"}, TypeError, ["return_lse"]),
+    "cute_float32": ({"implementation": "cute"}, ValueError, ["cute", "float32"]),
+    "cute_head_dim": ({"implementation": "cute", "query": Q.astype(jnp.bfloat16),
+                       "key": K.astype(jnp.bfloat16), "value": V.astype(jnp.bfloat16)},
+                      ValueError, ["cute", "head_dim 16", "64, 128, 256"]),
+    "cute_softcap": ({"implementation": "cute", "softcap": 2.0,
+                      "query": jnp.ones((1, 4, 2, 64), jnp.bfloat16),
+                      "key": jnp.ones((1, 4, 2, 64), jnp.bfloat16),
+                      "value": jnp.ones((1, 4, 2, 64), jnp.bfloat16)},
+                     ValueError, ["cute", "softcap"]),
+}
+
+
+@pytest.mark.parametrize("overrides,exc,words", BAD.values(), ids=BAD.keys())
+def test_bad_input_raises_named_error(overrides, exc, words):
+  with pytest.raises(exc) as info:
+    _call(**overrides)
+  for word in words:
+    assert word in str(info.value), f"{word!r} missing from: {info.value}"
+
+
+@pytest.mark.parametrize("overrides,exc,words", [BAD["query_rank"], BAD["one_segment_id"]],
+                         ids=["query_rank", "one_segment_id"])
+def test_errors_raise_at_trace_time_under_jit(overrides, exc, words):
+  del words
+  with pytest.raises(exc):
+    jax.jit(lambda: _call(**overrides)).trace()
+
+
+def test_cute_off_gpu_names_the_platform():
+  q = jnp.ones((1, 4, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="implementation='cute' needs an NVIDIA Hopper GPU.*cpu"):
+    jaxflash.attention(q, q, q, implementation="cute")
+
+
+def test_auto_uses_the_reference_on_cpu():
+  out = jaxflash.attention(Q, K, V)
+  want = jaxflash.attention(Q, K, V, implementation="reference")
+  np.testing.assert_array_equal(out, want)
+
+
+def test_defaults_and_return_types():
+  out, lse = jaxflash.attention(Q, K, V, return_lse=True)
+  assert out.shape == (2, 8, 4, 16) and out.dtype == Q.dtype
+  assert lse.shape == (2, 4, 8) and lse.dtype == jnp.float32
+  explicit = jaxflash.attention(Q, K, V, softmax_scale=16 ** -0.5)
+  np.testing.assert_array_equal(out, explicit)
+
+
+def test_import_needs_jax_only():
+  import subprocess
+  import sys
+  code = ("import sys, jaxflash; jaxflash.attention; "
+          "bad = [m for m in sys.modules if m.split('.')[0] in ('cutlass', 'flax', 'torch')"
+          " or m.startswith('jaxflash.kernels') or m == 'jaxflash.build']; "
+          "assert not bad, bad")
+  subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,155 @@
+"""Primitives: abstract eval, jit, vmap at any axis, grad, remat names, memory, CUDA lowering."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_policies
+
+import jaxflash
+from jaxflash import primitives
+from jaxflash.config import FWD_TARGET, LSE_CHECKPOINT_NAME, OUT_CHECKPOINT_NAME
+from tests._cases import make_qkv, make_segments
+
+
+def _attn(q, k, v, **kw):
+  return jaxflash.attention(q, k, v, implementation="reference", **kw)
+
+
+def test_abstract_eval_shapes_and_dtypes():
+  q, k, v = make_qkv(0, 2, 7, 9, 6, 2, 16, 24, dtype=jnp.bfloat16)
+  out, lse = jax.eval_shape(lambda q, k, v: _attn(q, k, v, return_lse=True), q, k, v)
+  assert (out.shape, out.dtype) == ((2, 7, 6, 24), jnp.bfloat16)
+  assert (lse.shape, lse.dtype) == ((2, 6, 7), jnp.float32)
+  grads = jax.eval_shape(jax.grad(lambda q, k, v: jnp.sum(_attn(q, k, v).astype(jnp.float32)),
+                                  argnums=(0, 1, 2)), q, k, v)
+  assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (q, k, v)]
+
+
+def test_jit_matches_eager():
+  q, k, v = make_qkv(1)
+  np.testing.assert_allclose(jax.jit(_attn)(q, k, v), _attn(q, k, v), rtol=1e-6, atol=1e-6)
+
+
+def _stack(xs, axis):
+  return jnp.stack(xs, axis=axis)
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2, 3, 4])
+def test_vmap_over_any_axis_of_all_inputs(axis):
+  sets = [make_qkv(s, 2, 11, 13, 4, 2, 8) for s in range(3)]
+  batched = [_stack([s[i] for s in sets], axis) for i in range(3)]
+  got = jax.vmap(_attn, in_axes=axis, out_axes=axis)(*batched)
+  want = _stack([_attn(*s) for s in sets], axis)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_vmap_query_only_and_nested_leading_axes():
+  q, k, v = make_qkv(2, 2, 11, 13, 4, 2, 8)
+  qs = jnp.stack([jnp.stack([q * (i + 1) + j for j in range(3)]) for i in range(2)])  # (2,3,...)
+  got = jax.vmap(jax.vmap(lambda q: _attn(q, k, v, causal=True)))(qs)
+  for i in range(2):
+    for j in range(3):
+      np.testing.assert_allclose(got[i, j], _attn(qs[i, j], k, v, causal=True), rtol=1e-6,
+                                 atol=1e-6)
+
+
+def test_vmap_with_segments_and_lse():
+  sets = [make_qkv(s, 2, 11, 13, 4, 2, 8) for s in range(3)]
+  segs = [make_segments(10 + s, 2, 11, 13) for s in range(3)]
+  q, k, v = (_stack([s[i] for s in sets], 2) for i in range(3))
+  qseg, kseg = (_stack([s[i] for s in segs], 1) for i in range(2))
+  f = lambda q, k, v, a, b: _attn(q, k, v, q_segment_ids=a, kv_segment_ids=b, return_lse=True)
+  out, lse = jax.vmap(f, in_axes=(2, 2, 2, 1, 1), out_axes=(2, 0))(q, k, v, qseg, kseg)
+  for i in range(3):
+    o, l = f(*sets[i], *segs[i])
+    np.testing.assert_allclose(out[:, :, i], o, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lse[i], l, rtol=1e-6, atol=1e-6)
+
+
+def test_vmap_of_grad_and_grad_of_vmap_agree():
+  sets = [make_qkv(s, 1, 9, 9, 2, 1, 8) for s in range(3)]
+  q, k, v = (jnp.stack([s[i] for s in sets]) for i in range(3))
+  loss = lambda q, k, v: jnp.sum(_attn(q, k, v, causal=True) ** 2)
+  per_example = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  summed = jax.grad(lambda q, k, v: jnp.sum(jax.vmap(loss)(q, k, v)), argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(per_example, summed):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _count_forward_binds(jaxpr) -> int:
+  text = str(jaxpr)
+  return len(re.findall(r"\bjaxflash_fwd\[", text))
+
+
+@pytest.mark.parametrize("policy,expected", [
+    (checkpoint_policies.save_only_these_names(OUT_CHECKPOINT_NAME, LSE_CHECKPOINT_NAME), 1),
+    (checkpoint_policies.nothing_saveable, 2),
+], ids=["save_out_lse", "nothing_saveable"])
+def test_remat_policies_see_the_residual_names(policy, expected):
+  q, k, v = make_qkv(5, 1, 16, 16, 2, 1, 8)
+  layer = jax.checkpoint(lambda q, k, v: jnp.sum(_attn(q, k, v) ** 2), policy=policy)
+  grad_jaxpr = jax.make_jaxpr(jax.grad(layer, argnums=(0, 1, 2)))(q, k, v)
+  # Saved residuals: the forward runs once; nothing saveable: it is recomputed in the backward.
+  assert _count_forward_binds(grad_jaxpr) == expected
+  g = jax.grad(layer)(q, k, v)
+  g_plain = jax.grad(lambda q, k, v: jnp.sum(_attn(q, k, v) ** 2))(q, k, v)
+  np.testing.assert_allclose(g, g_plain, rtol=1e-6, atol=1e-7)
+
+
+def test_lse_residual_is_float32_for_half_inputs():
+  q, k, v = make_qkv(6, dtype=jnp.bfloat16)
+  _, vjp = jax.vjp(lambda q: _attn(q, k, v), q)
+  leaves = [x for x in jax.tree_util.tree_leaves(vjp) if hasattr(x, "shape")]
+  assert any(x.shape == (2, 4, 37) and x.dtype == jnp.float32 for x in leaves)
+
+
+def _compiled_step(seq):
+  spec = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.bfloat16)
+  loss = lambda q, k, v: jnp.sum(_attn(q, k, v, causal=True).astype(jnp.float32))
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(spec, spec, spec).lower().compile()
+
+
+def test_forward_backward_memory_is_linear_in_sequence():
+  # seq 8k, hdim 64, 2 heads: one (seq_q x seq_k) float32 score buffer would be 512 MiB.
+  big, small = _compiled_step(8192), _compiled_step(4096)
+  hlo = big.as_text()
+  assert not re.search(r"\b8192,8192\b|\b8192,\d+,8192\b", hlo), "found a seq x seq buffer"
+  temp_big = big.memory_analysis().temp_size_in_bytes
+  temp_small = small.memory_analysis().temp_size_in_bytes
+  assert temp_big < 512 * 2**20, f"temp {temp_big} bytes: as large as one seq x seq buffer"
+  # Linear memory doubles with the sequence; a quadratic buffer would quadruple it.
+  assert temp_big < 2.5 * temp_small, f"temp {temp_small} -> {temp_big} bytes for 2x sequence"
+
+
+def test_cuda_lowering_emits_the_stable_custom_call():
+  q, k, v = make_qkv(7, 2, 128, 128, 4, 2, 128, dtype=jnp.bfloat16)
+  f = jax.jit(lambda q, k, v: jaxflash.attention(q, k, v, causal=True, implementation="cute"))
+  text = f.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  assert f'"{FWD_TARGET}"' in text or f"@{FWD_TARGET}" in text or FWD_TARGET in text
+  call = next(line for line in text.splitlines() if FWD_TARGET in line)
+  for attr in ("variant", "softmax_scale", "causal = true", "head_dim = 128"):
+    assert attr in call, f"{attr!r} missing from {call}"
+  assert "fwd-sm90a-bf16-d128-dv128-causal" in call
+  # q, k, v in; out and lse out.
+  assert "tensor<2x128x4x128xbf16>" in call and "tensor<2x4x128xf32>" in call
+
+
+def test_cuda_lowering_of_grad_keeps_the_reference_backward():
+  q, k, v = make_qkv(8, 1, 64, 64, 2, 2, 64, dtype=jnp.bfloat16)
+  loss = lambda q, k, v: jnp.sum(jaxflash.attention(q, k, v, implementation="cute")
+                                 .astype(jnp.float32))
+  text = jax.jit(jax.grad(loss)).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count(FWD_TARGET) >= 1
+  assert "jaxflash_attention_bwd" not in text  # backward kernel not built yet: reference path
+
+
+def test_primitive_binds_directly_with_a_config():
+  q, k, v = make_qkv(9, 1, 5, 6, 2, 1, 8)
+  cfg = jaxflash.config.AttentionConfig(softmax_scale=0.5)
+  out, lse = primitives.flash_fwd_p.bind(q, k, v, config=cfg)
+  want, want_lse = jaxflash.attention(q, k, v, softmax_scale=0.5, return_lse=True)
+  np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
