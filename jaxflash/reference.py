@@ -179,8 +179,7 @@ def blocked_backward(query, key, value, out, lse, d_out, d_lse, config: Attentio
   qg = _split_groups(query, h_kv).astype(cdt)
   dog = _split_groups(d_out, h_kv).astype(cdt)
   lse_g = lse.reshape(b, h_kv, g, seq_q).astype(cdt)
-  seen = jnp.isfinite(lse_g)
-  lse_safe = jnp.where(seen, lse_g, 0)
+  lse_safe = jnp.where(jnp.isfinite(lse_g), lse_g, 0)  # -inf rows have an all-false mask
   delta = jnp.einsum("bqhgd,bqhgd->bhgq", dog, _split_groups(out, h_kv).astype(cdt),
                      precision=lax.Precision.HIGHEST)
   delta = delta - d_lse.reshape(b, h_kv, g, seq_q).astype(cdt)
@@ -192,7 +191,6 @@ def blocked_backward(query, key, value, out, lse, d_out, d_lse, config: Attentio
     start, kb, vb, segb = x
     s, t = _scores(config, qg, kb, cdt)
     mask = _block_mask(config, seq_q, seq_k, start, bk, q_segment_ids, segb)
-    mask = mask & seen[..., None]
     p = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0) - lse_safe[..., None]), 0)
     dv_b = jnp.einsum("bhgqk,bqhgd->bkhd", p, dog, precision=lax.Precision.HIGHEST)
     dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vb.astype(cdt), precision=lax.Precision.HIGHEST)
