@@ -1,0 +1,245 @@
+"""KernelVariant -> fake-tensor signature -> cute.compile for sm_90a -> export_to_c (header + object).
+
+Imports cutlass, the stdlib, jaxflash.config and the kernel classes (never jax). Runs on a host
+without a GPU; see docs/aot-pipeline.md for the recipe this follows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import pathlib
+import re
+import struct
+import threading
+import time
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+from jaxflash import config
+from jaxflash.kernels.fwd_sm90 import DTYPES, FlashAttentionForwardSm90
+
+_GPU_ARCH = {"sm90a": "sm_90a"}
+# TMA needs 16-byte aligned base addresses; XLA buffers are at least that aligned.
+_ASSUMED_ALIGN = 16
+_runtime_lock = threading.Lock()
+_runtime_loaded = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportedKernel:
+  """What `export_variant` wrote: link `object_path`, include `header_path`.
+
+  The header declares `<function_prefix>_Kernel_Module_Load/Unload` and
+  `cute_dsl_<function_prefix>_wrapper(...)`; `cubin` is the embedded device code (for SASS
+  inspection), `compile_seconds` the wall time of cute.compile + export. `defines` are the
+  -D flags that compile jaxflash/ffi/variant_fwd.cc for this variant (see the top of that file).
+  """
+
+  variant: config.KernelVariant
+  header_path: pathlib.Path
+  object_path: pathlib.Path
+  function_prefix: str
+  cubin: bytes
+  compile_seconds: float
+  defines: tuple[str, ...]
+
+
+def function_prefix(variant: config.KernelVariant) -> str:
+  """C identifier unique per variant key (several variants may link into one library)."""
+  return "jaxflash_" + re.sub(r"[^0-9A-Za-z]", "_", variant.key)
+
+
+def load_dsl_runtime() -> None:
+  """Loads libcute_dsl_runtime.so with RTLD_GLOBAL once per process (aot-pipeline.md step 1).
+
+  Call it before the first cute.compile of the process (export_variant does).
+
+  Without it export_to_c fails on a driverless host ("Symbols not found: _cuKernelGetAttribute").
+  """
+  global _runtime_loaded
+  with _runtime_lock:
+    if _runtime_loaded:
+      return
+    ctypes.CDLL(load_dsl_runtime_path(), mode=ctypes.RTLD_GLOBAL)
+    _runtime_loaded = True
+
+
+def load_dsl_runtime_path() -> str:
+  """Path of libcute_dsl_runtime.so; its folder also holds libcuda_dialect_runtime_static.a."""
+  found = [p for p in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False)
+           if os.path.basename(p) == "libcute_dsl_runtime.so" and os.path.exists(p)]
+  if not found:
+    raise RuntimeError("libcute_dsl_runtime.so not found in the nvidia-cutlass-dsl install")
+  return found[0]
+
+
+def fwd_signature(variant: config.KernelVariant):
+  """Fake (q, k, v, out, lse) tensors of the forward kernel; shapes dynamic, head dims static.
+
+  Extents that must be equal share one SymInt. Strides are explicit 64-bit SymInts in mode
+  order (batch, seq, heads) for q/k/v/out and (batch, heads) for lse, with a unit last stride:
+  that is exactly the `dynamic_strides` order of the exported tensor structs (the C glue fills
+  them from the dense row-major shapes).
+  """
+  dtype = DTYPES[variant.dtype]
+  d, dv = variant.head_dim, variant.head_dim_v
+  batch, seqlen_q, seqlen_k = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+  num_heads, num_kv_heads = cute.sym_int32(), cute.sym_int32()
+
+  def dense(shape, last_dim, dt):
+    # Every non-unit stride of a dense (b, s, h, last_dim) tensor is a multiple of last_dim.
+    strides = tuple(cute.sym_int64(divisibility=last_dim) for _ in shape[:-2]) + (last_dim, 1)
+    return make_fake_tensor(dt, shape, strides, assumed_align=_ASSUMED_ALIGN)
+
+  q = dense((batch, seqlen_q, num_heads, d), d, dtype)
+  k = dense((batch, seqlen_k, num_kv_heads, d), d, dtype)
+  v = dense((batch, seqlen_k, num_kv_heads, dv), dv, dtype)
+  out = dense((batch, seqlen_q, num_heads, dv), dv, dtype)
+  lse = make_fake_tensor(cutlass.Float32, (batch, num_heads, seqlen_q),
+                         (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=_ASSUMED_ALIGN)
+  return q, k, v, out, lse
+
+
+def build_kernel(variant: config.KernelVariant) -> FlashAttentionForwardSm90:
+  """The kernel object of a variant, or ValueError with the kernel's reason."""
+  if variant.direction != "fwd":
+    raise ValueError(f"variant.direction: {variant.direction!r} has no kernel; accepted: 'fwd'")
+  if variant.arch not in _GPU_ARCH:
+    raise ValueError(f"variant.arch: {variant.arch!r} unsupported; accepted: {tuple(_GPU_ARCH)}")
+  if variant.has_window or variant.has_softcap or variant.has_segment_ids:
+    raise ValueError(f"variant {variant.key}: window/softcap/segment ids not supported yet")
+  ok, reason = FlashAttentionForwardSm90.can_implement(
+      variant.dtype, variant.head_dim, variant.head_dim_v, variant.causal, variant.tile)
+  if not ok:
+    raise ValueError(f"variant {variant.key}: {reason}")
+  return FlashAttentionForwardSm90(DTYPES[variant.dtype], variant.head_dim, variant.head_dim_v,
+                                   variant.tile, variant.causal)
+
+
+def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
+  """Compiles one variant for its arch and writes `<key>.h` and `<key>.o` into out_dir."""
+  kernel = build_kernel(variant)
+  load_dsl_runtime()
+  out_dir = pathlib.Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  prefix = function_prefix(variant)
+  start = time.perf_counter()
+  compiled = cute.compile(kernel, *fwd_signature(variant), cutlass.Float32(1.0),
+                          make_fake_stream(), options=f"--gpu-arch {_GPU_ARCH[variant.arch]}")
+  compiled.export_to_c(str(out_dir), variant.key, prefix)
+  seconds = time.perf_counter() - start
+  object_path = out_dir / f"{variant.key}.o"
+  header_path = (out_dir / f"{variant.key}.h").resolve()
+  return ExportedKernel(
+      variant=variant, header_path=header_path, object_path=object_path.resolve(),
+      function_prefix=prefix, cubin=extract_cubin(object_path), compile_seconds=seconds,
+      defines=glue_defines(variant, prefix, header_path))
+
+
+def glue_defines(variant: config.KernelVariant, prefix: str, header_path) -> tuple[str, ...]:
+  """The -D flags of jaxflash/ffi/variant_fwd.cc for one variant (argv items, no shell quoting)."""
+  return (f"-DJAXFLASH_PREFIX={prefix}",
+          f'-DJAXFLASH_HEADER="{header_path}"',
+          f'-DJAXFLASH_VARIANT_KEY="{variant.key}"',
+          f"-DJAXFLASH_HEAD_DIM={variant.head_dim}",
+          f"-DJAXFLASH_HEAD_DIM_V={variant.head_dim_v}")
+
+
+def runtime_link_args() -> tuple[str, ...]:
+  """Static archives and system libraries that an exported object links against (step 5)."""
+  lib_dir = pathlib.Path(load_dsl_runtime_path()).parent
+  cudart = [p for p in (pathlib.Path("/usr/local/cuda/lib64/libcudart_static.a"),
+                        pathlib.Path("/usr/local/cuda/targets/x86_64-linux/lib/libcudart_static.a"))
+            if p.exists()]
+  if not cudart:
+    raise FileNotFoundError("libcudart_static.a not found under /usr/local/cuda")
+  return (str(lib_dir / "libcuda_dialect_runtime_static.a"), str(cudart[0]),
+          "-ldl", "-lrt", "-lpthread")
+
+
+def extract_cubin(object_path) -> bytes:
+  """The device code embedded in an exported object (ELF64 symbol `*kernels_binary*`)."""
+  data = pathlib.Path(object_path).read_bytes()
+  if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+    raise ValueError(f"object_path: {object_path} is not a little-endian ELF64 object")
+  shoff, = struct.unpack_from("<Q", data, 0x28)
+  shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+  sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+  for sec in sections:
+    if sec[1] != 2:  # SHT_SYMTAB
+      continue
+    strtab = sections[sec[6]]
+    for off in range(sec[4], sec[4] + sec[5], sec[9]):
+      name_off, _, _, shndx, value, size = struct.unpack_from("<IBBHQQ", data, off)
+      end = data.index(b"\0", strtab[4] + name_off)
+      name = data[strtab[4] + name_off:end].decode()
+      if "kernels_binary" in name and size > 0 and shndx < shnum:
+        target = sections[shndx]
+        blob = data[target[4] + value:target[4] + value + size]
+        # The payload is the cubin itself (an ELF); skip any length prefix before it.
+        start = blob.find(b"\x7fELF")
+        if start < 0:
+          raise ValueError(f"{object_path}: kernels_binary holds no ELF cubin")
+        return blob[start:]
+  raise ValueError(f"{object_path}: no kernels_binary symbol")
+
+
+def _tool(name: str) -> str:
+  """Path of cuobjdump / nvdisasm from the PyPI nvidia-cuda-* wheels, else from PATH."""
+  try:
+    import nvidia  # namespace package of the CUDA wheels
+    for root in nvidia.__path__:
+      for sub in ("cu13/bin", "cuda_nvdisasm/bin", "cuda_cuobjdump/bin"):
+        candidate = pathlib.Path(root) / sub / name
+        if candidate.exists():
+          return str(candidate)
+  except ImportError:
+    pass
+  import shutil
+  found = shutil.which(name) or (f"/usr/local/cuda/bin/{name}"
+                                 if os.path.exists(f"/usr/local/cuda/bin/{name}") else None)
+  if not found:
+    raise FileNotFoundError(f"{name} not found (pip install nvidia-cuda-{name[:6]}...)")
+  return found
+
+
+def disassemble(cubin: bytes, work_dir) -> str:
+  """SASS text of a cubin (nvdisasm)."""
+  import subprocess
+  path = pathlib.Path(work_dir) / "kernel.cubin"
+  path.write_bytes(cubin)
+  return subprocess.run([_tool("nvdisasm"), "-c", str(path)], check=True,
+                        capture_output=True, text=True).stdout
+
+
+def resource_usage(cubin: bytes, work_dir) -> str:
+  """cuobjdump -res-usage of a cubin: registers, shared memory, stack per kernel."""
+  import subprocess
+  path = pathlib.Path(work_dir) / "kernel.cubin"
+  path.write_bytes(cubin)
+  return subprocess.run([_tool("cuobjdump"), "-res-usage", str(path)], check=True,
+                        capture_output=True, text=True).stdout
+
+
+_VERSION_SCRIPT = "{ global: jaxflash_variant_*; local: *; };\n"
+
+
+def link_command(exported: ExportedKernel, output_path, ffi_dir=None,
+                 cuda_include="/usr/local/cuda/include", cxx="g++") -> list[str]:
+  """argv that links variant_fwd.cc + the exported object into `output_path` (a .so).
+
+  Writes a linker version script next to output_path so that only the four kernel_abi.h
+  functions are exported (the static CUDA runtime inside stays private to the library).
+  """
+  ffi_dir = pathlib.Path(ffi_dir) if ffi_dir else pathlib.Path(__file__).parents[1] / "ffi"
+  output_path = pathlib.Path(output_path)
+  script = output_path.with_suffix(".map")
+  script.write_text(_VERSION_SCRIPT)
+  return [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden",
+          *exported.defines, str(ffi_dir / "variant_fwd.cc"), str(exported.object_path),
+          f"-I{ffi_dir}", f"-I{cuda_include}", *runtime_link_args(),
+          f"-Wl,--version-script={script}", "-o", str(output_path)]

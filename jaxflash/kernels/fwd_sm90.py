@@ -1,0 +1,435 @@
+"""Hopper (sm_90a) FlashAttention forward kernel: a TMA producer warp and WGMMA consumer warpgroups.
+
+Imports cutlass, jaxflash.config and the sibling helper modules only (never jax).
+"""
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from jaxflash import config
+from jaxflash.kernels import mask
+from jaxflash.kernels import softmax
+from jaxflash.kernels import tile_scheduler
+
+DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+# sm_90 opt-in shared memory per block: 227 KiB (232448 bytes).
+_SMEM_CAPACITY = 232448
+_WARPGROUP_THREADS = 128
+_WARP_THREADS = 32
+# Each shared buffer starts on a 1 KiB boundary: the 128B swizzle pattern repeats every 1 KiB.
+_SMEM_ALIGN = 1024
+# Named barrier 0 is __syncthreads; 1 syncs the consumer warpgroups in the epilogue.
+_EPILOGUE_BARRIER = 1
+# (producer, consumer) registers per thread after setmaxnreg, by number of consumer warpgroups:
+# the budget is 64K registers per SM for one CTA (FA-3's split; 24 suffices for a TMA-only warp).
+_REGISTER_SPLIT = {1: (56, 256), 2: (24, 240)}
+
+
+def _smem_layout(dtype, layout: LayoutEnum, rows: int, cols: int, stages=None):
+  """Swizzled shared layout of a (rows, cols[, stages]) tile; ROW_MAJOR: cols are contiguous."""
+  major_size = cols if layout == LayoutEnum.ROW_MAJOR else rows
+  atom = warpgroup.make_smem_layout_atom(
+      sm90_utils.get_smem_layout_atom(layout, dtype, major_size), dtype)
+  order = (0, 1) if layout == LayoutEnum.ROW_MAJOR else (1, 0)
+  shape = (rows, cols)
+  if stages is not None:
+    shape, order = (rows, cols, stages), order + (2,)
+  return cute.tile_to_shape(atom, shape, order)
+
+
+@cute.jit
+def _wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
+           zero_init: cutlass.Constexpr):
+  """Issues acc (+)= a @ b over the k blocks (mode 2) as one WGMMA group; does not wait.
+
+  A fresh atom carries the ACCUMULATE flag: setting it on the shared TiledMma inside a loop
+  would leak a loop-body value out of the loop ("operand does not dominate this use").
+  """
+  atom = cute.make_mma_atom(tiled_mma.op)
+  warpgroup.fence()
+  for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init or k != 0)
+    cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+  warpgroup.commit_group()
+
+
+def _select(t: cute.Tensor, modes) -> cute.Tensor:
+  return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+class FlashAttentionForwardSm90:
+  """FA-3 style forward: warpgroup 0 produces (one warp issues TMA), the others consume.
+
+  Each consumer warpgroup owns 64 query rows of the tile_m x tile_n block: S = Q K^T (WGMMA, both
+  operands in shared memory), online softmax in registers, O += P V (WGMMA, P from registers).
+  K and V ride two mbarrier pipelines of num_stages slots each; Q has a one-slot pipeline.
+  """
+
+  def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
+               causal: bool):
+    self.dtype = dtype
+    self.head_dim = head_dim
+    self.head_dim_v = head_dim_v
+    # WGMMA's K step is 16 elements; the shipped head dims are multiples of 64 already.
+    self.head_dim_padded = (head_dim + 15) // 16 * 16
+    self.tile_m = tile.tile_m
+    self.tile_n = tile.tile_n
+    self.num_stages = tile.num_stages
+    self.causal = causal
+    self.num_mma_warpgroups = self.tile_m // 64
+    self.num_mma_threads = self.num_mma_warpgroups * _WARPGROUP_THREADS
+    self.num_threads = self.num_mma_threads + _WARPGROUP_THREADS
+    self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT[self.num_mma_warpgroups]
+
+  @staticmethod
+  def smem_bytes(head_dim: int, head_dim_v: int, tile: config.TileConfig,
+                 elem_bytes: int = 2) -> int:
+    """Shared memory of one CTA: Q (reused for O), the K and V rings, mbarriers, alignment."""
+    def aligned(n):
+      return (n + _SMEM_ALIGN - 1) // _SMEM_ALIGN * _SMEM_ALIGN
+    q = aligned(tile.tile_m * max(head_dim, head_dim_v) * elem_bytes)
+    k = aligned(tile.num_stages * tile.tile_n * head_dim * elem_bytes)
+    v = aligned(tile.num_stages * tile.tile_n * head_dim_v * elem_bytes)
+    return q + k + v + _SMEM_ALIGN
+
+  @staticmethod
+  def can_implement(dtype: str, head_dim: int, head_dim_v: int, causal: bool,
+                    tile: config.TileConfig) -> tuple[bool, str]:
+    """Whether this kernel can be built for the arguments; the reason text is user-facing."""
+    cfg = config.AttentionConfig(softmax_scale=1.0, causal=causal)
+    ok, reason = config.kernel_support("fwd", dtype, head_dim, head_dim_v, cfg)
+    if not ok:
+      return ok, reason
+    if tile.tile_m not in (64, 128):
+      return False, f"tile_m {tile.tile_m} unsupported; accepted: 64, 128 (64 rows per warpgroup)"
+    if tile.tile_n % 16 != 0 or not 16 <= tile.tile_n <= 256:
+      return False, f"tile_n {tile.tile_n} unsupported; accepted: multiples of 16 in [16, 256]"
+    if tile.num_stages < 1:
+      return False, f"num_stages {tile.num_stages} unsupported; accepted: >= 1"
+    smem = FlashAttentionForwardSm90.smem_bytes(head_dim, head_dim_v, tile)
+    if smem > _SMEM_CAPACITY:
+      return False, (f"tile {tile.key} needs {smem} bytes of shared memory for head_dim "
+                     f"{head_dim}; sm_90 has {_SMEM_CAPACITY}")
+    return True, ""
+
+  def _setup_attributes(self):
+    """Tiled MMAs, shared layouts, TMA byte counts and the shared storage struct."""
+    k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+    # One 64 x N WGMMA atom per consumer warpgroup, stacked along M.
+    atoms = (self.num_mma_warpgroups, 1, 1)
+    self.tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+        self.dtype, self.dtype, k_major, k_major, Float32, atoms, (64, self.tile_n))
+    # V is (seqlen_k, head_dim_v) with head_dim_v contiguous: MN-major B operand of P V.
+    self.tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+        self.dtype, self.dtype, k_major, mn_major, Float32, atoms, (64, self.head_dim_v),
+        a_source=warpgroup.OperandSource.RMEM)
+    row, col = LayoutEnum.ROW_MAJOR, LayoutEnum.COL_MAJOR
+    self.sQ_layout = _smem_layout(self.dtype, row, self.tile_m, self.head_dim)
+    self.sK_layout = _smem_layout(self.dtype, row, self.tile_n, self.head_dim, self.num_stages)
+    # V^T tile: (head_dim_v, tile_n), head_dim_v contiguous.
+    self.sV_layout = _smem_layout(self.dtype, col, self.head_dim_v, self.tile_n, self.num_stages)
+    self.sO_layout = _smem_layout(self.dtype, row, self.tile_m, self.head_dim_v)
+    self.tma_bytes_q = cute.size_in_bytes(self.dtype, self.sQ_layout)
+    self.tma_bytes_k = cute.size_in_bytes(self.dtype, cute.slice_(self.sK_layout, (None, None, 0)))
+    self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.slice_(self.sV_layout, (None, None, 0)))
+    # O reuses Q's buffer once every QK^T GEMM is done (an epilogue barrier orders that).
+    q_elems = max(cute.cosize(self.sQ_layout), cute.cosize(self.sO_layout))
+    stages = self.num_stages
+
+    @cute.struct
+    class SharedStorage:
+      mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+      mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+      mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+      sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], _SMEM_ALIGN]
+      sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)],
+                            _SMEM_ALIGN]
+      sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)],
+                            _SMEM_ALIGN]
+
+    self.shared_storage = SharedStorage
+
+  @cute.jit
+  def __call__(
+      self,
+      mQ: cute.Tensor,  # (batch, seqlen_q, num_heads, head_dim)
+      mK: cute.Tensor,  # (batch, seqlen_k, num_kv_heads, head_dim)
+      mV: cute.Tensor,  # (batch, seqlen_k, num_kv_heads, head_dim_v)
+      mO: cute.Tensor,  # (batch, seqlen_q, num_heads, head_dim_v)
+      mLSE: cute.Tensor,  # (batch, num_heads, seqlen_q) float32
+      softmax_scale: Float32,
+      stream: cuda.CUstream,
+  ):
+    if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
+                       == mO.element_type == self.dtype)):
+      raise TypeError(f"q, k, v and out must all be {self.dtype}")
+    if const_expr(mLSE.element_type != Float32):
+      raise TypeError(f"lse must be Float32, got {mLSE.element_type}")
+    self._setup_attributes()
+    # Kernel-side order puts the tile modes first: (seqlen, head_dim, heads, batch).
+    mQ, mK, mO = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
+    mVt = _select(mV, [3, 1, 2, 0])  # (head_dim_v, seqlen_k, num_kv_heads, batch)
+    mLSE = _select(mLSE, [2, 1, 0])  # (seqlen_q, num_heads, batch)
+
+    load_op = cpasync.CopyBulkTensorTileG2SOp()
+    tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
+        load_op, mQ, self.sQ_layout, (self.tile_m, self.head_dim))
+    tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
+        load_op, mK, cute.slice_(self.sK_layout, (None, None, 0)), (self.tile_n, self.head_dim))
+    tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
+        load_op, mVt, cute.slice_(self.sV_layout, (None, None, 0)),
+        (self.head_dim_v, self.tile_n))
+    # TMA stores clip at the tensor bounds: rows >= seqlen_q are never written.
+    tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileS2GOp(), mO, self.sO_layout, (self.tile_m, self.head_dim_v))
+
+    num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
+    grid = tile_scheduler.SingleTileScheduler.grid_shape(
+        num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+    self.kernel(
+        tma_q, tma_k, tma_v, tma_o, mLSE,
+        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
+        softmax_scale,
+        self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout,
+        self.tiled_mma_qk, self.tiled_mma_pv,
+    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+  @cute.kernel
+  def kernel(
+      self,
+      mQ: cute.Tensor,  # TMA coordinates of (seqlen_q, head_dim, num_heads, batch)
+      mK: cute.Tensor,  # TMA coordinates of (seqlen_k, head_dim, num_kv_heads, batch)
+      mV: cute.Tensor,  # TMA coordinates of (head_dim_v, seqlen_k, num_kv_heads, batch)
+      mO: cute.Tensor,  # TMA coordinates of (seqlen_q, head_dim_v, num_heads, batch)
+      mLSE: cute.Tensor,  # (seqlen_q, num_heads, batch)
+      tma_atom_q: cute.CopyAtom,
+      tma_atom_k: cute.CopyAtom,
+      tma_atom_v: cute.CopyAtom,
+      tma_atom_o: cute.CopyAtom,
+      softmax_scale: Float32,
+      sQ_layout: cute.ComposedLayout,
+      sK_layout: cute.ComposedLayout,
+      sV_layout: cute.ComposedLayout,
+      sO_layout: cute.ComposedLayout,
+      tiled_mma_qk: cute.TiledMma,
+      tiled_mma_pv: cute.TiledMma,
+  ):
+    tidx, _, _ = cute.arch.thread_idx()
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    if warp_idx == 0:
+      for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
+        cpasync.prefetch_descriptor(atom)
+
+    storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+    pipeline_q, pipeline_k, pipeline_v = self._make_pipelines(storage)
+    sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+    sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+    sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+    sO = cute.make_tensor(cute.recast_ptr(sQ.iterator, sO_layout.inner, self.dtype),
+                          sO_layout.outer)
+    # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
+    cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+
+    scheduler = tile_scheduler.SingleTileScheduler(reverse_m=self.causal)
+    num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+    m_block, head, batch = scheduler.work_tile(num_m_blocks)
+    seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+    n_max = mask.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
+
+    warpgroup_idx = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS)
+    if warpgroup_idx == 0:
+      cute.arch.setmaxregister_decrease(self.num_producer_regs)
+      if warp_idx == 0:
+        # GQA/MQA: q heads [g * ratio, (g + 1) * ratio) share kv head g.
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        self.load(mQ, mK, mV, tma_atom_q, tma_atom_k, tma_atom_v, sQ, sK, sV,
+                  pipeline_q, pipeline_k, pipeline_v, m_block, head, head_kv, batch, n_max)
+    else:
+      cute.arch.setmaxregister_increase(self.num_mma_regs)
+      self.mma(mO, mLSE, tma_atom_o, sQ, sK, sV, sO, tiled_mma_qk, tiled_mma_pv,
+               pipeline_q, pipeline_k, pipeline_v, softmax_scale,
+               m_block, head, batch, seqlen_q, seqlen_k, n_max)
+
+  def _make_pipelines(self, storage):
+    """TMA pipelines: one elected producer thread arrives; lane 0 of every consumer warp releases."""
+    producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+    consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                         self.num_mma_threads // _WARP_THREADS)
+    made = []
+    for mbar, stages, tx in ((storage.mbar_q, 1, self.tma_bytes_q),
+                             (storage.mbar_k, self.num_stages, self.tma_bytes_k),
+                             (storage.mbar_v, self.num_stages, self.tma_bytes_v)):
+      made.append(pipeline.PipelineTmaAsync.create(
+          barrier_storage=mbar.data_ptr(), num_stages=stages, producer_group=producer,
+          consumer_group=consumer, tx_count=tx, defer_sync=True))
+    return made
+
+  @cute.jit
+  def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+           tma_atom_q: cute.CopyAtom, tma_atom_k: cute.CopyAtom, tma_atom_v: cute.CopyAtom,
+           sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+           pipeline_q, pipeline_k, pipeline_v,
+           m_block: Int32, head: Int32, head_kv: Int32, batch: Int32, n_max: Int32):
+    """Producer warp: Q once, then K and V blocks from n_max-1 down to 0 (the consumer order)."""
+    gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+    gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+    gV = cute.local_tile(mV[None, None, head_kv, batch], (self.head_dim_v, self.tile_n), (0, None))
+    one_cta = cute.make_layout(1)
+    tQsQ, tQgQ = cpasync.tma_partition(
+        tma_atom_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+    tKsK, tKgK = cpasync.tma_partition(
+        tma_atom_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+    tVsV, tVgV = cpasync.tma_partition(
+        tma_atom_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+    # Q is loaded even when no key block is visible: the consumers always wait for it, so no
+    # TMA write into sQ can still be in flight when the epilogue reuses sQ for O.
+    q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+    pipeline_q.producer_acquire(q_state)
+    cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+
+    kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+    for i in cutlass.range(n_max, unroll=1):
+      n_block = n_max - 1 - i
+      pipeline_k.producer_acquire(kv_state)
+      cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, kv_state.index],
+                tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+      pipeline_v.producer_acquire(kv_state)
+      cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, kv_state.index],
+                tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+      kv_state.advance()
+
+  @cute.jit
+  def mma(self, mO: cute.Tensor, mLSE: cute.Tensor, tma_atom_o: cute.CopyAtom,
+          sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sO: cute.Tensor,
+          tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+          pipeline_q, pipeline_k, pipeline_v, softmax_scale: Float32,
+          m_block: Int32, head: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32,
+          n_max: Int32):
+    """Consumer warpgroups: S = Q K^T, online softmax, O += P V over the key blocks, epilogue."""
+    tidx, _, _ = cute.arch.thread_idx()
+    mma_tidx = tidx - _WARPGROUP_THREADS
+    thr_mma_qk = tiled_mma_qk.get_slice(mma_tidx)
+    thr_mma_pv = tiled_mma_pv.get_slice(mma_tidx)
+    tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
+    tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
+    tOrV = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sV))
+    acc_shape_s = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+    acc_o = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m,
+                                                                      self.head_dim_v)))
+    acc_o.fill(0.0)
+    tScS_mn = softmax.make_acc_mn_view(
+        thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+    num_rows = cute.size(tScS_mn, mode=[0])
+    online = softmax.OnlineSoftmax(softmax_scale * softmax.LOG2_E, num_rows)
+    row_scale = cute.make_rmem_tensor(num_rows, Float32)
+
+    q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+    pipeline_q.consumer_wait(q_state)
+
+    n_masked = mask.num_masked_blocks(m_block, n_max, seqlen_q, seqlen_k, self.tile_m,
+                                      self.tile_n, self.causal)
+    kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+    # Key blocks run from n_max-1 down, so the blocks needing the elementwise mask come first.
+    for i in cutlass.range(n_masked, unroll=1):
+      self.mma_step(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_s, acc_o, tScS_mn,
+                    online, row_scale, pipeline_k, pipeline_v, kv_state,
+                    m_block, n_max - 1 - i, seqlen_q, seqlen_k, True)
+      kv_state.advance()
+    for i in cutlass.range(n_masked, n_max, unroll=1):
+      self.mma_step(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_s, acc_o, tScS_mn,
+                    online, row_scale, pipeline_k, pipeline_v, kv_state,
+                    m_block, n_max - 1 - i, seqlen_q, seqlen_k, False)
+      kv_state.advance()
+
+    self.epilogue(mO, mLSE, tma_atom_o, sO, tiled_mma_pv, thr_mma_pv, acc_o, online,
+                  m_block, head, batch, seqlen_q)
+
+  @cute.jit
+  def mma_step(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               tSrQ: cute.Tensor, tSrK: cute.Tensor, tOrV: cute.Tensor, acc_shape_s,
+               acc_o: cute.Tensor, tScS_mn: cute.Tensor, online, row_scale: cute.Tensor,
+               pipeline_k, pipeline_v, kv_state,
+               m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+               is_masked: cutlass.Constexpr):
+    """One key block. Structured so intra-warpgroup overlap can split it at the GEMM waits."""
+    stage = kv_state.index
+    acc_s = tiled_mma_qk.get_slice(0).make_fragment_C(acc_shape_s)
+    pipeline_k.consumer_wait(kv_state)
+    _wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], zero_init=True)
+    warpgroup.wait_group(0)
+    pipeline_k.consumer_release(kv_state)
+
+    acc_s_mn = softmax.make_acc_mn_view(acc_s)
+    if const_expr(is_masked):
+      mask.apply_mask(acc_s_mn, tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
+                      self.tile_m, self.tile_n, self.causal)
+    online.online_softmax(acc_s_mn, row_scale)
+    softmax.scale_rows(softmax.make_acc_mn_view(acc_o), row_scale)
+    tOrP = softmax.acc_to_operand_a(acc_s, self.dtype)
+
+    pipeline_v.consumer_wait(kv_state)
+    _wgmma(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, stage], zero_init=False)
+    warpgroup.wait_group(0)
+    pipeline_v.consumer_release(kv_state)
+
+  @cute.jit
+  def epilogue(self, mO: cute.Tensor, mLSE: cute.Tensor, tma_atom_o: cute.CopyAtom,
+               sO: cute.Tensor, tiled_mma_pv: cute.TiledMma, thr_mma_pv, acc_o: cute.Tensor,
+               online, m_block: Int32, head: Int32, batch: Int32, seqlen_q: Int32):
+    """Normalises O, writes LSE (rows < seqlen_q) and stores O through shared memory + TMA."""
+    tidx, _, _ = cute.arch.thread_idx()
+    mma_tidx = tidx - _WARPGROUP_THREADS
+    acc_o_mn = softmax.make_acc_mn_view(acc_o)
+    num_rows = cute.size(acc_o_mn, mode=[0])
+    row_inv = cute.make_rmem_tensor(num_rows, Float32)
+    lse = cute.make_rmem_tensor(num_rows, Float32)
+    online.finalize(row_inv, lse)
+    softmax.scale_rows(acc_o_mn, row_inv)
+
+    tOcO_mn = softmax.make_acc_mn_view(
+        thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+    # One lane of each quad (the one holding column 0) writes its rows' LSE.
+    if tOcO_mn[0, 0][1] == 0:
+      for i in cutlass.range_constexpr(num_rows):
+        row = m_block * self.tile_m + tOcO_mn[i, 0][0]
+        if row < seqlen_q:
+          mLSE[row, head, batch] = lse[i]
+
+    # sO aliases sQ: every warpgroup must be past its last QK^T GEMM before anyone writes O.
+    cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+    r_o = cute.make_rmem_tensor(acc_o.layout.shape, self.dtype)
+    r_o.store(acc_o.load().to(self.dtype))
+    store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
+    tiled_copy_r2s = cute.make_tiled_copy_S(
+        store_atom, cute.make_tiled_copy_C_atom(store_atom, tiled_mma_pv))
+    thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+    # retile() orders the values as the copy consumes them but nests the modes differently from
+    # the smem partition; copy them by flat index into a fragment of the partition's shape.
+    tRS_rO_retiled = tiled_copy_r2s.retile(r_o)
+    tRS_rO = cute.make_rmem_tensor_like(thr_copy_r2s.partition_S(sO), self.dtype)
+    for i in cutlass.range_constexpr(cute.size(tRS_rO)):
+      tRS_rO[i] = tRS_rO_retiled[i]
+    cute.copy(tiled_copy_r2s, tRS_rO, thr_copy_r2s.partition_D(sO))
+    # Generic-proxy smem writes must be visible to the async proxy (TMA) before the store.
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    if warp_idx == _WARPGROUP_THREADS // _WARP_THREADS:
+      gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v),
+                           (m_block, 0))
+      tOsO, tOgO = cpasync.tma_partition(
+          tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+          cute.group_modes(gO, 0, 2))
+      cute.copy(tma_atom_o, tOsO, tOgO)
+      cute.arch.cp_async_bulk_commit_group()
+      # sO must stay valid until the TMA engine has read it; the CTA may exit right after.
+      cute.arch.cp_async_bulk_wait_group(0, read=True)
