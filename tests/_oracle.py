@@ -14,7 +14,7 @@ def relative_l2(actual, expected) -> float:
   a = np.asarray(actual, np.float64)
   e = np.asarray(expected, np.float64)
   finite = np.isfinite(e)
-  num = np.linalg.norm((a - e)[finite])
+  num = np.linalg.norm(a[finite] - e[finite])
   den = np.linalg.norm(e[finite])
   return float(num / den) if den > 0 else float(num)
 

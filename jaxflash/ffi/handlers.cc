@@ -1,0 +1,312 @@
+// XLA FFI handlers of jaxflash, one per stable custom-call target (names in jaxflash/config.py).
+// Kernels live in per-variant libraries behind kernel_abi.h, registered by key from Python; this
+// file never includes an exported kernel header.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <string_view>
+
+#include "cuda_runtime_api.h"
+#include "kernel_abi.h"
+#include "variant_registry.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxflash {
+namespace {
+
+constexpr std::string_view kFwdTarget = "jaxflash_attention_fwd";
+
+// "jaxflash_attention_fwd[variant=<key>]: ": every error names the target and the variant.
+std::string Where(std::string_view variant) {
+  return std::string(kFwdTarget) + "[variant=" + std::string(variant) + "]: ";
+}
+
+ffi::Error Invalid(std::string_view variant, const std::string& what) {
+  return ffi::Error::InvalidArgument(Where(variant) + what);
+}
+
+// KernelVariant.key is '-'-separated tokens: fwd-sm90a-bf16-d128-dv128[-causal...]-m128n128s2.
+bool HasToken(std::string_view key, std::string_view token) {
+  size_t start = 0;
+  while (start <= key.size()) {
+    size_t end = key.find('-', start);
+    if (end == std::string_view::npos) end = key.size();
+    if (key.substr(start, end - start) == token) return true;
+    start = end + 1;
+  }
+  return false;
+}
+
+std::string Shape(const ffi::AnyBuffer& buffer) {
+  std::string out = "(";
+  auto dims = buffer.dimensions();
+  for (size_t i = 0; i < dims.size(); ++i) {
+    out += (i ? ", " : "") + std::to_string(dims[i]);
+  }
+  return out + (dims.size() == 1 ? ",)" : ")");
+}
+
+const char* DtypeName(ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F32: return "float32";
+    default: return "an unsupported dtype";
+  }
+}
+
+// The static part of one forward call: everything in the HLO attributes.
+struct FwdAttrs {
+  std::string_view variant;
+  float softmax_scale;
+  bool causal;
+  int32_t window_left, window_right;
+  float softcap;
+  int32_t head_dim, head_dim_v;
+};
+
+// Attributes must describe the variant the key names (the key is KernelVariant.key).
+ffi::Error CheckAttrs(const FwdAttrs& a, ffi::DataType dtype) {
+  const std::string_view v = a.variant;
+  const char* dtype_token = dtype == ffi::DataType::F16 ? "f16" : "bf16";
+  if (!HasToken(v, dtype_token)) {
+    return Invalid(v, std::string("q has dtype ") + DtypeName(dtype) +
+                          ", which this variant was not built for");
+  }
+  if (!HasToken(v, "d" + std::to_string(a.head_dim)) ||
+      !HasToken(v, "dv" + std::to_string(a.head_dim_v))) {
+    return Invalid(v, "attributes head_dim=" + std::to_string(a.head_dim) + ", head_dim_v=" +
+                          std::to_string(a.head_dim_v) + " do not match the variant key");
+  }
+  if (a.causal != HasToken(v, "causal")) {
+    return Invalid(v, std::string("attribute causal=") + (a.causal ? "true" : "false") +
+                          " does not match the variant key");
+  }
+  bool window = a.window_left != -1 || a.window_right != -1;
+  if (a.window_left < -1 || a.window_right < -1 || (window && !HasToken(v, "window"))) {
+    return Invalid(v, "window (" + std::to_string(a.window_left) + ", " +
+                          std::to_string(a.window_right) +
+                          ") needs values >= -1 and a '-window' variant (-1 = unbounded)");
+  }
+  if (!std::isfinite(a.softcap) || a.softcap < 0 || (a.softcap != 0 && !HasToken(v, "softcap"))) {
+    return Invalid(v, "softcap " + std::to_string(a.softcap) +
+                          " needs a finite value >= 0 and a '-softcap' variant (0 = off)");
+  }
+  if (!std::isfinite(a.softmax_scale)) {
+    return Invalid(v, "softmax_scale " + std::to_string(a.softmax_scale) + " is not finite");
+  }
+  return ffi::Error::Success();
+}
+
+// Checks ranks, dtypes and dims of every buffer against the attributes and each other, then
+// fills the shape fields of `args`.
+ffi::Error CheckBuffers(const FwdAttrs& a, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                        const ffi::AnyBuffer& v, const ffi::AnyBuffer& out,
+                        const ffi::AnyBuffer& lse, JaxflashFwdArgs* args) {
+  const std::string_view key = a.variant;
+  struct Named { const char* name; const ffi::AnyBuffer* buffer; size_t rank; };
+  for (const Named& n : {Named{"q", &q, 4}, Named{"k", &k, 4}, Named{"v", &v, 4},
+                         Named{"out", &out, 4}, Named{"lse", &lse, 3}}) {
+    if (n.buffer->dimensions().size() != n.rank) {
+      return Invalid(key, std::string(n.name) + " has shape " + Shape(*n.buffer) +
+                              ", expected rank " + std::to_string(n.rank));
+    }
+  }
+  const ffi::DataType dtype = q.element_type();
+  if (dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16) {
+    return Invalid(key, std::string("q has ") + DtypeName(dtype) +
+                            ", accepted: float16, bfloat16");
+  }
+  for (const Named& n : {Named{"k", &k, 4}, Named{"v", &v, 4}, Named{"out", &out, 4}}) {
+    if (n.buffer->element_type() != dtype) {
+      return Invalid(key, std::string(n.name) + " has " + DtypeName(n.buffer->element_type()) +
+                              ", q has " + DtypeName(dtype));
+    }
+  }
+  if (lse.element_type() != ffi::DataType::F32) {
+    return Invalid(key, std::string("lse has ") + DtypeName(lse.element_type()) +
+                            ", expected float32");
+  }
+  if (ffi::Error e = CheckAttrs(a, dtype); e.failure()) return e;
+
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const int64_t b = qd[0], sq = qd[1], h = qd[2], sk = kd[1], hk = kd[2];
+  const bool ok_q = qd[3] == a.head_dim;
+  const bool ok_k = kd[0] == b && kd[3] == a.head_dim;
+  const bool ok_v = vd[0] == b && vd[1] == sk && vd[2] == hk && vd[3] == a.head_dim_v;
+  if (!ok_q || !ok_k || !ok_v) {
+    return Invalid(key, "q " + Shape(q) + ", k " + Shape(k) + ", v " + Shape(v) +
+                            " do not fit q (b, sq, h, " + std::to_string(a.head_dim) +
+                            "), k (b, sk, hk, " + std::to_string(a.head_dim) +
+                            "), v (b, sk, hk, " + std::to_string(a.head_dim_v) + ")");
+  }
+  if (hk == 0 ? h != 0 : h % hk != 0) {
+    return Invalid(key, "num_heads " + std::to_string(h) + " is not a multiple of num_kv_heads " +
+                            std::to_string(hk));
+  }
+  auto od = out.dimensions(), ld = lse.dimensions();
+  if (od[0] != b || od[1] != sq || od[2] != h || od[3] != a.head_dim_v) {
+    return Invalid(key, "out has shape " + Shape(out) + ", expected (" + std::to_string(b) + ", " +
+                            std::to_string(sq) + ", " + std::to_string(h) + ", " +
+                            std::to_string(a.head_dim_v) + ")");
+  }
+  if (ld[0] != b || ld[1] != h || ld[2] != sq) {
+    return Invalid(key, "lse has shape " + Shape(lse) + ", expected (" + std::to_string(b) + ", " +
+                            std::to_string(h) + ", " + std::to_string(sq) + ")");
+  }
+  for (int64_t d : {b, sq, sk, h, hk}) {
+    // The kernel ABI takes int32 extents; larger ones would silently wrap.
+    if (d > std::numeric_limits<int32_t>::max()) {
+      return Invalid(key, "dimension " + std::to_string(d) + " exceeds the int32 range");
+    }
+  }
+  args->batch = static_cast<int32_t>(b);
+  args->seqlen_q = static_cast<int32_t>(sq);
+  args->seqlen_k = static_cast<int32_t>(sk);
+  args->num_heads = static_cast<int32_t>(h);
+  args->num_kv_heads = static_cast<int32_t>(hk);
+  args->head_dim = a.head_dim;
+  args->head_dim_v = a.head_dim_v;
+  return ffi::Error::Success();
+}
+
+// cuMemsetD32Async(CUdeviceptr, unsigned int, size_t, CUstream) -> CUresult (0 = success),
+// spelled without cuda.h, which not every CUDA runtime wheel ships.
+using MemsetD32 = int (*)(unsigned long long, unsigned int, size_t, cudaStream_t);
+
+// The runtime API has no 32-bit memset; fetch the driver's once (no libcuda link needed).
+MemsetD32 GetMemsetD32() {
+  static MemsetD32 fn = [] {
+    void* found_fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    cudaGetDriverEntryPointByVersion("cuMemsetD32Async", &found_fn, 12000, cudaEnableDefault,
+                                     &found);
+    return found == cudaDriverEntryPointSuccess ? reinterpret_cast<MemsetD32>(found_fn) : nullptr;
+  }();
+  return fn;
+}
+
+// No keys (seqlen_k == 0): every row is empty, so out = 0 and lse = -inf, without a launch
+// (a TMA descriptor cannot describe a zero-length tensor).
+ffi::Error FillEmptyRows(std::string_view key, cudaStream_t stream, ffi::AnyBuffer out,
+                         ffi::AnyBuffer lse) {
+  if (cudaError_t e = cudaMemsetAsync(out.untyped_data(), 0, out.size_bytes(), stream);
+      e != cudaSuccess) {
+    return ffi::Error::Internal(Where(key) + "zeroing out failed: " + cudaGetErrorString(e));
+  }
+  MemsetD32 memset_d32 = GetMemsetD32();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  unsigned int bits;
+  static_assert(sizeof(bits) == sizeof(neg_inf));
+  std::memcpy(&bits, &neg_inf, sizeof(bits));
+  if (memset_d32 == nullptr ||
+      memset_d32(reinterpret_cast<uintptr_t>(lse.untyped_data()), bits, lse.element_count(),
+                 stream) != 0) {
+    return ffi::Error::Internal(Where(key) + "filling lse with -inf failed");
+  }
+  return ffi::Error::Success();
+}
+
+// Makes the stream's device current for the call, restoring the previous one afterwards.
+class ScopedStreamDevice {
+ public:
+  explicit ScopedStreamDevice(cudaStream_t stream) {
+    int device = 0;
+    if (cudaStreamGetDevice(stream, &device) != cudaSuccess) return;
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device &&
+        cudaSetDevice(device) == cudaSuccess) {
+      restore_ = true;
+    }
+  }
+  ~ScopedStreamDevice() {
+    if (restore_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+ffi::Error AttentionFwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                        std::string_view variant, float softmax_scale, bool causal,
+                        int32_t window_left, int32_t window_right, float softcap,
+                        int32_t head_dim, int32_t head_dim_v) {
+  const FwdAttrs attrs{variant, softmax_scale, causal, window_left, window_right,
+                       softcap, head_dim, head_dim_v};
+  JaxflashFwdArgs args{};
+  if (ffi::Error e = CheckBuffers(attrs, q, k, v, *out, *lse, &args); e.failure()) return e;
+
+  const VariantLibrary* library = FindVariant(variant);
+  if (library == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      Where(variant) + "kernel variant '" + std::string(variant) +
+                          "' is not registered in this process. Build it with `python -m "
+                          "jaxflash.build --variants " + std::string(variant) +
+                          "` and call jaxflash.ffi.register() before running this program.");
+  }
+  if (out->element_count() == 0) return ffi::Error::Success();  // b, sq or h is 0
+
+  ScopedStreamDevice device(stream);
+  if (args.seqlen_k == 0) return FillEmptyRows(variant, stream, *out, *lse);
+
+  args.q = q.untyped_data();
+  args.k = k.untyped_data();
+  args.v = v.untyped_data();
+  args.out = out->untyped_data();
+  args.lse = static_cast<float*>(lse->untyped_data());
+  args.softmax_scale = softmax_scale;
+  args.window_left = window_left;
+  args.window_right = window_right;
+  args.softcap = softcap;
+  if (int32_t status = library->fwd(&args, stream); status != 0) {
+    return ffi::Error::Internal(Where(variant) + "kernel launch failed with status " +
+                                std::to_string(status) + " (as a CUDA error: " +
+                                cudaGetErrorName(static_cast<cudaError_t>(status)) + ") for q " +
+                                Shape(q) + ", k " + Shape(k));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxflash
+
+extern "C" {
+
+// Initializes this library's CUDA runtime and driver entry points. Python calls it once on a
+// GPU host, before any handler runs, so that no first-time initialization happens inside
+// CUDA-graph capture. 0 on success, else the cudaError_t.
+int32_t jaxflash_ffi_prepare(void) {
+  int device = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status == cudaSuccess && jaxflash::GetMemsetD32() == nullptr) status = cudaErrorUnknown;
+  return static_cast<int32_t>(status);
+}
+
+}  // extern "C"
+
+// Not declared kCmdBufferCompatible: on the H200 (jax 0.11.2) recording this handler into an XLA
+// command buffer failed with cudaErrorStreamCaptureInvalidated (the exported CuTe launcher makes
+// a call that is illegal under stream capture). XLA therefore runs it as a plain custom call;
+// test_gpu_attention.py::test_command_buffer_moving_buffers keeps checking jitted chains.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxflashAttentionFwd, jaxflash::AttentionFwd,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream XLA runs this call on
+        .Arg<ffi::AnyBuffer>()                     // q   (batch, seqlen_q, num_heads, head_dim)
+        .Arg<ffi::AnyBuffer>()                     // k   (batch, seqlen_k, num_kv_heads, head_dim)
+        .Arg<ffi::AnyBuffer>()                     // v   (batch, seqlen_k, num_kv_heads, dv)
+        .Ret<ffi::AnyBuffer>()                     // out (batch, seqlen_q, num_heads, head_dim_v)
+        .Ret<ffi::AnyBuffer>()                     // lse (batch, num_heads, seqlen_q) float32
+        .Attr<std::string_view>("variant")         // KernelVariant.key of the kernel to run
+        .Attr<float>("softmax_scale")              // multiplies q.k before the softmax
+        .Attr<bool>("causal")                      // bottom-right aligned causal mask
+        .Attr<int32_t>("window_left")              // keys visible left of the diagonal, -1: all
+        .Attr<int32_t>("window_right")             // keys visible right of the diagonal, -1: all
+        .Attr<float>("softcap")                    // softcap * tanh(s / softcap); 0: off
+        .Attr<int32_t>("head_dim")                 // q/k head dim the variant was built for
+        .Attr<int32_t>("head_dim_v"));             // v/out head dim the variant was built for

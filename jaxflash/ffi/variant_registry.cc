@@ -1,0 +1,120 @@
+// Kernel variant registry and its C entry points for Python (ctypes).
+#include "variant_registry.h"
+
+#include <dlfcn.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <string_view>
+
+namespace jaxflash {
+namespace {
+
+// std::less<> allows lookups by string_view without allocating a std::string per call.
+using Registry = std::map<std::string, std::unique_ptr<VariantLibrary>, std::less<>>;
+
+std::shared_mutex& RegistryMutex() {
+  static auto* mu = new std::shared_mutex();  // leaked on purpose: no destruction-order issues
+  return *mu;
+}
+
+Registry& GetRegistry() {
+  static auto* registry = new Registry();
+  return *registry;
+}
+
+template <typename Fn>
+Fn LookUp(void* handle, const char* name) {
+  return reinterpret_cast<Fn>(dlsym(handle, name));
+}
+
+}  // namespace
+
+const VariantLibrary* FindVariant(std::string_view key) {
+  std::shared_lock lock(RegistryMutex());
+  const Registry& registry = GetRegistry();
+  auto it = registry.find(key);
+  return it == registry.end() ? nullptr : it->second.get();
+}
+
+std::string RegisterVariant(std::string_view key, std::string_view path) {
+  std::unique_lock lock(RegistryMutex());
+  Registry& registry = GetRegistry();
+  if (registry.count(key)) return "";
+
+  std::string path_str(path);
+  std::string where = "kernel variant '" + std::string(key) + "' (" + path_str + ")";
+  // RTLD_LOCAL: every variant library carries its own static CUDA runtime; keep them apart.
+  void* handle = dlopen(path_str.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    const char* reason = dlerror();
+    return "cannot open " + where + ": " + (reason ? reason : "unknown dlopen error");
+  }
+  auto fail = [&](const std::string& message) {
+    dlclose(handle);
+    return message;
+  };
+
+  auto abi_version = LookUp<int32_t (*)()>(handle, "jaxflash_variant_abi_version");
+  auto variant_key = LookUp<const char* (*)()>(handle, "jaxflash_variant_key");
+  auto load = LookUp<int32_t (*)()>(handle, "jaxflash_variant_load");
+  auto fwd = LookUp<int32_t (*)(const JaxflashFwdArgs*, void*)>(handle, "jaxflash_variant_fwd");
+  if (!abi_version || !variant_key || !load || !fwd) {
+    return fail(where + " does not export the jaxflash kernel ABI (kernel_abi.h); rebuild it with "
+                "`python -m jaxflash.build --force --variants " + std::string(key) + "`");
+  }
+  if (int32_t version = abi_version(); version != JAXFLASH_KERNEL_ABI_VERSION) {
+    return fail(where + " implements kernel ABI version " + std::to_string(version) +
+                ", this handler library expects " + std::to_string(JAXFLASH_KERNEL_ABI_VERSION) +
+                "; rebuild it with `python -m jaxflash.build --force --variants " +
+                std::string(key) + "`");
+  }
+  if (std::string_view built_for = variant_key(); built_for != key) {
+    return fail(where + " was built for variant '" + std::string(built_for) + "'");
+  }
+  // Loading here, at registration, keeps cudaLibraryLoadData out of CUDA-graph capture.
+  if (int32_t status = load(); status != 0) {
+    return fail(where + ": loading the kernel module failed with status " +
+                std::to_string(status) + " (is a CUDA GPU with a recent enough driver visible?)");
+  }
+
+  auto entry = std::make_unique<VariantLibrary>();
+  entry->key = std::string(key);
+  entry->path = std::move(path_str);
+  entry->handle = handle;
+  entry->fwd = fwd;
+  registry.emplace(entry->key, std::move(entry));
+  return "";
+}
+
+}  // namespace jaxflash
+
+namespace {
+thread_local std::string last_error;
+}  // namespace
+
+extern "C" {
+
+// Registers the library at `path` as variant `key`. 0 on success, else 1 and
+// jaxflash_ffi_last_error() says why.
+int32_t jaxflash_ffi_register_variant(const char* key, const char* path) {
+  if (key == nullptr || path == nullptr) {
+    last_error = "jaxflash_ffi_register_variant: key and path must not be null";
+    return 1;
+  }
+  last_error = jaxflash::RegisterVariant(key, path);
+  return last_error.empty() ? 0 : 1;
+}
+
+// The error of the last failed call on this thread ("" if none).
+const char* jaxflash_ffi_last_error(void) { return last_error.c_str(); }
+
+// 1 if `key` is registered in this process, else 0.
+int32_t jaxflash_ffi_is_registered(const char* key) {
+  return key != nullptr && jaxflash::FindVariant(key) != nullptr ? 1 : 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,31 @@
+// Process-wide registry of kernel variant libraries: key -> dlopen handle and entry points.
+// Python registers each library once (jaxflash_ffi_register_variant); handlers look keys up.
+#ifndef JAXFLASH_FFI_VARIANT_REGISTRY_H_
+#define JAXFLASH_FFI_VARIANT_REGISTRY_H_
+
+#include <stdint.h>
+
+#include <string>
+#include <string_view>
+
+#include "kernel_abi.h"
+
+namespace jaxflash {
+
+struct VariantLibrary {
+  std::string key;
+  std::string path;
+  void* handle = nullptr;  // from dlopen; never closed (handlers may run until exit)
+  int32_t (*fwd)(const JaxflashFwdArgs* args, void* stream) = nullptr;
+};
+
+// Returns the registered library for `key`, or nullptr. Entries live until process exit.
+const VariantLibrary* FindVariant(std::string_view key);
+
+// Opens `path`, checks its ABI version and key, loads its cubin on every visible device.
+// Returns "" on success (also when `key` is already registered), else a readable error.
+std::string RegisterVariant(std::string_view key, std::string_view path);
+
+}  // namespace jaxflash
+
+#endif  // JAXFLASH_FFI_VARIANT_REGISTRY_H_

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# GPU checks of jaxflash against the prebuilt kernels carried in .kcache/ (git-ignored).
+#
+# On the build host (nvidia-cutlass-dsl, g++, CUDA headers; no GPU needed), from the repo root:
+#   scripts/gpu_check.sh build          # = python -m jaxflash.build --all --cache-dir .kcache
+# On the GPU host (jax with CUDA + pytest; installs nothing, needs no network), from the repo root:
+#   scripts/gpu_check.sh [all]          # GPU tests, then the forward benchmark (full grid)
+#   scripts/gpu_check.sh tests          # python -m pytest -m gpu -q
+#   scripts/gpu_check.sh bench [ARGS]   # benchmarks/bench_attention.py ARGS (e.g. --bwd-only)
+# Logs, JSON and PNG go to $OUT (default ./gpu_out). Exit status: that of the first failure.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode="${1:-all}"
+[ $# -gt 0 ] && shift
+case "$mode" in
+  build|all|tests|bench) ;;
+  *) echo "unknown mode '$mode': use build, all, tests or bench" >&2; exit 2 ;;
+esac
+py="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}"
+export JAXFLASH_CACHE_DIR="$PWD/.kcache"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's jaxflash, not an install
+
+if [ "$mode" = build ]; then
+  "$py" -m jaxflash.build --all --cache-dir .kcache "$@" || exit $?
+  echo "carry size: $(du -sh .kcache | cut -f1) (the device carry limit is 64 MiB)"
+  exit 0
+fi
+
+out="${OUT:-$PWD/gpu_out}"
+mkdir -p "$out"
+if [ ! -f .kcache/libjaxflash_ffi.so ]; then
+  echo "no prebuilt kernels in .kcache/: run 'scripts/gpu_check.sh build' on the build host" >&2
+  exit 2
+fi
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  "$py" -c "import sys, jax; print(sys.version.split()[0], 'jax', jax.__version__, jax.devices())"
+  du -sh .kcache
+} 2>&1 | tee "$out/environment.txt"
+
+status=0
+if [ "$mode" = tests ] || [ "$mode" = all ]; then
+  "$py" -m pytest -m gpu -q -p no:cacheprovider -rs 2>&1 | tee "$out/pytest_gpu.log"
+  rc=${PIPESTATUS[0]}
+  [ "$status" -eq 0 ] && status=$rc
+fi
+if [ "$mode" = bench ] || [ "$mode" = all ]; then
+  extra=("$@")
+  [ "$mode" = all ] && extra=(--fwd-only)  # forward+backward: a separate 'bench --bwd-only' run
+  "$py" benchmarks/bench_attention.py --out "$out" "${extra[@]}" 2>&1 | tee "$out/bench.log"
+  rc=${PIPESTATUS[0]}
+  [ "$status" -eq 0 ] && status=$rc
+fi
+exit "$status"

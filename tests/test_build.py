@@ -1,0 +1,167 @@
+"""jaxflash.build on a CPU host: one variant end to end, the handler library, tool errors."""
+
+import ctypes
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxflash import build, config, ffi
+from jaxflash.config import HANDLER_LIBRARY, VARIANT_LIBRARY, VARIANT_MANIFEST
+
+
+def _require_toolchain():
+  try:
+    build.find_toolchain()
+  except build.BuildError as e:
+    pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  _require_toolchain()
+  return tmp_path_factory.mktemp("kcache")
+
+
+@pytest.fixture(scope="module")
+def built(cache):
+  """The smallest shipped variant, built once for the module: (variant, manifest, log lines)."""
+  pytest.importorskip("cutlass")
+  variant = config.shipped_variants()[0]
+  lines = []
+  (manifest,) = build.build([variant], cache, log=lines.append)
+  return variant, manifest, lines
+
+
+def test_handler_library_builds_once_and_hides_the_cuda_runtime(cache):
+  lib, _ = build.build_handler_library(cache)
+  assert lib == cache / HANDLER_LIBRARY
+  symbols = build.exported_symbols(lib)
+  assert {"JaxflashAttentionFwd", "jaxflash_ffi_register_variant", "jaxflash_ffi_last_error",
+          "jaxflash_ffi_prepare"} <= symbols
+  assert not [s for s in symbols if s.startswith("cuda")]  # --exclude-libs kept cudart private
+  mtime = lib.stat().st_mtime_ns
+  assert build.build_handler_library(cache) == (lib, False)
+  assert lib.stat().st_mtime_ns == mtime
+
+
+@pytest.mark.cutlass
+def test_variant_build_writes_library_cubin_and_manifest(built, cache):
+  variant, manifest, lines = built
+  folder = cache / variant.key
+  assert (folder / VARIANT_LIBRARY).is_file()
+  assert manifest["up_to_date"] is False
+  assert any(f"[1/1] {variant.key}: built in" in line for line in lines), lines
+  stored = json.loads((folder / VARIANT_MANIFEST).read_text())
+  assert stored["key"] == variant.key
+  assert stored["spec"] == build.variant_spec(variant)
+  assert stored["abi_version"] == build.abi_version() == 1
+  assert stored["cutlass_version"] == build.cutlass_version()
+  import jaxflash
+  assert stored["jaxflash_version"] == jaxflash.__version__
+  cubin = (folder / stored["cubin"]).read_bytes()
+  assert cubin[:4] == b"\x7fELF"
+  assert stored["cubin_sha256"] == hashlib.sha256(cubin).hexdigest()
+  kernels = stored["resources"]["kernels"]
+  assert kernels and all(0 < k["registers"] <= 255 for k in kernels), kernels
+  assert stored["resources"]["local_memory_instructions"] >= 0
+  assert stored["build_seconds"] > 0
+
+
+@pytest.mark.cutlass
+def test_variant_library_exports_exactly_the_kernel_abi(built, cache):
+  variant, _, _ = built
+  assert build.exported_symbols(cache / variant.key / VARIANT_LIBRARY) == set(
+      build.VARIANT_ABI_SYMBOLS)
+
+
+@pytest.mark.cutlass
+def test_second_build_is_a_no_op(built, cache):
+  variant, _, _ = built
+  lib = cache / variant.key / VARIANT_LIBRARY
+  mtime = lib.stat().st_mtime_ns
+  lines = []
+  (manifest,) = build.build([variant], cache, log=lines.append)
+  assert manifest["up_to_date"] is True
+  assert lib.stat().st_mtime_ns == mtime
+  assert any(line.endswith(f"{variant.key}: up to date") for line in lines), lines
+
+
+@pytest.mark.cutlass
+def test_manifest_from_other_sources_is_stale(built, cache):
+  variant, _, _ = built
+  path = cache / variant.key / VARIANT_MANIFEST
+  original = path.read_text()
+  try:
+    path.write_text(json.dumps(dict(json.loads(original), source_sha256="0" * 64)))
+    assert not build.manifest_is_current(variant, cache)
+  finally:
+    path.write_text(original)
+  assert build.manifest_is_current(variant, cache)
+
+
+@pytest.mark.cutlass
+def test_handler_registry_checks_the_variant_library(built, cache):
+  """dlopen, ABI version and key checks run on a CPU host; only the cubin load needs a GPU."""
+  if ffi._cuda_device_present():
+    pytest.skip("a CUDA device is present: loading succeeds here")
+  variant, _, _ = built
+  lib = ctypes.CDLL(str(cache / HANDLER_LIBRARY))
+  lib.jaxflash_ffi_register_variant.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+  lib.jaxflash_ffi_last_error.restype = ctypes.c_char_p
+  path = str(cache / variant.key / VARIANT_LIBRARY).encode()
+
+  def register(key, where=path):
+    assert lib.jaxflash_ffi_register_variant(key.encode(), where) == 1
+    return lib.jaxflash_ffi_last_error().decode()
+
+  assert f"was built for variant '{variant.key}'" in register("fwd-other")
+  assert "loading the kernel module failed" in register(variant.key)
+  assert "does not export the jaxflash kernel ABI" in register(
+      variant.key, str(cache / HANDLER_LIBRARY).encode())
+  assert lib.jaxflash_ffi_is_registered(variant.key.encode()) == 0
+
+
+@pytest.mark.cutlass
+def test_cli_lists_state_and_rejects_unknown_keys(built, cache, capsys):
+  variant, _, _ = built
+  assert build.main(["--list", "--cache-dir", str(cache), "--variants", variant.key]) == 0
+  assert f"{variant.key}  built" in capsys.readouterr().out
+  with pytest.raises(SystemExit, match="unknown variant key"):
+    build.main(["--variants", "fwd-nope", "--cache-dir", str(cache)])
+
+
+def test_missing_compiler_is_named(monkeypatch):
+  monkeypatch.setenv("CXX", "/nonexistent/g++")
+  with pytest.raises(build.BuildError, match="no C\\+\\+ compiler found.*apt-get install g\\+\\+"):
+    build.find_toolchain()
+
+
+def test_missing_cuda_headers_are_named(monkeypatch, tmp_path):
+  monkeypatch.setattr(build, "_cuda_roots", lambda: [tmp_path])
+  with pytest.raises(build.BuildError, match="cuda_runtime_api.h.*CUDA_HOME"):
+    build.find_toolchain()
+
+
+def test_missing_static_cudart_is_named(monkeypatch, tmp_path):
+  (tmp_path / "include").mkdir()
+  (tmp_path / "include" / "cuda_runtime_api.h").touch()
+  monkeypatch.setattr(build, "_cuda_roots", lambda: [tmp_path])
+  with pytest.raises(build.BuildError, match="libcudart_static.a"):
+    build.find_toolchain()
+
+
+def test_variant_build_without_cutlass_names_the_package(monkeypatch, tmp_path):
+  monkeypatch.setattr(build, "cutlass_version", lambda: None)
+  with pytest.raises(build.BuildError, match="nvidia-cutlass-dsl.*jaxflash\\[build\\]"):
+    build.build_variant(config.shipped_variants()[0], tmp_path)
+  assert not (tmp_path / config.shipped_variants()[0].key / VARIANT_LIBRARY).exists()
+
+
+def test_import_jaxflash_does_not_import_build_or_kernels():
+  code = ("import sys, jaxflash; bad = [m for m in ('jaxflash.build', 'jaxflash.kernels', "
+          "'cutlass') if m in sys.modules]; assert not bad, bad")
+  subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))

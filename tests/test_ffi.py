@@ -1,0 +1,96 @@
+"""jaxflash.ffi on a CPU host: attribute names agree with the C++ binding, cache paths, errors."""
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxflash import config, ffi
+from jaxflash.config import AttentionConfig, KernelVariant
+
+_HANDLERS_CC = Path(ffi.__file__).parent / "handlers.cc"
+
+
+def _variant(causal=False):
+  cfg = AttentionConfig(softmax_scale=0.125, causal=causal)
+  return KernelVariant.for_call("fwd", "sm90a", "bfloat16", 128, 128, cfg)
+
+
+def test_attribute_names_match_the_cpp_binding():
+  bound = re.findall(r'\.Attr<[^>]+>\("(\w+)"\)', _HANDLERS_CC.read_text())
+  assert tuple(bound) == config.FWD_ATTRIBUTE_NAMES
+
+
+def test_target_and_symbol_names_match_the_cpp_source():
+  text = _HANDLERS_CC.read_text()
+  assert f'kFwdTarget = "{config.FWD_TARGET}"' in text
+  assert re.search(rf"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*{ffi._FWD_HANDLER_SYMBOL},", text)
+
+
+def test_fwd_attributes_are_typed_and_complete():
+  cfg = AttentionConfig(softmax_scale=0.3, causal=True, window_left=5, softcap=2.5)
+  attrs = ffi.fwd_attributes(_variant(causal=True), cfg)
+  assert tuple(attrs) == config.FWD_ATTRIBUTE_NAMES
+  assert attrs["variant"] == _variant(causal=True).key
+  assert attrs["softmax_scale"].dtype == np.float32 and attrs["softmax_scale"] == np.float32(0.3)
+  assert attrs["causal"] is True
+  assert attrs["window_left"].dtype == np.int32 and attrs["window_left"] == 5
+  assert attrs["window_right"] == -1  # None means unbounded
+  assert attrs["softcap"].dtype == np.float32 and attrs["softcap"] == np.float32(2.5)
+  assert attrs["head_dim"] == 128 and attrs["head_dim_v"].dtype == np.int32
+
+
+def test_unset_softcap_is_zero():
+  attrs = ffi.fwd_attributes(_variant(), AttentionConfig(softmax_scale=1.0))
+  assert attrs["softcap"] == 0.0 and attrs["window_left"] == -1
+
+
+def test_cache_dir_env_override(monkeypatch, tmp_path):
+  monkeypatch.setenv(config.CACHE_DIR_ENV, str(tmp_path / "kc"))
+  assert ffi.cache_dir() == tmp_path / "kc"
+
+
+def test_cache_dir_default_is_versioned(monkeypatch):
+  import jaxflash
+  monkeypatch.delenv(config.CACHE_DIR_ENV, raising=False)
+  assert ffi.cache_dir() == Path.home() / ".cache" / "jaxflash" / jaxflash.__version__
+
+
+def test_ensure_variant_without_cache_or_cutlass_names_the_command(monkeypatch, tmp_path):
+  monkeypatch.setenv(config.CACHE_DIR_ENV, str(tmp_path))
+  monkeypatch.setattr(ffi, "_cutlass_available", lambda: False)
+  key = _variant().key
+  with pytest.raises(RuntimeError) as info:
+    ffi.ensure_variant(_variant())
+  message = str(info.value)
+  assert f"kernel variant {key} is not built in {tmp_path}" in message
+  assert f"python -m jaxflash.build --variants {key} --cache-dir {tmp_path}" in message
+  assert key not in ffi.registered_variants()
+
+
+def test_build_command():
+  assert ffi.build_command(["a", "b"], Path("/c")) == (
+      "python -m jaxflash.build --variants a b --cache-dir /c")
+  assert ffi.build_command(cache=Path("/c")) == "python -m jaxflash.build --all --cache-dir /c"
+
+
+def test_register_without_cuda_device_and_without_libraries_is_a_no_op(monkeypatch, tmp_path):
+  monkeypatch.setattr(ffi, "_cuda_device_present", lambda: False)
+  monkeypatch.setenv(config.CACHE_DIR_ENV, str(tmp_path))
+  ffi.register()
+  ffi.register()
+  assert not list(tmp_path.iterdir())  # nothing built or written on a host that cannot run it
+
+
+def test_missing_handler_library_without_toolchain_names_the_command(monkeypatch, tmp_path):
+  from jaxflash import build
+
+  def no_toolchain():
+    raise build.BuildError("no C++ compiler found")
+
+  monkeypatch.setattr(build, "find_toolchain", no_toolchain)
+  monkeypatch.setenv(config.CACHE_DIR_ENV, str(tmp_path))
+  with pytest.raises(RuntimeError, match="(?s)is missing and cannot be built here: no C\\+\\+ "
+                                         "compiler found.*python -m jaxflash.build --all"):
+    ffi._handler_library(tmp_path)

@@ -1,0 +1,194 @@
+"""CuTe forward kernels on a Hopper GPU: every shipped variant against the float64 oracle.
+
+Outputs are poisoned: the raw FFI call writes into donated NaN-filled buffers (checked to be the
+same memory), so an element the kernel leaves unwritten shows up as NaN.
+Run with JAXFLASH_CACHE_DIR pointing at prebuilt kernels (scripts/gpu_check.sh).
+"""
+
+import functools
+import re
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import config, ffi, reference
+from jaxflash.config import FWD_TARGET, AttentionConfig, KernelVariant
+from tests._cases import make_qkv, x64
+from tests._oracle import assert_close_to_oracle
+
+pytestmark = pytest.mark.gpu
+
+VARIANTS = config.shipped_variants()
+SHAPES = {  # name -> (batch, seq_q, seq_k, heads, kv_heads)
+    "s1": (3, 1, 1, 4, 4),
+    "s17_gqa": (2, 17, 17, 8, 2),
+    "s1000_mqa": (1, 1000, 1000, 4, 1),
+    "s4097": (1, 4097, 4097, 2, 2),
+    "q17_k1000_gqa": (2, 17, 1000, 4, 2),
+    "q1000_k17": (1, 1000, 17, 4, 4),  # causal: the first 983 rows see no key
+}
+
+
+def _config(variant: KernelVariant) -> AttentionConfig:
+  return AttentionConfig(softmax_scale=variant.head_dim ** -0.5, causal=variant.causal,
+                         implementation="cute")
+
+
+def _ffi_call(q, k, v, variant, cfg):
+  b, seq_q, h, _ = q.shape
+  result = (jax.ShapeDtypeStruct((b, seq_q, h, variant.head_dim_v), q.dtype),
+            jax.ShapeDtypeStruct((b, h, seq_q), jnp.float32))
+  return jax.ffi.ffi_call(FWD_TARGET, result)(q, k, v, **ffi.fwd_attributes(variant, cfg))
+
+
+# keep_unused: jit would otherwise drop the unread buffers, and their donation with them.
+@functools.partial(jax.jit, static_argnames=("variant", "cfg"), donate_argnums=(3, 4),
+                   keep_unused=True)
+def _fwd_into(q, k, v, out_buffer, lse_buffer, *, variant, cfg):
+  del out_buffer, lse_buffer  # donated: XLA writes the results into their memory
+  return _ffi_call(q, k, v, variant, cfg)
+
+
+def poisoned_fwd(q, k, v, variant, cfg):
+  """The raw custom call, writing into NaN-filled buffers; fails if XLA did not reuse them."""
+  b, seq_q, h, _ = q.shape
+  out_buffer = jnp.full((b, seq_q, h, variant.head_dim_v), jnp.nan, q.dtype)
+  lse_buffer = jnp.full((b, h, seq_q), jnp.nan, jnp.float32)
+  pointers = (out_buffer.unsafe_buffer_pointer(), lse_buffer.unsafe_buffer_pointer())
+  out, lse = _fwd_into(q, k, v, out_buffer, lse_buffer, variant=variant, cfg=cfg)
+  if out.size and lse.size:
+    assert (out.unsafe_buffer_pointer(), lse.unsafe_buffer_pointer()) == pointers, (
+        "XLA did not write into the poisoned buffers: the test would miss unwritten elements")
+  return out, lse
+
+
+_naive = jax.jit(reference.naive_attention, static_argnames=("config", "compute_dtype"))
+
+
+def _oracle(q, k, v, cfg):
+  """(float64 out, lse) of the rounded inputs, and the naive in-dtype (out, lse)."""
+  cfg = cfg.replace(implementation="reference")
+  naive = _naive(q, k, v, config=cfg, compute_dtype=np.dtype(q.dtype))
+  with x64():
+    q64, k64, v64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v))
+    exact = tuple(np.asarray(x) for x in _naive(q64, k64, v64, config=cfg))
+  return exact, tuple(np.asarray(x, np.float64) for x in naive)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+  for variant in VARIANTS:
+    ffi.ensure_variant(variant)  # fails with the build command if the cache lacks one
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.key for v in VARIANTS])
+def test_forward_matches_float64_oracle(variant, shape):
+  b, seq_q, seq_k, h, h_kv = shape
+  dtype = jnp.dtype(variant.dtype)
+  q, k, v = make_qkv(zlib.crc32(f"{variant.key}{shape}".encode()), b, seq_q, seq_k, h, h_kv,
+                     variant.head_dim, dtype=dtype)
+  cfg = _config(variant)
+  out, lse = jaxflash.attention(q, k, v, causal=variant.causal, return_lse=True,
+                                implementation="cute")
+  raw_out, raw_lse = poisoned_fwd(q, k, v, variant, cfg)
+  (want_out, want_lse), (naive_out, naive_lse) = _oracle(q, k, v, cfg)
+  assert_close_to_oracle(raw_out, want_out, naive_out, name="out")
+  assert_close_to_oracle(raw_lse, want_lse, naive_lse, name="lse")
+  # The public path runs the same kernel with the same attributes: bitwise equal, every time.
+  np.testing.assert_array_equal(out, raw_out)
+  np.testing.assert_array_equal(lse, raw_lse)
+  again_out, again_lse = jaxflash.attention(q, k, v, causal=variant.causal, return_lse=True,
+                                            implementation="cute")
+  np.testing.assert_array_equal(again_out, out)
+  np.testing.assert_array_equal(again_lse, lse)
+  if variant.causal and seq_q > seq_k:
+    empty = seq_q - seq_k  # bottom-right alignment: these rows see no key
+    assert not np.asarray(raw_out[:, :empty], np.float32).any()
+    assert np.all(np.asarray(raw_lse[:, :, :empty]) == -np.inf)
+
+
+def test_poisoned_buffers_are_the_custom_call_results():
+  """No copy between the custom call and the donated buffers, so the kernel writes into NaNs."""
+  variant = VARIANTS[0]
+  q, k, v = make_qkv(6, 1, 64, 64, 2, 2, variant.head_dim, dtype=jnp.dtype(variant.dtype))
+  out_buffer = jnp.zeros((1, 64, 2, variant.head_dim_v), q.dtype)
+  lse_buffer = jnp.zeros((1, 2, 64), jnp.float32)
+  hlo = _fwd_into.lower(q, k, v, out_buffer, lse_buffer, variant=variant,
+                        cfg=_config(variant)).compile().as_text()
+  assert FWD_TARGET in hlo
+  assert not re.search(r"\bcopy(-start)?\(", hlo), hlo
+
+
+def test_no_keys_gives_zero_output_and_neg_inf_lse():
+  variant = VARIANTS[0]
+  q, k, v = make_qkv(7, 2, 5, 0, 2, 2, variant.head_dim, dtype=jnp.dtype(variant.dtype))
+  out, lse = poisoned_fwd(q, k, v, variant, _config(variant))
+  assert not np.asarray(out, np.float32).any()
+  assert np.all(np.asarray(lse) == -np.inf)
+
+
+def test_empty_batch_is_a_no_op():
+  variant = VARIANTS[0]
+  q, k, v = make_qkv(8, 0, 5, 6, 2, 2, variant.head_dim, dtype=jnp.dtype(variant.dtype))
+  out, lse = jax.block_until_ready(jax.jit(_ffi_call, static_argnums=(3, 4))(
+      q, k, v, variant, _config(variant)))
+  assert out.shape == (0, 5, 2, variant.head_dim_v) and lse.shape == (0, 2, 5)
+
+
+def _run_raw(q, k, v, kernel, cfg, **attr_changes):
+  attrs = dict(ffi.fwd_attributes(kernel, cfg), **attr_changes)
+  b, seq_q, h, _ = q.shape
+  result = (jax.ShapeDtypeStruct((b, seq_q, h, v.shape[-1]), q.dtype),
+            jax.ShapeDtypeStruct((b, h, seq_q), jnp.float32))
+  return jax.block_until_ready(
+      jax.jit(lambda *a: jax.ffi.ffi_call(FWD_TARGET, result)(*a, **attrs))(q, k, v))
+
+
+def test_handler_rejects_inconsistent_calls_with_named_errors():
+  variant = next(v for v in VARIANTS if v.head_dim == 128 and not v.causal)
+  cfg = _config(variant)
+  dtype = jnp.dtype(variant.dtype)
+  q, k, v = make_qkv(9, 2, 16, 16, 4, 2, 128, dtype=dtype)
+  with pytest.raises(Exception, match=r"jaxflash_attention_fwd\[variant=.*head_dim=64"):
+    _run_raw(q, k, v, variant, cfg, head_dim=np.int32(64))
+  with pytest.raises(Exception, match=r"causal=true does not match"):
+    _run_raw(q, k, v, variant, cfg, causal=True)
+  bad_k = k[:1]
+  with pytest.raises(Exception, match=r"do not fit q"):
+    _run_raw(q, bad_k, v[:1], variant, cfg)
+  q3 = make_qkv(10, 2, 16, 16, 3, 2, 128, dtype=dtype)[0]
+  with pytest.raises(Exception, match=r"num_heads 3 is not a multiple of num_kv_heads 2"):
+    _run_raw(q3, k, v, variant, cfg)
+  unknown = variant.key.replace("m128", "m64")
+  with pytest.raises(Exception, match=rf"'{unknown}' is not registered.*--variants {unknown}"):
+    _run_raw(q, k, v, variant, cfg, variant=unknown)
+
+
+def test_command_buffer_moving_buffers():
+  """A jitted chain of calls (recorded into a CUDA graph by XLA) over inputs that move."""
+  variant = next(v for v in VARIANTS if v.head_dim == 64 and v.causal)
+  cfg = _config(variant)
+  dtype = jnp.dtype(variant.dtype)
+  chain = 6  # above XLA's minimum command-buffer size
+
+  @jax.jit
+  def many(qs, k, v):
+    return [_ffi_call(qs[i], k, v, variant, cfg)[0] for i in range(chain)]
+
+  single = jax.jit(lambda q, k, v: _ffi_call(q, k, v, variant, cfg)[0])
+  runs = []
+  for seed in (11, 12, 11):
+    rng = np.random.default_rng(seed)
+    qs = jnp.asarray(rng.standard_normal((chain, 1, 300, 4, 64)), dtype)
+    _, k, v = make_qkv(seed, 1, 300, 300, 4, 2, 64, dtype=dtype)
+    outs = jax.block_until_ready(many(qs, k, v))
+    runs.append((qs, k, v, outs))
+  for qs, k, v, outs in runs:  # earlier outputs must not have been overwritten later
+    for i in range(chain):
+      np.testing.assert_array_equal(outs[i], single(qs[i], k, v))
+  np.testing.assert_array_equal(runs[0][3][0], runs[2][3][0])
