@@ -16,14 +16,15 @@ def shaped_like(ref, shape, dtype, inputs):
   spells this `manual_axis_type`/`.mat`, earlier releases `vma`: both are handled here.
   """
   del ref
+  from jax._src import core as src_core  # ManualAxisType is not re-exported by jax.core
   from jax.sharding import NamedSharding, PartitionSpec
-  if hasattr(core, "ManualAxisType"):
+  if hasattr(src_core, "ManualAxisType"):
     varying = frozenset().union(*(a.mat.varying for a in inputs if hasattr(a, "mat")))
     if not varying:
       return core.ShapedArray(shape, dtype)
     mesh = next(a.sharding.mesh for a in inputs if a.mat.varying)
     return core.ShapedArray(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()),
-                            manual_axis_type=core.ManualAxisType(varying=varying))
+                            manual_axis_type=src_core.ManualAxisType(varying=varying))
   varying = frozenset().union(*(getattr(a, "vma", frozenset()) for a in inputs))
   if not varying:
     return core.ShapedArray(shape, dtype)

@@ -164,13 +164,14 @@ def _partitioned(inner, direction: str):
   """custom_partitioning of `inner` under the rules of jaxflash.sharding for `direction`."""
   rule_fn = {"fwd": sharding.fwd_sharding_rule, "bwd": sharding.bwd_sharding_rule}[direction]
   partition_fn = {"fwd": sharding.fwd_partition, "bwd": sharding.bwd_partition}[direction]
+  num_results = {"fwd": 2, "bwd": 3}[direction]  # (out, lse) / (dq, dk, dv): no scratch
 
   def impl(config, *args):
-    return tuple(inner.bind(*args, config=config))
+    return tuple(inner.bind(*args, config=config))[:num_results]
 
   def partition(config, mesh, arg_shapes, result_shapes):
     del result_shapes
-    compute = lambda *a: inner.bind(*a, config=config)
+    compute = lambda *a: tuple(inner.bind(*a, config=config))[:num_results]
     arg_shardings, result_shardings, per_shard = partition_fn(config, mesh, arg_shapes, compute)
     return mesh, per_shard, result_shardings, arg_shardings
 

@@ -95,6 +95,30 @@ def naive_attention(query, key, value, config: AttentionConfig, q_segment_ids=No
   return out.astype(query.dtype), lse.reshape(b, h, seq_q).astype(_compute_dtype(cdt))
 
 
+def _varying_axes(*xs) -> frozenset:
+  """shard_map manual axes the arrays vary over (jax 0.10+: typeof().mat.varying; older: vma)."""
+  axes = set()
+  for x in xs:
+    if x is None:
+      continue
+    t = jax.typeof(x)
+    mat = getattr(t, "mat", None)
+    axes |= set(mat.varying if mat is not None else getattr(t, "vma", ()))
+  return frozenset(axes)
+
+
+def _vary_like(carry, *refs):
+  """Marks a scan's initial carry as varying like `refs`: inside shard_map (check_vma=True)
+  the carry out varies over the inputs' manual axes, and scan needs equal carry types."""
+  axes = _varying_axes(*refs)
+
+  def cast(x):
+    missing = tuple(sorted(axes - _varying_axes(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree_util.tree_map(cast, carry)
+
+
 def _block_k(seq_k: int, block_k: Optional[int]) -> int:
   return max(1, min(block_k or DEFAULT_BLOCK_K, seq_k))
 
@@ -155,6 +179,7 @@ def blocked_forward(query, key, value, config: AttentionConfig, q_segment_ids=No
 
   init = (jnp.full((b, h_kv, g, seq_q), -jnp.inf, cdt), jnp.zeros((b, h_kv, g, seq_q), cdt),
           jnp.zeros((b, h_kv, g, seq_q, dv), cdt))
+  init = _vary_like(init, query, key, value, q_segment_ids, kv_segment_ids)
   (m, l, acc), _ = lax.scan(step, init, xs)
   seen = l > 0
   out = acc / jnp.where(seen, l, 1)[..., None]
@@ -202,7 +227,9 @@ def blocked_backward(query, key, value, out, lse, d_out, d_lse, config: Attentio
     dk_b = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg, precision=lax.Precision.HIGHEST)
     return dq, (dk_b, dv_b)
 
-  dq, (dk, dv) = lax.scan(step, jnp.zeros_like(qg), xs)
+  dq0 = _vary_like(jnp.zeros_like(qg), query, key, value, out, lse, d_out, d_lse, q_segment_ids,
+                  kv_segment_ids)
+  dq, (dk, dv) = lax.scan(step, dq0, xs)
 
   def unblock(x, like):
     x = jnp.moveaxis(x, 0, 1).reshape(b, nblocks * bk, *x.shape[3:])

@@ -1,0 +1,256 @@
+"""Partition rules of the attention primitives: pure functions of the config and the shardings.
+
+Imports jax (sharding, lax) and jaxflash.config only; primitives.py wires these into
+custom_partitioning. It never imports primitives (DESIGN.md layers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Mapping, Optional, Sequence
+
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxflash.config import AttentionConfig
+
+# Shardy factor names. Query heads and kv heads are separate factors; when every head
+# sharding the mesh allows keeps whole kv heads, the query-head dim is written as the compound
+# (kv_heads q_per_kv) so that Shardy propagates a head sharding between q and k/v (every query
+# group then stays with its kv head). Otherwise Shardy would split a mesh axis into sub-axes
+# for kv_heads, which custom_partitioning cannot hand to Python (IndivisibleError), so the
+# factors stay independent and `resolve` aligns them.
+BATCH, SEQ_Q, SEQ_K = "batch", "seq_q", "seq_k"
+HEADS, KV_HEADS, Q_PER_KV = "heads", "kv_heads", "q_per_kv"
+HEAD_DIM, HEAD_DIM_V = "head_dim", "head_dim_v"
+# The kernels hold a whole row of keys and a whole head: these factors are never sharded.
+REPLICATED_FACTORS = (SEQ_Q, SEQ_K, HEAD_DIM, HEAD_DIM_V)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shardy rules (einsum-like strings with named factors)
+
+def _head_factors(num_heads: int, num_kv_heads: int, mesh_sizes: Sequence[int]):
+  """(query-head mapping, kv-head mapping, factor sizes) for MHA or GQA/MQA."""
+  if num_heads == num_kv_heads:
+    return HEADS, HEADS, {}
+  if num_kv_heads % math.prod(mesh_sizes) == 0:
+    return f"({KV_HEADS} {Q_PER_KV})", KV_HEADS, {Q_PER_KV: num_heads // num_kv_heads}
+  return HEADS, KV_HEADS, {}
+
+
+def _operands(num_heads: int, num_kv_heads: int, has_segment_ids: bool, mesh_sizes):
+  h, kv, sizes = _head_factors(num_heads, num_kv_heads, mesh_sizes)
+  q = f"{BATCH} {SEQ_Q} {h} {HEAD_DIM}"
+  k = f"{BATCH} {SEQ_K} {kv} {HEAD_DIM}"
+  v = f"{BATCH} {SEQ_K} {kv} {HEAD_DIM_V}"
+  out = f"{BATCH} {SEQ_Q} {h} {HEAD_DIM_V}"
+  lse = f"{BATCH} {h} {SEQ_Q}"
+  segments = [f"{BATCH} {SEQ_Q}", f"{BATCH} {SEQ_K}"] if has_segment_ids else []
+  return q, k, v, out, lse, segments, sizes
+
+
+def _rule(operands: Sequence[str], results: Sequence[str], sizes: Mapping[str, int]):
+  rule = f"{', '.join(operands)} -> {', '.join(results)}"
+  # Shardy's verifier wants special factors in order of first appearance in the rule.
+  order = [f for f in rule.replace("(", " ").replace(")", " ").replace(",", " ").split()
+           if f != "->"]
+  replicated = tuple(sorted(REPLICATED_FACTORS, key=order.index))
+  return rule, dict(sizes, need_replication_factors=replicated)
+
+
+def fwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int,
+                      mesh_sizes: Sequence[int] = ()):
+  """(rule string, keyword arguments) of flash_fwd_p: (q, k, v[, q_seg, kv_seg]) -> (out, lse).
+
+  mesh_sizes: the sizes of the mesh axes (decides whether GQA heads use a compound factor).
+  """
+  q, k, v, out, lse, segments, sizes = _operands(num_heads, num_kv_heads,
+                                                 config.has_segment_ids, mesh_sizes)
+  return _rule([q, k, v, *segments], [out, lse], sizes)
+
+
+def bwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int,
+                      mesh_sizes: Sequence[int] = ()):
+  """Rule of flash_bwd_p: (q, k, v, out, lse, d_out, d_lse[, segs]) -> (dq, dk, dv)."""
+  q, k, v, out, lse, segments, sizes = _operands(num_heads, num_kv_heads,
+                                                 config.has_segment_ids, mesh_sizes)
+  return _rule([q, k, v, out, lse, out, lse, *segments], [q, k, v], sizes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolution: from whatever shardings arrive to one valid per-shard layout
+
+def spec_axes(spec: Optional[PartitionSpec], ndim: int) -> tuple[tuple[str, ...], ...]:
+  """A PartitionSpec as one tuple of mesh-axis names per dimension (padded to ndim)."""
+  entries = tuple(spec) if spec is not None else ()
+  entries = entries + (None,) * (ndim - len(entries))
+  out = []
+  for e in entries[:ndim]:
+    if e is None or e is PartitionSpec.UNCONSTRAINED:
+      out.append(())
+    elif isinstance(e, str):
+      out.append((e,))
+    else:
+      out.append(tuple(e))
+  return tuple(out)
+
+
+def _entry(axes: tuple[str, ...]):
+  if not axes:
+    return None
+  return axes[0] if len(axes) == 1 else axes
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How one attention call runs per shard.
+
+  batch_axes shard the batch of every operand; head_axes shard the query heads. When the kv
+  heads divide by the head shards, k/v are sharded by the same axes (kv_replicated False).
+  Otherwise (MQA/GQA with fewer kv heads than head shards) k/v stay replicated over head_axes,
+  each shard slices the one kv head its query heads read, and the backward sums dk/dv over
+  head_axes (one all-reduce of k's size; Megatron does the same for MQA).
+  """
+
+  batch_axes: tuple[str, ...] = ()
+  head_axes: tuple[str, ...] = ()
+  kv_replicated: bool = False
+  num_heads: int = 1
+  num_kv_heads: int = 1
+  head_shards: int = 1
+
+  def q_spec(self) -> PartitionSpec:  # q, out, d_out, dq
+    return PartitionSpec(_entry(self.batch_axes), None, _entry(self.head_axes), None)
+
+  def kv_spec(self) -> PartitionSpec:  # k, v, dk, dv
+    heads = None if self.kv_replicated else _entry(self.head_axes)
+    return PartitionSpec(_entry(self.batch_axes), None, heads, None)
+
+  def lse_spec(self) -> PartitionSpec:  # lse, d_lse
+    return PartitionSpec(_entry(self.batch_axes), _entry(self.head_axes), None)
+
+  def segment_spec(self) -> PartitionSpec:  # q_segment_ids, kv_segment_ids
+    return PartitionSpec(_entry(self.batch_axes), None)
+
+  # -- per-shard helpers (run inside custom_partitioning's per-shard function) --
+
+  def _kv_index(self):
+    """Index of the kv head that this shard's query heads read (kv_replicated only)."""
+    shard = lax.axis_index(self.head_axes if len(self.head_axes) > 1 else self.head_axes[0])
+    group = self.num_heads // self.num_kv_heads
+    return (shard * (self.num_heads // self.head_shards)) // group
+
+  def select_kv(self, x):
+    """Local k or v: the slice of kv heads this shard's query heads read."""
+    if not self.kv_replicated:
+      return x
+    return lax.dynamic_slice_in_dim(x, self._kv_index(), 1, axis=2)
+
+  def reduce_dkv(self, dx):
+    """dk or dv of the local kv slice -> the replicated gradient, summed over head shards."""
+    if not self.kv_replicated:
+      return dx
+    acc = jnp.promote_types(dx.dtype, jnp.float32)  # sum the shards' parts in >= float32
+    full = jnp.zeros(dx.shape[:2] + (self.num_kv_heads,) + dx.shape[3:], acc)
+    full = lax.dynamic_update_slice_in_dim(full, dx.astype(acc), self._kv_index(), axis=2)
+    axes = self.head_axes if len(self.head_axes) > 1 else self.head_axes[0]
+    return lax.psum(full, axes).astype(dx.dtype)
+
+
+def _divisible_prefix(axes: tuple[str, ...], mesh_shape: Mapping[str, int], ok) -> tuple[str, ...]:
+  """The longest prefix of `axes` whose total size satisfies ok(size)."""
+  for n in range(len(axes), -1, -1):
+    if ok(math.prod(mesh_shape[a] for a in axes[:n])):
+      return axes[:n]
+  return ()
+
+
+def resolve(mesh_shape: Mapping[str, int], q_axes, k_axes, v_axes, *, batch: int,
+            num_heads: int, num_kv_heads: int) -> Plan:
+  """One valid Plan from the per-dimension mesh axes of q, k and v (see `spec_axes`).
+
+  Rules (documented in docs/sharding.md):
+    * batch: q's batch axes, else k's, else v's; trailing axes that do not divide batch drop.
+    * heads: q's head axes, else k's kv-head axes, else v's; axes already used by batch drop;
+      trailing axes drop until their size divides num_heads and either divides num_kv_heads
+      (k/v sharded alike) or is a multiple of it (k/v replicated over them, see Plan).
+    * seq_q, seq_k, head_dim, head_dim_v are never sharded: such inputs are gathered.
+  """
+  known = lambda axes: tuple(a for a in axes if a in mesh_shape)
+  batch_axes = known(q_axes[0] or k_axes[0] or v_axes[0])
+  batch_axes = _divisible_prefix(batch_axes, mesh_shape, lambda n: batch % n == 0)
+  head_axes = known(q_axes[2] or k_axes[2] or v_axes[2])
+  head_axes = tuple(a for a in head_axes if a not in batch_axes)
+  head_axes = _divisible_prefix(
+      head_axes, mesh_shape,
+      lambda n: num_heads % n == 0 and (num_kv_heads % n == 0 or n % num_kv_heads == 0))
+  shards = math.prod(mesh_shape[a] for a in head_axes)
+  return Plan(batch_axes=batch_axes, head_axes=head_axes,
+              kv_replicated=num_kv_heads % shards != 0, num_heads=num_heads,
+              num_kv_heads=num_kv_heads, head_shards=shards)
+
+
+def _axes_of(shape_with_sharding, ndim: int):
+  sharding = getattr(shape_with_sharding, "sharding", None)
+  spec = sharding.spec if isinstance(sharding, NamedSharding) else None
+  return spec_axes(spec, ndim)
+
+
+def plan_for(mesh, arg_shapes) -> Plan:
+  """The Plan for one call from its first three operands (q, k, v) as custom_partitioning
+  passes them: ShapeDtypeStructs whose .sharding is a NamedSharding (or None / a sharding
+  without a mesh, read as replicated)."""
+  q, k, v = arg_shapes[:3]
+  return resolve(dict(mesh.shape), _axes_of(q, 4), _axes_of(k, 4), _axes_of(v, 4),
+                 batch=q.shape[0], num_heads=q.shape[2], num_kv_heads=k.shape[2])
+
+
+def fwd_specs(plan: Plan, has_segment_ids: bool):
+  """(operand specs, result specs) of flash_fwd_p under `plan`."""
+  segs = (plan.segment_spec(),) * 2 if has_segment_ids else ()
+  args = (plan.q_spec(), plan.kv_spec(), plan.kv_spec()) + segs
+  return args, (plan.q_spec(), plan.lse_spec())
+
+
+def bwd_specs(plan: Plan, has_segment_ids: bool):
+  """(operand specs, result specs) of flash_bwd_p under `plan`."""
+  segs = (plan.segment_spec(),) * 2 if has_segment_ids else ()
+  q, kv, lse = plan.q_spec(), plan.kv_spec(), plan.lse_spec()
+  return (q, kv, kv, q, lse, q, lse) + segs, (q, kv, kv)
+
+
+def fwd_partition(config: AttentionConfig, mesh, arg_shapes,
+                  compute: Callable) -> tuple[tuple, tuple, Callable]:
+  """custom_partitioning's decision for flash_fwd_p.
+
+  `compute(*local_args) -> (out, lse)` runs one shard (primitives.py binds the inner
+  primitive there). Returns (operand shardings, result shardings, per-shard function).
+  """
+  plan = plan_for(mesh, arg_shapes)
+  arg_specs, result_specs = fwd_specs(plan, config.has_segment_ids)
+
+  def per_shard(q, k, v, *segment_ids):
+    return tuple(compute(q, plan.select_kv(k), plan.select_kv(v), *segment_ids))
+
+  return _named(mesh, arg_specs), _named(mesh, result_specs), per_shard
+
+
+def bwd_partition(config: AttentionConfig, mesh, arg_shapes,
+                  compute: Callable) -> tuple[tuple, tuple, Callable]:
+  """custom_partitioning's decision for flash_bwd_p; `compute` returns (dq, dk, dv)."""
+  plan = plan_for(mesh, arg_shapes)
+  arg_specs, result_specs = bwd_specs(plan, config.has_segment_ids)
+
+  def per_shard(q, k, v, *rest):
+    dq, dk, dv = compute(q, plan.select_kv(k), plan.select_kv(v), *rest)
+    return dq, plan.reduce_dkv(dk), plan.reduce_dkv(dv)
+
+  return _named(mesh, arg_specs), _named(mesh, result_specs), per_shard
+
+
+def _named(mesh, specs):
+  return tuple(NamedSharding(mesh, s) for s in specs)
+

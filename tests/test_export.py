@@ -1,0 +1,188 @@
+"""jax.export round trips of a training step that uses jaxflash.
+
+CPU: export, serialize, run in a fresh process (no jaxflash import there), same numbers.
+CUDA: an export made on this CPU host holds the stable custom call `jaxflash_attention_fwd`
+with its attributes; on a GPU host, `jaxflash.ffi.register()` is all a fresh process needs.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.export import DisabledSafetyCheck
+
+import jaxflash
+from jaxflash.config import (BWD_TARGET, FWD_ATTRIBUTE_NAMES, FWD_TARGET, AttentionConfig,
+                             KernelVariant)
+from tests import _multidevice
+
+pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
+
+# What an export with jaxflash custom calls must allow (docs/export.md): the targets are not on
+# jax.export's list of custom calls with a stability guarantee, jaxflash gives its own.
+DISABLED_CHECKS = [DisabledSafetyCheck.custom_call(FWD_TARGET),
+                   DisabledSafetyCheck.custom_call(BWD_TARGET)]
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _params_and_batch(dtype, d_model=32, heads=4, kv_heads=2, head_dim=16, batch=2, seq=64):
+  rng = np.random.default_rng(21)
+  init = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), dtype)
+  params = {"wq": init(d_model, heads, head_dim), "wk": init(d_model, kv_heads, head_dim),
+            "wv": init(d_model, kv_heads, head_dim), "wo": init(heads, head_dim, d_model)}
+  x = jnp.asarray(rng.standard_normal((batch, seq, d_model)), dtype)
+  target = jnp.asarray(rng.standard_normal((batch, seq, d_model)), dtype)
+  return params, x, target
+
+
+def _train_step(params, x, target, implementation=None):
+  """One SGD step of a causal GQA attention layer: (loss, new params)."""
+  def loss_fn(p):
+    q = jnp.einsum("btd,dhk->bthk", x, p["wq"])
+    k = jnp.einsum("btd,dhk->bthk", x, p["wk"])
+    v = jnp.einsum("btd,dhk->bthk", x, p["wv"])
+    out = jaxflash.attention(q, k, v, causal=True, implementation=implementation)
+    y = jnp.einsum("bthk,hkd->btd", out, p["wo"])
+    return jnp.mean(jnp.square(y.astype(jnp.float32) - target.astype(jnp.float32)))
+
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  return loss, jax.tree.map(lambda w, g: w - 0.1 * g.astype(w.dtype), params, grads)
+
+
+_CHILD = textwrap.dedent("""
+    import sys
+    import jax, numpy as np
+    exported = jax.export.deserialize(bytearray(open(sys.argv[1], "rb").read()))
+    inputs = np.load(sys.argv[2])
+    args = jax.tree.unflatten(exported.in_tree, [inputs[f"a{i}"] for i in range(len(inputs))])
+    flat = jax.tree.leaves(exported.call(*args[0], **args[1]))
+    np.savez(sys.argv[3], *[np.asarray(x) for x in flat])
+    assert "jaxflash" not in sys.modules, "the exported module must run without jaxflash"
+    """)
+
+
+def test_training_step_round_trip_in_fresh_process(tmp_path):
+  params, x, target = _params_and_batch(jnp.float32)
+  step = jax.jit(_train_step)
+  exported = jax.export.export(step)(params, x, target)
+  # The CPU (reference) lowering is plain StableHLO: nothing to register where it runs.
+  text = exported.mlir_module()
+  assert FWD_TARGET not in text and "CustomSPMDPartitioning" not in text
+  blob = tmp_path / "step.jaxexport"
+  blob.write_bytes(exported.serialize())
+  flat_in = jax.tree.leaves(((params, x, target), {}))
+  np.savez(tmp_path / "in.npz", **{f"a{i}": np.asarray(a) for i, a in enumerate(flat_in)})
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _CHILD, str(blob), str(tmp_path / "in.npz"),
+                         str(tmp_path / "out.npz")], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  child = np.load(tmp_path / "out.npz")
+  child = [child[f"arr_{i}"] for i in range(len(child))]
+  here = [np.asarray(a) for a in jax.tree.leaves(exported.call(params, x, target))]
+  direct = [np.asarray(a) for a in jax.tree.leaves(step(params, x, target))]
+  assert len(child) == len(here) == len(direct) == 5  # loss + 4 weights
+  for c, h, d in zip(child, here, direct):
+    np.testing.assert_array_equal(c, h)  # same module, same compiler: identical
+    np.testing.assert_allclose(h, d, rtol=1e-6, atol=1e-7)
+
+
+def _cuda_export(disabled_checks):
+  params, x, target = _params_and_batch(jnp.bfloat16, head_dim=64)
+  specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x, target))
+  step = jax.jit(lambda p, x, t: _train_step(p, x, t, implementation="cute"))
+  return jax.export.export(step, platforms=("cuda",), disabled_checks=disabled_checks)(*specs)
+
+
+def test_cuda_export_from_cpu_host_holds_the_stable_target():
+  exported = _cuda_export(DISABLED_CHECKS)
+  assert exported.platforms == ("cuda",)
+  restored = jax.export.deserialize(exported.serialize())
+  text = restored.mlir_module()
+  calls = [l for l in text.splitlines() if f"custom_call @{FWD_TARGET}(" in l]
+  assert len(calls) == 1, calls  # one forward; the backward does not recompute it
+  for name in FWD_ATTRIBUTE_NAMES:
+    assert f"{name} = " in calls[0], (name, calls[0])
+  cfg = AttentionConfig(softmax_scale=64 ** -0.5, causal=True, implementation="cute")
+  key = KernelVariant.for_call("fwd", "sm90a", "bfloat16", 64, 64, cfg).key
+  assert f'variant = "{key}"' in calls[0]
+  assert "CustomSPMDPartitioning" not in text
+
+
+def test_cuda_export_without_disabled_check_names_the_target():
+  with pytest.raises(ValueError, match=FWD_TARGET):
+    _cuda_export([])
+
+
+def test_sharded_export_through_shard_map():
+  """Multi-device export: attention inside shard_map serializes (docs/export.md)."""
+  r = _multidevice.run_worker("tests.test_export")
+  assert r["error"] <= 1e-6 and not r["has_partitioner_call"], r
+
+
+_GPU_CHILD = textwrap.dedent("""
+    import sys
+    import jax, numpy as np
+    import jaxflash.ffi
+    jaxflash.ffi.register()  # the one line a deserializing process needs
+    exported = jax.export.deserialize(bytearray(open(sys.argv[1], "rb").read()))
+    inputs = np.load(sys.argv[2])
+    args = jax.tree.unflatten(exported.in_tree, [inputs[f"a{i}"] for i in range(len(inputs))])
+    flat = jax.tree.leaves(exported.call(*args[0], **args[1]))
+    np.savez(sys.argv[3], *[np.asarray(x, np.float32) for x in flat])
+    """)
+
+
+@pytest.mark.gpu
+def test_cuda_export_runs_in_fresh_process_after_register(tmp_path):
+  params, x, target = _params_and_batch(jnp.bfloat16, head_dim=64)
+  step = jax.jit(lambda p, x, t: _train_step(p, x, t, implementation="cute"))
+  exported = jax.export.export(step, platforms=("cuda",),
+                               disabled_checks=DISABLED_CHECKS)(params, x, target)
+  assert f"@{FWD_TARGET}(" in exported.mlir_module()
+  (tmp_path / "step.jaxexport").write_bytes(exported.serialize())
+  flat_in = jax.tree.leaves(((params, x, target), {}))
+  np.savez(tmp_path / "in.npz", **{f"a{i}": np.asarray(a) for i, a in enumerate(flat_in)})
+  proc = subprocess.run([sys.executable, "-c", _GPU_CHILD, str(tmp_path / "step.jaxexport"),
+                         str(tmp_path / "in.npz"), str(tmp_path / "out.npz")], cwd=_ROOT,
+                        capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  child = np.load(tmp_path / "out.npz")
+  here = [np.asarray(a, np.float32) for a in jax.tree.leaves(exported.call(params, x, target))]
+  for i, h in enumerate(here):
+    np.testing.assert_array_equal(child[f"arr_{i}"], h)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker (runs under `python -m tests.test_export` with 8 fake devices)
+
+def _worker():
+  from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"),
+              axis_types=(AxisType.Auto,) * 2)
+  spec = P("data", None, "model")
+  sharding = NamedSharding(mesh, spec)
+  attend = lambda q, k, v: jaxflash.attention(q, k, v, causal=True)
+  fn = jax.jit(jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                             check_vma=False))
+  rng = np.random.default_rng(5)
+  q, k, v = (jax.device_put(jnp.asarray(rng.standard_normal((4, 32, 8, 16)), jnp.float32),
+                            sharding) for _ in range(3))
+  exported = jax.export.export(fn)(q, k, v)
+  restored = jax.export.deserialize(exported.serialize())
+  got = restored.call(q, k, v)
+  _multidevice.emit({
+      "error": float(np.abs(np.asarray(got) - np.asarray(jax.jit(attend)(q, k, v))).max()),
+      "has_partitioner_call": "CustomSPMDPartitioning" in exported.mlir_module()})
+
+
+if __name__ == "__main__":
+  _worker()
