@@ -1,0 +1,1 @@
+"""Examples of jaxflash; run them from the repository root with python -m."""

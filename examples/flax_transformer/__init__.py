@@ -1,0 +1,1 @@
+"""Byte-level decoder-only transformer trained with Flax on jaxflash attention."""

@@ -1,0 +1,241 @@
+"""jaxflash.flax: the attention_fn adapter and the linen/nnx blocks against Flax's own attention.
+
+Each comparison follows the oracle rule: Flax's attention in float64 is the oracle, Flax's in
+float32 the naive result, jaxflash's (reference path, float32) must be within 2x of it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+import flax.linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxflash.flax as jf  # noqa: E402
+from tests._cases import x64  # noqa: E402
+from tests._oracle import assert_close_to_oracle  # noqa: E402
+
+B, T, D, HEADS = 2, 12, 32, 4
+
+
+def _normal(seed, shape):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def _upcast(tree):
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float64)
+                      if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating) else x, tree)
+
+
+def _value_and_grads(fn, params, x, cotangent):
+  out, vjp = jax.vjp(fn, params, x)
+  return out, vjp(cotangent)
+
+
+def assert_matches_flax(ours, flax_fn, params, x, name):
+  """ours(params, x) vs flax_fn(params, x): output and gradients w.r.t. params and x."""
+  cotangent = _normal(99, jax.eval_shape(flax_fn, params, x).shape)
+  out, grads = _value_and_grads(ours, params, x, cotangent)
+  naive_out, naive_grads = _value_and_grads(flax_fn, params, x, cotangent)
+  with x64():
+    oracle = jax.device_get(_value_and_grads(flax_fn, _upcast(params), _upcast(x),
+                                             _upcast(cotangent)))
+  flat = lambda tree: jax.tree_util.tree_flatten_with_path(tree)[0]
+  for (path, a), (_, e), (_, n) in zip(flat((out, grads)), flat(oracle),
+                                       flat((naive_out, naive_grads))):
+    assert_close_to_oracle(a, e, n, name=f"{name} {jax.tree_util.keystr(path)}")
+
+
+# --------------------------------------------------------------------------------------------
+# make_attention_fn in flax.linen.MultiHeadDotProductAttention
+
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+def test_linen_mha_attention_fn(causal):
+  x = _normal(0, (B, T, D))
+  ours = nn.MultiHeadDotProductAttention(num_heads=HEADS,
+                                         attention_fn=jf.make_attention_fn(causal=causal))
+  theirs = nn.MultiHeadDotProductAttention(num_heads=HEADS)
+  params = theirs.init(jax.random.PRNGKey(0), x)
+  mask = lambda x: nn.make_causal_mask(x[..., 0]) if causal else None
+  assert_matches_flax(lambda p, x: ours.apply(p, x), lambda p, x: theirs.apply(p, x, mask=mask(x)),
+                      params, x, "linen")
+
+
+def test_linen_mha_cross_attention_and_batch_dims():
+  # Two leading batch dims and q_len != kv_len: the adapter folds them into one.
+  xq, xkv = _normal(1, (2, 3, 5, D)), _normal(2, (2, 3, 9, D))
+  ours = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=jf.make_attention_fn())
+  theirs = nn.MultiHeadDotProductAttention(num_heads=HEADS)
+  params = theirs.init(jax.random.PRNGKey(0), xq, xkv)
+  assert_matches_flax(lambda p, x: ours.apply(p, x, xkv), lambda p, x: theirs.apply(p, x, xkv),
+                      params, xq, "linen cross")
+
+
+def test_linen_inactive_dropout_is_accepted():
+  x = _normal(3, (B, T, D))
+  layer = nn.MultiHeadDotProductAttention(num_heads=HEADS, dropout_rate=0.1,
+                                          attention_fn=jf.make_attention_fn())
+  params = layer.init(jax.random.PRNGKey(0), x, deterministic=True)
+  theirs = nn.MultiHeadDotProductAttention(num_heads=HEADS, dropout_rate=0.1)
+  np.testing.assert_allclose(layer.apply(params, x, deterministic=True),
+                             theirs.apply(params, x, deterministic=True), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# make_attention_fn in flax.nnx.MultiHeadAttention
+
+def _nnx_functional(module, **call_kwargs):
+  """(params, fn(params, x)) for an nnx module, so it can be differentiated like linen."""
+  graphdef, params = nnx.split(module)
+  return params, lambda p, x: nnx.merge(graphdef, p)(x, **call_kwargs)
+
+
+@pytest.mark.skipif("is_causal" not in inspect.signature(nnx.MultiHeadAttention.__call__)
+                    .parameters, reason="this Flax's nnx.MultiHeadAttention has no is_causal")
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_nnx_mha_attention_fn(kv_heads):
+  x = _normal(4, (B, T, D))
+  make = lambda **kw: nnx.MultiHeadAttention(
+      num_heads=HEADS, in_features=D, num_kv_heads=kv_heads, decode=False,
+      rngs=nnx.Rngs(0), **kw)
+  params, theirs = _nnx_functional(make(), is_causal=True)
+  _, ours = _nnx_functional(make(attention_fn=jf.make_attention_fn()), is_causal=True)
+  assert_matches_flax(ours, theirs, params, x, "nnx")
+
+
+# --------------------------------------------------------------------------------------------
+# What the adapter refuses
+
+def _adapter_call(**kwargs):
+  q = k = v = _normal(5, (B, T, HEADS, 8))
+  return jf.make_attention_fn()(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"mask": jnp.ones((B, 1, T, T), bool)}, "make_attention_fn\\(causal=True"),
+    ({"bias": jnp.zeros((B, 1, T, T))}, "bias"),
+    ({"dropout_rate": 0.1, "deterministic": False}, "dropout"),
+    ({"module": object()}, "sow_weights"),
+    ({"qk_attn_weights_einsum": jnp.einsum}, "einsum"),
+], ids=["mask", "bias", "dropout", "sow", "einsum"])
+def test_adapter_refuses(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    _adapter_call(**kwargs)
+
+
+def test_adapter_refuses_top_left_causal_cross_attention():
+  q, kv = _normal(6, (B, 4, HEADS, 8)), _normal(7, (B, 9, HEADS, 8))
+  with pytest.raises(ValueError, match="top-left"):
+    jf.make_attention_fn()(q, kv, kv, is_causal=True)
+
+
+def test_adapter_unknown_option():
+  with pytest.raises(TypeError, match="q_segment_ids"):
+    jf.make_attention_fn(q_segment_ids=jnp.zeros((B, T), jnp.int32))
+
+
+def test_linen_mha_with_mask_raises():
+  x = _normal(8, (B, T, D))
+  layer = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=jf.make_attention_fn())
+  with pytest.raises(ValueError, match="mask"):
+    layer.init(jax.random.PRNGKey(0), x, mask=nn.make_causal_mask(x[..., 0]))
+
+
+def test_linen_mha_sow_weights_raises():
+  x = _normal(9, (B, T, D))
+  layer = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=jf.make_attention_fn())
+  with pytest.raises(ValueError, match="sow_weights"):
+    layer.init(jax.random.PRNGKey(0), x, sow_weights=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The blocks
+
+def test_linen_block_equals_flax_mha():
+  x = _normal(10, (B, T, D))
+  theirs = nn.MultiHeadDotProductAttention(num_heads=HEADS)
+  params = theirs.init(jax.random.PRNGKey(1), x)
+  block = jf.LinenAttention(num_heads=HEADS, use_bias=True, causal=True)
+  assert jax.tree.map(jnp.shape, block.init(jax.random.PRNGKey(0), x)) == jax.tree.map(
+      jnp.shape, params)
+  assert_matches_flax(lambda p, x: block.apply(p, x),
+                      lambda p, x: theirs.apply(p, x, mask=nn.make_causal_mask(x[..., 0])),
+                      params, x, "linen block")
+
+
+@pytest.mark.skipif("is_causal" not in inspect.signature(nnx.MultiHeadAttention.__call__)
+                    .parameters, reason="this Flax's nnx.MultiHeadAttention has no is_causal")
+def test_nnx_block_equals_flax_mha_gqa():
+  x = _normal(11, (B, T, D))
+  params, theirs = _nnx_functional(
+      nnx.MultiHeadAttention(num_heads=HEADS, in_features=D, num_kv_heads=2, decode=False,
+                             rngs=nnx.Rngs(1)), is_causal=True)
+  block = jf.NnxAttention(D, HEADS, num_kv_heads=2, use_bias=True, causal=True, rngs=nnx.Rngs(0))
+  graphdef, block_params = nnx.split(block)
+  assert jax.tree.map(jnp.shape, block_params) == jax.tree.map(jnp.shape, params)
+  ours = lambda p, x: nnx.merge(graphdef, p)(x)
+  assert_matches_flax(ours, theirs, params, x, "nnx block")
+
+
+def _rope_by_complex_numbers(x, positions, base):
+  """RoPE written independently: pairs (x_i, x_{i+d/2}) rotate as complex numbers."""
+  half = x.shape[-1] // 2
+  freq = base ** (-np.arange(half) * 2.0 / x.shape[-1])
+  z = (x[..., :half] + 1j * x[..., half:]) * jnp.exp(1j * positions[..., None, None] * freq)
+  return jnp.concatenate([z.real, z.imag], axis=-1).astype(x.dtype)
+
+
+def _reference_block(params, x, *, kv_heads, causal, rope_base, segment_ids, positions):
+  """Projection einsums, RoPE, repeated kv heads, flax's masked attention, out projection."""
+  p = params["params"]
+  q, k, v = (jnp.einsum("bsd,dhf->bshf", x, p[n]["kernel"]) for n in ("query", "key", "value"))
+  if rope_base is not None:
+    q, k = (_rope_by_complex_numbers(t, positions, rope_base) for t in (q, k))
+  k, v = (jnp.repeat(t, q.shape[2] // kv_heads, axis=2) for t in (k, v))
+  mask = None
+  if causal:
+    mask = nn.make_causal_mask(x[..., 0])
+  if segment_ids is not None:
+    mask = nn.combine_masks(mask, nn.make_attention_mask(segment_ids, segment_ids, jnp.equal))
+  out = nn.dot_product_attention(q, k, v, mask=mask)
+  return jnp.einsum("bshf,hfd->bsd", out, p["out"]["kernel"])
+
+
+@pytest.mark.parametrize("variant", ["gqa_rope", "mqa_segments", "rope_segments_positions"])
+def test_linen_block_rope_gqa_segments(variant):
+  x = _normal(12, (B, T, D))
+  kv_heads = 1 if variant == "mqa_segments" else 2
+  rope_base = None if variant == "mqa_segments" else 500.0
+  segment_ids = positions = None
+  if "segments" in variant:  # two packed documents per row, split at different places
+    segment_ids = jnp.asarray((np.arange(T)[None] >= np.array([[5], [8]])).astype(np.int32))
+  if "positions" in variant:  # positions restart in each document
+    starts = jnp.where(segment_ids == 1, jnp.array([[5], [8]]), 0)
+    positions = jnp.arange(T)[None] - starts
+  ref_positions = positions if positions is not None else jnp.broadcast_to(jnp.arange(T), (B, T))
+  block = jf.LinenAttention(num_heads=HEADS, num_kv_heads=kv_heads, causal=True,
+                            rope_base=rope_base)
+  params = block.init(jax.random.PRNGKey(2), x)
+  ours = lambda p, x: block.apply(p, x, segment_ids=segment_ids, positions=positions)
+  theirs = lambda p, x: _reference_block(p, x, kv_heads=kv_heads, causal=True,
+                                         rope_base=rope_base, segment_ids=segment_ids,
+                                         positions=ref_positions)
+  assert_matches_flax(ours, theirs, params, x, variant)
+
+
+def test_block_input_errors():
+  block = jf.LinenAttention(num_heads=HEADS)
+  with pytest.raises(ValueError, match="inputs_q"):
+    block.init(jax.random.PRNGKey(0), _normal(13, (T, D)))
+  with pytest.raises(ValueError, match="head_dim must be even"):
+    jf.LinenAttention(num_heads=HEADS, head_dim=7, rope_base=10.0).init(
+        jax.random.PRNGKey(0), _normal(14, (B, T, D)))
+  with pytest.raises(ValueError, match="segment_ids"):
+    block.init(jax.random.PRNGKey(0), _normal(15, (B, T, D)),
+               kv_segment_ids=jnp.zeros((B, T), jnp.int32))

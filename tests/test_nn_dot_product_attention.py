@@ -1,0 +1,338 @@
+"""jaxflash.nn.dot_product_attention against jax.nn.dot_product_attention.
+
+The first part ports the cases of JAX's own tests (tests/nn_test.py, testDotProductAttention*)
+onto the jaxflash function. The second compares with jax.nn's XLA path over a grid of options
+(T != S, windows, lengths, GQA), outputs, residuals and gradients, by the float64-oracle rule.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash.nn import dot_product_attention
+from tests._cases import x64
+from tests._oracle import assert_close_to_oracle
+
+jax_nn_xla = functools.partial(jax.nn.dot_product_attention, implementation="xla")
+
+
+def _normal(seed, shape, dtype):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def _vjp_all(fn, args, cotangent):
+  """(outputs, gradients of args) of fn at args for one cotangent.
+
+  Eager on purpose: jax.nn falls back from the F16_F16_F32 dot algorithm, which CPU lacks,
+  only outside jit.
+  """
+  out, vjp = jax.vjp(fn, *args)
+  return out, vjp(cotangent)
+
+
+def _upcast(tree):
+  return jax.tree.map(lambda x: x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating)
+                      else x, tree)
+
+
+def _assert_matches_jax_nn(ours, jax_nn, args, cotangent, name, residual=False):
+  """ours(*args) against jax_nn(*args): float64 oracle, naive = jax_nn in the input dtype.
+
+  The output and every gradient go through assert_close_to_oracle. With residual=True both
+  functions return (out, residual); the residual is checked by _assert_residual_matches.
+  """
+  if residual:  # the residual has no gradient: a zero cotangent for it
+    cotangent = (cotangent, jnp.zeros(cotangent.shape[:-1], cotangent.dtype))
+  out, grads = _vjp_all(ours, args, cotangent)
+  naive_out, naive_grads = _vjp_all(jax_nn, args, cotangent)
+  with x64():
+    oracle_out, oracle_grads = _vjp_all(jax_nn, _upcast(args), _upcast(cotangent))
+    oracle_out, oracle_grads = jax.device_get((oracle_out, oracle_grads))
+  if residual:
+    _assert_residual_matches(out[1], oracle_out[1], naive_out[1], name)
+    out, naive_out, oracle_out = out[0], naive_out[0], oracle_out[0]
+  names = ["out"] + [f"d_arg{i}" for i in range(len(args))]
+  for what, a, e, n in zip(names, (out,) + tuple(grads), (oracle_out,) + tuple(oracle_grads),
+                           (naive_out,) + tuple(naive_grads)):
+    assert a.dtype == n.dtype, f"{name} {what}: dtype {a.dtype} != jax.nn's {n.dtype}"
+    assert_close_to_oracle(a, e, n, name=f"{name} {what}")
+
+
+def _assert_residual_matches(ours, oracle64, naive, name):
+  """Residuals: rows jax.nn masks entirely hold a huge negative (or -inf in float16) logit
+  sum that must equal jax.nn's bitwise; the other rows follow the oracle rule."""
+  ours, naive = np.asarray(ours.astype(jnp.float32)), np.asarray(naive.astype(jnp.float32))
+  masked = np.abs(np.asarray(oracle64)) > 1e30
+  np.testing.assert_array_equal(ours[masked], naive[masked], err_msg=f"{name} masked rows")
+  assert_close_to_oracle(ours[~masked], np.asarray(oracle64)[~masked], naive[~masked],
+                         name=f"{name} residual")
+
+
+# --------------------------------------------------------------------------------------------
+# Port of JAX's testDotProductAttention* (same cases; impl 'cudnn' maps to jaxflash's kernels).
+
+_CPU_IMPLS = [None, "xla"]
+_GPU_IMPL = pytest.param("cudnn", marks=pytest.mark.gpu, id="cudnn")
+
+
+@pytest.mark.parametrize("impl", _CPU_IMPLS + [_GPU_IMPL])
+@pytest.mark.parametrize("use_vmap", [False, True], ids=["batched", "vmap"])
+@pytest.mark.parametrize("group_num", [1, 2, 4], ids=lambda g: f"groups{g}")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_dot_product_attention(dtype, group_num, use_vmap, impl):
+  # JAX uses H=32; jaxflash's kernels start at 64, so the GPU case runs with 64.
+  B, S, T, N, H, G = 2, 128, 128, 4, (64 if impl == "cudnn" else 32), group_num
+  q = _normal(0, (B, T, N, H), dtype)
+  k = _normal(1, (B, S, N // G, H), dtype)
+  v = _normal(2, (B, S, N // G, H), dtype)
+  grad = _normal(3, (B, T, N, H), dtype)
+  lse_grad = _normal(4, (B, T, N), dtype)
+
+  ours = functools.partial(dot_product_attention, implementation=impl, return_residual=True)
+  if use_vmap:
+    ours = jax.vmap(ours)
+  jax_nn_lse = functools.partial(jax_nn_xla, return_residual=True)
+  _assert_matches_jax_nn(ours, jax_nn_lse, (q, k, v), grad, "out", residual=True)
+  out, lse = ours(q, k, v)
+  assert out.shape == (B, T, N, H) and lse.shape == (B, T, N) and lse.dtype == dtype
+
+  # The residual carries no gradient, as in jax.nn: its cotangent changes nothing.
+  _, grads = _vjp_all(ours, (q, k, v), (grad, lse_grad))
+  _, grads_without = _vjp_all(ours, (q, k, v), (grad, jnp.zeros_like(lse_grad)))
+  for a, b in zip(grads, grads_without):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+_MASK_MODES = ["bias", "causal", "padding", "custom", ("causal", "padding"), ("custom", "padding"),
+               ("bias", "causal"), ("causal", "sliding_window")]
+
+
+@pytest.mark.parametrize("mask_mode", _MASK_MODES,
+                         ids=lambda m: m if isinstance(m, str) else "+".join(m))
+def test_dot_product_attention_mask(mask_mode):
+  mask_mode = (mask_mode,) if isinstance(mask_mode, str) else mask_mode
+  dtype = jnp.bfloat16
+  B, S, T, N, H = 2, 128, 128, 4, 32
+  q, k, v = (_normal(i, shape, dtype) for i, shape in
+             enumerate([(B, T, N, H), (B, S, N, H), (B, S, N, H)]))
+  grad = _normal(3, (B, T, N, H), dtype)
+  bias = mask = q_seqlen = kv_seqlen = window = None
+  is_causal = "causal" in mask_mode
+  if "padding" in mask_mode:
+    q_seqlen = jnp.array([T // 2, T // 4], jnp.int32)
+    kv_seqlen = jnp.array([S // 4, S // 2], jnp.int32)
+  if "custom" in mask_mode:
+    mask = jnp.tril(jnp.ones((T, S), jnp.bool_))[None, None]
+  if "bias" in mask_mode:
+    bias = _normal(4, (1, N, T, S), dtype)
+  if "sliding_window" in mask_mode:
+    window = (3, 2) if is_causal else (3, 0)
+
+  def make(sdpa):
+    def call(q, k, v, *maybe_bias):  # the bias is differentiated when there is one
+      return sdpa(q, k, v, maybe_bias[0] if maybe_bias else None, mask, is_causal=is_causal,
+                  query_seq_lengths=q_seqlen, key_value_seq_lengths=kv_seqlen,
+                  local_window_size=window)
+    return call
+
+  args = (q, k, v) + (() if bias is None else (bias,))
+  _assert_matches_jax_nn(make(dot_product_attention), make(jax_nn_xla), args, grad,
+                         "+".join(mask_mode))
+
+
+def test_dot_product_attention_float64_mask_debug_infs():
+  # JAX regression test for jax-ml/jax#37422: a float64 masked call raises no inf warning.
+  with x64():
+    T, S, K, N, H = 5, 7, 3, 6, 11
+    mask = jnp.arange(S) <= S // 2
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      with jax.debug_infs(True):
+        out = dot_product_attention(jnp.zeros((T, N, H), jnp.float64),
+                                    jnp.zeros((S, K, H), jnp.float64),
+                                    jnp.zeros((S, K, H), jnp.float64), mask=mask)
+        out.block_until_ready()
+    assert out.shape == (T, N, H) and out.dtype == jnp.float64
+
+
+@pytest.mark.parametrize("use_vmap", [False, True], ids=["batched", "vmap"])
+@pytest.mark.parametrize("batch_size", [1, 16], ids=lambda b: f"batch{b}")
+def test_dot_product_attention_bias_gradient(batch_size, use_vmap):
+  dtype = jnp.bfloat16
+  B, S, N, H = batch_size, 128, 4, 32
+  x = _normal(0, (B, S, N, H), dtype)
+  bias = _normal(1, (B, N, S, S), dtype)
+  mask = jnp.ones((1, 1, S), jnp.bool_)
+
+  def attention(sdpa, x, bias):
+    return sdpa(query=x, key=x, value=x, bias=bias, mask=mask, is_causal=False)
+
+  ours, ref = (functools.partial(attention, f) for f in (dot_product_attention, jax_nn_xla))
+  if use_vmap:
+    ours, ref = jax.vmap(ours), jax.vmap(ref)
+  _assert_matches_jax_nn(jax.jit(ours), jax.jit(ref), (x, bias), x, "bias")
+
+
+# --------------------------------------------------------------------------------------------
+# Grid: jaxflash's mapping of jax.nn's masks, outputs, residuals and gradients.
+
+_OPTIONS = {
+    "plain": {},
+    "causal": {"is_causal": True},
+    "window_3_2": {"local_window_size": (3, 2)},
+    "window_int_2": {"local_window_size": 2},
+    "window_left_only": {"local_window_size": (4, 0)},
+    "window_shifted": {"local_window_size": (-2, 5)},
+    "window_empty_band": {"local_window_size": (2, -3)},
+    "causal_window": {"is_causal": True, "local_window_size": (4, 1)},
+    "scale": {"scale": 0.3},
+    "q_lengths": {"query_seq_lengths": [5, 11]},
+    "kv_lengths": {"key_value_seq_lengths": [0, 9]},
+    "lengths_causal": {"is_causal": True, "query_seq_lengths": [11, 3],
+                       "key_value_seq_lengths": [7, 16]},
+    "lengths_window": {"local_window_size": (2, 2), "query_seq_lengths": [11, 0],
+                       "key_value_seq_lengths": [6, 1]},
+}
+# T == S is the ported tests' shape; these are the two sides of T != S.
+_SHAPES = {"t8_s16": (8, 16), "t16_s6": (16, 6)}
+
+
+def _options(name, seq_q, seq_k):
+  """The option set with lengths clipped to the sequence lengths, as int32 arrays."""
+  out = dict(_OPTIONS[name])
+  for key, seq in (("query_seq_lengths", seq_q), ("key_value_seq_lengths", seq_k)):
+    if key in out:
+      out[key] = jnp.minimum(jnp.asarray(out[key], jnp.int32), seq)
+  return out
+
+
+def _check_grid_case(option, seq_q, seq_k, num_heads, kv_heads):
+  q = _normal(10, (2, seq_q, num_heads, 16), jnp.float32)
+  k = _normal(11, (2, seq_k, kv_heads, 16), jnp.float32)
+  v = _normal(12, (2, seq_k, kv_heads, 16), jnp.float32)
+  grad = _normal(13, (2, seq_q, num_heads, 16), jnp.float32)
+  kw = dict(_options(option, seq_q, seq_k), return_residual=True)
+  _assert_matches_jax_nn(functools.partial(dot_product_attention, **kw),
+                         functools.partial(jax_nn_xla, **kw), (q, k, v), grad, option,
+                         residual=True)
+
+
+@pytest.mark.parametrize("shape", list(_SHAPES), ids=str)
+@pytest.mark.parametrize("option", list(_OPTIONS), ids=str)
+def test_matches_jax_nn(option, shape):
+  _check_grid_case(option, *_SHAPES[shape], num_heads=4, kv_heads=2)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 1)], ids=["mha", "mqa"])
+@pytest.mark.parametrize("option", ["causal", "lengths_window"], ids=str)
+def test_matches_jax_nn_head_layouts(option, heads):
+  _check_grid_case(option, 16, 6, *heads)
+
+
+@pytest.mark.parametrize("option", ["causal", "lengths_window", "window_shifted"], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_matches_jax_nn_half_precision(dtype, option):
+  seq_q, seq_k = 16, 24
+  q, k, v = (_normal(20 + i, (2, s, h, 32), dtype)
+             for i, (s, h) in enumerate([(seq_q, 4), (seq_k, 2), (seq_k, 2)]))
+  grad = _normal(23, (2, seq_q, 4, 32), dtype)
+  kw = _options(option, seq_q, seq_k)
+  _assert_matches_jax_nn(functools.partial(dot_product_attention, **kw),
+                         functools.partial(jax_nn_xla, **kw), (q, k, v), grad, option)
+
+
+def test_rank3_inputs_and_residual_shape():
+  q, k, v = (_normal(30 + i, (s, 4, 16), jnp.float32) for i, s in enumerate([9, 13, 13]))
+  out, res = dot_product_attention(q, k, v, is_causal=True, return_residual=True)
+  ref_out, ref_res = jax_nn_xla(q, k, v, is_causal=True, return_residual=True)
+  assert out.shape == (9, 4, 16) and res.shape == (9, 4)
+  with x64():
+    oracle_out, oracle_res = jax_nn_xla(*_upcast((q, k, v)), is_causal=True,
+                                        return_residual=True)
+  assert_close_to_oracle(out, oracle_out, ref_out)
+  assert_close_to_oracle(res, oracle_res, ref_res, name="residual")
+
+
+def test_under_jit_with_traced_lengths():
+  q, k, v = (_normal(40 + i, (2, 10, 2, 16), jnp.float32) for i in range(3))
+  lengths = jnp.array([4, 10], jnp.int32)
+  fn = jax.jit(lambda q, k, v, n: dot_product_attention(q, k, v, query_seq_lengths=n,
+                                                        key_value_seq_lengths=n))
+  with x64():
+    oracle = jax_nn_xla(*_upcast((q, k, v)), query_seq_lengths=lengths,
+                        key_value_seq_lengths=lengths)
+  naive = jax_nn_xla(q, k, v, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+  assert_close_to_oracle(fn(q, k, v, lengths), oracle, naive)
+
+
+def test_traced_scale_runs_jax_nn():
+  q, k, v = (_normal(50 + i, (1, 8, 2, 16), jnp.float32) for i in range(3))
+  fn = jax.jit(lambda s: dot_product_attention(q, k, v, scale=s))
+  np.testing.assert_array_equal(fn(0.5), jax.jit(lambda s: jax_nn_xla(q, k, v, scale=s))(0.5))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_non_positive_scale_runs_jax_nn(scale):
+  q, k, v = (_normal(60 + i, (1, 8, 2, 16), jnp.float32) for i in range(3))
+  np.testing.assert_array_equal(dot_product_attention(q, k, v, scale=scale, is_causal=True),
+                                jax_nn_xla(q, k, v, scale=scale, is_causal=True))
+
+
+# --------------------------------------------------------------------------------------------
+# Errors.
+
+def _qkv(shape_q=(1, 8, 2, 16), shape_k=(1, 8, 2, 16), dtype=jnp.float32):
+  return _normal(0, shape_q, dtype), _normal(1, shape_k, dtype), _normal(2, shape_k, dtype)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"implementation": "pallas"}, "implementation"),
+    ({"local_window_size": (1, 2, 3)}, "local_window_size"),
+    ({"local_window_size": 1.5}, "local_window_size"),
+    ({"query_seq_lengths": jnp.array([3], jnp.int64 if jax.config.jax_enable_x64
+                                     else jnp.float32)}, "query_seq_lengths"),
+    ({"key_value_seq_lengths": jnp.array([3, 4], jnp.int32)}, "key_value_seq_lengths"),
+], ids=["implementation", "window_len3", "window_float", "lengths_dtype", "lengths_shape"])
+def test_bad_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    dot_product_attention(*_qkv(), **kwargs)
+
+
+@pytest.mark.parametrize("shapes, match", [
+    (((8, 2, 16), (1, 8, 2, 16)), "key"),
+    (((1, 8, 3, 16), (1, 8, 2, 16)), "multiple"),
+    (((1, 8, 2, 32), (1, 8, 2, 16)), "head_dim"),
+    (((2, 8, 2, 16), (1, 8, 2, 16)), "batch"),
+    (((8, 16), (8, 16)), "rank"),
+], ids=["rank_mismatch", "heads", "head_dim", "batch", "rank2"])
+def test_bad_shapes(shapes, match):
+  with pytest.raises(ValueError, match=match):
+    dot_product_attention(*_qkv(*shapes))
+
+
+def test_value_shape_and_dtype_mismatch():
+  q, k, _ = _qkv()
+  with pytest.raises(ValueError, match="value"):
+    dot_product_attention(q, k, _normal(3, (1, 8, 2, 8), jnp.float32))
+  with pytest.raises(ValueError, match="dtypes"):
+    dot_product_attention(q, k, k.astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("kwargs", [{"bias": jnp.zeros((1, 2, 8, 8))},
+                                    {"mask": jnp.ones((1, 1, 8, 8), bool)}],
+                         ids=["bias", "mask"])
+def test_cudnn_refuses_dense_masks(kwargs):
+  with pytest.raises(ValueError, match="implementation=None/'xla'"):
+    dot_product_attention(*_qkv(dtype=jnp.bfloat16), implementation="cudnn", **kwargs)
+
+
+def test_exported_as_jaxflash_dot_product_attention():
+  # jax.nn users switch by changing the import: jaxflash.dot_product_attention is this one.
+  assert jaxflash.dot_product_attention is dot_product_attention
