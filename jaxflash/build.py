@@ -36,15 +36,25 @@ _FFI_SRC = Path(__file__).resolve().parent / "ffi"
 _KERNELS_SRC = Path(__file__).resolve().parent / "kernels"
 _HANDLER_SOURCES = ("handlers.cc", "variant_registry.cc")
 _HANDLER_HEADERS = ("kernel_abi.h", "variant_registry.h")
-_VARIANT_SOURCE = "variant_fwd.cc"
+_VARIANT_SOURCES = ("variant_fwd.cc", "variant_bwd.cc")
 _CXXFLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC")
 # Hide the static CUDA runtime's symbols: each library keeps its own copy, and nothing outside
 # it can bind to them. -s strips the static symbol table (the dynamic one stays).
 _LDFLAGS = ("-Wl,--exclude-libs,ALL", "-s", "-ldl", "-lrt", "-lpthread")
 _CUTLASS_DIST = "nvidia-cutlass-dsl"
-# The C ABI of kernel_abi.h that every variant library must export.
-VARIANT_ABI_SYMBOLS = ("jaxflash_variant_abi_version", "jaxflash_variant_key",
-                       "jaxflash_variant_load", "jaxflash_variant_fwd")
+# The C ABI of kernel_abi.h that every variant library must export: the common functions plus
+# the entry of its direction.
+_COMMON_ABI_SYMBOLS = ("jaxflash_variant_abi_version", "jaxflash_variant_key",
+                       "jaxflash_variant_load")
+VARIANT_ABI_SYMBOLS = _COMMON_ABI_SYMBOLS + ("jaxflash_variant_fwd",)
+BWD_VARIANT_ABI_SYMBOLS = _COMMON_ABI_SYMBOLS + ("jaxflash_variant_bwd",)
+
+
+def variant_abi_symbols(direction: str) -> tuple[str, ...]:
+  """The dynamic symbols a variant library of `direction` ("fwd" | "bwd") exports, exactly."""
+  if direction not in config.DIRECTIONS:
+    raise ValueError(f"direction: {direction!r} unknown; accepted: {config.DIRECTIONS}")
+  return VARIANT_ABI_SYMBOLS if direction == "fwd" else BWD_VARIANT_ABI_SYMBOLS
 
 
 class BuildError(RuntimeError):
@@ -239,7 +249,7 @@ def variant_spec(variant: KernelVariant) -> dict:
 
 def _variant_sources() -> list[Path]:
   """Everything a variant library is made from besides its spec: a change forces a rebuild."""
-  return sorted(_KERNELS_SRC.rglob("*.py")) + [_FFI_SRC / n for n in (_VARIANT_SOURCE,
+  return sorted(_KERNELS_SRC.rglob("*.py")) + [_FFI_SRC / n for n in (*_VARIANT_SOURCES,
                                                                       "kernel_abi.h")]
 
 
@@ -279,16 +289,20 @@ def cubin_resources(cubin: Path) -> Optional[dict]:
 
 def _link_variant(tc: Toolchain, exported, variant: KernelVariant, dsl_static: Path,
                   out: Path) -> None:
-  """g++ links the glue (variant_fwd.cc, one per variant via macros) with the exported object."""
+  """g++ links the glue (variant_{fwd,bwd}.cc, per variant via macros) with the exported objects.
+
+  A backward variant has three objects (preprocess, main, postprocess): all are linked.
+  """
   # Export the kernel_abi.h functions only: the exported object's own symbols and the static
   # runtimes stay private, so variants never bind to each other's copies.
   script = out.with_suffix(".map")
   script.write_text("{ global: jaxflash_variant_*; local: *; };\n")
   _run([tc.cxx, *_CXXFLAGS, "-fvisibility=hidden", "-o", out, *exported.defines,
-        _FFI_SRC / _VARIANT_SOURCE, exported.object_path, "-I", _FFI_SRC,
+        _FFI_SRC / exported.glue_source, exported.object_path, *exported.extra_object_paths,
+        "-I", _FFI_SRC,
         "-isystem", tc.cuda_include, dsl_static, tc.cudart_static,
         f"-Wl,--version-script={script}", *_LDFLAGS], f"linking variant {variant.key}")
-  missing = set(VARIANT_ABI_SYMBOLS) - exported_symbols(out)
+  missing = set(variant_abi_symbols(variant.direction)) - exported_symbols(out)
   if missing:
     raise BuildError(f"variant {variant.key}: {out.name} does not export {sorted(missing)}")
 
@@ -314,8 +328,17 @@ def build_variant(variant: KernelVariant, cache: Path, *, force: bool = False) -
       _link_variant(tc, exported, variant, _dsl_runtime_static(), lib_tmp)
       cubin = folder / "kernel.cubin"
       cubin.write_bytes(exported.cubin)
+      # Backward: the preprocess and postprocess kernels' device code, next to the main one.
+      extra_cubins = {}
+      for name, blob in zip(("kernel-pre.cubin", "kernel-post.cubin"), exported.extra_cubins):
+        (folder / name).write_bytes(blob)
+        extra_cubins[name] = hashlib.sha256(blob).hexdigest()
       try:
         resources = cubin_resources(cubin)
+        for name in extra_cubins if resources else ():  # one table over all kernels
+          more = cubin_resources(folder / name)
+          resources["kernels"] += more["kernels"]
+          resources["local_memory_instructions"] += more["local_memory_instructions"]
       except BuildError as e:  # inspection is informative only; the library is fine
         resources = {"error": str(e)}
       os.replace(lib_tmp, folder / VARIANT_LIBRARY)
@@ -323,7 +346,7 @@ def build_variant(variant: KernelVariant, cache: Path, *, force: bool = False) -
         _expected_manifest(variant), library=VARIANT_LIBRARY,
         library_sha256=hashlib.sha256((folder / VARIANT_LIBRARY).read_bytes()).hexdigest(),
         cubin="kernel.cubin",
-        cubin_sha256=hashlib.sha256(exported.cubin).hexdigest(),
+        cubin_sha256=hashlib.sha256(exported.cubin).hexdigest(), extra_cubins=extra_cubins,
         function_prefix=exported.function_prefix, resources=resources,
         compile_seconds=round(exported.compile_seconds, 2),
         build_seconds=round(time.perf_counter() - start, 2),
@@ -402,7 +425,8 @@ def cache_size_bytes(cache: Path) -> int:
 
 
 def _select(args) -> list[KernelVariant]:
-  shipped = config.shipped_variants(args.arch)
+  shipped = [v for direction in config.DIRECTIONS
+             for v in config.shipped_variants(args.arch, direction=direction)]
   if not args.variants:
     return shipped
   by_key = {v.key: v for v in shipped}

@@ -17,6 +17,8 @@ BWD_TARGET = "jaxflash_attention_bwd"
 # exactly these; tests/test_ffi.py checks the two lists agree).
 FWD_ATTRIBUTE_NAMES = ("variant", "softmax_scale", "causal", "window_left", "window_right",
                        "softcap", "head_dim", "head_dim_v")
+# Typed attributes of the backward custom call (same checks; "deterministic" picks the variant).
+BWD_ATTRIBUTE_NAMES = FWD_ATTRIBUTE_NAMES + ("deterministic",)
 
 # Kernel cache layout: `python -m jaxflash.build` writes it, jaxflash.ffi reads it.
 CACHE_DIR_ENV = "JAXFLASH_CACHE_DIR"
@@ -40,6 +42,9 @@ KERNEL_DTYPES = ("float16", "bfloat16")
 REFERENCE_DTYPES = ("float16", "bfloat16", "float32")
 # Hopper forward: head dims the sm90 kernel is built for (head_dim_v == head_dim for now).
 KERNEL_HEAD_DIMS = (64, 128, 256)
+# Hopper backward: head dims with a kernel (hdim 256 needs another warpgroup split; not yet).
+BWD_KERNEL_HEAD_DIMS = (64, 128)
+DIRECTIONS = ("fwd", "bwd")
 KERNEL_ARCHS = ("sm90a",)
 
 _DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
@@ -81,25 +86,29 @@ class TileConfig:
 
 def default_tile(direction: str, arch: str, head_dim: int, head_dim_v: int, causal: bool) -> TileConfig:
   """Tile table. Each entry says where its numbers come from."""
-  del arch, head_dim_v, causal  # one table for sm90 so far
+  del arch, head_dim_v  # one table for sm90 so far
+  if direction == "bwd":
+    return _default_bwd_tile(head_dim, causal)
   if direction != "fwd":
-    raise ValueError(f"direction: no kernel tiles for {direction!r} yet; accepted: 'fwd'")
+    raise ValueError(f"direction: no kernel tiles for {direction!r}; accepted: {DIRECTIONS}")
+  # Forward numbers: H200, bf16, 16k tokens, TFLOP/s at seq 1k/4k/16k (docs/perf-notes.md).
   if head_dim <= 64:
-    # 128x128, 2 stages: 2 x (16 + 16) KiB of K/V + 16 KiB Q fits easily; FA-4 uses 192x128 here
-    # with intra-warpgroup overlap, which is the FA-3 schedule issue's job.
-    return TileConfig(128, 128, 2)
+    # 192x128, 2 stages (3 consumer warpgroups, FA-4's choice): 380/505/518 against 384/456/452
+    # for 128x128; causal 232/428/534 against 247/389/436. A 3rd stage changed nothing.
+    return TileConfig(192, 128, 2)
   if head_dim <= 128:
-    # 128x128, 2 stages: FA-4's Hopper choice for hdim 128 (perf-anchors.md).
+    # 128x128, 2 stages: 558/677/654 (causal 378/615/710); 3 stages: same or slower.
     return TileConfig(128, 128, 2)
-  # hdim 256: 128x80 in FA-4 (perf-anchors.md); 64-wide N keeps 2 stages of K+V in 228 KiB.
-  return TileConfig(128, 64, 2)
+  # hdim 256: 128x80, 2 stages (FA-4's choice; K+V stages fill 224 KiB): 651/780/747 against
+  # 633/739/663 for 128x64; causal 459/702/756 against 463/684/747.
+  return TileConfig(128, 80, 2)
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelVariant:
   """One compiled kernel: everything that is static in the cubin. Shapes stay dynamic."""
 
-  direction: str  # "fwd" (backward kernels come later)
+  direction: str  # "fwd" | "bwd"
   arch: str  # "sm90a"
   dtype: str  # "float16" | "bfloat16"
   head_dim: int
@@ -136,12 +145,13 @@ class KernelVariant:
 def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
                    config: AttentionConfig) -> tuple[bool, str]:
   """Whether a CuTe kernel exists for this call; the reason text is shown to users and in skips."""
-  if direction != "fwd":
-    return False, "the CuTe backward kernel is not built yet; the backward pass uses the reference"
+  if direction not in DIRECTIONS:
+    return False, f"direction {direction!r} unknown; accepted: {DIRECTIONS}"
   if dtype not in KERNEL_DTYPES:
     return False, f"dtype {dtype} has no kernel; accepted: {', '.join(KERNEL_DTYPES)}"
-  if head_dim not in KERNEL_HEAD_DIMS:
-    return False, f"head_dim {head_dim} has no kernel; accepted: {KERNEL_HEAD_DIMS}"
+  head_dims = KERNEL_HEAD_DIMS if direction == "fwd" else BWD_KERNEL_HEAD_DIMS
+  if head_dim not in head_dims:
+    return False, f"head_dim {head_dim} has no {direction} kernel; accepted: {head_dims}"
   if head_dim_v != head_dim:
     return False, f"head_dim_v {head_dim_v} != head_dim {head_dim} has no kernel yet"
   unsupported = [name for name, on in (("window_size", config.has_window),
@@ -153,12 +163,52 @@ def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
   return True, ""
 
 
-def shipped_variants(arch: str = "sm90a") -> list[KernelVariant]:
-  """The variants `python -m jaxflash.build --all` builds and the CPU compile tests check."""
+def shipped_variants(arch: str = "sm90a", direction: str = "fwd") -> list[KernelVariant]:
+  """The variants `python -m jaxflash.build --all` builds and the CPU compile tests check.
+
+  direction="bwd" lists the backward variants (non-deterministic and deterministic).
+  """
+  if direction not in DIRECTIONS:
+    raise ValueError(f"direction: {direction!r} unknown; accepted: {DIRECTIONS}")
   out = []
   for dtype in KERNEL_DTYPES:
-    for head_dim in KERNEL_HEAD_DIMS:
+    for head_dim in KERNEL_HEAD_DIMS if direction == "fwd" else BWD_KERNEL_HEAD_DIMS:
       for causal in (False, True):
-        cfg = AttentionConfig(softmax_scale=1.0, causal=causal)
-        out.append(KernelVariant.for_call("fwd", arch, dtype, head_dim, head_dim, cfg))
+        for deterministic in (False, True) if direction == "bwd" else (False,):
+          cfg = AttentionConfig(softmax_scale=1.0, causal=causal, deterministic=deterministic)
+          out.append(KernelVariant.for_call(direction, arch, dtype, head_dim, head_dim, cfg))
   return out
+
+
+def _default_bwd_tile(head_dim: int, causal: bool) -> TileConfig:
+  """Backward tiles (sm90): tile_m query rows x tile_n key rows per step, Q/dO ring depth."""
+  del head_dim, causal
+  # 64 x 128 for hdim 64 and 128: one 64-row WGMMA block of queries; each of the two consumer
+  # warpgroups owns 64 key rows, so dK + dV stay in registers (2 x 64 fp32 per thread at hdim
+  # 128). FA-4 uses 64x128 for hdim 128 causal (80x128 otherwise) and 128x128 for hdim 64
+  # (perf-anchors.md); 2 Q/dO stages as FA-4. Shared memory at hdim 128: 193 KiB. Measured on
+  # the H200 (bf16, 16k tokens, seq 4k / 16k, devtools/kernel_selftest/bwd_selftest.cc): backward
+  # 472 / 513 TFLOP/s at hdim 128 (causal 405 / 508), 351 / 390 at hdim 64 (causal 311 / 380),
+  # counting 2.5x the forward flops.
+  return TileConfig(64, 128, 2)
+
+
+def bwd_scratch_shapes(variant: KernelVariant, batch: int, seq_q: int,
+                       num_heads: int) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+  """Scratch buffers of one backward call, in custom-call result order after dq, dk, dv.
+
+  Returns ((name, shape, dtype), ...). seq_q is rounded up to the variant's tile_m. The kernels
+  write every element they read (the preprocess zeroes dq_accum and dq_semaphore), so XLA may
+  hand over uninitialised memory. dq_semaphore exists only for deterministic variants.
+  """
+  if variant.direction != "bwd":
+    raise ValueError(f"variant.direction: {variant.direction!r}; scratch exists for 'bwd' only")
+  tile_m = variant.tile.tile_m
+  seq_q_rounded = -(-seq_q // tile_m) * tile_m
+  rows = (batch, num_heads, seq_q_rounded)
+  shapes = (("dq_accum", (batch, num_heads, seq_q_rounded, variant.head_dim), "float32"),
+            ("lse_log2", rows, "float32"),
+            ("delta", rows, "float32"))
+  if variant.deterministic:
+    shapes += (("dq_semaphore", (batch, num_heads, seq_q_rounded // tile_m), "int32"),)
+  return shapes

@@ -18,8 +18,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.interpreters import batching, mlir
 
 from jaxflash import _jax_internal, reference
-from jaxflash.config import (AttentionConfig, FWD_TARGET, KernelVariant, LSE_CHECKPOINT_NAME,
-                             OUT_CHECKPOINT_NAME, kernel_support)
+from jaxflash.config import (AttentionConfig, BWD_TARGET, FWD_TARGET, KernelVariant,
+                             LSE_CHECKPOINT_NAME, OUT_CHECKPOINT_NAME, bwd_scratch_shapes,
+                             kernel_support)
 
 log = logging.getLogger("jaxflash")
 
@@ -32,7 +33,7 @@ def _split_segments(args, config: AttentionConfig):
 
 
 # ---------------------------------------------------------------------------------------------
-# Abstract evaluation (shared by inner and outer primitives: no scratch outputs yet)
+# Abstract evaluation (shared by inner and outer primitives, except the backward kernel scratch)
 
 def _fwd_abstract(q, k, v, *segment_ids, config):
   del segment_ids, config
@@ -50,6 +51,39 @@ def _bwd_abstract(q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
   return tuple(_jax_internal.shaped_like(x, x.shape, x.dtype, ins) for x in (q, k, v))
 
 
+def _bwd_variant(q, v, config: AttentionConfig):
+  """The backward KernelVariant a CUDA lowering of this call runs, or None (reference)."""
+  if config.implementation != "cute":
+    return None
+  dtype, head_dim, head_dim_v = np.dtype(q.dtype).name, q.shape[-1], v.shape[-1]
+  if not kernel_support("bwd", dtype, head_dim, head_dim_v, config)[0]:
+    return None
+  return KernelVariant.for_call("bwd", "sm90a", dtype, head_dim, head_dim_v, config)
+
+
+def _bwd_scratch(q, v, config: AttentionConfig) -> tuple:
+  """((shape, dtype), ...) of the kernel's scratch results; () on the reference path.
+
+  Decided from config and avals only, so that it is the same on every platform: the abstract
+  eval cannot know which platform lowers the call.
+  """
+  variant = _bwd_variant(q, v, config)
+  if variant is None:
+    return ()
+  b, seq_q, h, _ = q.shape
+  return tuple((shape, np.dtype(dtype))
+               for _, shape, dtype in bwd_scratch_shapes(variant, b, seq_q, h))
+
+
+def _bwd_kernel_abstract(q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
+  """(dq, dk, dv, *scratch): XLA allocates the kernel's scratch as extra custom-call results."""
+  grads = _bwd_abstract(q, k, v, out, lse, d_out, d_lse, *segment_ids, config=config)
+  ins = (q, k, v, out, lse, d_out, d_lse)
+  scratch = tuple(_jax_internal.shaped_like(q, shape, dtype, ins)
+                  for shape, dtype in _bwd_scratch(q, v, config))
+  return grads + scratch
+
+
 # ---------------------------------------------------------------------------------------------
 # Reference implementations bound by the lowerings
 
@@ -60,7 +94,11 @@ def _fwd_reference(q, k, v, *segment_ids, config):
 
 def _bwd_reference(q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
   _, (q_seg, kv_seg) = _split_segments((q,) + segment_ids, config)
-  return reference.blocked_backward(q, k, v, out, lse, d_out, d_lse, config, q_seg, kv_seg)
+  grads = reference.blocked_backward(q, k, v, out, lse, d_out, d_lse, config, q_seg, kv_seg)
+  # Zero stand-ins for the kernel scratch the abstract eval promised; the outer primitive drops
+  # them, so XLA removes them again.
+  return tuple(grads) + tuple(jnp.zeros(shape, dtype) for shape, dtype in
+                              _bwd_scratch(q, v, config))
 
 
 _fwd_lower_reference = mlir.lower_fun(_fwd_reference, multiple_results=True)
@@ -86,6 +124,24 @@ def _fwd_lower_cuda(ctx, q, k, v, *segment_ids, config):
     ffi.ensure_variant(variant)  # cross-lowering on a CPU host needs no library
   attrs = ffi.fwd_attributes(variant, config)
   return jax.ffi.ffi_lowering(FWD_TARGET)(ctx, q, k, v, **attrs)
+
+
+def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
+  """CUDA: the backward custom call when a backward kernel exists, the reference otherwise.
+
+  The forward decides implementation='cute'; a backward the kernels lack (head_dim 256,
+  windows, softcap, segment ids) falls back to the reference here.
+  """
+  q_aval, _, v_aval = ctx.avals_in[:3]
+  variant = _bwd_variant(q_aval, v_aval, config)
+  if variant is None:
+    return _bwd_lower_reference(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids,
+                                config=config)
+  from jaxflash import ffi  # imported on first CUDA lowering only: keeps `import jaxflash` light
+  if _jax_internal.has_cuda_device():
+    ffi.ensure_variant(variant)  # cross-lowering on a CPU host needs no library
+  attrs = ffi.bwd_attributes(variant, config)
+  return jax.ffi.ffi_lowering(BWD_TARGET)(ctx, q, k, v, out, lse, d_out, d_lse, **attrs)
 
 
 def _reject_cute_off_gpu(lower_reference, platform):
@@ -139,14 +195,14 @@ def _make_primitive(name: str, abstract):
 
 
 _flash_fwd_kernel_p = _make_primitive("jaxflash_fwd_kernel", _fwd_abstract)
-_flash_bwd_kernel_p = _make_primitive("jaxflash_bwd_kernel", _bwd_abstract)
+_flash_bwd_kernel_p = _make_primitive("jaxflash_bwd_kernel", _bwd_kernel_abstract)
 flash_fwd_p = _make_primitive("jaxflash_fwd", _fwd_abstract)
 flash_bwd_p = _make_primitive("jaxflash_bwd", _bwd_abstract)
 
 mlir.register_lowering(_flash_fwd_kernel_p, _reject_cute_off_gpu(_fwd_lower_reference, "cpu"))
 mlir.register_lowering(_flash_fwd_kernel_p, _fwd_lower_cuda, platform="cuda")
-# The backward kernel is a later issue: on CUDA the backward runs the reference for now.
 mlir.register_lowering(_flash_bwd_kernel_p, _bwd_lower_reference)
+mlir.register_lowering(_flash_bwd_kernel_p, _bwd_lower_cuda, platform="cuda")
 
 batching.primitive_batchers[flash_fwd_p] = _batch_rule(flash_fwd_p)
 batching.primitive_batchers[flash_bwd_p] = _batch_rule(flash_bwd_p)

@@ -40,8 +40,8 @@ def test_handler_library_builds_once_and_hides_the_cuda_runtime(cache):
   lib, _ = build.build_handler_library(cache)
   assert lib == cache / HANDLER_LIBRARY
   symbols = build.exported_symbols(lib)
-  assert {"JaxflashAttentionFwd", "jaxflash_ffi_register_variant", "jaxflash_ffi_last_error",
-          "jaxflash_ffi_prepare"} <= symbols
+  assert {"JaxflashAttentionFwd", "JaxflashAttentionBwd", "jaxflash_ffi_register_variant",
+          "jaxflash_ffi_last_error", "jaxflash_ffi_prepare"} <= symbols
   assert not [s for s in symbols if s.startswith("cuda")]  # --exclude-libs kept cudart private
   mtime = lib.stat().st_mtime_ns
   assert build.build_handler_library(cache) == (lib, False)
@@ -132,6 +132,52 @@ def test_cli_lists_state_and_rejects_unknown_keys(built, cache, capsys):
   assert f"{variant.key}  built" in capsys.readouterr().out
   with pytest.raises(SystemExit, match="unknown variant key"):
     build.main(["--variants", "fwd-nope", "--cache-dir", str(cache)])
+
+
+@pytest.fixture(scope="module")
+def built_bwd(cache):
+  """The first shipped backward variant (three kernels, variant_bwd.cc glue), built once."""
+  pytest.importorskip("cutlass")
+  variant = config.shipped_variants(direction="bwd")[0]
+  (manifest,) = build.build([variant], cache, log=lambda line: None)
+  return variant, manifest
+
+
+@pytest.mark.cutlass
+def test_bwd_variant_builds_and_exports_the_backward_abi(built_bwd, cache):
+  variant, manifest = built_bwd
+  folder = cache / variant.key
+  assert variant.key.startswith("bwd-") and manifest["key"] == variant.key
+  assert build.exported_symbols(folder / VARIANT_LIBRARY) == set(build.BWD_VARIANT_ABI_SYMBOLS)
+  assert "jaxflash_variant_bwd" in build.BWD_VARIANT_ABI_SYMBOLS
+  # main kernel + preprocess + postprocess cubins, all described in the manifest
+  assert sorted(manifest["extra_cubins"]) == ["kernel-post.cubin", "kernel-pre.cubin"]
+  for name, digest in manifest["extra_cubins"].items():
+    assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest
+  assert len(manifest["resources"]["kernels"]) >= 3, manifest["resources"]
+  assert build.manifest_is_current(variant, cache)
+
+
+@pytest.mark.cutlass
+def test_handler_registry_accepts_a_backward_library(built_bwd, cache):
+  if ffi._cuda_device_present():
+    pytest.skip("a CUDA device is present: loading succeeds here")
+  variant, _ = built_bwd
+  build.build_handler_library(cache)
+  lib = ctypes.CDLL(str(cache / HANDLER_LIBRARY))
+  lib.jaxflash_ffi_register_variant.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+  lib.jaxflash_ffi_last_error.restype = ctypes.c_char_p
+  path = str(cache / variant.key / VARIANT_LIBRARY).encode()
+  # The ABI check passes (a bwd entry instead of the fwd one); only the cubin load needs a GPU.
+  assert lib.jaxflash_ffi_register_variant(variant.key.encode(), path) == 1
+  assert "loading the kernel module failed" in lib.jaxflash_ffi_last_error().decode()
+
+
+def test_cli_selects_forward_and_backward_variants(tmp_path, capsys):
+  assert build.main(["--list", "--cache-dir", str(tmp_path)]) == 0
+  keys = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+  want = config.shipped_variants() + config.shipped_variants(direction="bwd")
+  assert keys == [v.key for v in want]
 
 
 def test_missing_compiler_is_named(monkeypatch):

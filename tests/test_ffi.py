@@ -17,15 +17,27 @@ def _variant(causal=False):
   return KernelVariant.for_call("fwd", "sm90a", "bfloat16", 128, 128, cfg)
 
 
-def test_attribute_names_match_the_cpp_binding():
-  bound = re.findall(r'\.Attr<[^>]+>\("(\w+)"\)', _HANDLERS_CC.read_text())
-  assert tuple(bound) == config.FWD_ATTRIBUTE_NAMES
+def _bound_attributes(symbol: str) -> tuple[str, ...]:
+  """Attribute names, in order, of the XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, ...) binding."""
+  text = _HANDLERS_CC.read_text()
+  start = re.search(rf"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*{symbol},", text).end()
+  binding = text[start:text.index('"));', start) + 2]  # the last Attr closes the binding
+  return tuple(re.findall(r'\.Attr<[^>]+>\("(\w+)"\)', binding))
+
+
+@pytest.mark.parametrize("symbol,names", [
+    (ffi._FWD_HANDLER_SYMBOL, config.FWD_ATTRIBUTE_NAMES),
+    (ffi._BWD_HANDLER_SYMBOL, config.BWD_ATTRIBUTE_NAMES)], ids=["fwd", "bwd"])
+def test_attribute_names_match_the_cpp_binding(symbol, names):
+  assert _bound_attributes(symbol) == names
 
 
 def test_target_and_symbol_names_match_the_cpp_source():
   text = _HANDLERS_CC.read_text()
   assert f'kFwdTarget = "{config.FWD_TARGET}"' in text
-  assert re.search(rf"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*{ffi._FWD_HANDLER_SYMBOL},", text)
+  assert f'kBwdTarget = "{config.BWD_TARGET}"' in text
+  for symbol in (ffi._FWD_HANDLER_SYMBOL, ffi._BWD_HANDLER_SYMBOL):
+    assert re.search(rf"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*{symbol},", text)
 
 
 def test_fwd_attributes_are_typed_and_complete():
@@ -39,6 +51,20 @@ def test_fwd_attributes_are_typed_and_complete():
   assert attrs["window_right"] == -1  # None means unbounded
   assert attrs["softcap"].dtype == np.float32 and attrs["softcap"] == np.float32(2.5)
   assert attrs["head_dim"] == 128 and attrs["head_dim_v"].dtype == np.int32
+
+
+def test_bwd_attributes_add_deterministic_to_the_forward_ones():
+  cfg = AttentionConfig(softmax_scale=0.3, causal=True, deterministic=True)
+  variant = KernelVariant.for_call("bwd", "sm90a", "float16", 64, 64, cfg)
+  attrs = ffi.bwd_attributes(variant, cfg)
+  assert tuple(attrs) == config.BWD_ATTRIBUTE_NAMES
+  assert attrs["variant"] == variant.key and variant.key.startswith("bwd-")
+  assert attrs["deterministic"] is True and attrs["causal"] is True
+  assert attrs["head_dim"] == 64 and attrs["softmax_scale"] == np.float32(0.3)
+  plain = cfg.replace(deterministic=False)
+  attrs = ffi.bwd_attributes(KernelVariant.for_call("bwd", "sm90a", "float16", 64, 64, plain),
+                             plain)
+  assert attrs["deterministic"] is False
 
 
 def test_unset_softcap_is_zero():

@@ -1,4 +1,4 @@
-"""CuTe forward kernels on a Hopper GPU: every shipped variant against the float64 oracle.
+"""CuTe kernels on a Hopper GPU: every shipped forward and backward variant vs the float64 oracle.
 
 Outputs are poisoned: the raw FFI call writes into donated NaN-filled buffers (checked to be the
 same memory), so an element the kernel leaves unwritten shows up as NaN.
@@ -192,3 +192,125 @@ def test_command_buffer_moving_buffers():
     for i in range(chain):
       np.testing.assert_array_equal(outs[i], single(qs[i], k, v))
   np.testing.assert_array_equal(runs[0][3][0], runs[2][3][0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward kernels: gradients through jax.grad(jaxflash.attention(..., implementation="cute")).
+
+BWD_VARIANTS = config.shipped_variants(direction="bwd")
+BWD_SHAPES = {  # name -> (batch, seq_q, seq_k, heads, kv_heads); none a multiple of a tile
+    "s200_gqa": (2, 200, 200, 8, 2),
+    "q70_k300_mqa": (1, 70, 300, 4, 1),
+    "q300_k70": (1, 300, 70, 4, 4),  # causal: the first 230 rows see no key
+}
+
+
+def _grad_inputs(variant, shape, seed_text):
+  """q, k, v and the cotangents of out (bf16/fp16-exact) and of lse, for one case."""
+  b, seq_q, seq_k, h, h_kv = shape
+  dtype = jnp.dtype(variant.dtype)
+  seed = zlib.crc32(seed_text.encode())
+  q, k, v = make_qkv(seed, b, seq_q, seq_k, h, h_kv, variant.head_dim, dtype=dtype)
+  rng = np.random.default_rng(seed + 1)
+  # Representable in the input dtype: the kernel's d_out is the cotangent cast to it.
+  w_out = np.asarray(jnp.asarray(rng.standard_normal((b, seq_q, h, variant.head_dim_v)), dtype),
+                     np.float64)
+  w_lse = rng.standard_normal((b, h, seq_q))
+  return q, k, v, w_out, w_lse
+
+
+def _loss(attend, w_out, w_lse, with_lse):
+  """sum(out * w_out) [+ sum(lse * w_lse) over rows that see a key]: d_out and d_lse."""
+
+  def loss(q, k, v):
+    out, lse = attend(q, k, v)
+    total = jnp.sum(out.astype(w_out.dtype) * w_out)
+    if with_lse:
+      total += jnp.sum(jnp.where(jnp.isinf(lse), 0, lse).astype(w_lse.dtype) * w_lse)
+    return total
+
+  return loss
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "deterministic", "with_lse"))
+def _cute_grads(q, k, v, w_out, w_lse, *, causal, deterministic, with_lse):
+  attend = lambda q, k, v: jaxflash.attention(q, k, v, causal=causal, return_lse=True,
+                                              deterministic=deterministic, implementation="cute")
+  return jax.grad(_loss(attend, w_out, w_lse, with_lse), argnums=(0, 1, 2))(q, k, v)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "with_lse", "compute_dtype"))
+def _naive_grads(q, k, v, w_out, w_lse, *, cfg, with_lse, compute_dtype):
+  attend = lambda q, k, v: reference.naive_attention(q, k, v, cfg, compute_dtype=compute_dtype)
+  return jax.grad(_loss(attend, w_out, w_lse, with_lse), argnums=(0, 1, 2))(q, k, v)
+
+
+def _grad_oracle(q, k, v, w_out, w_lse, variant, with_lse):
+  """(float64 dq, dk, dv of the rounded inputs, naive in-dtype dq, dk, dv)."""
+  cfg = _config(variant).replace(implementation="reference")
+  dtype = np.dtype(q.dtype)
+  naive = _naive_grads(q, k, v, jnp.asarray(w_out, jnp.float32), jnp.asarray(w_lse, jnp.float32),
+                       cfg=cfg, with_lse=with_lse, compute_dtype=dtype)
+  with x64():
+    args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)]
+    exact = _naive_grads(*args, jnp.asarray(w_out), jnp.asarray(w_lse), cfg=cfg,
+                         with_lse=with_lse, compute_dtype=None)
+    exact = tuple(np.asarray(g) for g in exact)
+  return exact, tuple(np.asarray(g, np.float64) for g in naive)
+
+
+def _check_grads(variant, shape, with_lse):
+  q, k, v, w_out, w_lse = _grad_inputs(variant, shape, f"bwd{variant.key}{shape}")
+  got = _cute_grads(q, k, v, jnp.asarray(w_out, jnp.float32), jnp.asarray(w_lse, jnp.float32),
+                    causal=variant.causal, deterministic=variant.deterministic,
+                    with_lse=with_lse)
+  want, naive = _grad_oracle(q, k, v, w_out, w_lse, variant, with_lse)
+  for name, g, x, w, n in zip(("dq", "dk", "dv"), got, (q, k, v), want, naive):
+    assert g.shape == x.shape and g.dtype == x.dtype, (name, g.shape, g.dtype)
+    assert_close_to_oracle(g, w, n, name=name)
+  return got
+
+
+def test_cute_grad_lowers_to_the_backward_kernel():
+  variant = BWD_VARIANTS[0]
+  q, k, v, w_out, w_lse = _grad_inputs(variant, BWD_SHAPES["s200_gqa"], "lowering")
+  hlo = _cute_grads.lower(q, k, v, jnp.asarray(w_out, jnp.float32),
+                          jnp.asarray(w_lse, jnp.float32), causal=variant.causal,
+                          deterministic=variant.deterministic, with_lse=False).as_text()
+  assert config.BWD_TARGET in hlo and variant.key in hlo
+
+
+# Every variant on two shapes; with and without determinism together they cover all three for
+# each dtype / head_dim / causal (kept short: every case compiles its own program).
+_BWD_CASES = [(v, s) for v in BWD_VARIANTS for s in BWD_SHAPES
+              if s == "s200_gqa" or (s == "q70_k300_mqa") == v.deterministic]
+
+
+@pytest.mark.parametrize("variant,shape", _BWD_CASES,
+                         ids=[f"{v.key}-{s}" for v, s in _BWD_CASES])
+def test_backward_matches_float64_oracle(variant, shape):
+  _check_grads(variant, BWD_SHAPES[shape], with_lse=False)
+
+
+@pytest.mark.parametrize("variant", [v for v in BWD_VARIANTS if not v.deterministic
+                                     and v.dtype == "bfloat16"],
+                         ids=lambda v: v.key)
+def test_backward_through_lse_matches_float64_oracle(variant):
+  """A loss that uses lse: d_lse reaches the kernel (delta = rowsum(dO * O) - d_lse)."""
+  _check_grads(variant, BWD_SHAPES["q300_k70"] if variant.causal else BWD_SHAPES["s200_gqa"],
+               with_lse=True)
+
+
+@pytest.mark.parametrize("variant", [v for v in BWD_VARIANTS if v.deterministic
+                                     and v.dtype == "bfloat16" and v.head_dim == 128],
+                         ids=lambda v: v.key)
+def test_deterministic_backward_is_bitwise_reproducible(variant):
+  # Long enough that many key blocks add into each dq row block (the order that can vary).
+  q, k, v, w_out, w_lse = _grad_inputs(variant, (1, 1024, 2048, 8, 2), "determinism")
+  args = (q, k, v, jnp.asarray(w_out, jnp.float32), jnp.asarray(w_lse, jnp.float32))
+  kw = dict(causal=variant.causal, deterministic=True, with_lse=True)
+  first = [np.asarray(g) for g in _cute_grads(*args, **kw)]
+  assert not any(np.isnan(np.asarray(g, np.float32)).any() for g in first)
+  for _ in range(4):
+    for name, a, b in zip(("dq", "dk", "dv"), first, _cute_grads(*args, **kw)):
+      np.testing.assert_array_equal(np.asarray(b), a, err_msg=name)

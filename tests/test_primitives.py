@@ -10,7 +10,8 @@ from jax.ad_checkpoint import checkpoint_policies
 
 import jaxflash
 from jaxflash import primitives
-from jaxflash.config import FWD_TARGET, LSE_CHECKPOINT_NAME, OUT_CHECKPOINT_NAME
+from jaxflash.config import (BWD_TARGET, FWD_TARGET, LSE_CHECKPOINT_NAME,
+                             OUT_CHECKPOINT_NAME)
 from tests._cases import make_qkv, make_segments
 
 
@@ -137,13 +138,62 @@ def test_cuda_lowering_emits_the_stable_custom_call():
   assert "tensor<2x128x4x128xbf16>" in call and "tensor<2x4x128xf32>" in call
 
 
-def test_cuda_lowering_of_grad_keeps_the_reference_backward():
-  q, k, v = make_qkv(8, 1, 64, 64, 2, 2, 64, dtype=jnp.bfloat16)
-  loss = lambda q, k, v: jnp.sum(jaxflash.attention(q, k, v, implementation="cute")
+def _grad_lowered_for_cuda(head_dim, **kw):
+  q, k, v = make_qkv(8, 2, 100, 64, 4, 2, head_dim, dtype=jnp.bfloat16)
+  loss = lambda q, k, v: jnp.sum(jaxflash.attention(q, k, v, implementation="cute", **kw)
                                  .astype(jnp.float32))
-  text = jax.jit(jax.grad(loss)).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  return grad.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_lowering_of_grad_emits_both_custom_calls(deterministic):
+  text = _grad_lowered_for_cuda(128, causal=True, deterministic=deterministic)
   assert text.count(FWD_TARGET) >= 1
-  assert "jaxflash_attention_bwd" not in text  # backward kernel not built yet: reference path
+  (call,) = [line for line in text.splitlines() if f"@{BWD_TARGET}(" in line]
+  det = "-det" if deterministic else ""
+  assert f'variant = "bwd-sm90a-bf16-d128-dv128-causal{det}-m64n128s2"' in call
+  for attr in ("causal = true", f"deterministic = {str(deterministic).lower()}",
+               "head_dim = 128", "head_dim_v = 128", "window_left = -1", "softcap = 0.0"):
+    assert attr in call, f"{attr!r} missing from {call}"
+  # q, k, v, out, lse, d_out, d_lse in; dq, dk, dv, then the scratch of bwd_scratch_shapes
+  # (seq_q 100 rounded up to tile_m 64 = 128; 2 query blocks for the semaphore).
+  operands, results = call.split(" -> ")
+  operands = operands[operands.rindex(": (") + 3:]
+  assert re.findall(r"tensor<[^>]+>", operands) == [
+      "tensor<2x100x4x128xbf16>", "tensor<2x64x2x128xbf16>", "tensor<2x64x2x128xbf16>",
+      "tensor<2x100x4x128xbf16>", "tensor<2x4x100xf32>", "tensor<2x100x4x128xbf16>",
+      "tensor<2x4x100xf32>"]
+  want = ["tensor<2x100x4x128xbf16>", "tensor<2x64x2x128xbf16>", "tensor<2x64x2x128xbf16>",
+          "tensor<2x4x128x128xf32>", "tensor<2x4x128xf32>", "tensor<2x4x128xf32>"]
+  assert re.findall(r"tensor<[^>]+>", results) == want + (["tensor<2x4x2xi32>"]
+                                                          if deterministic else [])
+
+
+def test_cuda_lowering_of_grad_without_a_bwd_kernel_keeps_the_reference_backward():
+  text = _grad_lowered_for_cuda(256)  # the forward has a hdim 256 kernel, the backward not
+  assert text.count(FWD_TARGET) >= 1
+  assert BWD_TARGET not in text
+
+
+def test_bwd_kernel_primitive_carries_scratch_only_on_the_kernel_path():
+  q, k, v = make_qkv(10, 2, 100, 64, 4, 2, 64, dtype=jnp.bfloat16)
+  out, lse = _attn(q, k, v, return_lse=True)
+  args = (q, k, v, out, lse, out, lse)
+  cute = jaxflash.config.AttentionConfig(softmax_scale=0.125, implementation="cute")
+  inner = jax.eval_shape(lambda *a: primitives._flash_bwd_kernel_p.bind(*a, config=cute), *args)
+  # dq, dk, dv, then dq_accum, lse_log2, delta with seq_q 100 rounded up to tile_m 64.
+  assert [x.shape for x in inner] == [q.shape, k.shape, v.shape, (2, 4, 128, 64), (2, 4, 128),
+                                      (2, 4, 128)]
+  ref = cute.replace(implementation="reference")
+  assert len(jax.eval_shape(lambda *a: primitives._flash_bwd_kernel_p.bind(*a, config=ref),
+                            *args)) == 3
+  # The outer primitive returns the gradients only; off-GPU the scratch is a zero stand-in.
+  got = primitives.flash_bwd_p.bind(*args, config=cute)
+  want = primitives.flash_bwd_p.bind(*args, config=ref)
+  assert len(got) == 3
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
 
 
 def test_primitive_binds_directly_with_a_config():

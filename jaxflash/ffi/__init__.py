@@ -15,12 +15,15 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jaxflash import config
-from jaxflash.config import (FWD_ATTRIBUTE_NAMES, FWD_TARGET, HANDLER_LIBRARY, VARIANT_LIBRARY,
-                             VARIANT_MANIFEST, AttentionConfig, KernelVariant)
+from jaxflash.config import (BWD_ATTRIBUTE_NAMES, BWD_TARGET, FWD_ATTRIBUTE_NAMES, FWD_TARGET,
+                             HANDLER_LIBRARY, VARIANT_LIBRARY, VARIANT_MANIFEST, AttentionConfig,
+                             KernelVariant)
 
 log = logging.getLogger("jaxflash")
 
-_FWD_HANDLER_SYMBOL = "JaxflashAttentionFwd"  # XLA_FFI_DEFINE_HANDLER_SYMBOL in handlers.cc
+# XLA_FFI_DEFINE_HANDLER_SYMBOL names in handlers.cc
+_FWD_HANDLER_SYMBOL = "JaxflashAttentionFwd"
+_BWD_HANDLER_SYMBOL = "JaxflashAttentionBwd"
 _lock = threading.RLock()
 _handler: Optional[ctypes.CDLL] = None
 _variants: dict[str, Path] = {}  # key -> library registered in this process
@@ -63,7 +66,7 @@ def _handler_library(cache: Path) -> Path:
 
 
 def _load_handler(cache: Path) -> ctypes.CDLL:
-  """Loads libjaxflash_ffi.so once per process and registers FWD_TARGET for CUDA."""
+  """Loads libjaxflash_ffi.so once per process and registers FWD_TARGET, BWD_TARGET for CUDA."""
   global _handler
   if _handler is not None:
     return _handler
@@ -74,8 +77,8 @@ def _load_handler(cache: Path) -> ctypes.CDLL:
   lib.jaxflash_ffi_prepare.restype = ctypes.c_int32
   import jax.ffi
   # Without a CUDA plugin (CPU-only jaxlib) jax queues this registration; nothing runs it.
-  jax.ffi.register_ffi_target(FWD_TARGET, jax.ffi.pycapsule(getattr(lib, _FWD_HANDLER_SYMBOL)),
-                              platform="CUDA")
+  for target, symbol in ((FWD_TARGET, _FWD_HANDLER_SYMBOL), (BWD_TARGET, _BWD_HANDLER_SYMBOL)):
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
   _handler = lib
   return lib
 
@@ -97,11 +100,11 @@ def _register_variant(key: str, library: Path) -> None:
 
 
 def register() -> None:
-  """Registers the jaxflash FFI target and every kernel variant in the cache with XLA.
+  """Registers the jaxflash FFI targets and every kernel variant in the cache with XLA.
 
   Call it once before running a deserialized `jax.export` module that holds jaxflash custom
   calls (lowering through `jaxflash.attention` does it on its own). Idempotent. Without a CUDA
-  device only the target is registered (if its library exists): nothing could run the kernels.
+  device only the targets are registered (if its library exists): nothing could run the kernels.
   A variant library that fails to load is skipped with a warning; `ensure_variant` raises.
   """
   cache = cache_dir()
@@ -179,4 +182,11 @@ def fwd_attributes(variant: KernelVariant, cfg: AttentionConfig) -> dict:
       "head_dim_v": np.int32(variant.head_dim_v),
   }
   assert tuple(attrs) == FWD_ATTRIBUTE_NAMES, "keep in step with config.FWD_ATTRIBUTE_NAMES"
+  return attrs
+
+
+def bwd_attributes(variant: KernelVariant, cfg: AttentionConfig) -> dict:
+  """Typed attributes of the backward custom call (names: config.BWD_ATTRIBUTE_NAMES)."""
+  attrs = dict(fwd_attributes(variant, cfg), deterministic=bool(variant.deterministic))
+  assert tuple(attrs) == BWD_ATTRIBUTE_NAMES, "keep in step with config.BWD_ATTRIBUTE_NAMES"
   return attrs

@@ -4,9 +4,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "cuda_runtime_api.h"
 #include "kernel_abi.h"
@@ -19,14 +22,11 @@ namespace jaxflash {
 namespace {
 
 constexpr std::string_view kFwdTarget = "jaxflash_attention_fwd";
+constexpr std::string_view kBwdTarget = "jaxflash_attention_bwd";
 
 // "jaxflash_attention_fwd[variant=<key>]: ": every error names the target and the variant.
-std::string Where(std::string_view variant) {
-  return std::string(kFwdTarget) + "[variant=" + std::string(variant) + "]: ";
-}
-
-ffi::Error Invalid(std::string_view variant, const std::string& what) {
-  return ffi::Error::InvalidArgument(Where(variant) + what);
+std::string Where(std::string_view target, std::string_view variant) {
+  return std::string(target) + "[variant=" + std::string(variant) + "]: ";
 }
 
 // KernelVariant.key is '-'-separated tokens: fwd-sm90a-bf16-d128-dv128[-causal...]-m128n128s2.
@@ -59,76 +59,92 @@ const char* DtypeName(ffi::DataType dtype) {
   }
 }
 
-// The static part of one forward call: everything in the HLO attributes.
-struct FwdAttrs {
+// The static part of one call: everything in the HLO attributes, and the target it came from.
+struct CallAttrs {
   std::string_view variant;
   float softmax_scale;
   bool causal;
   int32_t window_left, window_right;
   float softcap;
   int32_t head_dim, head_dim_v;
+  std::string_view target = kFwdTarget;
+  bool deterministic = false;  // backward only
 };
 
+std::string Where(const CallAttrs& a) { return Where(a.target, a.variant); }
+
+ffi::Error Invalid(const CallAttrs& a, const std::string& what) {
+  return ffi::Error::InvalidArgument(Where(a) + what);
+}
+
 // Attributes must describe the variant the key names (the key is KernelVariant.key).
-ffi::Error CheckAttrs(const FwdAttrs& a, ffi::DataType dtype) {
+ffi::Error CheckAttrs(const CallAttrs& a, ffi::DataType dtype) {
   const std::string_view v = a.variant;
+  const char* direction = a.target == kBwdTarget ? "bwd" : "fwd";
+  if (!HasToken(v, direction)) {
+    return Invalid(a, std::string("the variant key does not name a '") + direction +
+                          "' kernel, which this target runs");
+  }
+  if (a.deterministic != HasToken(v, "det")) {
+    return Invalid(a, std::string("attribute deterministic=") +
+                          (a.deterministic ? "true" : "false") + " does not match the variant key");
+  }
   const char* dtype_token = dtype == ffi::DataType::F16 ? "f16" : "bf16";
   if (!HasToken(v, dtype_token)) {
-    return Invalid(v, std::string("q has dtype ") + DtypeName(dtype) +
+    return Invalid(a, std::string("q has dtype ") + DtypeName(dtype) +
                           ", which this variant was not built for");
   }
   if (!HasToken(v, "d" + std::to_string(a.head_dim)) ||
       !HasToken(v, "dv" + std::to_string(a.head_dim_v))) {
-    return Invalid(v, "attributes head_dim=" + std::to_string(a.head_dim) + ", head_dim_v=" +
+    return Invalid(a, "attributes head_dim=" + std::to_string(a.head_dim) + ", head_dim_v=" +
                           std::to_string(a.head_dim_v) + " do not match the variant key");
   }
   if (a.causal != HasToken(v, "causal")) {
-    return Invalid(v, std::string("attribute causal=") + (a.causal ? "true" : "false") +
+    return Invalid(a, std::string("attribute causal=") + (a.causal ? "true" : "false") +
                           " does not match the variant key");
   }
   bool window = a.window_left != -1 || a.window_right != -1;
   if (a.window_left < -1 || a.window_right < -1 || (window && !HasToken(v, "window"))) {
-    return Invalid(v, "window (" + std::to_string(a.window_left) + ", " +
+    return Invalid(a, "window (" + std::to_string(a.window_left) + ", " +
                           std::to_string(a.window_right) +
                           ") needs values >= -1 and a '-window' variant (-1 = unbounded)");
   }
   if (!std::isfinite(a.softcap) || a.softcap < 0 || (a.softcap != 0 && !HasToken(v, "softcap"))) {
-    return Invalid(v, "softcap " + std::to_string(a.softcap) +
+    return Invalid(a, "softcap " + std::to_string(a.softcap) +
                           " needs a finite value >= 0 and a '-softcap' variant (0 = off)");
   }
   if (!std::isfinite(a.softmax_scale)) {
-    return Invalid(v, "softmax_scale " + std::to_string(a.softmax_scale) + " is not finite");
+    return Invalid(a, "softmax_scale " + std::to_string(a.softmax_scale) + " is not finite");
   }
   return ffi::Error::Success();
 }
 
 // Checks ranks, dtypes and dims of every buffer against the attributes and each other, then
 // fills the shape fields of `args`.
-ffi::Error CheckBuffers(const FwdAttrs& a, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+ffi::Error CheckBuffers(const CallAttrs& a, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                         const ffi::AnyBuffer& v, const ffi::AnyBuffer& out,
                         const ffi::AnyBuffer& lse, JaxflashFwdArgs* args) {
-  const std::string_view key = a.variant;
   struct Named { const char* name; const ffi::AnyBuffer* buffer; size_t rank; };
   for (const Named& n : {Named{"q", &q, 4}, Named{"k", &k, 4}, Named{"v", &v, 4},
                          Named{"out", &out, 4}, Named{"lse", &lse, 3}}) {
     if (n.buffer->dimensions().size() != n.rank) {
-      return Invalid(key, std::string(n.name) + " has shape " + Shape(*n.buffer) +
+      return Invalid(a, std::string(n.name) + " has shape " + Shape(*n.buffer) +
                               ", expected rank " + std::to_string(n.rank));
     }
   }
   const ffi::DataType dtype = q.element_type();
   if (dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16) {
-    return Invalid(key, std::string("q has ") + DtypeName(dtype) +
+    return Invalid(a, std::string("q has ") + DtypeName(dtype) +
                             ", accepted: float16, bfloat16");
   }
   for (const Named& n : {Named{"k", &k, 4}, Named{"v", &v, 4}, Named{"out", &out, 4}}) {
     if (n.buffer->element_type() != dtype) {
-      return Invalid(key, std::string(n.name) + " has " + DtypeName(n.buffer->element_type()) +
+      return Invalid(a, std::string(n.name) + " has " + DtypeName(n.buffer->element_type()) +
                               ", q has " + DtypeName(dtype));
     }
   }
   if (lse.element_type() != ffi::DataType::F32) {
-    return Invalid(key, std::string("lse has ") + DtypeName(lse.element_type()) +
+    return Invalid(a, std::string("lse has ") + DtypeName(lse.element_type()) +
                             ", expected float32");
   }
   if (ffi::Error e = CheckAttrs(a, dtype); e.failure()) return e;
@@ -139,29 +155,29 @@ ffi::Error CheckBuffers(const FwdAttrs& a, const ffi::AnyBuffer& q, const ffi::A
   const bool ok_k = kd[0] == b && kd[3] == a.head_dim;
   const bool ok_v = vd[0] == b && vd[1] == sk && vd[2] == hk && vd[3] == a.head_dim_v;
   if (!ok_q || !ok_k || !ok_v) {
-    return Invalid(key, "q " + Shape(q) + ", k " + Shape(k) + ", v " + Shape(v) +
+    return Invalid(a, "q " + Shape(q) + ", k " + Shape(k) + ", v " + Shape(v) +
                             " do not fit q (b, sq, h, " + std::to_string(a.head_dim) +
                             "), k (b, sk, hk, " + std::to_string(a.head_dim) +
                             "), v (b, sk, hk, " + std::to_string(a.head_dim_v) + ")");
   }
   if (hk == 0 ? h != 0 : h % hk != 0) {
-    return Invalid(key, "num_heads " + std::to_string(h) + " is not a multiple of num_kv_heads " +
+    return Invalid(a, "num_heads " + std::to_string(h) + " is not a multiple of num_kv_heads " +
                             std::to_string(hk));
   }
   auto od = out.dimensions(), ld = lse.dimensions();
   if (od[0] != b || od[1] != sq || od[2] != h || od[3] != a.head_dim_v) {
-    return Invalid(key, "out has shape " + Shape(out) + ", expected (" + std::to_string(b) + ", " +
+    return Invalid(a, "out has shape " + Shape(out) + ", expected (" + std::to_string(b) + ", " +
                             std::to_string(sq) + ", " + std::to_string(h) + ", " +
                             std::to_string(a.head_dim_v) + ")");
   }
   if (ld[0] != b || ld[1] != h || ld[2] != sq) {
-    return Invalid(key, "lse has shape " + Shape(lse) + ", expected (" + std::to_string(b) + ", " +
+    return Invalid(a, "lse has shape " + Shape(lse) + ", expected (" + std::to_string(b) + ", " +
                             std::to_string(h) + ", " + std::to_string(sq) + ")");
   }
   for (int64_t d : {b, sq, sk, h, hk}) {
     // The kernel ABI takes int32 extents; larger ones would silently wrap.
     if (d > std::numeric_limits<int32_t>::max()) {
-      return Invalid(key, "dimension " + std::to_string(d) + " exceeds the int32 range");
+      return Invalid(a, "dimension " + std::to_string(d) + " exceeds the int32 range");
     }
   }
   args->batch = static_cast<int32_t>(b);
@@ -196,7 +212,8 @@ ffi::Error FillEmptyRows(std::string_view key, cudaStream_t stream, ffi::AnyBuff
                          ffi::AnyBuffer lse) {
   if (cudaError_t e = cudaMemsetAsync(out.untyped_data(), 0, out.size_bytes(), stream);
       e != cudaSuccess) {
-    return ffi::Error::Internal(Where(key) + "zeroing out failed: " + cudaGetErrorString(e));
+    return ffi::Error::Internal(Where(kFwdTarget, key) + "zeroing out failed: " +
+                                cudaGetErrorString(e));
   }
   MemsetD32 memset_d32 = GetMemsetD32();
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -206,7 +223,7 @@ ffi::Error FillEmptyRows(std::string_view key, cudaStream_t stream, ffi::AnyBuff
   if (memset_d32 == nullptr ||
       memset_d32(reinterpret_cast<uintptr_t>(lse.untyped_data()), bits, lse.element_count(),
                  stream) != 0) {
-    return ffi::Error::Internal(Where(key) + "filling lse with -inf failed");
+    return ffi::Error::Internal(Where(kFwdTarget, key) + "filling lse with -inf failed");
   }
   return ffi::Error::Success();
 }
@@ -231,24 +248,40 @@ class ScopedStreamDevice {
   bool restore_ = false;
 };
 
+// The registered library of the call's variant, which must export the target's entry point.
+ffi::Error FindLibrary(const CallAttrs& a, const VariantLibrary** library) {
+  const std::string key(a.variant);
+  *library = FindVariant(a.variant);
+  if (*library == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      Where(a) + "kernel variant '" + key +
+                          "' is not registered in this process. Build it with `python -m "
+                          "jaxflash.build --variants " + key +
+                          "` and call jaxflash.ffi.register() before running this program.");
+  }
+  const bool bwd = a.target == kBwdTarget;
+  if (bwd ? (*library)->bwd == nullptr : (*library)->fwd == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      Where(a) + "the library registered for '" + key + "' (" + (*library)->path +
+                          ") does not export jaxflash_variant_" + (bwd ? "bwd" : "fwd") +
+                          "; rebuild it with `python -m jaxflash.build --force --variants " +
+                          key + "`");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error AttentionFwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                         std::string_view variant, float softmax_scale, bool causal,
                         int32_t window_left, int32_t window_right, float softcap,
                         int32_t head_dim, int32_t head_dim_v) {
-  const FwdAttrs attrs{variant, softmax_scale, causal, window_left, window_right,
-                       softcap, head_dim, head_dim_v};
+  const CallAttrs attrs{variant, softmax_scale, causal, window_left, window_right,
+                        softcap, head_dim, head_dim_v};
   JaxflashFwdArgs args{};
   if (ffi::Error e = CheckBuffers(attrs, q, k, v, *out, *lse, &args); e.failure()) return e;
 
-  const VariantLibrary* library = FindVariant(variant);
-  if (library == nullptr) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      Where(variant) + "kernel variant '" + std::string(variant) +
-                          "' is not registered in this process. Build it with `python -m "
-                          "jaxflash.build --variants " + std::string(variant) +
-                          "` and call jaxflash.ffi.register() before running this program.");
-  }
+  const VariantLibrary* library = nullptr;
+  if (ffi::Error e = FindLibrary(attrs, &library); e.failure()) return e;
   if (out->element_count() == 0) return ffi::Error::Success();  // b, sq or h is 0
 
   ScopedStreamDevice device(stream);
@@ -264,7 +297,164 @@ ffi::Error AttentionFwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   args.window_right = window_right;
   args.softcap = softcap;
   if (int32_t status = library->fwd(&args, stream); status != 0) {
-    return ffi::Error::Internal(Where(variant) + "kernel launch failed with status " +
+    return ffi::Error::Internal(Where(attrs) + "kernel launch failed with status " +
+                                std::to_string(status) + " (as a CUDA error: " +
+                                cudaGetErrorName(static_cast<cudaError_t>(status)) + ") for q " +
+                                Shape(q) + ", k " + Shape(k));
+  }
+  return ffi::Error::Success();
+}
+
+// tile_m of a variant from the tile token of its key ("m64n128s2"): the scratch rows are the
+// query length rounded up to it. 0 if the key has no tile token.
+int64_t TileM(std::string_view key) {
+  const size_t dash = key.rfind('-');
+  const std::string_view tile = dash == std::string_view::npos ? key : key.substr(dash + 1);
+  if (tile.size() < 2 || tile[0] != 'm') return 0;
+  int64_t m = 0;
+  for (size_t i = 1; i < tile.size() && tile[i] >= '0' && tile[i] <= '9'; ++i) {
+    m = m * 10 + (tile[i] - '0');
+  }
+  return m;
+}
+
+// `buffer` must have exactly `dims` and `dtype`.
+ffi::Error CheckExact(const CallAttrs& a, const char* name, const ffi::AnyBuffer& buffer,
+                      std::initializer_list<int64_t> dims, ffi::DataType dtype) {
+  auto have = buffer.dimensions();
+  bool ok = have.size() == dims.size() && buffer.element_type() == dtype;
+  size_t i = 0;
+  for (int64_t d : dims) ok = ok && have[i++] == d;
+  if (ok) return ffi::Error::Success();
+  std::string want = "(";
+  i = 0;
+  for (int64_t d : dims) want += (i++ ? ", " : "") + std::to_string(d);
+  return Invalid(a, std::string(name) + " is " + DtypeName(buffer.element_type()) + " " +
+                        Shape(buffer) + ", expected " + DtypeName(dtype) + " " + want + ")");
+}
+
+// Backward outputs and scratch against the (already checked) forward tensors.
+ffi::Error CheckBwdBuffers(const CallAttrs& a, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                           const ffi::AnyBuffer& v, const ffi::AnyBuffer& out,
+                           const ffi::AnyBuffer& lse, const ffi::AnyBuffer& d_out,
+                           const ffi::AnyBuffer& d_lse, const ffi::AnyBuffer& dq,
+                           const ffi::AnyBuffer& dk, const ffi::AnyBuffer& dv,
+                           const ffi::AnyBuffer& dq_accum, const ffi::AnyBuffer& lse_log2,
+                           const ffi::AnyBuffer& delta, const ffi::AnyBuffer* dq_semaphore) {
+  auto same = [&](const char* name, const ffi::AnyBuffer& buffer, const ffi::AnyBuffer& like) {
+    auto d = like.dimensions();
+    return d.size() == 4 ? CheckExact(a, name, buffer, {d[0], d[1], d[2], d[3]},
+                                      like.element_type())
+                         : CheckExact(a, name, buffer, {d[0], d[1], d[2]}, like.element_type());
+  };
+  struct Pair { const char* name; const ffi::AnyBuffer* buffer; const ffi::AnyBuffer* like; };
+  for (const Pair& p : {Pair{"d_out", &d_out, &out}, Pair{"d_lse", &d_lse, &lse},
+                        Pair{"dq", &dq, &q}, Pair{"dk", &dk, &k}, Pair{"dv", &dv, &v}}) {
+    if (ffi::Error e = same(p.name, *p.buffer, *p.like); e.failure()) return e;
+  }
+  const int64_t tile_m = TileM(a.variant);
+  if (tile_m <= 0) return Invalid(a, "the variant key has no tile token (m<tile_m>n...)");
+  auto qd = q.dimensions();
+  const int64_t b = qd[0], sq = qd[1], h = qd[2];
+  const int64_t sqr = (sq + tile_m - 1) / tile_m * tile_m;
+  const ffi::DataType f32 = ffi::DataType::F32;
+  if (ffi::Error e = CheckExact(a, "dq_accum", dq_accum, {b, h, sqr, a.head_dim}, f32);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckExact(a, "lse_log2", lse_log2, {b, h, sqr}, f32); e.failure()) return e;
+  if (ffi::Error e = CheckExact(a, "delta", delta, {b, h, sqr}, f32); e.failure()) return e;
+  if (a.deterministic != (dq_semaphore != nullptr)) {
+    return Invalid(a, a.deterministic ? "a deterministic call needs the dq_semaphore result"
+                                      : "dq_semaphore is a result of deterministic calls only");
+  }
+  if (dq_semaphore != nullptr) {
+    return CheckExact(a, "dq_semaphore", *dq_semaphore, {b, h, sqr / tile_m},
+                      ffi::DataType::S32);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Zero(const CallAttrs& a, cudaStream_t stream, const char* name, ffi::AnyBuffer buffer) {
+  if (cudaError_t e = cudaMemsetAsync(buffer.untyped_data(), 0, buffer.size_bytes(), stream);
+      e != cudaSuccess) {
+    return ffi::Error::Internal(Where(a) + "zeroing " + name + " failed: " + cudaGetErrorString(e));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error AttentionBwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer d_out,
+                        ffi::AnyBuffer d_lse, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> lse_log2,
+                        ffi::Result<ffi::AnyBuffer> delta, ffi::RemainingRets semaphore,
+                        std::string_view variant, float softmax_scale, bool causal,
+                        int32_t window_left, int32_t window_right, float softcap,
+                        int32_t head_dim, int32_t head_dim_v, bool deterministic) {
+  const CallAttrs attrs{variant, softmax_scale, causal,     window_left,   window_right,
+                        softcap, head_dim,      head_dim_v, kBwdTarget,    deterministic};
+  JaxflashFwdArgs shape{};
+  if (ffi::Error e = CheckBuffers(attrs, q, k, v, out, lse, &shape); e.failure()) return e;
+  if (semaphore.size() > 1) {
+    return Invalid(attrs, std::to_string(6 + semaphore.size()) +
+                              " results, expected dq, dk, dv, dq_accum, lse_log2, delta and, "
+                              "when deterministic, dq_semaphore");
+  }
+  std::optional<ffi::Result<ffi::AnyBuffer>> sem;
+  if (!semaphore.empty()) {
+    auto got = semaphore.get<ffi::AnyBuffer>(0);
+    if (got.has_error()) return got.error();
+    sem = got.value();
+  }
+  if (ffi::Error e = CheckBwdBuffers(attrs, q, k, v, out, lse, d_out, d_lse, *dq, *dk, *dv,
+                                     *dq_accum, *lse_log2, *delta, sem ? &**sem : nullptr);
+      e.failure()) {
+    return e;
+  }
+  const VariantLibrary* library = nullptr;
+  if (ffi::Error e = FindLibrary(attrs, &library); e.failure()) return e;
+
+  ScopedStreamDevice device(stream);
+  // Empty problems launch nothing (a TMA descriptor cannot describe a zero-length tensor): no
+  // keys gives dq = 0, no queries dk = dv = 0; the rest of an empty output is empty anyway.
+  if (shape.batch == 0 || shape.num_heads == 0 || shape.seqlen_q == 0 || shape.seqlen_k == 0) {
+    for (auto [name, buffer] : {std::pair{"dq", *dq}, std::pair{"dk", *dk},
+                                std::pair{"dv", *dv}}) {
+      if (buffer.size_bytes() == 0) continue;
+      if (ffi::Error e = Zero(attrs, stream, name, buffer); e.failure()) return e;
+    }
+    return ffi::Error::Success();
+  }
+
+  JaxflashBwdArgs args{};
+  args.q = q.untyped_data();
+  args.k = k.untyped_data();
+  args.v = v.untyped_data();
+  args.out = out.untyped_data();
+  args.lse = static_cast<const float*>(lse.untyped_data());
+  args.d_out = d_out.untyped_data();
+  args.d_lse = static_cast<const float*>(d_lse.untyped_data());
+  args.dq = dq->untyped_data();
+  args.dk = dk->untyped_data();
+  args.dv = dv->untyped_data();
+  args.dq_accum = static_cast<float*>(dq_accum->untyped_data());
+  args.lse_log2 = static_cast<float*>(lse_log2->untyped_data());
+  args.delta = static_cast<float*>(delta->untyped_data());
+  args.dq_semaphore = sem ? static_cast<int32_t*>((*sem)->untyped_data()) : nullptr;
+  args.batch = shape.batch;
+  args.seqlen_q = shape.seqlen_q;
+  args.seqlen_k = shape.seqlen_k;
+  args.num_heads = shape.num_heads;
+  args.num_kv_heads = shape.num_kv_heads;
+  args.head_dim = shape.head_dim;
+  args.head_dim_v = shape.head_dim_v;
+  args.softmax_scale = softmax_scale;
+  args.window_left = window_left;
+  args.window_right = window_right;
+  args.softcap = softcap;
+  if (int32_t status = library->bwd(&args, stream); status != 0) {
+    return ffi::Error::Internal(Where(attrs) + "kernel launch failed with status " +
                                 std::to_string(status) + " (as a CUDA error: " +
                                 cudaGetErrorName(static_cast<cudaError_t>(status)) + ") for q " +
                                 Shape(q) + ", k " + Shape(k));
@@ -310,3 +500,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("softcap")                    // softcap * tanh(s / softcap); 0: off
         .Attr<int32_t>("head_dim")                 // q/k head dim the variant was built for
         .Attr<int32_t>("head_dim_v"));             // v/out head dim the variant was built for
+
+// Not declared kCmdBufferCompatible either, for the forward's reason (see above).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxflashAttentionBwd, jaxflash::AttentionBwd,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream XLA runs this call on
+        .Arg<ffi::AnyBuffer>()                     // q     (batch, seqlen_q, num_heads, head_dim)
+        .Arg<ffi::AnyBuffer>()                     // k     (batch, seqlen_k, kv_heads, head_dim)
+        .Arg<ffi::AnyBuffer>()                     // v     (batch, seqlen_k, num_kv_heads, dv)
+        .Arg<ffi::AnyBuffer>()                     // out   (batch, seqlen_q, num_heads, head_dim_v)
+        .Arg<ffi::AnyBuffer>()                     // lse   (batch, num_heads, seqlen_q) float32
+        .Arg<ffi::AnyBuffer>()                     // d_out (like out)
+        .Arg<ffi::AnyBuffer>()                     // d_lse (like lse)
+        .Ret<ffi::AnyBuffer>()                     // dq    (like q)
+        .Ret<ffi::AnyBuffer>()                     // dk    (like k), summed over a GQA group
+        .Ret<ffi::AnyBuffer>()                     // dv    (like v)
+        .Ret<ffi::AnyBuffer>()                     // dq_accum (batch, heads, sq_rounded, d) f32
+        .Ret<ffi::AnyBuffer>()                     // lse_log2 (batch, heads, sq_rounded) f32
+        .Ret<ffi::AnyBuffer>()                     // delta    (batch, heads, sq_rounded) f32
+        .RemainingRets()                           // dq_semaphore int32, deterministic only
+        .Attr<std::string_view>("variant")         // KernelVariant.key of the kernel to run
+        .Attr<float>("softmax_scale")              // multiplies q.k before the softmax
+        .Attr<bool>("causal")                      // bottom-right aligned causal mask
+        .Attr<int32_t>("window_left")              // keys visible left of the diagonal, -1: all
+        .Attr<int32_t>("window_right")             // keys visible right of the diagonal, -1: all
+        .Attr<float>("softcap")                    // softcap * tanh(s / softcap); 0: off
+        .Attr<int32_t>("head_dim")                 // q/k head dim the variant was built for
+        .Attr<int32_t>("head_dim_v")               // v/out head dim the variant was built for
+        .Attr<bool>("deterministic"));             // dq accumulated in a fixed order

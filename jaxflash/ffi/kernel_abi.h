@@ -31,6 +31,40 @@ typedef struct {
   float softcap;                      // 0: off (only read by softcap variants)
 } JaxflashFwdArgs;
 
+// Backward call (jaxflash/ffi/variant_bwd.cc): preprocess, main kernel, postprocess, in order on
+// the stream. Inputs as in the forward plus
+//   out, d_out (batch, seqlen_q, num_heads, head_dim_v)  same dtype as q
+//   lse, d_lse (batch, num_heads, seqlen_q)              float32
+// outputs (every element written)
+//   dq (like q), dk (like k), dv (like v); dk/dv summed over the query heads of a group (GQA)
+// and scratch, shapes from jaxflash.config.bwd_scratch_shapes (seqlen_q_rounded = seqlen_q
+// rounded up to the variant's tile_m; contents need no initialisation):
+//   dq_accum     (batch, num_heads, seqlen_q_rounded, head_dim)   float32
+//   lse_log2     (batch, num_heads, seqlen_q_rounded)             float32
+//   delta        (batch, num_heads, seqlen_q_rounded)             float32
+//   dq_semaphore (batch, num_heads, seqlen_q_rounded / tile_m)    int32, deterministic
+//                variants only (NULL otherwise)
+typedef struct {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* out;
+  const float* lse;
+  const void* d_out;
+  const float* d_lse;
+  void* dq;
+  void* dk;
+  void* dv;
+  float* dq_accum;
+  float* lse_log2;
+  float* delta;
+  int32_t* dq_semaphore;
+  int32_t batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, head_dim, head_dim_v;
+  float softmax_scale;
+  int32_t window_left, window_right;  // -1: unbounded (only read by window variants)
+  float softcap;                      // 0: off (only read by softcap variants)
+} JaxflashBwdArgs;
+
 // Returns JAXFLASH_KERNEL_ABI_VERSION; the handler refuses a library with another version.
 int32_t jaxflash_variant_abi_version(void);
 // The KernelVariant.key the library was built for (a NUL-terminated static string).
@@ -39,6 +73,8 @@ const char* jaxflash_variant_key(void);
 int32_t jaxflash_variant_load(void);
 // Launches on `stream` (a cudaStream_t). 0 on success, else the CuTe DSL / CUDA status.
 int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream);
+// Backward libraries export this instead of jaxflash_variant_fwd. Same return convention.
+int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream);
 
 #ifdef __cplusplus
 }  // extern "C"

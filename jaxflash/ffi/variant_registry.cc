@@ -62,7 +62,9 @@ std::string RegisterVariant(std::string_view key, std::string_view path) {
   auto variant_key = LookUp<const char* (*)()>(handle, "jaxflash_variant_key");
   auto load = LookUp<int32_t (*)()>(handle, "jaxflash_variant_load");
   auto fwd = LookUp<int32_t (*)(const JaxflashFwdArgs*, void*)>(handle, "jaxflash_variant_fwd");
-  if (!abi_version || !variant_key || !load || !fwd) {
+  auto bwd = LookUp<int32_t (*)(const JaxflashBwdArgs*, void*)>(handle, "jaxflash_variant_bwd");
+  // One direction per library: the forward or the backward entry, not both.
+  if (!abi_version || !variant_key || !load || (fwd == nullptr) == (bwd == nullptr)) {
     return fail(where + " does not export the jaxflash kernel ABI (kernel_abi.h); rebuild it with "
                 "`python -m jaxflash.build --force --variants " + std::string(key) + "`");
   }
@@ -86,6 +88,7 @@ std::string RegisterVariant(std::string_view key, std::string_view path) {
   entry->path = std::move(path_str);
   entry->handle = handle;
   entry->fwd = fwd;
+  entry->bwd = bwd;
   registry.emplace(entry->key, std::move(entry));
   return "";
 }

@@ -16,7 +16,9 @@ struct VariantLibrary {
   std::string key;
   std::string path;
   void* handle = nullptr;  // from dlopen; never closed (handlers may run until exit)
+  // Exactly one is set: a library is either a forward or a backward variant.
   int32_t (*fwd)(const JaxflashFwdArgs* args, void* stream) = nullptr;
+  int32_t (*bwd)(const JaxflashBwdArgs* args, void* stream) = nullptr;
 };
 
 // Returns the registered library for `key`, or nullptr. Entries live until process exit.

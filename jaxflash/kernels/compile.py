@@ -20,6 +20,9 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
 from jaxflash import config
+from jaxflash.kernels.bwd_postprocess import FlashAttentionBackwardPostprocess
+from jaxflash.kernels.bwd_preprocess import FlashAttentionBackwardPreprocess
+from jaxflash.kernels.bwd_sm90 import FlashAttentionBackwardSm90
 from jaxflash.kernels.fwd_sm90 import DTYPES, FlashAttentionForwardSm90
 
 _GPU_ARCH = {"sm90a": "sm_90a"}
@@ -46,6 +49,11 @@ class ExportedKernel:
   cubin: bytes
   compile_seconds: float
   defines: tuple[str, ...]
+  # Backward variants link three exported objects: object_path / header_path / cubin are the
+  # main kernel's, these the preprocess and postprocess ones (in that order).
+  extra_object_paths: tuple[pathlib.Path, ...] = ()
+  extra_cubins: tuple[bytes, ...] = ()
+  glue_source: str = "variant_fwd.cc"
 
 
 def function_prefix(variant: config.KernelVariant) -> str:
@@ -121,7 +129,12 @@ def build_kernel(variant: config.KernelVariant) -> FlashAttentionForwardSm90:
 
 
 def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
-  """Compiles one variant for its arch and writes `<key>.h` and `<key>.o` into out_dir."""
+  """Compiles one variant for its arch and writes `<key>.h` and `<key>.o` into out_dir.
+
+  A backward variant writes `<key>-{pre,main,post}.{h,o}` (see export_bwd_variant).
+  """
+  if variant.direction == "bwd":
+    return export_bwd_variant(variant, out_dir)
   kernel = build_kernel(variant)
   load_dsl_runtime()
   out_dir = pathlib.Path(out_dir)
@@ -230,7 +243,7 @@ _VERSION_SCRIPT = "{ global: jaxflash_variant_*; local: *; };\n"
 
 def link_command(exported: ExportedKernel, output_path, ffi_dir=None,
                  cuda_include="/usr/local/cuda/include", cxx="g++") -> list[str]:
-  """argv that links variant_fwd.cc + the exported object into `output_path` (a .so).
+  """argv that links the variant's glue + its exported object(s) into `output_path` (a .so).
 
   Writes a linker version script next to output_path so that only the four kernel_abi.h
   functions are exported (the static CUDA runtime inside stays private to the library).
@@ -240,6 +253,124 @@ def link_command(exported: ExportedKernel, output_path, ffi_dir=None,
   script = output_path.with_suffix(".map")
   script.write_text(_VERSION_SCRIPT)
   return [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden",
-          *exported.defines, str(ffi_dir / "variant_fwd.cc"), str(exported.object_path),
+          *exported.defines, str(ffi_dir / exported.glue_source), str(exported.object_path),
+          *(str(p) for p in exported.extra_object_paths),
           f"-I{ffi_dir}", f"-I{cuda_include}", *runtime_link_args(),
           f"-Wl,--version-script={script}", "-o", str(output_path)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward: three kernels (preprocess, main, postprocess) per variant, one glue
+# (jaxflash/ffi/variant_bwd.cc) that launches them in order on the caller's stream.
+
+_BWD_PARTS = ("pre", "main", "post")
+
+
+def bwd_signature(variant: config.KernelVariant) -> dict:
+  """Fake tensors of the backward kernels, by argument name; shapes dynamic, head dims static.
+
+  q/k/v/out/d_out/dq/dk/dv are dense (batch, seq, heads, dim); lse/d_lse (batch, heads, seqlen_q);
+  the scratch tensors follow config.bwd_scratch_shapes: lse_log2/delta (batch, heads,
+  seqlen_q_rounded), dq_accum (batch, heads, seqlen_q_rounded, head_dim), dq_semaphore (batch,
+  heads, seqlen_q_rounded / tile_m) or None. Dynamic strides are listed in mode order with a
+  unit last stride, as the C glue fills them.
+  """
+  dtype = DTYPES[variant.dtype]
+  d, dv = variant.head_dim, variant.head_dim_v
+  batch, seqlen_q, seqlen_k = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+  num_heads, num_kv_heads = cute.sym_int32(), cute.sym_int32()
+  seqlen_q_rounded = cute.sym_int32(divisibility=variant.tile.tile_m)
+
+  def dense(shape, last_dim, dt=dtype):
+    strides = tuple(cute.sym_int64(divisibility=last_dim) for _ in shape[:-2]) + (last_dim, 1)
+    return make_fake_tensor(dt, shape, strides, assumed_align=_ASSUMED_ALIGN)
+
+  def rows(shape, dt=cutlass.Float32, align=_ASSUMED_ALIGN):
+    strides = (cute.sym_int64(), cute.sym_int64(), 1)
+    return make_fake_tensor(dt, shape, strides, assumed_align=align)
+
+  sem = None
+  if variant.deterministic:
+    sem = rows((batch, num_heads, cute.sym_int32()), cutlass.Int32, 4)
+  return dict(
+      q=dense((batch, seqlen_q, num_heads, d), d),
+      k=dense((batch, seqlen_k, num_kv_heads, d), d),
+      v=dense((batch, seqlen_k, num_kv_heads, dv), dv),
+      out=dense((batch, seqlen_q, num_heads, dv), dv),
+      d_out=dense((batch, seqlen_q, num_heads, dv), dv),
+      lse=rows((batch, num_heads, seqlen_q)),
+      d_lse=rows((batch, num_heads, seqlen_q)),
+      lse_log2=rows((batch, num_heads, seqlen_q_rounded)),
+      delta=rows((batch, num_heads, seqlen_q_rounded)),
+      dq_accum=dense((batch, num_heads, seqlen_q_rounded, d), d, cutlass.Float32),
+      dq=dense((batch, seqlen_q, num_heads, d), d),
+      dk=dense((batch, seqlen_k, num_kv_heads, d), d),
+      dv=dense((batch, seqlen_k, num_kv_heads, dv), dv),
+      dq_semaphore=sem,
+  )
+
+
+def build_bwd_kernels(variant: config.KernelVariant):
+  """(preprocess, main, postprocess) kernel objects of a backward variant, or ValueError."""
+  if variant.direction != "bwd":
+    raise ValueError(f"variant.direction: {variant.direction!r}; expected 'bwd'")
+  if variant.arch not in _GPU_ARCH:
+    raise ValueError(f"variant.arch: {variant.arch!r} unsupported; accepted: {tuple(_GPU_ARCH)}")
+  if variant.has_window or variant.has_softcap or variant.has_segment_ids:
+    raise ValueError(f"variant {variant.key}: window/softcap/segment ids not supported yet")
+  for ok, reason in (
+      FlashAttentionBackwardSm90.can_implement(variant.dtype, variant.head_dim,
+                                               variant.head_dim_v, variant.causal, variant.tile),
+      FlashAttentionBackwardPreprocess.can_implement(variant.dtype, variant.head_dim,
+                                                     variant.head_dim_v),
+      FlashAttentionBackwardPostprocess.can_implement(variant.dtype, variant.head_dim)):
+    if not ok:
+      raise ValueError(f"variant {variant.key}: {reason}")
+  dtype = DTYPES[variant.dtype]
+  return (
+      FlashAttentionBackwardPreprocess(dtype, variant.head_dim, variant.head_dim_v,
+                                       variant.deterministic),
+      FlashAttentionBackwardSm90(dtype, variant.head_dim, variant.head_dim_v, variant.tile,
+                                 variant.causal, variant.deterministic),
+      FlashAttentionBackwardPostprocess(dtype, variant.head_dim),
+  )
+
+
+def export_bwd_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
+  """Compiles the three backward kernels and writes `<key>-{pre,main,post}.{h,o}`."""
+  pre, main, post = build_bwd_kernels(variant)
+  load_dsl_runtime()
+  out_dir = pathlib.Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  prefix = function_prefix(variant)
+  sig = bwd_signature(variant)
+  scale, stream = cutlass.Float32(1.0), make_fake_stream()
+  arguments = {
+      "pre": (pre, sig["out"], sig["d_out"], sig["lse"], sig["d_lse"], sig["lse_log2"],
+              sig["delta"], sig["dq_accum"], sig["dq_semaphore"], stream),
+      "main": (main, sig["q"], sig["k"], sig["v"], sig["d_out"], sig["lse_log2"], sig["delta"],
+               sig["dq_accum"], sig["dk"], sig["dv"], sig["dq_semaphore"], scale, stream),
+      "post": (post, sig["dq_accum"], sig["dq"], scale, stream),
+  }
+  start = time.perf_counter()
+  headers, objects = {}, {}
+  for part in _BWD_PARTS:
+    kernel, *args = arguments[part]
+    compiled = cute.compile(kernel, *args, options=f"--gpu-arch {_GPU_ARCH[variant.arch]}")
+    compiled.export_to_c(str(out_dir), f"{variant.key}-{part}", f"{prefix}_{part}")
+    headers[part] = (out_dir / f"{variant.key}-{part}.h").resolve()
+    objects[part] = (out_dir / f"{variant.key}-{part}.o").resolve()
+  seconds = time.perf_counter() - start
+  defines = (f'-DJAXFLASH_VARIANT_KEY="{variant.key}"',
+             f"-DJAXFLASH_HEAD_DIM={variant.head_dim}",
+             f"-DJAXFLASH_HEAD_DIM_V={variant.head_dim_v}",
+             f"-DJAXFLASH_TILE_M={variant.tile.tile_m}",
+             f"-DJAXFLASH_DETERMINISTIC={int(variant.deterministic)}",
+             *(f"-DJAXFLASH_PREFIX_{part.upper()}={prefix}_{part}" for part in _BWD_PARTS),
+             *(f'-DJAXFLASH_HEADER_{part.upper()}="{headers[part]}"' for part in _BWD_PARTS))
+  return ExportedKernel(
+      variant=variant, header_path=headers["main"], object_path=objects["main"],
+      function_prefix=prefix, cubin=extract_cubin(objects["main"]), compile_seconds=seconds,
+      defines=defines, extra_object_paths=(objects["pre"], objects["post"]),
+      extra_cubins=(extract_cubin(objects["pre"]), extract_cubin(objects["post"])),
+      glue_source="variant_bwd.cc")

@@ -3,6 +3,8 @@
 Imports cutlass, jaxflash.config and the sibling helper modules only (never jax).
 """
 
+import dataclasses
+
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -24,11 +26,13 @@ _WARPGROUP_THREADS = 128
 _WARP_THREADS = 32
 # Each shared buffer starts on a 1 KiB boundary: the 128B swizzle pattern repeats every 1 KiB.
 _SMEM_ALIGN = 1024
-# Named barrier 0 is __syncthreads; 1 syncs the consumer warpgroups in the epilogue.
+# Named barrier 0 is __syncthreads; 1 syncs the consumer warpgroups in the epilogue; 2 + w is
+# consumer warpgroup w's turn to issue its GEMMs (ping-pong).
 _EPILOGUE_BARRIER = 1
+_SCHEDULER_BARRIER_BASE = 2
 # (producer, consumer) registers per thread after setmaxnreg, by number of consumer warpgroups:
 # the budget is 64K registers per SM for one CTA (FA-3's split; 24 suffices for a TMA-only warp).
-_REGISTER_SPLIT = {1: (56, 256), 2: (24, 240)}
+_REGISTER_SPLIT = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 
 
 def _smem_layout(dtype, layout: LayoutEnum, rows: int, cols: int, stages=None):
@@ -68,11 +72,22 @@ class FlashAttentionForwardSm90:
 
   Each consumer warpgroup owns 64 query rows of the tile_m x tile_n block: S = Q K^T (WGMMA, both
   operands in shared memory), online softmax in registers, O += P V (WGMMA, P from registers).
-  K and V ride two mbarrier pipelines of num_stages slots each; Q has a one-slot pipeline.
+  K and V ride two mbarrier pipelines of num_stages slots each; Q has a one-slot pipeline that
+  the epilogue releases once the O store has left shared memory (O reuses Q's buffer).
+
+  Schedule options (defaults are the measured best, see docs/perf-notes.md):
+  intra_wg_overlap: issue S(j+1) = Q K(j+1)^T and O += P(j) V(j) back to back, then run the
+    softmax of j+1 while the PV GEMM is in flight. (ptxas 13 hoists the PV wait to the first
+    idle slot of the softmax, so today this buys only ~2%; docs/perf-notes.md.)
+  pingpong: the consumer warpgroups take turns (named barriers) to issue their GEMMs, so one
+    warpgroup's softmax overlaps the other's GEMMs.
+  persistent: grid = #SMs, each CTA walks a static list of tiles (next tile's loads overlap the
+    epilogue); else one CTA per tile. Causal always uses the LPT tile order
+    (tile_scheduler.StaticTileScheduler).
   """
 
   def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
-               causal: bool):
+               causal: bool, *, intra_wg_overlap: bool = True, pingpong=None, persistent=None):
     self.dtype = dtype
     self.head_dim = head_dim
     self.head_dim_v = head_dim_v
@@ -86,6 +101,21 @@ class FlashAttentionForwardSm90:
     self.num_mma_threads = self.num_mma_warpgroups * _WARPGROUP_THREADS
     self.num_threads = self.num_mma_threads + _WARPGROUP_THREADS
     self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT[self.num_mma_warpgroups]
+    self.intra_wg_overlap = intra_wg_overlap
+    if pingpong is None:
+      # FA-3 / FA-4 turn ping-pong off above hdim 128 when the overlap is on; measured at hdim
+      # 256: on 646/770/725 TFLOP/s, off 648/771/721 (seq 1k/4k/16k), so off.
+      pingpong = head_dim <= 128 or not intra_wg_overlap
+    self.pingpong = pingpong and self.num_mma_warpgroups >= 2
+    if persistent is None:
+      # Measured (docs/perf-notes.md): persistent wins on uniform non-causal tiles (+3-7% at seq
+      # 1k, the next tile's loads overlap the epilogue); for causal the hardware's greedy
+      # dispatch of LPT-ordered CTAs beats a static per-CTA tile list by 10-30%.
+      persistent = not causal
+    self.persistent = persistent
+    # O of hdim_v > 128 is 128+ registers per thread: rescale it while Q K^T runs instead of
+    # after the PV GEMM, off the path between the PV wait and the next GEMMs.
+    self.rescale_o_before_pv = intra_wg_overlap and head_dim_v > 128
 
   @staticmethod
   def smem_bytes(head_dim: int, head_dim_v: int, tile: config.TileConfig,
@@ -106,8 +136,12 @@ class FlashAttentionForwardSm90:
     ok, reason = config.kernel_support("fwd", dtype, head_dim, head_dim_v, cfg)
     if not ok:
       return ok, reason
-    if tile.tile_m not in (64, 128):
-      return False, f"tile_m {tile.tile_m} unsupported; accepted: 64, 128 (64 rows per warpgroup)"
+    if tile.tile_m not in (64, 128, 192):
+      return False, (f"tile_m {tile.tile_m} unsupported; accepted: 64, 128, 192 (64 rows per "
+                     f"consumer warpgroup)")
+    if tile.tile_m == 192 and max(head_dim, head_dim_v) > 64:
+      return False, (f"tile_m 192 needs head_dim <= 64 (3 consumer warpgroups get 160 registers "
+                     f"per thread); got {max(head_dim, head_dim_v)}")
     if tile.tile_n % 16 != 0 or not 16 <= tile.tile_n <= 256:
       return False, f"tile_n {tile.tile_n} unsupported; accepted: multiples of 16 in [16, 256]"
     if tile.num_stages < 1:
@@ -190,8 +224,8 @@ class FlashAttentionForwardSm90:
         cpasync.CopyBulkTensorTileS2GOp(), mO, self.sO_layout, (self.tile_m, self.head_dim_v))
 
     num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
-    grid = tile_scheduler.SingleTileScheduler.grid_shape(
-        num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+    grid = tile_scheduler.StaticTileScheduler.grid_shape(
+        num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]), self.persistent)
     self.kernel(
         tma_q, tma_k, tma_v, tma_o, mLSE,
         tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
@@ -237,83 +271,117 @@ class FlashAttentionForwardSm90:
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
 
-    scheduler = tile_scheduler.SingleTileScheduler(reverse_m=self.causal)
-    num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
-    m_block, head, batch = scheduler.work_tile(num_m_blocks)
-    seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-    n_max = mask.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
-
+    scheduler = tile_scheduler.StaticTileScheduler(
+        cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3], mK.shape[0],
+        kv_bytes_per_key=(self.head_dim + self.head_dim_v) * self.dtype.width // 8,
+        lpt=self.causal, persistent=self.persistent)
     warpgroup_idx = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS)
     if warpgroup_idx == 0:
       cute.arch.setmaxregister_decrease(self.num_producer_regs)
       if warp_idx == 0:
-        # GQA/MQA: q heads [g * ratio, (g + 1) * ratio) share kv head g.
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
         self.load(mQ, mK, mV, tma_atom_q, tma_atom_k, tma_atom_v, sQ, sK, sV,
-                  pipeline_q, pipeline_k, pipeline_v, m_block, head, head_kv, batch, n_max)
+                  pipeline_q, pipeline_k, pipeline_v, scheduler)
     else:
       cute.arch.setmaxregister_increase(self.num_mma_regs)
       self.mma(mO, mLSE, tma_atom_o, sQ, sK, sV, sO, tiled_mma_qk, tiled_mma_pv,
-               pipeline_q, pipeline_k, pipeline_v, softmax_scale,
-               m_block, head, batch, seqlen_q, seqlen_k, n_max)
+               pipeline_q, pipeline_k, pipeline_v, softmax_scale, scheduler,
+               mQ.shape[0], mK.shape[0])
 
   def _make_pipelines(self, storage):
-    """TMA pipelines: one elected producer thread arrives; lane 0 of every consumer warp releases."""
+    """TMA pipelines: one elected producer thread arrives; consumers release per warp.
+
+    K/V slots are released by lane 0 of every consumer warp; the Q slot only by the warp that
+    stores O (after the store has read shared memory, since O reuses Q's buffer).
+    """
     producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
     consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                          self.num_mma_threads // _WARP_THREADS)
     made = []
-    for mbar, stages, tx in ((storage.mbar_q, 1, self.tma_bytes_q),
-                             (storage.mbar_k, self.num_stages, self.tma_bytes_k),
-                             (storage.mbar_v, self.num_stages, self.tma_bytes_v)):
+    for mbar, stages, tx, group in ((storage.mbar_q, 1, self.tma_bytes_q, producer),
+                                    (storage.mbar_k, self.num_stages, self.tma_bytes_k, consumer),
+                                    (storage.mbar_v, self.num_stages, self.tma_bytes_v, consumer)):
       made.append(pipeline.PipelineTmaAsync.create(
           barrier_storage=mbar.data_ptr(), num_stages=stages, producer_group=producer,
-          consumer_group=consumer, tx_count=tx, defer_sync=True))
+          consumer_group=group, tx_count=tx, defer_sync=True))
     return made
 
   @cute.jit
   def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
            tma_atom_q: cute.CopyAtom, tma_atom_k: cute.CopyAtom, tma_atom_v: cute.CopyAtom,
            sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-           pipeline_q, pipeline_k, pipeline_v,
-           m_block: Int32, head: Int32, head_kv: Int32, batch: Int32, n_max: Int32):
-    """Producer warp: Q once, then K and V blocks from n_max-1 down to 0 (the consumer order)."""
-    gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-    gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-    gV = cute.local_tile(mV[None, None, head_kv, batch], (self.head_dim_v, self.tile_n), (0, None))
+           pipeline_q, pipeline_k, pipeline_v, scheduler):
+    """Producer warp: per tile, Q once and the K/V blocks in the consumers' order.
+
+    With intra-warpgroup overlap the consumers need K(j+1) before V(j): K(n_max-1), Q, then
+    K(n-1), V(n) for n = n_max-1 .. 1, then V(0). Without it: Q, then K(n), V(n).
+    """
+    seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+    q_per_kv = mQ.shape[2] // mK.shape[2]
     one_cta = cute.make_layout(1)
-    tQsQ, tQgQ = cpasync.tma_partition(
-        tma_atom_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-    tKsK, tKgK = cpasync.tma_partition(
-        tma_atom_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-    tVsV, tVgV = cpasync.tma_partition(
-        tma_atom_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-
-    # Q is loaded even when no key block is visible: the consumers always wait for it, so no
-    # TMA write into sQ can still be in flight when the epilogue reuses sQ for O.
     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-    pipeline_q.producer_acquire(q_state)
-    cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-    for i in cutlass.range(n_max, unroll=1):
-      n_block = n_max - 1 - i
-      pipeline_k.producer_acquire(kv_state)
-      cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, kv_state.index],
-                tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-      pipeline_v.producer_acquire(kv_state)
-      cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, kv_state.index],
-                tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
-      kv_state.advance()
+    tile = scheduler.first_tile()
+    while tile < scheduler.total_tiles:
+      m_block, head, batch = scheduler.decode(tile)
+      # GQA/MQA: q heads [g * ratio, (g + 1) * ratio) share kv head g.
+      head_kv = head // q_per_kv
+      n_max = mask.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
+      gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+      gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+      gV = cute.local_tile(mV[None, None, head_kv, batch], (self.head_dim_v, self.tile_n),
+                           (0, None))
+      tQsQ, tQgQ = cpasync.tma_partition(
+          tma_atom_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+      tKsK, tKgK = cpasync.tma_partition(
+          tma_atom_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+      tVsV, tVgV = cpasync.tma_partition(
+          tma_atom_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+      if const_expr(self.intra_wg_overlap):
+        if n_max > 0:
+          pipeline_k.producer_acquire(kv_state)
+          cute.copy(tma_atom_k, tKgK[None, n_max - 1], tKsK[None, kv_state.index],
+                    tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+      # Q is loaded even when no key block is visible: the consumers always wait for it, so no
+      # TMA write into sQ can still be in flight when the epilogue reuses sQ for O.
+      pipeline_q.producer_acquire(q_state)
+      cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+      q_state.advance()
+      if const_expr(self.intra_wg_overlap):
+        for i in cutlass.range(n_max - 1, unroll=1):
+          n_block = n_max - 1 - i
+          v_state = kv_state.clone()
+          kv_state.advance()
+          pipeline_k.producer_acquire(kv_state)
+          cute.copy(tma_atom_k, tKgK[None, n_block - 1], tKsK[None, kv_state.index],
+                    tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+          pipeline_v.producer_acquire(v_state)
+          cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, v_state.index],
+                    tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
+        if n_max > 0:
+          pipeline_v.producer_acquire(kv_state)
+          cute.copy(tma_atom_v, tVgV[None, 0], tVsV[None, kv_state.index],
+                    tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+          kv_state.advance()
+      else:
+        for i in cutlass.range(n_max, unroll=1):
+          n_block = n_max - 1 - i
+          pipeline_k.producer_acquire(kv_state)
+          cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, kv_state.index],
+                    tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+          pipeline_v.producer_acquire(kv_state)
+          cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, kv_state.index],
+                    tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+          kv_state.advance()
+      tile = scheduler.next_tile(tile)
 
   @cute.jit
   def mma(self, mO: cute.Tensor, mLSE: cute.Tensor, tma_atom_o: cute.CopyAtom,
           sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sO: cute.Tensor,
           tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-          pipeline_q, pipeline_k, pipeline_v, softmax_scale: Float32,
-          m_block: Int32, head: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32,
-          n_max: Int32):
-    """Consumer warpgroups: S = Q K^T, online softmax, O += P V over the key blocks, epilogue."""
+          pipeline_q, pipeline_k, pipeline_v, softmax_scale: Float32, scheduler,
+          seqlen_q: Int32, seqlen_k: Int32):
+    """Consumer warpgroups: per tile, S = Q K^T, online softmax, O += P V, epilogue."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WARPGROUP_THREADS
     thr_mma_qk = tiled_mma_qk.get_slice(mma_tidx)
@@ -324,67 +392,183 @@ class FlashAttentionForwardSm90:
     acc_shape_s = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
     acc_o = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m,
                                                                       self.head_dim_v)))
-    acc_o.fill(0.0)
     tScS_mn = softmax.make_acc_mn_view(
         thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
     num_rows = cute.size(tScS_mn, mode=[0])
-    online = softmax.OnlineSoftmax(softmax_scale * softmax.LOG2_E, num_rows)
+    online = softmax.OnlineSoftmax.create(softmax_scale * softmax.LOG2_E, num_rows)
     row_scale = cute.make_rmem_tensor(num_rows, Float32)
+    # P of the previous key block: with intra-warpgroup overlap it lives across iterations.
+    tOrP = softmax.make_p_fragment(acc_shape_s, self.dtype)
+    c = _Consumer(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_s, acc_o, tOrP,
+                  tScS_mn, online, row_scale, pipeline_k, pipeline_v)
+    wg = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS) - 1
+    if const_expr(self.pingpong):
+      # Warpgroup 0 takes the first turn: it arrives on its own barrier once.
+      if wg == 0:
+        cute.arch.barrier_arrive(barrier_id=_SCHEDULER_BARRIER_BASE,
+                                 number_of_threads=2 * _WARPGROUP_THREADS)
 
     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-    pipeline_q.consumer_wait(q_state)
-
-    n_masked = mask.num_masked_blocks(m_block, n_max, seqlen_q, seqlen_k, self.tile_m,
-                                      self.tile_n, self.causal)
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-    # Key blocks run from n_max-1 down, so the blocks needing the elementwise mask come first.
-    for i in cutlass.range(n_masked, unroll=1):
-      self.mma_step(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_s, acc_o, tScS_mn,
-                    online, row_scale, pipeline_k, pipeline_v, kv_state,
-                    m_block, n_max - 1 - i, seqlen_q, seqlen_k, True)
-      kv_state.advance()
-    for i in cutlass.range(n_masked, n_max, unroll=1):
-      self.mma_step(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_s, acc_o, tScS_mn,
-                    online, row_scale, pipeline_k, pipeline_v, kv_state,
-                    m_block, n_max - 1 - i, seqlen_q, seqlen_k, False)
-      kv_state.advance()
-
-    self.epilogue(mO, mLSE, tma_atom_o, sO, tiled_mma_pv, thr_mma_pv, acc_o, online,
-                  m_block, head, batch, seqlen_q)
+    tile = scheduler.first_tile()
+    while tile < scheduler.total_tiles:
+      m_block, head, batch = scheduler.decode(tile)
+      n_max = mask.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
+      n_masked = mask.num_masked_blocks(m_block, n_max, seqlen_q, seqlen_k, self.tile_m,
+                                        self.tile_n, self.causal)
+      online.reset()
+      acc_o.fill(0.0)
+      pipeline_q.consumer_wait(q_state)
+      # Key blocks run from n_max-1 down, so the blocks needing the elementwise mask come first.
+      if const_expr(self.intra_wg_overlap):
+        if n_max > 0:
+          self.first_block(c, kv_state, m_block, n_max - 1, seqlen_q, seqlen_k)
+          # kv_state advances here, in the loop bodies: the DSL carries a state rebound in the
+          # body, not one mutated inside a helper.
+          for i in cutlass.range(n_masked - 1, unroll=1):
+            v_state = kv_state.clone()
+            kv_state.advance()
+            self.overlap_step(c, kv_state, v_state, wg, m_block, n_max - 2 - i, seqlen_q,
+                              seqlen_k, True)
+          for i in cutlass.range(n_max - n_masked, unroll=1):
+            v_state = kv_state.clone()
+            kv_state.advance()
+            self.overlap_step(c, kv_state, v_state, wg, m_block, n_max - n_masked - 1 - i,
+                              seqlen_q, seqlen_k, False)
+          self.last_block(c, kv_state)
+          kv_state.advance()
+      else:
+        self._scheduler_sync(wg)
+        for i in cutlass.range(n_masked, unroll=1):
+          self.mma_step(c, kv_state, wg, m_block, n_max - 1 - i, seqlen_q, seqlen_k, True)
+          kv_state.advance()
+        for i in cutlass.range(n_masked, n_max, unroll=1):
+          self.mma_step(c, kv_state, wg, m_block, n_max - 1 - i, seqlen_q, seqlen_k, False)
+          kv_state.advance()
+        self._scheduler_arrive(wg)
+      self.epilogue(mO, mLSE, tma_atom_o, sO, tiled_mma_pv, thr_mma_pv, acc_o, online,
+                    pipeline_q, q_state, m_block, head, batch, seqlen_q)
+      q_state.advance()
+      tile = scheduler.next_tile(tile)
 
   @cute.jit
-  def mma_step(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-               tSrQ: cute.Tensor, tSrK: cute.Tensor, tOrV: cute.Tensor, acc_shape_s,
-               acc_o: cute.Tensor, tScS_mn: cute.Tensor, online, row_scale: cute.Tensor,
-               pipeline_k, pipeline_v, kv_state,
-               m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-               is_masked: cutlass.Constexpr):
-    """One key block. Structured so intra-warpgroup overlap can split it at the GEMM waits."""
-    stage = kv_state.index
-    acc_s = tiled_mma_qk.get_slice(0).make_fragment_C(acc_shape_s)
-    pipeline_k.consumer_wait(kv_state)
-    _wgmma(tiled_mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage], zero_init=True)
-    warpgroup.wait_group(0)
-    pipeline_k.consumer_release(kv_state)
+  def _scheduler_sync(self, wg: Int32):
+    """Waits for this warpgroup's turn to issue GEMMs (ping-pong)."""
+    if const_expr(self.pingpong):
+      cute.arch.barrier(barrier_id=_SCHEDULER_BARRIER_BASE + wg,
+                        number_of_threads=2 * _WARPGROUP_THREADS)
 
+  @cute.jit
+  def _scheduler_arrive(self, wg: Int32):
+    """Hands the GEMM turn to the next consumer warpgroup (cyclic)."""
+    if const_expr(self.pingpong):
+      next_wg = wg + 1
+      if next_wg == self.num_mma_warpgroups:
+        next_wg = Int32(0)
+      cute.arch.barrier_arrive(barrier_id=_SCHEDULER_BARRIER_BASE + next_wg,
+                               number_of_threads=2 * _WARPGROUP_THREADS)
+
+  @cute.jit
+  def _softmax(self, c, acc_s: cute.Tensor, m_block: Int32, n_block: Int32, seqlen_q: Int32,
+               seqlen_k: Int32, is_masked: cutlass.Constexpr):
+    """Mask (if needed) and online softmax of one S block; leaves P (fp32) in acc_s."""
     acc_s_mn = softmax.make_acc_mn_view(acc_s)
     if const_expr(is_masked):
-      mask.apply_mask(acc_s_mn, tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
+      mask.apply_mask(acc_s_mn, c.tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
                       self.tile_m, self.tile_n, self.causal)
-    online.online_softmax(acc_s_mn, row_scale)
-    softmax.scale_rows(softmax.make_acc_mn_view(acc_o), row_scale)
-    tOrP = softmax.acc_to_operand_a(acc_s, self.dtype)
+    c.online.online_softmax(acc_s_mn, c.row_scale)
 
+  @cute.jit
+  def first_block(self, c, kv_state, m_block: Int32, n_block: Int32, seqlen_q: Int32,
+                  seqlen_k: Int32):
+    """Overlap prologue: S and P of the first (always masked) key block; O is still 0."""
+    acc_s = c.tiled_mma_qk.get_slice(0).make_fragment_C(c.acc_shape_s)
+    pipeline_k = c.pipeline_k
+    pipeline_k.consumer_wait(kv_state)
+    _wgmma(c.tiled_mma_qk, acc_s, c.tSrQ, c.tSrK[None, None, None, kv_state.index],
+           zero_init=True)
+    warpgroup.wait_group(0)
+    pipeline_k.consumer_release(kv_state)
+    self._softmax(c, acc_s, m_block, n_block, seqlen_q, seqlen_k, True)
+    softmax.convert_p(acc_s, c.tOrP)
+
+  @cute.jit
+  def overlap_step(self, c, kv_state, v_state, wg: Int32, m_block: Int32, n_block: Int32,
+                   seqlen_q: Int32, seqlen_k: Int32, is_masked: cutlass.Constexpr):
+    """S(n_block) = Q K^T (K slot kv_state) and O += P V of the previous block (V slot v_state)
+    in flight together; the softmax of n_block runs while the PV GEMM is still going.
+
+    SASS (ptxas 13): the WARPGROUP.DEPBAR of the wait_group(0) below lands right after the first
+    SHFL of the softmax, so only the first row max overlaps the PV GEMM; ping-pong hides the
+    rest. Predicating the wait made ptxas serialise every WGMMA; two P buffers (no wait at all
+    here) spilled at 240 registers and serialised too.
+    """
+    pipeline_k, pipeline_v = c.pipeline_k, c.pipeline_v
+    acc_s = c.tiled_mma_qk.get_slice(0).make_fragment_C(c.acc_shape_s)
+    pipeline_k.consumer_wait(kv_state)
+    self._scheduler_sync(wg)
+    _wgmma(c.tiled_mma_qk, acc_s, c.tSrQ, c.tSrK[None, None, None, kv_state.index],
+           zero_init=True)
+    if const_expr(self.rescale_o_before_pv):
+      softmax.scale_rows(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
+    pipeline_v.consumer_wait(v_state)
+    _wgmma(c.tiled_mma_pv, c.acc_o, c.tOrP, c.tOrV[None, None, None, v_state.index],
+           zero_init=False)
+    self._scheduler_arrive(wg)
+    warpgroup.wait_group(1)
+    pipeline_k.consumer_release(kv_state)
+    self._softmax(c, acc_s, m_block, n_block, seqlen_q, seqlen_k, is_masked)
+    warpgroup.wait_group(0)
+    pipeline_v.consumer_release(v_state)
+    # P of the previous block is free only now (the PV GEMM read it from registers).
+    softmax.convert_p(acc_s, c.tOrP)
+    if const_expr(not self.rescale_o_before_pv):
+      softmax.scale_rows(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
+
+  @cute.jit
+  def last_block(self, c, kv_state):
+    """Overlap epilogue: O += P V of the last key block."""
+    if const_expr(self.rescale_o_before_pv):
+      softmax.scale_rows(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
+    pipeline_v = c.pipeline_v
     pipeline_v.consumer_wait(kv_state)
-    _wgmma(tiled_mma_pv, acc_o, tOrP, tOrV[None, None, None, stage], zero_init=False)
+    _wgmma(c.tiled_mma_pv, c.acc_o, c.tOrP, c.tOrV[None, None, None, kv_state.index],
+           zero_init=False)
+    warpgroup.wait_group(0)
+    pipeline_v.consumer_release(kv_state)
+
+  @cute.jit
+  def mma_step(self, c, kv_state, wg: Int32, m_block: Int32, n_block: Int32, seqlen_q: Int32,
+               seqlen_k: Int32, is_masked: cutlass.Constexpr):
+    """One key block without overlap (intra_wg_overlap=False).
+
+    Ping-pong turn: from the PV GEMM of this block to the QK^T GEMM of the next one.
+    """
+    pipeline_k, pipeline_v = c.pipeline_k, c.pipeline_v
+    acc_s = c.tiled_mma_qk.get_slice(0).make_fragment_C(c.acc_shape_s)
+    pipeline_k.consumer_wait(kv_state)
+    _wgmma(c.tiled_mma_qk, acc_s, c.tSrQ, c.tSrK[None, None, None, kv_state.index],
+           zero_init=True)
+    self._scheduler_arrive(wg)
+    warpgroup.wait_group(0)
+    pipeline_k.consumer_release(kv_state)
+    self._softmax(c, acc_s, m_block, n_block, seqlen_q, seqlen_k, is_masked)
+    softmax.scale_rows(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
+    softmax.convert_p(acc_s, c.tOrP)
+    pipeline_v.consumer_wait(kv_state)
+    self._scheduler_sync(wg)
+    _wgmma(c.tiled_mma_pv, c.acc_o, c.tOrP, c.tOrV[None, None, None, kv_state.index],
+           zero_init=False)
     warpgroup.wait_group(0)
     pipeline_v.consumer_release(kv_state)
 
   @cute.jit
   def epilogue(self, mO: cute.Tensor, mLSE: cute.Tensor, tma_atom_o: cute.CopyAtom,
                sO: cute.Tensor, tiled_mma_pv: cute.TiledMma, thr_mma_pv, acc_o: cute.Tensor,
-               online, m_block: Int32, head: Int32, batch: Int32, seqlen_q: Int32):
-    """Normalises O, writes LSE (rows < seqlen_q) and stores O through shared memory + TMA."""
+               online, pipeline_q, q_state, m_block: Int32, head: Int32, batch: Int32,
+               seqlen_q: Int32):
+    """Normalises O, writes LSE (rows < seqlen_q), stores O through shared memory + TMA, then
+    releases the Q slot (O used Q's buffer)."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WARPGROUP_THREADS
     acc_o_mn = softmax.make_acc_mn_view(acc_o)
@@ -431,5 +615,29 @@ class FlashAttentionForwardSm90:
           cute.group_modes(gO, 0, 2))
       cute.copy(tma_atom_o, tOsO, tOgO)
       cute.arch.cp_async_bulk_commit_group()
-      # sO must stay valid until the TMA engine has read it; the CTA may exit right after.
+      # sO (= sQ) must stay intact until the TMA engine has read it: only then may the producer
+      # load the next tile's Q (and the CTA exit). The elected lane issued the store; the warp
+      # sync orders its wait before lane 0's release.
       cute.arch.cp_async_bulk_wait_group(0, read=True)
+      cute.arch.sync_warp()
+      pipeline_q.consumer_release(q_state)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Consumer:
+  """Per-thread fragments and pipelines of a consumer warpgroup (a trace-time bundle; frozen so
+  that the DSL passes it through the run-time tile loop unchanged)."""
+
+  tiled_mma_qk: cute.TiledMma
+  tiled_mma_pv: cute.TiledMma
+  tSrQ: cute.Tensor
+  tSrK: cute.Tensor
+  tOrV: cute.Tensor
+  acc_shape_s: tuple
+  acc_o: cute.Tensor
+  tOrP: cute.Tensor
+  tScS_mn: cute.Tensor
+  online: softmax.OnlineSoftmax
+  row_scale: cute.Tensor
+  pipeline_k: pipeline.PipelineTmaAsync
+  pipeline_v: pipeline.PipelineTmaAsync

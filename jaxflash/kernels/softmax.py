@@ -4,11 +4,14 @@ Imports cutlass only. Scores stay raw in the S accumulator; softmax_scale * log2
 into one FFMA per element before ex2, so there is no separate scaling pass.
 """
 
+import dataclasses
 import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -29,35 +32,76 @@ def make_acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
   return cute.make_tensor(acc.iterator, mn)
 
 
-@cute.jit
-def acc_to_operand_a(acc: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Tensor:
-  """Converts the fp32 S accumulator to `dtype` and views it as the A operand of an RS WGMMA.
+def operand_a_view(acc: cute.Tensor) -> cute.Tensor:
+  """Views a WGMMA accumulator-layout fragment as the A operand of an RS WGMMA (k = 16 blocks).
 
-  For 16-bit types a C fragment column-group pair (8 + 8 columns) holds exactly the registers
-  of one k=16 A fragment ((2 k, 2 rows, 2 k-halves)), so only the view changes.
+  A C fragment column-group pair (8 + 8 columns) holds exactly the registers of one k=16 A
+  fragment ((2 k, 2 rows, 2 k-halves)), so only the view changes.
   """
-  r = cute.make_rmem_tensor(acc.layout.shape, dtype)
-  r.store(acc.load().to(dtype))
-  l = r.layout
+  l = acc.layout
   a_layout = cute.make_layout(
       ((l.shape[0][0], l.shape[0][1], 2), l.shape[1], (l.shape[0][2] // 2, l.shape[2])),
       stride=((l.stride[0][0], l.stride[0][1], l.stride[0][2]), l.stride[1],
               (l.stride[0][2] * 2, l.stride[2])))
-  return cute.make_tensor(r.iterator, a_layout)
+  return cute.make_tensor(acc.iterator, a_layout)
 
 
+def make_p_fragment(acc_shape, dtype) -> cute.Tensor:
+  """Registers for P = softmax(S) in `dtype`, in the RS WGMMA A-operand layout.
+
+  Allocated once per warpgroup: with intra-warpgroup overlap P lives across loop iterations.
+  """
+  return operand_a_view(cute.make_rmem_tensor(acc_shape, dtype))
+
+
+@dsl_user_op
+def _cvt_pack(lo: Float32, hi: Float32, to_bf16: bool, *, loc=None, ip=None) -> Int32:
+  """Two fp32 -> one packed bf16x2 / f16x2 register (lo in the low half).
+
+  Inline asm with side effects: LLVM keeps it after the wgmma.wait_group before it; a plain
+  conversion was sunk into the next loop iteration, carrying 64 fp32 registers across the
+  back-edge instead of 32 packed ones (seen in the PTX).
+  """
+  kind = "bf16x2" if to_bf16 else "f16x2"
+  return Int32(llvm.inline_asm(
+      T.i32(), [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+      f"cvt.rn.{kind}.f32 $0, $2, $1;", "=r,f,f", has_side_effects=True, is_align_stack=False,
+      asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def convert_p(acc_s: cute.Tensor, p: cute.Tensor):
+  """p = acc_s (fp32 accumulator layout) converted to p's type; p is in the A-operand layout."""
+  src = operand_a_view(acc_s)
+  dst = cute.recast_tensor(p, Int32)
+  to_bf16 = p.element_type == cutlass.BFloat16
+  for i in cutlass.range_constexpr(cute.size(dst)):
+    dst[i] = _cvt_pack(src[2 * i], src[2 * i + 1], to_bf16)
+
+
+@dataclasses.dataclass(frozen=True)
 class OnlineSoftmax:
   """Running row max and row sum of one thread's rows; rows are shared by a quad of lanes.
 
   row_max is kept in raw-score units; row_sum is this thread's partial sum (its columns only),
-  reduced over the quad once, in `finalize`.
+  reduced over the quad once, in `finalize`. Frozen: the DSL passes a read-only frozen dataclass
+  through run-time loops unchanged (the register tensors inside are updated in place).
   """
 
-  def __init__(self, scale_log2: Float32, num_rows: int):
-    self.scale_log2 = scale_log2
-    self.num_rows = num_rows
-    self.row_max = cute.make_rmem_tensor(num_rows, Float32)
-    self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+  scale_log2: Float32
+  num_rows: int
+  row_max: cute.Tensor
+  row_sum: cute.Tensor
+
+  @staticmethod
+  def create(scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
+    s = OnlineSoftmax(scale_log2, num_rows, cute.make_rmem_tensor(num_rows, Float32),
+                      cute.make_rmem_tensor(num_rows, Float32))
+    s.reset()
+    return s
+
+  def reset(self):
+    """Starts a new tile: max -inf, sum 0."""
     self.row_max.fill(-Float32.inf)
     self.row_sum.fill(0.0)
 

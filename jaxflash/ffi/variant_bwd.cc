@@ -1,0 +1,223 @@
+// Per-variant glue of the backward kernels: implements kernel_abi.h's backward entry on top of
+// THREE exported objects (preprocess, main, postprocess), launched in order on one stream.
+//
+// Compiled once per backward KernelVariant; `jaxflash.kernels.compile.export_variant(...).defines`
+// lists the macros ready to pass:
+//   -DJAXFLASH_PREFIX_{PRE,MAIN,POST}=<prefix>_{pre,main,post}   export_to_c prefixes
+//   -DJAXFLASH_HEADER_{PRE,MAIN,POST}="\"<out_dir>/<key>-{pre,main,post}.h\""
+//   -DJAXFLASH_VARIANT_KEY="\"<key>\""  -DJAXFLASH_HEAD_DIM=<d>  -DJAXFLASH_HEAD_DIM_V=<dv>
+//   -DJAXFLASH_TILE_M=<tile_m>  -DJAXFLASH_DETERMINISTIC=<0|1>
+// Link like variant_fwd.cc with the three objects (compile.link_command does it). Exports the
+// kernel_abi.h functions abi_version, key, load and bwd.
+
+#include <stdint.h>
+
+#include <mutex>
+
+#include "kernel_abi.h"
+#include JAXFLASH_HEADER_PRE
+#include JAXFLASH_HEADER_MAIN
+#include JAXFLASH_HEADER_POST
+
+#if !defined(JAXFLASH_PREFIX_PRE) || !defined(JAXFLASH_PREFIX_MAIN) || \
+    !defined(JAXFLASH_PREFIX_POST) || !defined(JAXFLASH_VARIANT_KEY) ||  \
+    !defined(JAXFLASH_HEAD_DIM) || !defined(JAXFLASH_HEAD_DIM_V) ||      \
+    !defined(JAXFLASH_TILE_M) || !defined(JAXFLASH_DETERMINISTIC)
+#error "define the JAXFLASH_* macros listed at the top of variant_bwd.cc"
+#endif
+
+#define JF_CAT2(a, b) a##b
+#define JF_CAT(a, b) JF_CAT2(a, b)
+#define JF_PRE(suffix) JF_CAT(JAXFLASH_PREFIX_PRE, suffix)
+#define JF_MAIN(suffix) JF_CAT(JAXFLASH_PREFIX_MAIN, suffix)
+#define JF_POST(suffix) JF_CAT(JAXFLASH_PREFIX_POST, suffix)
+#define JF_WRAPPER(prefix) JF_CAT(JF_CAT(cute_dsl_, prefix), _wrapper)
+
+#define JF_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+// Every tensor of compile.bwd_signature has 3 dynamic extents and 2 dynamic strides: a changed
+// signature must fail here, not at run time.
+template <typename T>
+constexpr bool kSignatureMatches =
+    sizeof(T::dynamic_shapes) == 3 * sizeof(int32_t) &&
+    sizeof(T::dynamic_strides) == 2 * sizeof(int64_t);
+
+#define JF_CHECK_SIGNATURE(T) \
+  static_assert(kSignatureMatches<T>, #T " does not match compile.bwd_signature")
+JF_CHECK_SIGNATURE(JF_PRE(_Tensor_mO_t));
+JF_CHECK_SIGNATURE(JF_PRE(_Tensor_mdO_t));
+JF_CHECK_SIGNATURE(JF_PRE(_Tensor_mLSE_t));
+JF_CHECK_SIGNATURE(JF_PRE(_Tensor_mdLSE_t));
+JF_CHECK_SIGNATURE(JF_PRE(_Tensor_mLSE2_t));
+JF_CHECK_SIGNATURE(JF_PRE(_Tensor_mDelta_t));
+JF_CHECK_SIGNATURE(JF_PRE(_Tensor_mdQaccum_t));
+JF_CHECK_SIGNATURE(JF_MAIN(_Tensor_mQ_t));
+JF_CHECK_SIGNATURE(JF_MAIN(_Tensor_mK_t));
+JF_CHECK_SIGNATURE(JF_MAIN(_Tensor_mV_t));
+JF_CHECK_SIGNATURE(JF_MAIN(_Tensor_mdO_t));
+JF_CHECK_SIGNATURE(JF_MAIN(_Tensor_mLSE2_t));
+JF_CHECK_SIGNATURE(JF_MAIN(_Tensor_mDelta_t));
+JF_CHECK_SIGNATURE(JF_MAIN(_Tensor_mdQaccum_t));
+JF_CHECK_SIGNATURE(JF_MAIN(_Tensor_mdK_t));
+JF_CHECK_SIGNATURE(JF_MAIN(_Tensor_mdV_t));
+JF_CHECK_SIGNATURE(JF_POST(_Tensor_mdQaccum_t));
+JF_CHECK_SIGNATURE(JF_POST(_Tensor_mdQ_t));
+#if JAXFLASH_DETERMINISTIC
+JF_CHECK_SIGNATURE(JF_PRE(_Tensor_mSem_t));
+JF_CHECK_SIGNATURE(JF_MAIN(_Tensor_mSem_t));
+#endif
+
+JF_PRE(_Kernel_Module_t) g_pre = {};
+JF_MAIN(_Kernel_Module_t) g_main = {};
+JF_POST(_Kernel_Module_t) g_post = {};
+std::once_flag g_load_once;
+int32_t g_load_status = -1;
+
+// (d0, d1, d2, dim) dense row-major: dynamic extents (d0, d1, d2), dynamic strides of d0, d1;
+// the stride of d2 (dim) and the unit stride are static.
+template <typename T>
+T Dense4(const void* data, int32_t d0, int32_t d1, int32_t d2, int32_t dim) {
+  T t = {};
+  t.data = const_cast<void*>(data);
+  t.dynamic_shapes[0] = d0;
+  t.dynamic_shapes[1] = d1;
+  t.dynamic_shapes[2] = d2;
+  t.dynamic_strides[0] = static_cast<int64_t>(d1) * d2 * dim;
+  t.dynamic_strides[1] = static_cast<int64_t>(d2) * dim;
+  return t;
+}
+
+// (d0, d1, d2) dense row-major: all extents dynamic, strides of d0 and d1 dynamic.
+template <typename T>
+T Dense3(const void* data, int32_t d0, int32_t d1, int32_t d2) {
+  T t = {};
+  t.data = const_cast<void*>(data);
+  t.dynamic_shapes[0] = d0;
+  t.dynamic_shapes[1] = d1;
+  t.dynamic_shapes[2] = d2;
+  t.dynamic_strides[0] = static_cast<int64_t>(d1) * d2;
+  t.dynamic_strides[1] = d2;
+  return t;
+}
+
+bool Aligned(const void* p, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
+}
+
+void LoadOnce() {
+  // Module_Load walks every device and may leave another one current; restore the caller's.
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    g_load_status = static_cast<int32_t>(cudaErrorNoDevice);
+    return;
+  }
+  JF_PRE(_Kernel_Module_Load)(&g_pre);
+  JF_MAIN(_Kernel_Module_Load)(&g_main);
+  JF_POST(_Kernel_Module_Load)(&g_post);
+  cudaSetDevice(device);
+  // The generated loaders only print their errors; a null library handle is how failure shows.
+  const bool ok = g_pre.module != nullptr && g_main.module != nullptr && g_post.module != nullptr;
+  g_load_status = ok ? 0 : static_cast<int32_t>(cudaErrorInvalidKernelImage);
+}
+
+int32_t Validate(const JaxflashBwdArgs* a) {
+  const int32_t kInvalid = static_cast<int32_t>(cudaErrorInvalidValue);
+  if (a == nullptr || a->head_dim != JAXFLASH_HEAD_DIM || a->head_dim_v != JAXFLASH_HEAD_DIM_V) {
+    return kInvalid;
+  }
+  // Empty grids are not valid launches and TMA descriptors need extents >= 1: the caller
+  // handles empty tensors (dq = 0 when seqlen_k == 0, dk = dv = 0 when seqlen_q == 0).
+  if (a->batch <= 0 || a->seqlen_q <= 0 || a->seqlen_k <= 0 || a->num_heads <= 0 ||
+      a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads != 0) {
+    return kInvalid;
+  }
+  // Grids are (blocks, heads, batch): CUDA caps gridDim.y and gridDim.z at 65535; the rounded
+  // query length must fit int32.
+  if (a->num_heads > 65535 || a->batch > 65535 || a->seqlen_q > INT32_MAX - JAXFLASH_TILE_M) {
+    return kInvalid;
+  }
+  // TMA and the bulk reduction need 16-byte aligned global addresses.
+  const void* aligned16[] = {a->q, a->k, a->v, a->out, a->d_out, a->dq, a->dk, a->dv,
+                             a->dq_accum};
+  for (const void* p : aligned16) {
+    if (p == nullptr || !Aligned(p, 16)) return kInvalid;
+  }
+  const void* aligned4[] = {a->lse, a->d_lse, a->lse_log2, a->delta};
+  for (const void* p : aligned4) {
+    if (p == nullptr || !Aligned(p, 4)) return kInvalid;
+  }
+  const bool has_sem = a->dq_semaphore != nullptr && Aligned(a->dq_semaphore, 4);
+  if (JAXFLASH_DETERMINISTIC && !has_sem) return kInvalid;
+  return 0;
+}
+
+}  // namespace
+
+JF_EXPORT int32_t jaxflash_variant_abi_version(void) { return JAXFLASH_KERNEL_ABI_VERSION; }
+
+JF_EXPORT const char* jaxflash_variant_key(void) { return JAXFLASH_VARIANT_KEY; }
+
+JF_EXPORT int32_t jaxflash_variant_load(void) {
+  std::call_once(g_load_once, LoadOnce);
+  return g_load_status;
+}
+
+JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream_ptr) {
+  int32_t status = Validate(args);
+  if (status != 0) return status;
+  status = jaxflash_variant_load();
+  if (status != 0) return status;
+
+  const JaxflashBwdArgs& a = *args;
+  const int32_t b = a.batch, sq = a.seqlen_q, sk = a.seqlen_k, h = a.num_heads;
+  const int32_t hk = a.num_kv_heads, d = JAXFLASH_HEAD_DIM, dv = JAXFLASH_HEAD_DIM_V;
+  const int32_t sqr = (sq + JAXFLASH_TILE_M - 1) / JAXFLASH_TILE_M * JAXFLASH_TILE_M;
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+
+  {  // delta, lse * log2(e), zeroed dQ accumulator (and semaphores)
+    auto o = Dense4<JF_PRE(_Tensor_mO_t)>(a.out, b, sq, h, dv);
+    auto dout = Dense4<JF_PRE(_Tensor_mdO_t)>(a.d_out, b, sq, h, dv);
+    auto lse = Dense3<JF_PRE(_Tensor_mLSE_t)>(a.lse, b, h, sq);
+    auto dlse = Dense3<JF_PRE(_Tensor_mdLSE_t)>(a.d_lse, b, h, sq);
+    auto lse2 = Dense3<JF_PRE(_Tensor_mLSE2_t)>(a.lse_log2, b, h, sqr);
+    auto delta = Dense3<JF_PRE(_Tensor_mDelta_t)>(a.delta, b, h, sqr);
+    auto acc = Dense4<JF_PRE(_Tensor_mdQaccum_t)>(a.dq_accum, b, h, sqr, d);
+#if JAXFLASH_DETERMINISTIC
+    auto sem = Dense3<JF_PRE(_Tensor_mSem_t)>(a.dq_semaphore, b, h, sqr / JAXFLASH_TILE_M);
+    status = JF_WRAPPER(JAXFLASH_PREFIX_PRE)(&g_pre, &o, &dout, &lse, &dlse, &lse2, &delta, &acc,
+                                             &sem, stream);
+#else
+    status = JF_WRAPPER(JAXFLASH_PREFIX_PRE)(&g_pre, &o, &dout, &lse, &dlse, &lse2, &delta, &acc,
+                                             stream);
+#endif
+    if (status != 0) return status;
+  }
+  {  // dK, dV, and dQ into the fp32 accumulator
+    auto q = Dense4<JF_MAIN(_Tensor_mQ_t)>(a.q, b, sq, h, d);
+    auto k = Dense4<JF_MAIN(_Tensor_mK_t)>(a.k, b, sk, hk, d);
+    auto v = Dense4<JF_MAIN(_Tensor_mV_t)>(a.v, b, sk, hk, dv);
+    auto dout = Dense4<JF_MAIN(_Tensor_mdO_t)>(a.d_out, b, sq, h, dv);
+    auto lse2 = Dense3<JF_MAIN(_Tensor_mLSE2_t)>(a.lse_log2, b, h, sqr);
+    auto delta = Dense3<JF_MAIN(_Tensor_mDelta_t)>(a.delta, b, h, sqr);
+    auto acc = Dense4<JF_MAIN(_Tensor_mdQaccum_t)>(a.dq_accum, b, h, sqr, d);
+    auto dk = Dense4<JF_MAIN(_Tensor_mdK_t)>(a.dk, b, sk, hk, d);
+    auto dvt = Dense4<JF_MAIN(_Tensor_mdV_t)>(a.dv, b, sk, hk, dv);
+#if JAXFLASH_DETERMINISTIC
+    auto sem = Dense3<JF_MAIN(_Tensor_mSem_t)>(a.dq_semaphore, b, h, sqr / JAXFLASH_TILE_M);
+    status = JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &dout, &lse2, &delta, &acc,
+                                              &dk, &dvt, &sem, a.softmax_scale, stream);
+#else
+    status = JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &dout, &lse2, &delta, &acc,
+                                              &dk, &dvt, a.softmax_scale, stream);
+#endif
+    if (status != 0) return status;
+  }
+  {  // dQ = softmax_scale * accumulator, in the input dtype
+    auto acc = Dense4<JF_POST(_Tensor_mdQaccum_t)>(a.dq_accum, b, h, sqr, d);
+    auto dq = Dense4<JF_POST(_Tensor_mdQ_t)>(a.dq, b, sq, h, d);
+    status = JF_WRAPPER(JAXFLASH_PREFIX_POST)(&g_post, &acc, &dq, a.softmax_scale, stream);
+  }
+  return status;
+}

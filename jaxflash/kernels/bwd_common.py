@@ -1,0 +1,79 @@
+"""Conventions the three backward kernels share: warpgroup split, dQ accumulator layout, sync.
+
+Imports cutlass only. The fp32 dQ accumulator (batch, num_heads, seqlen_q_rounded, head_dim) is
+scratch that the caller allocates (jaxflash.config.bwd_scratch_shapes). Its tile_m * head_dim
+floats of m block `m` (of one batch and head) are kept in *fragment order*, so that the main
+kernel can dump a WGMMA accumulator to shared memory with conflict-free stores and reduce it
+into global memory with one bulk copy per warpgroup:
+  - warpgroup w (of NUM_MMA_WARPGROUPS) owns columns [w * head_dim / 2, (w + 1) * head_dim / 2)
+    and the floats [w * tile_m * head_dim / 2, (w + 1) * tile_m * head_dim / 2) of the block;
+  - value i of thread t (0..127) of that warpgroup sits at float i * 128 + t of its half;
+  - its (row, col) in the tile is dq_tiled_mma(...).get_slice(w * 128 + t).partition_C(
+    identity (tile_m, head_dim))[i].
+The postprocess kernel inverts this mapping with the same tiled MMA.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+# Two consumer warpgroups: each owns 64 key rows of dK/dV and half of the head_dim of dQ.
+NUM_MMA_WARPGROUPS = 2
+# WGMMA's M is 64 per warpgroup: the query tile is one WGMMA row block; the key tile one per
+# consumer warpgroup.
+TILE_M = 64
+TILE_N = 64 * NUM_MMA_WARPGROUPS
+
+
+def dq_tiled_mma(dtype, head_dim: int) -> cute.TiledMma:
+  """dQ = dS K: both warpgroups cover the 64 query rows, each half of head_dim (N)."""
+  return sm90_utils.make_trivial_tiled_mma(
+      dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
+      (1, NUM_MMA_WARPGROUPS, 1), (TILE_M, head_dim // NUM_MMA_WARPGROUPS))
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_bytes: int, *,
+                        loc=None, ip=None) -> None:
+  """gmem[0:num_bytes] += smem[0:num_bytes] (float32) by the bulk copy engine (bulk_group).
+
+  num_bytes must be a multiple of 16 and both addresses 16-byte aligned. Commit and wait with
+  cute.arch.cp_async_bulk_commit_group / cp_async_bulk_wait_group in the issuing thread.
+  """
+  gaddr = gmem_ptr.toint(loc=loc, ip=ip).ir_value()
+  saddr = smem_ptr.toint(loc=loc, ip=ip).ir_value()
+  llvm.inline_asm(
+      None, [gaddr, saddr, Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+      "l,r,r", has_side_effects=True, is_align_stack=False,
+      asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def load_acquire(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
+  """ld.acquire.gpu of an int32 in global memory (a semaphore read that orders later accesses)."""
+  value = llvm.inline_asm(
+      T.i32(), [ptr.toint(loc=loc, ip=ip).ir_value()], "ld.acquire.gpu.global.b32 $0, [$1];",
+      "=r,l", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+  return Int32(value)
+
+
+@dsl_user_op
+def add_release(ptr: cute.Pointer, value: int, *, loc=None, ip=None) -> None:
+  """red.release.gpu.add of an int32 in global memory (publishes the writes before it)."""
+  llvm.inline_asm(
+      None, [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
+      "red.release.gpu.global.add.s32 [$0], $1;", "l,r", has_side_effects=True,
+      is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@cute.jit
+def wait_at_least(ptr: cute.Pointer, target: Int32):
+  """Spins until the int32 semaphore at ptr is >= target (one thread calls this)."""
+  seen = load_acquire(ptr)
+  while seen < target:
+    seen = load_acquire(ptr)

@@ -1,0 +1,122 @@
+"""Backward preprocess: delta = rowsum(dO * O) - d_lse, lse * log2(e), zeroed dQ accumulator.
+
+Imports cutlass, jaxflash.config and sibling helpers only (never jax).
+"""
+
+import math
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from jaxflash.kernels import bwd_common
+
+LOG2_E = math.log2(math.e)
+_NUM_THREADS = 256
+# 16 bytes per thread per load: the widest global access.
+_VEC = 8
+
+
+def _select(t: cute.Tensor, modes) -> cute.Tensor:
+  return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+class FlashAttentionBackwardPreprocess:
+  """One CTA per (query block of bwd_common.TILE_M rows, head, batch), covering seqlen_q_rounded.
+
+  Writes, for every row of the block (rows >= seqlen_q included, so the main kernel never needs
+  a bounds check): lse2 = lse * log2(e), or +inf where lse = -inf or the row is padding (P = 0
+  in the main kernel), and delta = sum_c dO * O - d_lse (0 for padding); zeroes the block's
+  dQ accumulator floats and, when deterministic, its dQ semaphore.
+  """
+
+  def __init__(self, dtype, head_dim: int, head_dim_v: int, deterministic: bool = False):
+    self.dtype = dtype
+    self.head_dim = head_dim
+    self.head_dim_v = head_dim_v
+    self.deterministic = deterministic
+    self.tile_m = bwd_common.TILE_M
+    # A row of dO / O is read by head_dim_v / 8 consecutive lanes, 16 bytes each.
+    self.threads_per_row = head_dim_v // _VEC
+    self.rows_per_pass = _NUM_THREADS // self.threads_per_row
+
+  @staticmethod
+  def can_implement(dtype: str, head_dim: int, head_dim_v: int) -> tuple[bool, str]:
+    """Whether this kernel can be built for the arguments; the reason text is user-facing."""
+    del dtype
+    if head_dim_v % _VEC or not _VEC <= head_dim_v <= 32 * _VEC:
+      return False, f"head_dim_v {head_dim_v} unsupported; accepted: multiples of 8 up to 256"
+    if head_dim * bwd_common.TILE_M % _NUM_THREADS:
+      return False, f"head_dim {head_dim} unsupported; accepted: multiples of 4"
+    return True, ""
+
+  @cute.jit
+  def __call__(
+      self,
+      mO: cute.Tensor,  # (batch, seqlen_q, num_heads, head_dim_v)
+      mdO: cute.Tensor,  # (batch, seqlen_q, num_heads, head_dim_v)
+      mLSE: cute.Tensor,  # (batch, num_heads, seqlen_q) float32, natural log
+      mdLSE: cute.Tensor,  # (batch, num_heads, seqlen_q) float32
+      mLSE2: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded) float32 out
+      mDelta: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded) float32 out
+      mdQaccum: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded, head_dim) float32 out
+      mSem: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded / tile_m) int32 out, or None
+      stream: cuda.CUstream,
+  ):
+    if const_expr(not (mO.element_type == mdO.element_type == self.dtype)):
+      raise TypeError(f"out and d_out must be {self.dtype}")
+    if const_expr(self.deterministic != (mSem is not None)):
+      raise TypeError("the dQ semaphore is passed exactly when deterministic")
+    mO, mdO = [_select(t, [1, 3, 2, 0]) for t in (mO, mdO)]  # (seqlen, dim, heads, batch)
+    mLSE, mdLSE, mLSE2, mDelta = [_select(t, [2, 1, 0]) for t in (mLSE, mdLSE, mLSE2, mDelta)]
+    mdQaccum = _select(mdQaccum, [2, 3, 1, 0])  # (seqlen_q_rounded, head_dim, heads, batch)
+    if const_expr(self.deterministic):
+      mSem = _select(mSem, [2, 1, 0])
+    grid = (cute.ceil_div(cute.size(mLSE2.shape[0]), self.tile_m), cute.size(mLSE2.shape[1]),
+            cute.size(mLSE2.shape[2]))
+    self.kernel(mO, mdO, mLSE, mdLSE, mLSE2, mDelta, mdQaccum, mSem).launch(
+        grid=grid, block=[_NUM_THREADS, 1, 1], stream=stream)
+
+  @cute.kernel
+  def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor,
+             mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQaccum: cute.Tensor, mSem: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    m_block, head, batch = cute.arch.block_idx()
+    seqlen_q = mO.shape[0]
+    chunk = tidx % self.threads_per_row
+    for p in cutlass.range_constexpr(self.tile_m // self.rows_per_pass):
+      row = m_block * self.tile_m + p * self.rows_per_pass + tidx // self.threads_per_row
+      dot = Float32(0.0)
+      if row < seqlen_q:
+        r_o = cute.make_rmem_tensor((_VEC,), self.dtype)
+        r_do = cute.make_rmem_tensor((_VEC,), self.dtype)
+        cute.autovec_copy(cute.local_tile(mO[row, None, head, batch], (_VEC,), (chunk,)), r_o)
+        cute.autovec_copy(cute.local_tile(mdO[row, None, head, batch], (_VEC,), (chunk,)), r_do)
+        o = r_o.load().to(Float32)
+        do = r_do.load().to(Float32)
+        for i in cutlass.range_constexpr(_VEC):
+          dot += o[i] * do[i]
+      # The lanes of one row are consecutive: reduce over that group only.
+      dot = cute.arch.warp_reduction_sum(dot, threads_in_group=self.threads_per_row)
+      if chunk == 0:
+        lse2 = Float32.inf
+        delta = Float32(0.0)
+        if row < seqlen_q:
+          lse = mLSE[row, head, batch]
+          if lse != -Float32.inf:
+            lse2 = lse * LOG2_E
+          delta = dot - mdLSE[row, head, batch]
+        mLSE2[row, head, batch] = lse2
+        mDelta[row, head, batch] = delta
+
+    # The block's dQ accumulator floats are contiguous (bwd_common): coalesced zero stores.
+    gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim),
+                          (m_block, 0))
+    flat = cute.make_tensor(gdQ.iterator, cute.make_layout(self.tile_m * self.head_dim))
+    for i in cutlass.range_constexpr(self.tile_m * self.head_dim // _NUM_THREADS):
+      flat[i * _NUM_THREADS + tidx] = Float32(0.0)
+    if const_expr(self.deterministic):
+      if tidx == 0:
+        mSem[m_block, head, batch] = Int32(0)

@@ -1,0 +1,537 @@
+"""Hopper (sm_90a) FlashAttention backward main kernel: dK, dV per key block, dQ by fp32 reduction.
+
+Imports cutlass, jaxflash.config and the sibling helper modules only (never jax).
+"""
+
+import math
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from jaxflash import config
+from jaxflash.kernels import bwd_common
+from jaxflash.kernels import mask
+from jaxflash.kernels import sm90_gemm
+from jaxflash.kernels import softmax
+
+DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+LOG2_E = math.log2(math.e)
+# sm_90 opt-in shared memory per block: 227 KiB (232448 bytes).
+_SMEM_CAPACITY = 232448
+_WG = sm90_gemm.WARPGROUP_THREADS
+_NUM_WG = bwd_common.NUM_MMA_WARPGROUPS
+# Named barriers (0 is __syncthreads). The dS tile is shared by both consumer warpgroups: it must
+# be complete before the dQ GEMM and free again before it is overwritten.
+_DS_FULL_BARRIER = 1
+_DS_EMPTY_BARRIER = 2
+_EPILOGUE_BARRIER = 3
+_DQ_BARRIER = 4  # + warpgroup: the warpgroup's half of the dQ staging buffer
+# Producer warpgroup keeps 24 registers (TMA only); the two consumers get 240 (FA-3's split).
+_PRODUCER_REGS, _MMA_REGS = 24, 240
+
+
+def _select(t: cute.Tensor, modes) -> cute.Tensor:
+  return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+class FlashAttentionBackwardSm90:
+  """FA-3 style backward main kernel; one CTA per (key block, kv head, batch).
+
+  Warpgroup 0 produces: warp 0 loads K and V once, then Q and dO blocks (TMA, num_stages ring)
+  for every query head of the kv head's group and every query block that sees the key block.
+  Consumer warpgroup w owns key rows [64 w, 64 w + 64) of the tile. Per query block:
+  S = Q K^T and dP = dO V^T (WGMMA), P = exp2(S * scale * log2 e - lse * log2 e), dS = P (dP -
+  delta); P and dS go to shared memory; dV += P^T dO, dK += dS^T Q (registers, whole loop);
+  dQ = dS K (half of head_dim per warpgroup) is staged in shared memory and added into the fp32
+  accumulator by a bulk reduction (bwd_common describes its layout). GQA: the group's query
+  heads are looped inside the CTA, so dK/dV are written once, in the input dtype, by TMA.
+  With `deterministic`, the dQ reductions into one (batch, head, m block) happen in key-block
+  order, gated by an int32 semaphore per (batch, head, m block).
+  """
+
+  def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
+               causal: bool, deterministic: bool = False):
+    self.dtype = dtype
+    self.head_dim = head_dim
+    self.head_dim_v = head_dim_v
+    self.head_dim_padded = (head_dim + 15) // 16 * 16
+    self.tile_m = tile.tile_m
+    self.tile_n = tile.tile_n
+    self.num_stages = tile.num_stages
+    self.causal = causal
+    self.deterministic = deterministic
+    self.num_mma_threads = _NUM_WG * _WG
+    self.num_threads = self.num_mma_threads + _WG
+
+  @staticmethod
+  def smem_bytes(head_dim: int, head_dim_v: int, tile: config.TileConfig,
+                 elem_bytes: int = 2) -> int:
+    """K, V, the Q and dO rings, P, dS, the fp32 dQ staging tile, mbarriers, alignment."""
+    def aligned(n):
+      return (n + sm90_gemm.SMEM_ALIGN - 1) // sm90_gemm.SMEM_ALIGN * sm90_gemm.SMEM_ALIGN
+    m, n, s = tile.tile_m, tile.tile_n, tile.num_stages
+    total = (aligned(n * head_dim * elem_bytes) + aligned(n * head_dim_v * elem_bytes)
+             + aligned(s * m * head_dim * elem_bytes) + aligned(s * m * head_dim_v * elem_bytes)
+             + 2 * aligned(m * n * elem_bytes) + aligned(m * head_dim * 4))
+    return total + sm90_gemm.SMEM_ALIGN
+
+  @staticmethod
+  def can_implement(dtype: str, head_dim: int, head_dim_v: int, causal: bool,
+                    tile: config.TileConfig) -> tuple[bool, str]:
+    """Whether this kernel can be built for the arguments; the reason text is user-facing."""
+    del causal  # both masks share one code path
+    if dtype not in DTYPES:
+      return False, f"dtype {dtype} has no backward kernel; accepted: {', '.join(DTYPES)}"
+    if head_dim not in (64, 128):
+      return False, f"head_dim {head_dim} has no backward kernel; accepted: 64, 128"
+    if head_dim_v != head_dim:
+      return False, f"head_dim_v {head_dim_v} != head_dim {head_dim} has no backward kernel"
+    if (tile.tile_m, tile.tile_n) != (bwd_common.TILE_M, bwd_common.TILE_N):
+      return False, (f"tile {tile.tile_m}x{tile.tile_n} unsupported; accepted: "
+                     f"{bwd_common.TILE_M}x{bwd_common.TILE_N} (one 64-row WGMMA block of "
+                     f"queries, 64 key rows per consumer warpgroup)")
+    if tile.num_stages not in (1, 2):
+      return False, f"num_stages {tile.num_stages} unsupported; accepted: 1, 2"
+    smem = FlashAttentionBackwardSm90.smem_bytes(head_dim, head_dim_v, tile)
+    if smem > _SMEM_CAPACITY:
+      return False, (f"tile {tile.key} needs {smem} bytes of shared memory for head_dim "
+                     f"{head_dim}; sm_90 has {_SMEM_CAPACITY}")
+    return True, ""
+
+  def _setup_attributes(self):
+    """Tiled MMAs, shared layouts, TMA byte counts and the shared storage struct."""
+    k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+    half_n = self.tile_n // _NUM_WG
+    # S = Q K^T and dP = dO V^T: warpgroups side by side along the key (N) mode.
+    self.tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
+        self.dtype, self.dtype, k_major, k_major, Float32, (1, _NUM_WG, 1), (64, half_n))
+    # dK = dS^T Q and dV = P^T dO: warpgroups stacked along the key (M) mode; both operands are
+    # the smem tiles read transposed (MN-major).
+    self.tiled_mma_dk = sm90_utils.make_trivial_tiled_mma(
+        self.dtype, self.dtype, mn_major, mn_major, Float32, (_NUM_WG, 1, 1), (64, self.head_dim))
+    self.tiled_mma_dv = sm90_utils.make_trivial_tiled_mma(
+        self.dtype, self.dtype, mn_major, mn_major, Float32, (_NUM_WG, 1, 1),
+        (64, self.head_dim_v))
+    self.tiled_mma_dq = bwd_common.dq_tiled_mma(self.dtype, self.head_dim)
+    m, n, s = self.tile_m, self.tile_n, self.num_stages
+    self.sQ_layout = sm90_gemm.smem_layout(self.dtype, m, self.head_dim, s)
+    self.sdO_layout = sm90_gemm.smem_layout(self.dtype, m, self.head_dim_v, s)
+    # K is also read transposed by dQ = dS K with head_dim split between the warpgroups.
+    self.sK_layout = sm90_gemm.smem_layout(self.dtype, n, self.head_dim,
+                                           major_size=self.head_dim // _NUM_WG)
+    self.sV_layout = sm90_gemm.smem_layout(self.dtype, n, self.head_dim_v)
+    # P and dS are read transposed with the key mode split between the warpgroups.
+    self.sPdS_layout = sm90_gemm.smem_layout(self.dtype, m, n, major_size=half_n)
+    self.tma_bytes_kv = (cute.size_in_bytes(self.dtype, self.sK_layout)
+                         + cute.size_in_bytes(self.dtype, self.sV_layout))
+    self.tma_bytes_qdo = (
+        cute.size_in_bytes(self.dtype, cute.slice_(self.sQ_layout, (None, None, 0)))
+        + cute.size_in_bytes(self.dtype, cute.slice_(self.sdO_layout, (None, None, 0))))
+    stages = self.num_stages
+    align = sm90_gemm.SMEM_ALIGN
+
+    @cute.struct
+    class SharedStorage:
+      mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+      mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+      sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], align]
+      sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], align]
+      sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sQ_layout)], align]
+      sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sdO_layout)],
+                             align]
+      sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sPdS_layout)],
+                            align]
+      sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sPdS_layout)],
+                             align]
+      sdQ: cute.struct.Align[cute.struct.MemRange[Float32, m * self.head_dim], align]
+
+    self.shared_storage = SharedStorage
+
+  @cute.jit
+  def __call__(
+      self,
+      mQ: cute.Tensor,  # (batch, seqlen_q, num_heads, head_dim)
+      mK: cute.Tensor,  # (batch, seqlen_k, num_kv_heads, head_dim)
+      mV: cute.Tensor,  # (batch, seqlen_k, num_kv_heads, head_dim_v)
+      mdO: cute.Tensor,  # (batch, seqlen_q, num_heads, head_dim_v)
+      mLSE2: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded) float32, lse * log2(e)
+      mDelta: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded) float32
+      mdQaccum: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded, head_dim) float32
+      mdK: cute.Tensor,  # (batch, seqlen_k, num_kv_heads, head_dim)
+      mdV: cute.Tensor,  # (batch, seqlen_k, num_kv_heads, head_dim_v)
+      mSem: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded / tile_m) int32, or None
+      softmax_scale: Float32,
+      stream: cuda.CUstream,
+  ):
+    if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
+                       == mdO.element_type == mdK.element_type == mdV.element_type
+                       == self.dtype)):
+      raise TypeError(f"q, k, v, d_out, dk and dv must all be {self.dtype}")
+    if const_expr(not (mLSE2.element_type == mDelta.element_type == mdQaccum.element_type
+                       == Float32)):
+      raise TypeError("lse_log2, delta and dq_accum must be Float32")
+    if const_expr(self.deterministic != (mSem is not None)):
+      raise TypeError("the dQ semaphore is passed exactly when deterministic")
+    self._setup_attributes()
+    # Kernel-side order puts the tile modes first: (seqlen, dim, heads, batch).
+    mQ, mK, mV, mdO, mdK, mdV = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+    mLSE2, mDelta = [_select(t, [2, 1, 0]) for t in (mLSE2, mDelta)]
+    mdQaccum = _select(mdQaccum, [2, 3, 1, 0])  # (seqlen_q_rounded, head_dim, heads, batch)
+    if const_expr(self.deterministic):
+      mSem = _select(mSem, [2, 1, 0])  # (m blocks, heads, batch)
+
+    load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+    q_tile, do_tile = (self.tile_m, self.head_dim), (self.tile_m, self.head_dim_v)
+    k_tile, v_tile = (self.tile_n, self.head_dim), (self.tile_n, self.head_dim_v)
+    tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
+        load_op, mQ, cute.slice_(self.sQ_layout, (None, None, 0)), q_tile)
+    tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(
+        load_op, mdO, cute.slice_(self.sdO_layout, (None, None, 0)), do_tile)
+    tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load_op, mK, self.sK_layout, k_tile)
+    tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load_op, mV, self.sV_layout, v_tile)
+    # dK/dV leave through sK/sV; TMA stores clip rows >= seqlen_k.
+    tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(store_op, mdK, self.sK_layout, k_tile)
+    tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store_op, mdV, self.sV_layout, v_tile)
+
+    grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]),
+            cute.size(mK.shape[3]))
+    self.kernel(
+        tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, mLSE2, mDelta, mdQaccum, mSem,
+        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dk, tma_atom_dv,
+        softmax_scale,
+        self.sQ_layout, self.sK_layout, self.sV_layout, self.sdO_layout, self.sPdS_layout,
+        self.tiled_mma_sdp, self.tiled_mma_dk, self.tiled_mma_dv, self.tiled_mma_dq,
+    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+  @cute.kernel
+  def kernel(
+      self,
+      mQ: cute.Tensor,  # TMA coordinates of (seqlen_q, head_dim, num_heads, batch)
+      mK: cute.Tensor,  # TMA coordinates of (seqlen_k, head_dim, num_kv_heads, batch)
+      mV: cute.Tensor,  # TMA coordinates of (seqlen_k, head_dim_v, num_kv_heads, batch)
+      mdO: cute.Tensor,  # TMA coordinates of (seqlen_q, head_dim_v, num_heads, batch)
+      mdK: cute.Tensor,  # TMA coordinates of (seqlen_k, head_dim, num_kv_heads, batch)
+      mdV: cute.Tensor,  # TMA coordinates of (seqlen_k, head_dim_v, num_kv_heads, batch)
+      mLSE2: cute.Tensor,  # (seqlen_q_rounded, num_heads, batch)
+      mDelta: cute.Tensor,  # (seqlen_q_rounded, num_heads, batch)
+      mdQaccum: cute.Tensor,  # (seqlen_q_rounded, head_dim, num_heads, batch)
+      mSem: cute.Tensor,  # (m blocks, num_heads, batch) or None
+      tma_atom_q: cute.CopyAtom,
+      tma_atom_k: cute.CopyAtom,
+      tma_atom_v: cute.CopyAtom,
+      tma_atom_do: cute.CopyAtom,
+      tma_atom_dk: cute.CopyAtom,
+      tma_atom_dv: cute.CopyAtom,
+      softmax_scale: Float32,
+      sQ_layout: cute.ComposedLayout,
+      sK_layout: cute.ComposedLayout,
+      sV_layout: cute.ComposedLayout,
+      sdO_layout: cute.ComposedLayout,
+      sPdS_layout: cute.ComposedLayout,
+      tiled_mma_sdp: cute.TiledMma,
+      tiled_mma_dk: cute.TiledMma,
+      tiled_mma_dv: cute.TiledMma,
+      tiled_mma_dq: cute.TiledMma,
+  ):
+    tidx, _, _ = cute.arch.thread_idx()
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    if warp_idx == 0:
+      for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dk, tma_atom_dv):
+        cpasync.prefetch_descriptor(atom)
+
+    storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+    pipeline_kv, pipeline_qdo = self._make_pipelines(storage)
+    smem = {name: getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
+            for name, layout in (("sQ", sQ_layout), ("sK", sK_layout), ("sV", sV_layout),
+                                 ("sdO", sdO_layout), ("sP", sPdS_layout),
+                                 ("sdS", sPdS_layout))}
+    sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim))
+    # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
+    cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+
+    n_block, head_kv, batch = cute.arch.block_idx()
+    seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+    group = mQ.shape[2] // mK.shape[2]  # GQA/MQA: query heads per kv head
+    m_min, m_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
+
+    warpgroup_idx = cute.arch.make_warp_uniform(tidx // _WG)
+    if warpgroup_idx == 0:
+      cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+      if warp_idx == 0:
+        self.load(mQ, mK, mV, mdO, tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do,
+                  smem["sQ"], smem["sK"], smem["sV"], smem["sdO"], pipeline_kv, pipeline_qdo,
+                  n_block, head_kv, batch, group, m_min, m_max)
+    else:
+      cute.arch.setmaxregister_increase(_MMA_REGS)
+      self.mma(mdK, mdV, mLSE2, mDelta, mdQaccum, mSem, tma_atom_dk, tma_atom_dv, smem, sdQ,
+               tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
+               pipeline_kv, pipeline_qdo, softmax_scale,
+               n_block, head_kv, batch, group, m_min, m_max, seqlen_q, seqlen_k)
+
+  def _make_pipelines(self, storage):
+    """TMA pipelines: one elected producer thread arrives; lane 0 of each consumer warp releases."""
+    producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+    consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                         self.num_mma_threads // sm90_gemm.WARP_THREADS)
+    kv = pipeline.PipelineTmaAsync.create(
+        barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
+        consumer_group=consumer, tx_count=self.tma_bytes_kv, defer_sync=True)
+    qdo = pipeline.PipelineTmaAsync.create(
+        barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.num_stages,
+        producer_group=producer, consumer_group=consumer, tx_count=self.tma_bytes_qdo,
+        defer_sync=True)
+    return kv, qdo
+
+  @cute.jit
+  def _m_block_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+    """Query blocks [m_min, m_max) that see some key of n_block (bottom-right causal)."""
+    m_max = cute.ceil_div(seqlen_q, self.tile_m)
+    m_min = Int32(0)
+    if const_expr(self.causal):
+      # Query row i sees key j iff j <= i + seqlen_k - seqlen_q: the block's first key is first
+      # seen by row n_block * tile_n - (seqlen_k - seqlen_q).
+      first_row = n_block * self.tile_n - seqlen_k + seqlen_q
+      if first_row > 0:
+        m_min = cutlass.min(first_row // self.tile_m, m_max)
+    return m_min, m_max
+
+  @cute.jit
+  def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+           tma_atom_q: cute.CopyAtom, tma_atom_k: cute.CopyAtom, tma_atom_v: cute.CopyAtom,
+           tma_atom_do: cute.CopyAtom, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+           sdO: cute.Tensor, pipeline_kv, pipeline_qdo, n_block: Int32, head_kv: Int32,
+           batch: Int32, group: Int32, m_min: Int32, m_max: Int32):
+    """Producer warp: K and V once, then Q and dO per (query head of the group, query block)."""
+    one_cta = cute.make_layout(1)
+    gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim),
+                         (n_block, 0))
+    gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v),
+                         (n_block, 0))
+    tKsK, tKgK = cpasync.tma_partition(
+        tma_atom_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+    tVsV, tVgV = cpasync.tma_partition(
+        tma_atom_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+    kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+    pipeline_kv.producer_acquire(kv_state)
+    cute.copy(tma_atom_k, tKgK, tKsK, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
+    cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
+
+    qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+    for g in cutlass.range(group, unroll=1):
+      head = head_kv * group + g
+      gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+      gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.head_dim_v),
+                            (None, 0))
+      tQsQ, tQgQ = cpasync.tma_partition(
+          tma_atom_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+      tOsdO, tOgdO = cpasync.tma_partition(
+          tma_atom_do, 0, one_cta, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+      for m_block in cutlass.range(m_min, m_max, unroll=1):
+        # Q and dO of one block share a slot (one barrier, tx = both byte counts).
+        pipeline_qdo.producer_acquire(qdo_state)
+        barrier = pipeline_qdo.producer_get_barrier(qdo_state)
+        cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, qdo_state.index],
+                  tma_bar_ptr=barrier)
+        cute.copy(tma_atom_do, tOgdO[None, m_block], tOsdO[None, qdo_state.index],
+                  tma_bar_ptr=barrier)
+        qdo_state.advance()
+
+  @cute.jit
+  def mma(self, mdK: cute.Tensor, mdV: cute.Tensor, mLSE2: cute.Tensor, mDelta: cute.Tensor,
+          mdQaccum: cute.Tensor, mSem: cute.Tensor, tma_atom_dk: cute.CopyAtom,
+          tma_atom_dv: cute.CopyAtom, smem, sdQ: cute.Tensor,
+          tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
+          tiled_mma_dq: cute.TiledMma, pipeline_kv, pipeline_qdo, softmax_scale: Float32,
+          n_block: Int32, head_kv: Int32, batch: Int32, group: Int32, m_min: Int32,
+          m_max: Int32, seqlen_q: Int32, seqlen_k: Int32):
+    """Consumer warpgroups: the five GEMMs per query block, then the dK/dV epilogue."""
+    tidx, _, _ = cute.arch.thread_idx()
+    mma_tidx = tidx - _WG
+    sQ, sK, sV, sdO = smem["sQ"], smem["sK"], smem["sV"], smem["sdO"]
+    sP, sdS = smem["sP"], smem["sdS"]
+    thr_sdp = tiled_mma_sdp.get_slice(mma_tidx)
+    thr_dk = tiled_mma_dk.get_slice(mma_tidx)
+    thr_dv = tiled_mma_dv.get_slice(mma_tidx)
+    thr_dq = tiled_mma_dq.get_slice(mma_tidx)
+    frags = dict(
+        tSrQ=thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ)),
+        tSrK=thr_sdp.make_fragment_B(thr_sdp.partition_B(sK)),
+        tdPrdO=thr_sdp.make_fragment_A(thr_sdp.partition_A(sdO)),
+        tdPrV=thr_sdp.make_fragment_B(thr_sdp.partition_B(sV)),
+        tdVrPt=thr_dv.make_fragment_A(thr_dv.partition_A(sm90_gemm.transpose_view(sP))),
+        tdVrdOt=thr_dv.make_fragment_B(thr_dv.partition_B(sm90_gemm.transpose_view(sdO))),
+        tdKrdSt=thr_dk.make_fragment_A(thr_dk.partition_A(sm90_gemm.transpose_view(sdS))),
+        tdKrQt=thr_dk.make_fragment_B(thr_dk.partition_B(sm90_gemm.transpose_view(sQ))),
+        tdQrdS=thr_dq.make_fragment_A(thr_dq.partition_A(sdS)),
+        tdQrKt=thr_dq.make_fragment_B(thr_dq.partition_B(sm90_gemm.transpose_view(sK))),
+    )
+    acc_dk = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.head_dim)))
+    acc_dv = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.head_dim_v)))
+    acc_dk.fill(0.0)
+    acc_dv.fill(0.0)
+    tScS_mn = softmax.make_acc_mn_view(
+        thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+    scale_log2 = softmax_scale * LOG2_E
+
+    kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+    pipeline_kv.consumer_wait(kv_state)
+    qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+    for g in cutlass.range(group, unroll=1):
+      head = head_kv * group + g
+      for m_block in cutlass.range(m_min, m_max, unroll=1):
+        self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
+                      acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, mLSE2, mDelta, mdQaccum, mSem,
+                      pipeline_qdo, qdo_state, scale_log2, m_block, n_block, head, batch,
+                      seqlen_q, seqlen_k)
+        qdo_state.advance()
+
+    self.epilogue(mdK, mdV, tma_atom_dk, tma_atom_dv, sK, sV, tiled_mma_dk, tiled_mma_dv,
+                  acc_dk, acc_dv, softmax_scale, n_block, head_kv, batch)
+
+  @cute.jit
+  def mma_step(self, tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma,
+               tiled_mma_dv: cute.TiledMma, tiled_mma_dq: cute.TiledMma, frags,
+               acc_dk: cute.Tensor, acc_dv: cute.Tensor, tScS_mn: cute.Tensor,
+               sP: cute.Tensor, sdS: cute.Tensor, sdQ: cute.Tensor, mLSE2: cute.Tensor,
+               mDelta: cute.Tensor, mdQaccum: cute.Tensor, mSem: cute.Tensor,
+               pipeline_qdo, qdo_state, scale_log2: Float32, m_block: Int32, n_block: Int32,
+               head: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32):
+    """One (query head, query block) against this CTA's key block."""
+    tidx, _, _ = cute.arch.thread_idx()
+    mma_tidx = tidx - _WG
+    stage = qdo_state.index
+    num_rows = cute.size(tScS_mn, mode=[0])
+    # Row statistics straight from global memory (L2-resident, written by the preprocess);
+    # issued before the GEMMs so their latency hides behind them. Rows >= seqlen_q hold
+    # lse2 = +inf, delta = 0 (P = 0), so they need no bounds check.
+    lse2 = cute.make_rmem_tensor(num_rows, Float32)
+    delta = cute.make_rmem_tensor(num_rows, Float32)
+    for i in cutlass.range_constexpr(num_rows):
+      row = m_block * self.tile_m + tScS_mn[i, 0][0]
+      lse2[i] = mLSE2[row, head, batch]
+      delta[i] = mDelta[row, head, batch]
+
+    acc_shape_s = tiled_mma_sdp.get_slice(mma_tidx).partition_shape_C((self.tile_m, self.tile_n))
+    acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
+    acc_dp = cute.make_rmem_tensor(acc_shape_s, Float32)
+    pipeline_qdo.consumer_wait(qdo_state)
+    sm90_gemm.gemm(tiled_mma_sdp, acc_s, frags["tSrQ"][None, None, None, stage], frags["tSrK"],
+                   zero_init=True)
+    sm90_gemm.gemm(tiled_mma_sdp, acc_dp, frags["tdPrdO"][None, None, None, stage],
+                   frags["tdPrV"], zero_init=True)
+    warpgroup.wait_group(1)
+
+    # P = exp2(S * scale * log2(e) - lse * log2(e)); masked scores are -inf, so P = 0 there.
+    acc_s_mn = softmax.make_acc_mn_view(acc_s)
+    need_mask = (n_block + 1) * self.tile_n > seqlen_k
+    if const_expr(self.causal):
+      need_mask = need_mask or (
+          (n_block + 1) * self.tile_n - 1 > m_block * self.tile_m + seqlen_k - seqlen_q)
+    if need_mask:
+      mask.apply_mask(acc_s_mn, tScS_mn, m_block, n_block, seqlen_q, seqlen_k, self.tile_m,
+                      self.tile_n, self.causal)
+    for i in cutlass.range_constexpr(num_rows):
+      for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
+        acc_s_mn[i, j] = cute.math.exp2(acc_s_mn[i, j] * scale_log2 - lse2[i], fastmath=True)
+    # This warpgroup's P columns are read only by its own dV GEMM, which finished last step.
+    sm90_gemm.store_acc_to_smem(tiled_mma_sdp, mma_tidx, acc_s, sP, self.dtype)
+
+    # dS = P * (dP - delta)
+    warpgroup.wait_group(0)
+    acc_dp_mn = softmax.make_acc_mn_view(acc_dp)
+    for i in cutlass.range_constexpr(num_rows):
+      for j in cutlass.range_constexpr(cute.size(acc_dp_mn, mode=[1])):
+        acc_dp_mn[i, j] = acc_s_mn[i, j] * (acc_dp_mn[i, j] - delta[i])
+    # The other warpgroup's dQ GEMM of the previous step reads all of dS.
+    cute.arch.barrier(barrier_id=_DS_EMPTY_BARRIER, number_of_threads=self.num_mma_threads)
+    sm90_gemm.store_acc_to_smem(tiled_mma_sdp, mma_tidx, acc_dp, sdS, self.dtype)
+    # Generic-proxy smem writes must be visible to the async proxy (WGMMA) of both warpgroups.
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=_DS_FULL_BARRIER, number_of_threads=self.num_mma_threads)
+
+    # dQ first: its result is written out while dV and dK still run.
+    acc_dq = cute.make_rmem_tensor(
+        tiled_mma_dq.get_slice(mma_tidx).partition_shape_C((self.tile_m, self.head_dim)),
+        Float32)
+    sm90_gemm.gemm(tiled_mma_dq, acc_dq, frags["tdQrdS"], frags["tdQrKt"], zero_init=True)
+    sm90_gemm.gemm(tiled_mma_dv, acc_dv, frags["tdVrPt"],
+                   frags["tdVrdOt"][None, None, None, stage], zero_init=False)
+    sm90_gemm.gemm(tiled_mma_dk, acc_dk, frags["tdKrdSt"],
+                   frags["tdKrQt"][None, None, None, stage], zero_init=False)
+    warpgroup.wait_group(2)
+    self.store_dq(acc_dq, sdQ, mdQaccum, mSem, m_block, n_block, head, batch)
+    warpgroup.wait_group(0)
+    pipeline_qdo.consumer_release(qdo_state)
+
+  @cute.jit
+  def store_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor, mdQaccum: cute.Tensor,
+               mSem: cute.Tensor, m_block: Int32, n_block: Int32, head: Int32, batch: Int32):
+    """Adds this warpgroup's dQ half into the fp32 accumulator (bwd_common layout)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    wg_tidx = tidx % _WG
+    wg = cute.arch.make_warp_uniform((tidx - _WG) // _WG)
+    half = self.tile_m * self.head_dim // _NUM_WG
+    # The bulk reduction of the previous step must have read the staging half before reuse.
+    if wg_tidx == 0:
+      cute.arch.cp_async_bulk_wait_group(0, read=True)
+    cute.arch.barrier(barrier_id=_DQ_BARRIER + wg, number_of_threads=_WG)
+    # Value i of every thread lands in one 128-float row: conflict-free scalar stores.
+    for i in cutlass.range_constexpr(cute.size(acc_dq)):
+      sdQ[wg * half + i * _WG + wg_tidx] = acc_dq[i]
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=_DQ_BARRIER + wg, number_of_threads=_WG)
+    if wg_tidx == 0:
+      gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim),
+                            (m_block, 0))
+      if const_expr(self.deterministic):
+        # Key blocks 0 .. n_block-1 all see this query block; each adds one half per warpgroup.
+        sem = mSem[None, head, batch].iterator + m_block
+        bwd_common.wait_at_least(sem, n_block * _NUM_WG)
+        cute.arch.fence_proxy("async.global")
+      bwd_common.bulk_reduce_add_f32(gdQ.iterator + wg * half, sdQ.iterator + wg * half,
+                                     half * 4)
+      cute.arch.cp_async_bulk_commit_group()
+      if const_expr(self.deterministic):
+        cute.arch.cp_async_bulk_wait_group(0)
+        cute.arch.fence_proxy("async.global")
+        bwd_common.add_release(sem, 1)
+
+  @cute.jit
+  def epilogue(self, mdK: cute.Tensor, mdV: cute.Tensor, tma_atom_dk: cute.CopyAtom,
+               tma_atom_dv: cute.CopyAtom, sK: cute.Tensor, sV: cute.Tensor,
+               tiled_mma_dk: cute.TiledMma, tiled_mma_dv: cute.TiledMma, acc_dk: cute.Tensor,
+               acc_dv: cute.Tensor, softmax_scale: Float32, n_block: Int32, head_kv: Int32,
+               batch: Int32):
+    """dK = scale * sum dS^T Q and dV leave through sK / sV and two TMA stores."""
+    tidx, _, _ = cute.arch.thread_idx()
+    mma_tidx = tidx - _WG
+    # Every GEMM reading sK / sV (both warpgroups) is done before they are overwritten.
+    cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+    acc_dk.store(acc_dk.load() * softmax_scale)
+    sm90_gemm.store_acc_to_smem(tiled_mma_dk, mma_tidx, acc_dk, sK, self.dtype)
+    sm90_gemm.store_acc_to_smem(tiled_mma_dv, mma_tidx, acc_dv, sV, self.dtype)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    if warp_idx == _WG // sm90_gemm.WARP_THREADS:
+      one_cta = cute.make_layout(1)
+      for atom, m, s, dim in ((tma_atom_dk, mdK, sK, self.head_dim),
+                              (tma_atom_dv, mdV, sV, self.head_dim_v)):
+        g = cute.local_tile(m[None, None, head_kv, batch], (self.tile_n, dim), (n_block, 0))
+        t_s, t_g = cpasync.tma_partition(atom, 0, one_cta, cute.group_modes(s, 0, 2),
+                                         cute.group_modes(g, 0, 2))
+        cute.copy(atom, t_s, t_g)
+      cute.arch.cp_async_bulk_commit_group()
+      # The copies were issued by an elected lane; the whole warp waits, which covers it.
+      cute.arch.cp_async_bulk_wait_group(0, read=True)
+    # Shared memory must outlive every bulk read of it: also the last dQ reductions, issued by
+    # thread 0 of each consumer warpgroup.
+    if tidx % _WG == 0:
+      cute.arch.cp_async_bulk_wait_group(0, read=True)

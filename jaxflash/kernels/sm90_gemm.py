@@ -1,0 +1,76 @@
+"""Hopper (sm_90a) shared-memory tile layouts, WGMMA issue and accumulator-to-smem stores.
+
+Imports cutlass only. Written for the backward kernels; the forward may share them later.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.utils import LayoutEnum
+
+# Each shared buffer starts on a 1 KiB boundary: the 128B swizzle pattern repeats every 1 KiB.
+SMEM_ALIGN = 1024
+WARPGROUP_THREADS = 128
+WARP_THREADS = 32
+
+
+def smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
+  """Swizzled row-major (cols contiguous) layout of a (rows, cols[, stages]) tile.
+
+  `major_size` (default cols) picks the swizzle width: a WGMMA that reads the tile transposed
+  (MN-major) and splits the contiguous mode between warpgroups needs each warpgroup's slice to
+  be whole swizzle atoms, e.g. 32 columns of 16-bit -> 64-byte swizzle.
+  """
+  atom = warpgroup.make_smem_layout_atom(
+      sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major_size or cols), dtype)
+  if stages is None:
+    return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+  return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+
+def transpose_view(t: cute.Tensor) -> cute.Tensor:
+  """Swaps the first two modes of a shared tensor (same bytes): A^T for WGMMA operands."""
+  shape = (t.shape[1], t.shape[0], *t.shape[2:])
+  order = (1, 0, *range(2, cute.rank(t)))
+  return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+@cute.jit
+def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
+         zero_init: cutlass.Constexpr):
+  """Issues acc (+)= a @ b over the k blocks (mode 2) as one WGMMA group; does not wait.
+
+  A fresh atom carries the ACCUMULATE flag: setting it on the shared TiledMma inside a loop
+  would leak a loop-body value out of the loop ("operand does not dominate this use").
+  """
+  atom = cute.make_mma_atom(tiled_mma.op)
+  warpgroup.fence()
+  for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init or k != 0)
+    cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+  warpgroup.commit_group()
+
+
+@cute.jit
+def store_acc_to_smem(tiled_mma: cute.TiledMma, tidx, acc: cute.Tensor, dst: cute.Tensor,
+                      dtype: cutlass.Constexpr):
+  """Converts an fp32 WGMMA accumulator to `dtype` and writes it to a row-major smem tile.
+
+  Uses stmatrix (16-byte rows per lane). `tidx` is the thread index among the MMA threads;
+  each thread writes exactly the tile positions its accumulator holds.
+  """
+  converted = cute.make_rmem_tensor(acc.layout.shape, dtype)
+  converted.store(acc.load().to(dtype))
+  store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, dtype, Float32)
+  tiled_copy = cute.make_tiled_copy_S(store_atom,
+                                      cute.make_tiled_copy_C_atom(store_atom, tiled_mma))
+  thr_copy = tiled_copy.get_slice(tidx)
+  # retile() orders the values as the copy consumes them but nests the modes differently from
+  # the smem partition; copy them by flat index into a fragment of the partition's shape.
+  retiled = tiled_copy.retile(converted)
+  src = cute.make_rmem_tensor_like(thr_copy.partition_S(dst), dtype)
+  for i in cutlass.range_constexpr(cute.size(src)):
+    src[i] = retiled[i]
+  cute.copy(tiled_copy, src, thr_copy.partition_D(dst))
