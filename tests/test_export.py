@@ -62,7 +62,9 @@ _CHILD = textwrap.dedent("""
     import jax, numpy as np
     exported = jax.export.deserialize(bytearray(open(sys.argv[1], "rb").read()))
     inputs = np.load(sys.argv[2])
-    args = jax.tree.unflatten(exported.in_tree, [inputs[f"a{i}"] for i in range(len(inputs))])
+    # npz stores bfloat16 as raw 2-byte voids: view them back as the exported input dtypes.
+    flat = [inputs[f"a{i}"].view(aval.dtype) for i, aval in enumerate(exported.in_avals)]
+    args = jax.tree.unflatten(exported.in_tree, flat)
     flat = jax.tree.leaves(exported.call(*args[0], **args[1]))
     np.savez(sys.argv[3], *[np.asarray(x) for x in flat])
     assert "jaxflash" not in sys.modules, "the exported module must run without jaxflash"
@@ -135,7 +137,9 @@ _GPU_CHILD = textwrap.dedent("""
     jaxflash.ffi.register()  # the one line a deserializing process needs
     exported = jax.export.deserialize(bytearray(open(sys.argv[1], "rb").read()))
     inputs = np.load(sys.argv[2])
-    args = jax.tree.unflatten(exported.in_tree, [inputs[f"a{i}"] for i in range(len(inputs))])
+    # npz stores bfloat16 as raw 2-byte voids: view them back as the exported input dtypes.
+    flat = [inputs[f"a{i}"].view(aval.dtype) for i, aval in enumerate(exported.in_avals)]
+    args = jax.tree.unflatten(exported.in_tree, flat)
     flat = jax.tree.leaves(exported.call(*args[0], **args[1]))
     np.savez(sys.argv[3], *[np.asarray(x, np.float32) for x in flat])
     """)
