@@ -16,16 +16,16 @@ from cutlass.utils import LayoutEnum
 
 from jaxflash import config
 from jaxflash.kernels import mask
+from jaxflash.kernels import sm90_gemm
 from jaxflash.kernels import softmax
 from jaxflash.kernels import tile_scheduler
 
 DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 # sm_90 opt-in shared memory per block: 227 KiB (232448 bytes).
 _SMEM_CAPACITY = 232448
-_WARPGROUP_THREADS = 128
-_WARP_THREADS = 32
-# Each shared buffer starts on a 1 KiB boundary: the 128B swizzle pattern repeats every 1 KiB.
-_SMEM_ALIGN = 1024
+_WARPGROUP_THREADS = sm90_gemm.WARPGROUP_THREADS
+_WARP_THREADS = sm90_gemm.WARP_THREADS
+_SMEM_ALIGN = sm90_gemm.SMEM_ALIGN
 # Named barrier 0 is __syncthreads; 1 syncs the consumer warpgroups in the epilogue; 2 + w is
 # consumer warpgroup w's turn to issue its GEMMs (ping-pong).
 _EPILOGUE_BARRIER = 1
@@ -45,22 +45,6 @@ def _smem_layout(dtype, layout: LayoutEnum, rows: int, cols: int, stages=None):
   if stages is not None:
     shape, order = (rows, cols, stages), order + (2,)
   return cute.tile_to_shape(atom, shape, order)
-
-
-@cute.jit
-def _wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
-           zero_init: cutlass.Constexpr):
-  """Issues acc (+)= a @ b over the k blocks (mode 2) as one WGMMA group; does not wait.
-
-  A fresh atom carries the ACCUMULATE flag: setting it on the shared TiledMma inside a loop
-  would leak a loop-body value out of the loop ("operand does not dominate this use").
-  """
-  atom = cute.make_mma_atom(tiled_mma.op)
-  warpgroup.fence()
-  for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init or k != 0)
-    cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
-  warpgroup.commit_group()
 
 
 def _select(t: cute.Tensor, modes) -> cute.Tensor:
@@ -485,7 +469,7 @@ class FlashAttentionForwardSm90:
     acc_s = c.tiled_mma_qk.get_slice(0).make_fragment_C(c.acc_shape_s)
     pipeline_k = c.pipeline_k
     pipeline_k.consumer_wait(kv_state)
-    _wgmma(c.tiled_mma_qk, acc_s, c.tSrQ, c.tSrK[None, None, None, kv_state.index],
+    sm90_gemm.gemm(c.tiled_mma_qk, acc_s, c.tSrQ, c.tSrK[None, None, None, kv_state.index],
            zero_init=True)
     warpgroup.wait_group(0)
     pipeline_k.consumer_release(kv_state)
@@ -507,12 +491,12 @@ class FlashAttentionForwardSm90:
     acc_s = c.tiled_mma_qk.get_slice(0).make_fragment_C(c.acc_shape_s)
     pipeline_k.consumer_wait(kv_state)
     self._scheduler_sync(wg)
-    _wgmma(c.tiled_mma_qk, acc_s, c.tSrQ, c.tSrK[None, None, None, kv_state.index],
+    sm90_gemm.gemm(c.tiled_mma_qk, acc_s, c.tSrQ, c.tSrK[None, None, None, kv_state.index],
            zero_init=True)
     if const_expr(self.rescale_o_before_pv):
       softmax.scale_rows(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
     pipeline_v.consumer_wait(v_state)
-    _wgmma(c.tiled_mma_pv, c.acc_o, c.tOrP, c.tOrV[None, None, None, v_state.index],
+    sm90_gemm.gemm(c.tiled_mma_pv, c.acc_o, c.tOrP, c.tOrV[None, None, None, v_state.index],
            zero_init=False)
     self._scheduler_arrive(wg)
     warpgroup.wait_group(1)
@@ -532,7 +516,7 @@ class FlashAttentionForwardSm90:
       softmax.scale_rows(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
     pipeline_v = c.pipeline_v
     pipeline_v.consumer_wait(kv_state)
-    _wgmma(c.tiled_mma_pv, c.acc_o, c.tOrP, c.tOrV[None, None, None, kv_state.index],
+    sm90_gemm.gemm(c.tiled_mma_pv, c.acc_o, c.tOrP, c.tOrV[None, None, None, kv_state.index],
            zero_init=False)
     warpgroup.wait_group(0)
     pipeline_v.consumer_release(kv_state)
@@ -547,7 +531,7 @@ class FlashAttentionForwardSm90:
     pipeline_k, pipeline_v = c.pipeline_k, c.pipeline_v
     acc_s = c.tiled_mma_qk.get_slice(0).make_fragment_C(c.acc_shape_s)
     pipeline_k.consumer_wait(kv_state)
-    _wgmma(c.tiled_mma_qk, acc_s, c.tSrQ, c.tSrK[None, None, None, kv_state.index],
+    sm90_gemm.gemm(c.tiled_mma_qk, acc_s, c.tSrQ, c.tSrK[None, None, None, kv_state.index],
            zero_init=True)
     self._scheduler_arrive(wg)
     warpgroup.wait_group(0)
@@ -557,7 +541,7 @@ class FlashAttentionForwardSm90:
     softmax.convert_p(acc_s, c.tOrP)
     pipeline_v.consumer_wait(kv_state)
     self._scheduler_sync(wg)
-    _wgmma(c.tiled_mma_pv, c.acc_o, c.tOrP, c.tOrV[None, None, None, kv_state.index],
+    sm90_gemm.gemm(c.tiled_mma_pv, c.acc_o, c.tOrP, c.tOrV[None, None, None, kv_state.index],
            zero_init=False)
     warpgroup.wait_group(0)
     pipeline_v.consumer_release(kv_state)

@@ -1,6 +1,6 @@
 """Hopper (sm_90a) shared-memory tile layouts, WGMMA issue and accumulator-to-smem stores.
 
-Imports cutlass only. Written for the backward kernels; the forward may share them later.
+Imports cutlass only. Shared by the forward and backward kernels.
 """
 
 import cutlass
