@@ -50,6 +50,15 @@ std::string Shape(const ffi::AnyBuffer& buffer) {
   return out + (dims.size() == 1 ? ",)" : ")");
 }
 
+// A nonzero status from a variant library's launcher, with the shapes of the call.
+ffi::Error LaunchError(const std::string& where, int32_t status, const ffi::AnyBuffer& q,
+                       const ffi::AnyBuffer& k) {
+  return ffi::Error::Internal(where + "kernel launch failed with status " +
+                              std::to_string(status) + " (as a CUDA error: " +
+                              cudaGetErrorName(static_cast<cudaError_t>(status)) + ") for q " +
+                              Shape(q) + ", k " + Shape(k));
+}
+
 const char* DtypeName(ffi::DataType dtype) {
   switch (dtype) {
     case ffi::DataType::F16: return "float16";
@@ -297,10 +306,7 @@ ffi::Error AttentionFwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   args.window_right = window_right;
   args.softcap = softcap;
   if (int32_t status = library->fwd(&args, stream); status != 0) {
-    return ffi::Error::Internal(Where(attrs) + "kernel launch failed with status " +
-                                std::to_string(status) + " (as a CUDA error: " +
-                                cudaGetErrorName(static_cast<cudaError_t>(status)) + ") for q " +
-                                Shape(q) + ", k " + Shape(k));
+    return LaunchError(Where(attrs), status, q, k);
   }
   return ffi::Error::Success();
 }
@@ -454,10 +460,7 @@ ffi::Error AttentionBwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   args.window_right = window_right;
   args.softcap = softcap;
   if (int32_t status = library->bwd(&args, stream); status != 0) {
-    return ffi::Error::Internal(Where(attrs) + "kernel launch failed with status " +
-                                std::to_string(status) + " (as a CUDA error: " +
-                                cudaGetErrorName(static_cast<cudaError_t>(status)) + ") for q " +
-                                Shape(q) + ", k " + Shape(k));
+    return LaunchError(Where(attrs), status, q, k);
   }
   return ffi::Error::Success();
 }
