@@ -5,7 +5,6 @@ Imports jax and jaxflash.config only. Layout BTNH, as in jax.nn.dot_product_atte
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import jax
@@ -236,32 +235,3 @@ def blocked_backward(query, key, value, out, lse, d_out, d_lse, config: Attentio
     return x[:, :seq_k].astype(like.dtype)
 
   return dq.reshape(b, seq_q, h, d).astype(query.dtype), unblock(dk, key), unblock(dv, value)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _reference_attention(config, query, key, value, q_segment_ids, kv_segment_ids):
-  return blocked_forward(query, key, value, config, q_segment_ids, kv_segment_ids)
-
-
-def _reference_attention_fwd(config, query, key, value, q_segment_ids, kv_segment_ids):
-  out, lse = blocked_forward(query, key, value, config, q_segment_ids, kv_segment_ids)
-  return (out, lse), (query, key, value, q_segment_ids, kv_segment_ids, out, lse)
-
-
-def _reference_attention_bwd(config, res, cotangents):
-  query, key, value, q_seg, kv_seg, out, lse = res
-  d_out, d_lse = cotangents
-  dq, dk, dv = blocked_backward(query, key, value, out, lse, d_out, d_lse, config, q_seg, kv_seg)
-  return dq, dk, dv, None, None
-
-
-_reference_attention.defvjp(_reference_attention_fwd, _reference_attention_bwd)
-
-
-def reference_attention(query, key, value, config: AttentionConfig, q_segment_ids=None,
-                        kv_segment_ids=None):
-  """Blocked attention with its explicit backward as a custom_vjp, without any primitive.
-
-  For callers that want the pure-JAX path directly (context-parallel helpers, tests).
-  """
-  return _reference_attention(config, query, key, value, q_segment_ids, kv_segment_ids)
