@@ -287,12 +287,16 @@ def cubin_resources(cubin: Path) -> Optional[dict]:
   return {"kernels": kernels, "local_memory_instructions": spills}
 
 
-def _link_variant(tc: Toolchain, exported, variant: KernelVariant, dsl_static: Path,
-                  out: Path) -> None:
+def link_variant(exported, variant: KernelVariant, out: Path,
+                 tc: Optional[Toolchain] = None) -> None:
   """g++ links the glue (variant_{fwd,bwd}.cc, per variant via macros) with the exported objects.
 
-  A backward variant has three objects (preprocess, main, postprocess): all are linked.
+  A backward variant has three objects (preprocess, main, postprocess): all are linked. The one
+  link line of the project: the cache build, the compile tests and the self-test builders use it.
   """
+  tc = tc or find_toolchain()
+  dsl_static = _dsl_runtime_static()
+  out = Path(out)
   # Export the kernel_abi.h functions only: the exported object's own symbols and the static
   # runtimes stay private, so variants never bind to each other's copies.
   script = out.with_suffix(".map")
@@ -325,7 +329,7 @@ def build_variant(variant: KernelVariant, cache: Path, *, force: bool = False) -
     with tempfile.TemporaryDirectory(prefix=".build-", dir=folder) as tmp:
       exported = kernel_compile.export_variant(variant, tmp)
       lib_tmp = Path(tmp) / VARIANT_LIBRARY
-      _link_variant(tc, exported, variant, _dsl_runtime_static(), lib_tmp)
+      link_variant(exported, variant, lib_tmp, tc)
       cubin = folder / "kernel.cubin"
       cubin.write_bytes(exported.cubin)
       # Backward: the preprocess and postprocess kernels' device code, next to the main one.

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from jaxflash import config  # noqa: E402
+from jaxflash import build, config  # noqa: E402
 from jaxflash.kernels import compile as kernel_compile  # noqa: E402
 from jaxflash.kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
 
@@ -72,7 +72,7 @@ def test_linked_library_exports_the_kernel_abi(exported, tmp_path):
   variant = next(v for v in VARIANTS if v.causal and v.head_dim == 128)
   exp, _ = exported(variant)
   lib_path = tmp_path / f"{variant.key}.so"
-  subprocess.run(kernel_compile.link_command(exp, lib_path), check=True, capture_output=True)
+  build.link_variant(exp, variant, lib_path)
   nm = subprocess.run(["nm", "-D", "--defined-only", str(lib_path)], check=True,
                       capture_output=True, text=True).stdout
   exported_names = {line.split()[-1] for line in nm.splitlines() if line.strip()}

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from jaxflash import config
+from jaxflash import build, config
 
 VARIANTS = config.shipped_variants("sm90a", "bwd")
 _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", re.M)
@@ -83,7 +83,7 @@ def test_linked_library_exports_the_bwd_abi(exported, tmp_path, deterministic):
                  and v.deterministic == deterministic)
   exp, _ = exported(variant)
   lib_path = tmp_path / f"{variant.key}.so"
-  subprocess.run(kernel_compile.link_command(exp, lib_path), check=True, capture_output=True)
+  build.link_variant(exp, variant, lib_path)
   nm = subprocess.run(["nm", "-D", "--defined-only", str(lib_path)], check=True,
                       capture_output=True, text=True).stdout
   assert {line.split()[-1] for line in nm.splitlines() if line.strip()} == _ABI

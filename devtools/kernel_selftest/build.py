@@ -25,7 +25,7 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from jaxflash import config  # noqa: E402
+from jaxflash import build as jaxflash_build, config  # noqa: E402
 
 _DTYPE = {"bf16": "bfloat16", "f16": "float16"}
 _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
@@ -104,7 +104,7 @@ def build(args):
     t = time.perf_counter()
     exp = export(v, kernel_args, tag_dir / "obj")
     lib = tag_dir / f"{v.key}.so"
-    subprocess.run(kc.link_command(exp, lib), check=True)
+    jaxflash_build.link_variant(exp, v, lib)
     subprocess.run(["strip", "--strip-unneeded", str(lib)], check=True)
     sass = kc.disassemble(exp.cubin, tag_dir / "obj")
     (tag_dir / "obj" / f"{v.key}.sass").write_text(sass)

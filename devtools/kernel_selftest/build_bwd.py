@@ -22,7 +22,7 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from jaxflash import config  # noqa: E402
+from jaxflash import build as jaxflash_build, config  # noqa: E402
 
 _DTYPE = {"bf16": "bfloat16", "f16": "float16"}
 _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
@@ -42,7 +42,7 @@ def build_one(variant, work: pathlib.Path) -> pathlib.Path:
   t = time.perf_counter()
   exp = kc.export_variant(variant, work / "obj")
   lib = work / f"{variant.key}.so"
-  subprocess.run(kc.link_command(exp, lib), check=True)
+  jaxflash_build.link_variant(exp, variant, lib)
   subprocess.run(["strip", "--strip-unneeded", str(lib)], check=True)
   facts = []
   for name, cubin in zip(("main", "pre", "post"), (exp.cubin, *exp.extra_cubins)):

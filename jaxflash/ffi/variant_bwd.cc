@@ -7,7 +7,7 @@
 //   -DJAXFLASH_HEADER_{PRE,MAIN,POST}="\"<out_dir>/<key>-{pre,main,post}.h\""
 //   -DJAXFLASH_VARIANT_KEY="\"<key>\""  -DJAXFLASH_HEAD_DIM=<d>  -DJAXFLASH_HEAD_DIM_V=<dv>
 //   -DJAXFLASH_TILE_M=<tile_m>  -DJAXFLASH_DETERMINISTIC=<0|1>
-// Link like variant_fwd.cc with the three objects (compile.link_command does it). Exports the
+// Link like variant_fwd.cc with the three objects (jaxflash.build.link_variant does it). Exports the
 // kernel_abi.h functions abi_version, key, load and bwd.
 
 #include <stdint.h>

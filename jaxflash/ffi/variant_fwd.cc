@@ -6,7 +6,7 @@
 //   -DJAXFLASH_HEADER="\"<out_dir>/<key>.h\""  the generated header, as a quoted string
 //   -DJAXFLASH_VARIANT_KEY="\"<key>\""         KernelVariant.key, as a quoted string
 //   -DJAXFLASH_HEAD_DIM=<d> -DJAXFLASH_HEAD_DIM_V=<dv>   static head dims of the cubin
-// Link (docs/aot-pipeline.md step 5), one shared library per variant:
+// Link (docs/aot-pipeline.md step 5; jaxflash.build.link_variant runs it), one library per variant:
 //   g++ -std=c++17 -O2 -shared -fPIC -fvisibility=hidden <macros> jaxflash/ffi/variant_fwd.cc \
 //       <out_dir>/<key>.o -I jaxflash/ffi -I<CUDA include dir> \
 //       <dsl lib dir>/libcuda_dialect_runtime_static.a <CUDA lib dir>/libcudart_static.a \

@@ -162,18 +162,6 @@ def glue_defines(variant: config.KernelVariant, prefix: str, header_path) -> tup
           f"-DJAXFLASH_HEAD_DIM_V={variant.head_dim_v}")
 
 
-def runtime_link_args() -> tuple[str, ...]:
-  """Static archives and system libraries that an exported object links against (step 5)."""
-  lib_dir = pathlib.Path(load_dsl_runtime_path()).parent
-  cudart = [p for p in (pathlib.Path("/usr/local/cuda/lib64/libcudart_static.a"),
-                        pathlib.Path("/usr/local/cuda/targets/x86_64-linux/lib/libcudart_static.a"))
-            if p.exists()]
-  if not cudart:
-    raise FileNotFoundError("libcudart_static.a not found under /usr/local/cuda")
-  return (str(lib_dir / "libcuda_dialect_runtime_static.a"), str(cudart[0]),
-          "-ldl", "-lrt", "-lpthread")
-
-
 def extract_cubin(object_path) -> bytes:
   """The device code embedded in an exported object (ELF64 symbol `*kernels_binary*`)."""
   data = pathlib.Path(object_path).read_bytes()
@@ -236,27 +224,6 @@ def resource_usage(cubin: bytes, work_dir) -> str:
   path.write_bytes(cubin)
   return subprocess.run([_tool("cuobjdump"), "-res-usage", str(path)], check=True,
                         capture_output=True, text=True).stdout
-
-
-_VERSION_SCRIPT = "{ global: jaxflash_variant_*; local: *; };\n"
-
-
-def link_command(exported: ExportedKernel, output_path, ffi_dir=None,
-                 cuda_include="/usr/local/cuda/include", cxx="g++") -> list[str]:
-  """argv that links the variant's glue + its exported object(s) into `output_path` (a .so).
-
-  Writes a linker version script next to output_path so that only the four kernel_abi.h
-  functions are exported (the static CUDA runtime inside stays private to the library).
-  """
-  ffi_dir = pathlib.Path(ffi_dir) if ffi_dir else pathlib.Path(__file__).parents[1] / "ffi"
-  output_path = pathlib.Path(output_path)
-  script = output_path.with_suffix(".map")
-  script.write_text(_VERSION_SCRIPT)
-  return [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden",
-          *exported.defines, str(ffi_dir / exported.glue_source), str(exported.object_path),
-          *(str(p) for p in exported.extra_object_paths),
-          f"-I{ffi_dir}", f"-I{cuda_include}", *runtime_link_args(),
-          f"-Wl,--version-script={script}", "-o", str(output_path)]
 
 
 # ---------------------------------------------------------------------------------------------
