@@ -250,7 +250,8 @@ def variant_spec(variant: KernelVariant) -> dict:
 def _variant_sources() -> list[Path]:
   """Everything a variant library is made from besides its spec: a change forces a rebuild."""
   return sorted(_KERNELS_SRC.rglob("*.py")) + [_FFI_SRC / n for n in (*_VARIANT_SOURCES,
-                                                                      "kernel_abi.h")]
+                                                                      "kernel_abi.h",
+                                                                      "tensor_args.h")]
 
 
 def _expected_manifest(variant: KernelVariant) -> dict:

@@ -15,6 +15,7 @@
 #include <mutex>
 
 #include "kernel_abi.h"
+#include "tensor_args.h"
 #include JAXFLASH_HEADER_PRE
 #include JAXFLASH_HEADER_MAIN
 #include JAXFLASH_HEADER_POST
@@ -36,6 +37,10 @@
 #define JF_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
+
+using jaxflash::Aligned;
+using jaxflash::Dense3;
+using jaxflash::Dense4;
 
 // Every tensor of compile.bwd_signature has 3 dynamic extents and 2 dynamic strides: a changed
 // signature must fail here, not at run time.
@@ -74,37 +79,6 @@ JF_MAIN(_Kernel_Module_t) g_main = {};
 JF_POST(_Kernel_Module_t) g_post = {};
 std::once_flag g_load_once;
 int32_t g_load_status = -1;
-
-// (d0, d1, d2, dim) dense row-major: dynamic extents (d0, d1, d2), dynamic strides of d0, d1;
-// the stride of d2 (dim) and the unit stride are static.
-template <typename T>
-T Dense4(const void* data, int32_t d0, int32_t d1, int32_t d2, int32_t dim) {
-  T t = {};
-  t.data = const_cast<void*>(data);
-  t.dynamic_shapes[0] = d0;
-  t.dynamic_shapes[1] = d1;
-  t.dynamic_shapes[2] = d2;
-  t.dynamic_strides[0] = static_cast<int64_t>(d1) * d2 * dim;
-  t.dynamic_strides[1] = static_cast<int64_t>(d2) * dim;
-  return t;
-}
-
-// (d0, d1, d2) dense row-major: all extents dynamic, strides of d0 and d1 dynamic.
-template <typename T>
-T Dense3(const void* data, int32_t d0, int32_t d1, int32_t d2) {
-  T t = {};
-  t.data = const_cast<void*>(data);
-  t.dynamic_shapes[0] = d0;
-  t.dynamic_shapes[1] = d1;
-  t.dynamic_shapes[2] = d2;
-  t.dynamic_strides[0] = static_cast<int64_t>(d1) * d2;
-  t.dynamic_strides[1] = d2;
-  return t;
-}
-
-bool Aligned(const void* p, uintptr_t bytes) {
-  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
-}
 
 void LoadOnce() {
   // Module_Load walks every device and may leave another one current; restore the caller's.

@@ -19,6 +19,7 @@
 #include <mutex>
 
 #include "kernel_abi.h"
+#include "tensor_args.h"
 #include JAXFLASH_HEADER
 
 #if !defined(JAXFLASH_PREFIX) || !defined(JAXFLASH_VARIANT_KEY) || \
@@ -33,6 +34,10 @@
 #define JF_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
+
+using jaxflash::Aligned;
+using jaxflash::Dense3;
+using jaxflash::Dense4;
 
 using Module = JF_NAME(_Kernel_Module_t);
 using TensorQ = JF_NAME(_Tensor_mQ_t);
@@ -55,22 +60,6 @@ static_assert(kSignatureMatches<TensorQ> && kSignatureMatches<TensorK> &&
 Module g_module = {};
 std::once_flag g_load_once;
 int32_t g_load_status = -1;
-
-// (batch, seqlen, heads, dim) dense row-major: dynamic extents (batch, seqlen, heads),
-// dynamic strides (batch, seqlen); the head stride (dim) and unit stride are static.
-template <typename T>
-T DenseBshd(const void* data, int32_t b, int32_t s, int32_t h, int32_t dim) {
-  T t = {};
-  t.data = const_cast<void*>(data);
-  t.dynamic_shapes[0] = b;
-  t.dynamic_shapes[1] = s;
-  t.dynamic_shapes[2] = h;
-  t.dynamic_strides[0] = static_cast<int64_t>(s) * h * dim;
-  t.dynamic_strides[1] = static_cast<int64_t>(h) * dim;
-  return t;
-}
-
-bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 void LoadOnce() {
   // Module_Load walks every device and may leave another one current; restore the caller's.
@@ -110,8 +99,9 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
   }
   // Grid is (m blocks, num_heads, batch): CUDA caps gridDim.y and gridDim.z at 65535.
   if (args->num_heads > 65535 || args->batch > 65535) return kInvalid;
-  if (!Aligned16(args->q) || !Aligned16(args->k) || !Aligned16(args->v) ||
-      !Aligned16(args->out) || !Aligned16(args->lse)) {
+  if (!Aligned(args->q, 16) || !Aligned(args->k, 16) ||
+      !Aligned(args->v, 16) || !Aligned(args->out, 16) ||
+      !Aligned(args->lse, 16)) {
     return kInvalid;  // TMA needs 16-byte aligned global addresses
   }
   const int32_t status = jaxflash_variant_load();
@@ -119,18 +109,11 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
 
   const int32_t b = args->batch, sq = args->seqlen_q, sk = args->seqlen_k;
   const int32_t h = args->num_heads, hk = args->num_kv_heads;
-  TensorQ q = DenseBshd<TensorQ>(args->q, b, sq, h, JAXFLASH_HEAD_DIM);
-  TensorK k = DenseBshd<TensorK>(args->k, b, sk, hk, JAXFLASH_HEAD_DIM);
-  TensorV v = DenseBshd<TensorV>(args->v, b, sk, hk, JAXFLASH_HEAD_DIM_V);
-  TensorO o = DenseBshd<TensorO>(args->out, b, sq, h, JAXFLASH_HEAD_DIM_V);
-  // lse (batch, num_heads, seqlen_q): extents in mode order, strides of batch and heads.
-  TensorLse lse = {};
-  lse.data = args->lse;
-  lse.dynamic_shapes[0] = b;
-  lse.dynamic_shapes[1] = h;
-  lse.dynamic_shapes[2] = sq;
-  lse.dynamic_strides[0] = static_cast<int64_t>(h) * sq;
-  lse.dynamic_strides[1] = sq;
+  TensorQ q = Dense4<TensorQ>(args->q, b, sq, h, JAXFLASH_HEAD_DIM);
+  TensorK k = Dense4<TensorK>(args->k, b, sk, hk, JAXFLASH_HEAD_DIM);
+  TensorV v = Dense4<TensorV>(args->v, b, sk, hk, JAXFLASH_HEAD_DIM_V);
+  TensorO o = Dense4<TensorO>(args->out, b, sq, h, JAXFLASH_HEAD_DIM_V);
+  TensorLse lse = Dense3<TensorLse>(args->lse, b, h, sq);  // (batch, heads, seqlen_q)
   return JF_CAT(JF_CAT(cute_dsl_, JAXFLASH_PREFIX), _wrapper)(
       &g_module, &q, &k, &v, &o, &lse, args->softmax_scale, static_cast<cudaStream_t>(stream));
 }
