@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import warnings
 from typing import Optional
 
 import jax
@@ -11,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import _jax_internal, primitives
-from jaxflash.config import (AttentionConfig, IMPLEMENTATIONS, REFERENCE_DTYPES, kernel_support)
+from jaxflash.config import (AttentionConfig, IMPLEMENTATIONS, KernelVariant, REFERENCE_DTYPES,
+                             kernel_support)
 
 log = logging.getLogger("jaxflash")
 
@@ -118,7 +120,26 @@ def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
   if not ok:
     log.info("jaxflash: using the reference implementation: %s", reason)
     return "reference"
+  missing = _missing_kernel(dtype, head_dim, head_dim_v, config)
+  if missing:
+    # Auto mode never fails for want of a build: it runs the reference and says how to build.
+    warnings.warn(f"{missing}\njaxflash: running the reference implementation meanwhile.",
+                  RuntimeWarning, stacklevel=3)
+    return "reference"
   return "cute"
+
+
+def _missing_kernel(dtype: str, head_dim: int, head_dim_v: int, config: AttentionConfig) -> str:
+  """Why a kernel this call needs (forward, and backward where one exists) is unavailable here."""
+  from jaxflash import ffi  # only on a Hopper host: keeps `import jaxflash` light
+  for direction in ("fwd", "bwd"):
+    if not kernel_support(direction, dtype, head_dim, head_dim_v, config)[0]:
+      continue  # that direction runs the reference anyway
+    variant = KernelVariant.for_call(direction, "sm90a", dtype, head_dim, head_dim_v, config)
+    ok, why = ffi.variant_available(variant)
+    if not ok:
+      return why
+  return ""
 
 
 def _empty_result(query, key, value, return_lse):
@@ -150,8 +171,9 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
     return_lse: also return the log-sum-exp (batch, num_heads, seq_q) float32, natural log of
       the softmax denominator in the scaled-score domain; -inf for rows that see no key.
       It is differentiable.
-    implementation: None (CuTe kernels on a Hopper GPU when they cover the call, else the
-      reference), "cute" (kernels or an error), "reference" (pure JAX).
+    implementation: None (CuTe kernels on a Hopper GPU when they cover the call and are built
+      or buildable here, else the reference; a RuntimeWarning names the build command when only
+      the build is missing), "cute" (kernels or an error), "reference" (pure JAX).
 
   Returns:
     out (batch, seq_q, num_heads, head_dim_v) in the query dtype, or (out, lse). Rows that see

@@ -1,5 +1,7 @@
 """Every bad input to jaxflash.attention raises a named error at trace time."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,3 +103,32 @@ def test_import_needs_jax_only():
           " or m.startswith('jaxflash.kernels') or m == 'jaxflash.build']; "
           "assert not bad, bad")
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _pretend_hopper(monkeypatch, available):
+  from jaxflash import _jax_internal, ffi
+  monkeypatch.setattr(_jax_internal, "has_hopper_device", lambda: True)
+  monkeypatch.setattr(ffi, "variant_available",
+                      lambda v: (available, "" if available else f"missing {v.key}: build it"))
+
+
+def test_auto_on_hopper_without_built_kernels_warns_and_runs_the_reference(monkeypatch):
+  _pretend_hopper(monkeypatch, available=False)
+  q = jnp.asarray(np.random.default_rng(1).standard_normal((1, 8, 2, 64)), jnp.bfloat16)
+  with pytest.warns(RuntimeWarning, match="(?s)missing fwd-sm90a-bf16-d64.*reference"):
+    out = jaxflash.attention(q, q, q, causal=True)
+  np.testing.assert_array_equal(out, jaxflash.attention(q, q, q, causal=True,
+                                                        implementation="reference"))
+
+
+def test_auto_on_hopper_picks_the_kernels_when_they_can_be_had(monkeypatch):
+  import sys
+  from jaxflash.config import AttentionConfig
+  attention_module = sys.modules["jaxflash.attention"]  # jaxflash.attention is the function
+  _pretend_hopper(monkeypatch, available=True)
+  cfg = AttentionConfig(softmax_scale=0.125, causal=True)
+  assert attention_module._resolve_implementation(None, "bfloat16", 64, 64, cfg) == "cute"
+  # Calls the kernels do not cover stay on the reference without any warning.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert attention_module._resolve_implementation(None, "float32", 64, 64, cfg) == "reference"

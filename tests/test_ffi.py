@@ -120,3 +120,20 @@ def test_missing_handler_library_without_toolchain_names_the_command(monkeypatch
   with pytest.raises(RuntimeError, match="(?s)is missing and cannot be built here: no C\\+\\+ "
                                          "compiler found.*python -m jaxflash.build --all"):
     ffi._handler_library(tmp_path)
+
+
+def test_variant_available_reports_cache_cutlass_or_the_build_command(monkeypatch, tmp_path):
+  monkeypatch.setenv(config.CACHE_DIR_ENV, str(tmp_path))
+  variant = config.shipped_variants()[0]
+  monkeypatch.setattr(ffi, "_cutlass_available", lambda: False)
+  ok, why = ffi.variant_available(variant)
+  assert not ok and f"--variants {variant.key}" in why and str(tmp_path) in why
+  monkeypatch.setattr(ffi, "_cutlass_available", lambda: True)
+  assert ffi.variant_available(variant) == (True, "")  # buildable on first use
+  monkeypatch.setattr(ffi, "_cutlass_available", lambda: False)
+  folder = tmp_path / variant.key
+  folder.mkdir()
+  (folder / config.VARIANT_LIBRARY).write_bytes(b"")
+  assert not ffi.variant_available(variant)[0]  # a library without its manifest is no build
+  (folder / config.VARIANT_MANIFEST).write_text("{}")
+  assert ffi.variant_available(variant) == (True, "")

@@ -128,6 +128,29 @@ def _cutlass_available() -> bool:
   return importlib.util.find_spec("cutlass") is not None
 
 
+def _is_cached(key: str, cache: Path) -> bool:
+  return (cache / key / VARIANT_LIBRARY).is_file() and (cache / key / VARIANT_MANIFEST).is_file()
+
+
+def _missing_message(key: str, cache: Path) -> str:
+  return (f"jaxflash: kernel variant {key} is not built in {cache}, and nvidia-cutlass-dsl is "
+          f"not installed here to build it. On a build host (no GPU needed) run\n"
+          f"  {build_command([key], cache)}\nand copy that folder here (or set "
+          f"JAXFLASH_CACHE_DIR to it); or `pip install 'jaxflash[build]'` to build on first use.")
+
+
+def variant_available(variant: KernelVariant) -> tuple[bool, str]:
+  """Whether ensure_variant can provide `variant` here (registered, cached, or buildable).
+
+  Returns (ok, reason); the reason names the command that builds the variant. Loads nothing.
+  """
+  key, cache = variant.key, cache_dir()
+  with _lock:
+    if key in _variants or _is_cached(key, cache) or _cutlass_available():
+      return True, ""
+  return False, _missing_message(key, cache)
+
+
 def ensure_variant(variant: KernelVariant) -> Path:
   """Makes `variant` runnable in this process and returns its library path.
 
@@ -144,7 +167,7 @@ def ensure_variant(variant: KernelVariant) -> Path:
       return _variants[key]
     cache = cache_dir()
     library = cache / key / VARIANT_LIBRARY
-    built = library.is_file() and (cache / key / VARIANT_MANIFEST).is_file()
+    built = _is_cached(key, cache)
     if _cutlass_available():
       from jaxflash import build
       if not (built and build.manifest_is_current(variant, cache)):
@@ -154,11 +177,7 @@ def ensure_variant(variant: KernelVariant) -> Path:
         except build.BuildError as e:
           raise RuntimeError(f"jaxflash: building kernel variant {key} failed: {e}") from e
     elif not built:
-      raise RuntimeError(
-          f"jaxflash: kernel variant {key} is not built in {cache}, and nvidia-cutlass-dsl is "
-          f"not installed here to build it. On a build host (no GPU needed) run\n"
-          f"  {build_command([key], cache)}\nand copy that folder here (or set "
-          f"JAXFLASH_CACHE_DIR to it); or `pip install 'jaxflash[build]'` to build on first use.")
+      raise RuntimeError(_missing_message(key, cache))
     _register_variant(key, library)
     return library
 
