@@ -429,6 +429,22 @@ def cache_size_bytes(cache: Path) -> int:
   return sum(p.stat().st_size for p in Path(cache).rglob("*") if p.is_file())
 
 
+def prune_cache(cache: Path) -> list[str]:
+  """Removes variant folders whose key no shipped variant has (e.g. after a tile-table change).
+
+  Only folders holding a variant manifest or library are touched. Returns the removed keys.
+  """
+  shipped = {v.key for arch in config.KERNEL_ARCHS for direction in config.DIRECTIONS
+             for v in config.shipped_variants(arch, direction=direction)}
+  removed = []
+  for folder in sorted(Path(cache).iterdir()) if Path(cache).is_dir() else ():
+    is_variant = (folder / VARIANT_MANIFEST).is_file() or (folder / VARIANT_LIBRARY).is_file()
+    if folder.is_dir() and is_variant and folder.name not in shipped:
+      shutil.rmtree(folder)
+      removed.append(folder.name)
+  return removed
+
+
 def _select(args) -> list[KernelVariant]:
   shipped = [v for direction in config.DIRECTIONS
              for v in config.shipped_variants(args.arch, direction=direction)]
@@ -455,6 +471,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument("--jobs", type=int, default=1, help="parallel build processes")
   parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
   parser.add_argument("--list", action="store_true", help="list variant keys and their state")
+  parser.add_argument("--prune", action="store_true",
+                      help="also delete cached variants that are no longer shipped (stale keys)")
   args = parser.parse_args(argv)
   import jaxflash
   cache = (args.cache_dir or config.kernel_cache_dir(jaxflash.__version__)).expanduser().resolve()
@@ -471,6 +489,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except BuildError as e:
     print(f"jaxflash.build: error: {e}", file=sys.stderr)
     return 1
+  if args.prune:
+    for key in prune_cache(cache):
+      print(f"pruned stale variant {key}")
   built = sum(not r["up_to_date"] for r in results)
   print(f"done: {len(results)} variant(s), {built} built, {len(results) - built} up to date, in "
         f"{time.perf_counter() - start:.1f} s; cache {cache_size_bytes(cache) / 2**20:.1f} MiB")

@@ -211,3 +211,28 @@ def test_import_jaxflash_does_not_import_build_or_kernels():
   code = ("import sys, jaxflash; bad = [m for m in ('jaxflash.build', 'jaxflash.kernels', "
           "'cutlass') if m in sys.modules]; assert not bad, bad")
   subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
+
+
+def test_prune_removes_only_stale_variant_folders(tmp_path):
+  current = config.shipped_variants()[0].key
+  stale = current.replace("-m", "-mstale", 1)
+  for key, files in ((current, (config.VARIANT_MANIFEST,)), (stale, (config.VARIANT_MANIFEST,)),
+                     ("notes", ())):
+    (tmp_path / key).mkdir()
+    for name in files:
+      (tmp_path / key / name).write_text("{}")
+  (tmp_path / config.HANDLER_LIBRARY).write_bytes(b"")
+  assert build.prune_cache(tmp_path) == [stale]
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+      [current, "notes", config.HANDLER_LIBRARY])
+  assert build.prune_cache(tmp_path / "absent") == []
+
+
+def test_cli_prune_flag_keeps_current_variants(built, cache, capsys):
+  variant = built[0]
+  stale = cache / variant.key.replace("-m", "-mold", 1)
+  stale.mkdir()
+  (stale / config.VARIANT_MANIFEST).write_text("{}")
+  assert build.main(["--variants", variant.key, "--cache-dir", str(cache), "--prune"]) == 0
+  assert f"pruned stale variant {stale.name}" in capsys.readouterr().out
+  assert not stale.exists() and build.manifest_is_current(variant, cache)
