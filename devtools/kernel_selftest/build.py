@@ -91,6 +91,15 @@ def export(variant, kernel_args, out_dir):
                            compile_seconds=seconds, defines=defines)
 
 
+def compile_selftest(source: str, output: pathlib.Path) -> None:
+  """g++ builds a self-test binary (a .cc beside this file) against the static CUDA runtime."""
+  subprocess.run(["g++", "-std=c++17", "-O2", "-pthread",
+                  str(pathlib.Path(__file__).with_name(source)),
+                  f"-I{REPO / 'jaxflash' / 'ffi'}", "-I/usr/local/cuda/include",
+                  "/usr/local/cuda/lib64/libcudart_static.a", "-ldl", "-lrt", "-lpthread",
+                  "-o", str(output)], check=True)
+
+
 def build(args):
   from jaxflash.kernels import compile as kc
 
@@ -126,11 +135,7 @@ def pack(args):
   out.mkdir(exist_ok=True)
   for name in ("fwd_selftest", "libs.tar.xz"):
     (out / name).unlink(missing_ok=True)
-  ffi = REPO / "jaxflash" / "ffi"
-  subprocess.run(["g++", "-std=c++17", "-O2", "-pthread",
-                  str(pathlib.Path(__file__).with_name("fwd_selftest.cc")), f"-I{ffi}",
-                  "-I/usr/local/cuda/include", "/usr/local/cuda/lib64/libcudart_static.a",
-                  "-ldl", "-lrt", "-lpthread", "-o", str(out / "fwd_selftest")], check=True)
+  compile_selftest("fwd_selftest.cc", out / "fwd_selftest")
   with tarfile.open(out / "libs.tar.xz", "w:xz") as tar:
     for i, tag in enumerate(args.pack.split(",")):
       # The numeric prefix keeps the packing order when run.sh globs the folders.

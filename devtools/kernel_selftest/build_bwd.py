@@ -24,6 +24,15 @@ sys.path.insert(0, str(REPO))
 
 from jaxflash import build as jaxflash_build, config  # noqa: E402
 
+def _forward_builder():
+  """devtools/kernel_selftest/build.py, loaded by path (a `build/` folder must not shadow it)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("selftest_build",
+                                                pathlib.Path(__file__).with_name("build.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
 _DTYPE = {"bf16": "bfloat16", "f16": "float16"}
 _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
@@ -88,11 +97,7 @@ def main():
   out = REPO / ".selftest" / "bwd"
   shutil.rmtree(out, ignore_errors=True)
   out.mkdir(parents=True)
-  ffi = REPO / "jaxflash" / "ffi"
-  subprocess.run(["g++", "-std=c++17", "-O2", "-pthread",
-                  str(pathlib.Path(__file__).with_name("bwd_selftest.cc")), f"-I{ffi}",
-                  "-I/usr/local/cuda/include", "/usr/local/cuda/lib64/libcudart_static.a",
-                  "-ldl", "-lrt", "-lpthread", "-o", str(out / "bwd_selftest")], check=True)
+  _forward_builder().compile_selftest("bwd_selftest.cc", out / "bwd_selftest")
   with tarfile.open(out / "libs.tar.xz", "w:xz") as tar:
     for i, (kind, lib) in enumerate(libs):
       # The numeric prefix keeps the build order when run_bwd.sh globs the files.

@@ -36,100 +36,16 @@
 #include <vector>
 
 #include "kernel_abi.h"
-
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      fflush(stdout);                                                                  \
-      _exit(2);                                                                        \
-    }                                                                                  \
-  } while (0)
+#include "selftest_common.h"
 
 namespace {
 
-typedef int32_t (*VersionFn)(void);
-typedef const char* (*KeyFn)(void);
-typedef int32_t (*LoadFn)(void);
 typedef int32_t (*BwdFn)(const JaxflashBwdArgs*, void*);
 typedef int32_t (*FwdFn)(const JaxflashFwdArgs*, void*);
 
-bool g_bf16 = true;
-int g_failures = 0;
+// A kernel that does not finish within this many seconds ends the process.
+constexpr double kDeadline = 20.0;
 const int kTileM = 64;  // the bwd variants' tile_m (config.bwd_scratch_shapes rounds to it)
-
-#define EXPECT(cond, ...)  \
-  do {                     \
-    if (!(cond)) {         \
-      printf("  FAIL: ");  \
-      printf(__VA_ARGS__); \
-      printf("\n");        \
-      g_failures++;        \
-    }                      \
-  } while (0)
-
-uint16_t ToHalfBits(float f) {
-  if (g_bf16) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-  }
-  _Float16 h = static_cast<_Float16>(f);
-  uint16_t b;
-  memcpy(&b, &h, 2);
-  return b;
-}
-
-float FromHalfBits(uint16_t b) {
-  if (g_bf16) {
-    uint32_t u = static_cast<uint32_t>(b) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-  }
-  _Float16 h;
-  memcpy(&h, &b, 2);
-  return static_cast<float>(h);
-}
-
-// Waits for the device with a deadline: a hung kernel (a pipeline, barrier or semaphore deadlock)
-// must not eat the whole GPU lease.
-void SyncOrDie(const char* what, double seconds = 20.0) {
-  cudaEvent_t ev;
-  CK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-  CK(cudaEventRecord(ev, nullptr));
-  auto start = std::chrono::steady_clock::now();
-  while (true) {
-    cudaError_t e = cudaEventQuery(ev);
-    if (e == cudaSuccess) break;
-    if (e != cudaErrorNotReady) {
-      printf("CUDA error %s during %s\n", cudaGetErrorString(e), what);
-      fflush(stdout);
-      _exit(2);
-    }
-    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (dt > seconds) {
-      printf("HANG: %s did not finish within %.0f s\n", what, seconds);
-      fflush(stdout);
-      _exit(3);
-    }
-    usleep(200);
-  }
-  CK(cudaEventDestroy(ev));
-  CK(cudaGetLastError());
-}
-
-void ParallelFor(int n, const std::function<void(int)>& fn) {
-  int workers = std::max(1u, std::min(std::thread::hardware_concurrency(), 32u));
-  std::atomic<int> next(0);
-  std::vector<std::thread> pool;
-  for (int w = 0; w < workers; ++w)
-    pool.emplace_back([&] {
-      for (int i = next++; i < n; i = next++) fn(i);
-    });
-  for (auto& t : pool) t.join();
-}
 
 struct Shape {
   int b, sq, sk, h, hk;
@@ -336,7 +252,7 @@ void CheckShape(BwdFn bwd, int d, bool causal, bool det, Shape s, std::mt19937& 
   JaxflashBwdArgs a = dev.Args(s, d, p.scale, det);
   int32_t st = bwd(&a, nullptr);
   EXPECT(st == 0, "launch status %d", st);
-  SyncOrDie("check launch");
+  SyncOrDie("check launch", kDeadline);
 
   Compare("dq", dev.dq.Download<uint16_t>(), p.dq, s, s.h, s.sq, d);
   Compare("dk", dev.dk.Download<uint16_t>(), p.dk, s, s.hk, s.sk, d);
@@ -393,7 +309,7 @@ void CheckDeterminism(BwdFn bwd, int d, bool det, std::mt19937& rng) {
   long dq_diff = 0, dkv_diff = 0, nan = 0;
   for (int r = 0; r < 5; ++r) {
     EXPECT(bwd(&a, nullptr) == 0, "launch failed");
-    SyncOrDie("determinism");
+    SyncOrDie("determinism", kDeadline);
     auto dq = dev.dq.Download<uint16_t>(), dk = dev.dk.Download<uint16_t>();
     auto dv = dev.dv.Download<uint16_t>();
     if (r == 0) {
@@ -438,7 +354,7 @@ double MedianMs(Fn launch) {
     CK(cudaEventRecord(e0, nullptr));
     for (int i = 0; i < per_rep; ++i) launch();
     CK(cudaEventRecord(e1, nullptr));
-    SyncOrDie("benchmark");
+    SyncOrDie("benchmark", kDeadline);
     float t;
     CK(cudaEventElapsedTime(&t, e0, e1));
     if (r >= warm) ms.push_back(t / per_rep);

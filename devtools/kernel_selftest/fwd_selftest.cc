@@ -30,99 +30,14 @@
 #include <vector>
 
 #include "kernel_abi.h"
-
-#define CK(x)                                                                          \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      fflush(stdout);                                                                  \
-      _exit(2);                                                                        \
-    }                                                                                  \
-  } while (0)
+#include "selftest_common.h"
 
 namespace {
 
-typedef int32_t (*VersionFn)(void);
-typedef const char* (*KeyFn)(void);
-typedef int32_t (*LoadFn)(void);
 typedef int32_t (*FwdFn)(const JaxflashFwdArgs*, void*);
 
-bool g_bf16 = true;
-int g_failures = 0;
-
-#define EXPECT(cond, ...)  \
-  do {                     \
-    if (!(cond)) {         \
-      printf("  FAIL: ");  \
-      printf(__VA_ARGS__); \
-      printf("\n");        \
-      g_failures++;        \
-    }                      \
-  } while (0)
-
-uint16_t ToHalfBits(float f) {
-  if (g_bf16) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-  }
-  _Float16 h = static_cast<_Float16>(f);
-  uint16_t b;
-  memcpy(&b, &h, 2);
-  return b;
-}
-
-float FromHalfBits(uint16_t b) {
-  if (g_bf16) {
-    uint32_t u = static_cast<uint32_t>(b) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-  }
-  _Float16 h;
-  memcpy(&h, &b, 2);
-  return static_cast<float>(h);
-}
-
-// Waits for the device with a deadline: a hung kernel (a pipeline or barrier deadlock) must not
-// eat the whole GPU lease. cudaDeviceSynchronize would block forever.
-void SyncOrDie(const char* what, double seconds = 5.0) {
-  cudaEvent_t ev;
-  CK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-  CK(cudaEventRecord(ev, nullptr));
-  auto start = std::chrono::steady_clock::now();
-  while (true) {
-    cudaError_t e = cudaEventQuery(ev);
-    if (e == cudaSuccess) break;
-    if (e != cudaErrorNotReady) {
-      printf("CUDA error %s during %s\n", cudaGetErrorString(e), what);
-      fflush(stdout);
-      _exit(2);
-    }
-    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (dt > seconds) {
-      printf("HANG: %s did not finish within %.0f s\n", what, seconds);
-      fflush(stdout);
-      _exit(3);
-    }
-    usleep(200);
-  }
-  CK(cudaEventDestroy(ev));
-  CK(cudaGetLastError());
-}
-
-// Runs fn(i) for i in [0, n) on all cores.
-void ParallelFor(int n, const std::function<void(int)>& fn) {
-  int workers = std::max(1u, std::min(std::thread::hardware_concurrency(), 32u));
-  std::atomic<int> next(0);
-  std::vector<std::thread> pool;
-  for (int w = 0; w < workers; ++w)
-    pool.emplace_back([&] {
-      for (int i = next++; i < n; i = next++) fn(i);
-    });
-  for (auto& t : pool) t.join();
-}
+// A kernel that does not finish within this many seconds ends the process.
+constexpr double kDeadline = 5.0;
 
 struct Shape {
   int b, sq, sk, h, hk;
@@ -268,13 +183,13 @@ void CheckShape(FwdFn fwd, int d, int dv, bool causal, Shape s, float scale, std
   JaxflashFwdArgs a = MakeArgs(dq, dk, dvv, dout, dlse, s, d, dv, scale);
   int32_t st = fwd(&a, nullptr);
   EXPECT(st == 0, "launch status %d", st);
-  SyncOrDie("check launch");
+  SyncOrDie("check launch", kDeadline);
   std::vector<uint16_t> ho(no + guard), ho2(no + guard);
   std::vector<float> hl(nl + guard), hl2(nl + guard);
   CK(cudaMemcpy(ho.data(), dout, (no + guard) * 2, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(hl.data(), dlse, (nl + guard) * 4, cudaMemcpyDeviceToHost));
   st = fwd(&a, nullptr);
-  SyncOrDie("check rerun");
+  SyncOrDie("check rerun", kDeadline);
   CK(cudaMemcpy(ho2.data(), dout, (no + guard) * 2, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(hl2.data(), dlse, (nl + guard) * 4, cudaMemcpyDeviceToHost));
   EXPECT(memcmp(ho.data(), ho2.data(), no * 2) == 0 && memcmp(hl.data(), hl2.data(), nl * 4) == 0,
