@@ -112,14 +112,19 @@ def fwd_signature(variant: config.KernelVariant):
   return q, k, v, out, lse
 
 
-def build_kernel(variant: config.KernelVariant) -> FlashAttentionForwardSm90:
-  """The kernel object of a variant, or ValueError with the kernel's reason."""
-  if variant.direction != "fwd":
-    raise ValueError(f"variant.direction: {variant.direction!r} has no kernel; accepted: 'fwd'")
+def _check_variant(variant: config.KernelVariant, direction: str) -> None:
+  """ValueError unless `variant` is a `direction` variant for a known arch with no unbuilt flags."""
+  if variant.direction != direction:
+    raise ValueError(f"variant.direction: {variant.direction!r}; accepted here: {direction!r}")
   if variant.arch not in _GPU_ARCH:
     raise ValueError(f"variant.arch: {variant.arch!r} unsupported; accepted: {tuple(_GPU_ARCH)}")
   if variant.has_window or variant.has_softcap or variant.has_segment_ids:
     raise ValueError(f"variant {variant.key}: window/softcap/segment ids not supported yet")
+
+
+def build_kernel(variant: config.KernelVariant) -> FlashAttentionForwardSm90:
+  """The kernel object of a variant, or ValueError with the kernel's reason."""
+  _check_variant(variant, "fwd")
   ok, reason = FlashAttentionForwardSm90.can_implement(
       variant.dtype, variant.head_dim, variant.head_dim_v, variant.causal, variant.tile)
   if not ok:
@@ -279,12 +284,7 @@ def bwd_signature(variant: config.KernelVariant) -> dict:
 
 def build_bwd_kernels(variant: config.KernelVariant):
   """(preprocess, main, postprocess) kernel objects of a backward variant, or ValueError."""
-  if variant.direction != "bwd":
-    raise ValueError(f"variant.direction: {variant.direction!r}; expected 'bwd'")
-  if variant.arch not in _GPU_ARCH:
-    raise ValueError(f"variant.arch: {variant.arch!r} unsupported; accepted: {tuple(_GPU_ARCH)}")
-  if variant.has_window or variant.has_softcap or variant.has_segment_ids:
-    raise ValueError(f"variant {variant.key}: window/softcap/segment ids not supported yet")
+  _check_variant(variant, "bwd")
   for ok, reason in (
       FlashAttentionBackwardSm90.can_implement(variant.dtype, variant.head_dim,
                                                variant.head_dim_v, variant.causal, variant.tile),
