@@ -30,7 +30,11 @@ _NUM_WG = bwd_common.NUM_MMA_WARPGROUPS
 _DS_FULL_BARRIER = 1
 _DS_EMPTY_BARRIER = 2
 _EPILOGUE_BARRIER = 3
-_DQ_BARRIER = 4  # + warpgroup: the warpgroup's half of the dQ staging buffer
+# + warpgroup: the warpgroup's half of the dQ staging buffer is full / free again. Each is shared
+# by that consumer warpgroup and the dQ writer warp (128 + 32 threads).
+_DQ_FULL_BARRIER = 4
+_DQ_EMPTY_BARRIER = 4 + _NUM_WG
+_DQ_BARRIER_THREADS = _WG + sm90_gemm.WARP_THREADS
 # Producer warpgroup keeps 24 registers (TMA only); the two consumers get 240 (FA-3's split).
 _PRODUCER_REGS, _MMA_REGS = 24, 240
 
@@ -43,15 +47,19 @@ class FlashAttentionBackwardSm90:
   """FA-3 style backward main kernel; one CTA per (key block, kv head, batch).
 
   Warpgroup 0 produces: warp 0 loads K and V once, then Q and dO blocks (TMA, num_stages ring)
-  for every query head of the kv head's group and every query block that sees the key block.
+  for every query head of the kv head's group and every query block that sees the key block;
+  warp 1 adds the staged dQ blocks into the fp32 accumulator (bulk reductions), so neither the
+  reduction nor the deterministic-mode semaphore wait sits on the consumers' path.
   Consumer warpgroup w owns key rows [64 w, 64 w + 64) of the tile. Per query block:
   S = Q K^T and dP = dO V^T (WGMMA), P = exp2(S * scale * log2 e - lse * log2 e), dS = P (dP -
   delta); P and dS go to shared memory; dV += P^T dO, dK += dS^T Q (registers, whole loop);
   dQ = dS K (half of head_dim per warpgroup) is staged in shared memory and added into the fp32
   accumulator by a bulk reduction (bwd_common describes its layout). GQA: the group's query
   heads are looped inside the CTA, so dK/dV are written once, in the input dtype, by TMA.
-  With `deterministic`, the dQ reductions into one (batch, head, m block) happen in key-block
-  order, gated by an int32 semaphore per (batch, head, m block).
+  With `deterministic`, the dQ reductions into one (batch, head, m block) happen in a fixed
+  key-block order, gated by an int32 semaphore per (batch, head, m block): ascending without a
+  mask; with the causal mask descending, and CTAs launch the last key block first, so every CTA
+  only waits for CTAs launched before it (no deadlock) that reached the block earlier (no stall).
   """
 
   def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
@@ -257,6 +265,8 @@ class FlashAttentionBackwardSm90:
 
     n_block, head_kv, batch = cute.arch.block_idx()
     seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+    if const_expr(self.causal and self.deterministic):
+      n_block = cute.ceil_div(seqlen_k, self.tile_n) - 1 - n_block
     group = mQ.shape[2] // mK.shape[2]  # GQA/MQA: query heads per kv head
     m_min, m_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
 
@@ -267,9 +277,12 @@ class FlashAttentionBackwardSm90:
         self.load(mQ, mK, mV, mdO, tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do,
                   smem["sQ"], smem["sK"], smem["sV"], smem["sdO"], pipeline_kv, pipeline_qdo,
                   n_block, head_kv, batch, group, m_min, m_max)
+      if warp_idx == 1:
+        self.store_dq(mdQaccum, mSem, sdQ, n_block, head_kv, batch, group, m_min, m_max,
+                      seqlen_q, seqlen_k)
     else:
       cute.arch.setmaxregister_increase(_MMA_REGS)
-      self.mma(mdK, mdV, mLSE2, mDelta, mdQaccum, mSem, tma_atom_dk, tma_atom_dv, smem, sdQ,
+      self.mma(mdK, mdV, mLSE2, mDelta, tma_atom_dk, tma_atom_dv, smem, sdQ,
                tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
                pipeline_kv, pipeline_qdo, softmax_scale,
                n_block, head_kv, batch, group, m_min, m_max, seqlen_q, seqlen_k)
@@ -300,6 +313,24 @@ class FlashAttentionBackwardSm90:
       if first_row > 0:
         m_min = cutlass.min(first_row // self.tile_m, m_max)
     return m_min, m_max
+
+  @cute.jit
+  def _first_unmasked_m_block(self, n_block: Int32, m_min: Int32, m_max: Int32,
+                              seqlen_q: Int32, seqlen_k: Int32) -> Int32:
+    """Query blocks from m_min up to the result need the elementwise mask (in [m_min, m_max]).
+
+    A key block past seqlen_k masks every query block. Causal: query block m sees all of
+    n_block iff its first row i = m * tile_m sees the block's last key, (n_block + 1) * tile_n - 1
+    <= i + seqlen_k - seqlen_q; so m needs the mask iff m * tile_m < limit below.
+    """
+    m_split = m_min
+    if (n_block + 1) * self.tile_n > seqlen_k:
+      m_split = m_max
+    elif const_expr(self.causal):
+      limit = (n_block + 1) * self.tile_n - 1 - seqlen_k + seqlen_q
+      if limit > 0:
+        m_split = cutlass.min(cutlass.max((limit + self.tile_m - 1) // self.tile_m, m_min), m_max)
+    return m_split
 
   @cute.jit
   def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -344,8 +375,7 @@ class FlashAttentionBackwardSm90:
 
   @cute.jit
   def mma(self, mdK: cute.Tensor, mdV: cute.Tensor, mLSE2: cute.Tensor, mDelta: cute.Tensor,
-          mdQaccum: cute.Tensor, mSem: cute.Tensor, tma_atom_dk: cute.CopyAtom,
-          tma_atom_dv: cute.CopyAtom, smem, sdQ: cute.Tensor,
+          tma_atom_dk: cute.CopyAtom, tma_atom_dv: cute.CopyAtom, smem, sdQ: cute.Tensor,
           tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
           tiled_mma_dq: cute.TiledMma, pipeline_kv, pipeline_qdo, softmax_scale: Float32,
           n_block: Int32, head_kv: Int32, batch: Int32, group: Int32, m_min: Int32,
@@ -382,13 +412,24 @@ class FlashAttentionBackwardSm90:
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
     pipeline_kv.consumer_wait(kv_state)
     qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+    # Query blocks [m_min, m_split) need the elementwise mask, [m_split, m_max) none: two loops,
+    # so the unmasked (most common) steps carry no mask code or registers.
+    m_split = self._first_unmasked_m_block(n_block, m_min, m_max, seqlen_q, seqlen_k)
     for g in cutlass.range(group, unroll=1):
       head = head_kv * group + g
-      for m_block in cutlass.range(m_min, m_max, unroll=1):
+      lse2_head = mLSE2[None, head, batch]
+      delta_head = mDelta[None, head, batch]
+      for m_block in cutlass.range(m_min, m_split, unroll=1):
         self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
-                      acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, mLSE2, mDelta, mdQaccum, mSem,
-                      pipeline_qdo, qdo_state, scale_log2, m_block, n_block, head, batch,
-                      seqlen_q, seqlen_k)
+                      acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
+                      pipeline_qdo, qdo_state, scale_log2, m_block, n_block, seqlen_q, seqlen_k,
+                      True)
+        qdo_state.advance()
+      for m_block in cutlass.range(m_split, m_max, unroll=1):
+        self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
+                      acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
+                      pipeline_qdo, qdo_state, scale_log2, m_block, n_block, seqlen_q, seqlen_k,
+                      False)
         qdo_state.advance()
 
     self.epilogue(mdK, mdV, tma_atom_dk, tma_atom_dv, sK, sV, tiled_mma_dk, tiled_mma_dv,
@@ -398,11 +439,11 @@ class FlashAttentionBackwardSm90:
   def mma_step(self, tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma,
                tiled_mma_dv: cute.TiledMma, tiled_mma_dq: cute.TiledMma, frags,
                acc_dk: cute.Tensor, acc_dv: cute.Tensor, tScS_mn: cute.Tensor,
-               sP: cute.Tensor, sdS: cute.Tensor, sdQ: cute.Tensor, mLSE2: cute.Tensor,
-               mDelta: cute.Tensor, mdQaccum: cute.Tensor, mSem: cute.Tensor,
-               pipeline_qdo, qdo_state, scale_log2: Float32, m_block: Int32, n_block: Int32,
-               head: Int32, batch: Int32, seqlen_q: Int32, seqlen_k: Int32):
-    """One (query head, query block) against this CTA's key block."""
+               sP: cute.Tensor, sdS: cute.Tensor, sdQ: cute.Tensor, lse2_head: cute.Tensor,
+               delta_head: cute.Tensor, pipeline_qdo, qdo_state, scale_log2: Float32,
+               m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+               is_masked: cutlass.Constexpr):
+    """One (query head, query block) against this CTA's key block; `is_masked`: apply the mask."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WG
     stage = qdo_state.index
@@ -414,8 +455,8 @@ class FlashAttentionBackwardSm90:
     delta = cute.make_rmem_tensor(num_rows, Float32)
     for i in cutlass.range_constexpr(num_rows):
       row = m_block * self.tile_m + tScS_mn[i, 0][0]
-      lse2[i] = mLSE2[row, head, batch]
-      delta[i] = mDelta[row, head, batch]
+      lse2[i] = lse2_head[row]
+      delta[i] = delta_head[row]
 
     acc_shape_s = tiled_mma_sdp.get_slice(mma_tidx).partition_shape_C((self.tile_m, self.tile_n))
     acc_s = cute.make_rmem_tensor(acc_shape_s, Float32)
@@ -429,11 +470,7 @@ class FlashAttentionBackwardSm90:
 
     # P = exp2(S * scale * log2(e) - lse * log2(e)); masked scores are -inf, so P = 0 there.
     acc_s_mn = softmax.make_acc_mn_view(acc_s)
-    need_mask = (n_block + 1) * self.tile_n > seqlen_k
-    if const_expr(self.causal):
-      need_mask = need_mask or (
-          (n_block + 1) * self.tile_n - 1 > m_block * self.tile_m + seqlen_k - seqlen_q)
-    if need_mask:
+    if const_expr(is_masked):
       mask.apply_mask(acc_s_mn, tScS_mn, m_block, n_block, seqlen_q, seqlen_k, self.tile_m,
                       self.tile_n, self.causal)
     for i in cutlass.range_constexpr(num_rows):
@@ -465,42 +502,85 @@ class FlashAttentionBackwardSm90:
     sm90_gemm.gemm(tiled_mma_dk, acc_dk, frags["tdKrdSt"],
                    frags["tdKrQt"][None, None, None, stage], zero_init=False)
     warpgroup.wait_group(2)
-    self.store_dq(acc_dq, sdQ, mdQaccum, mSem, m_block, n_block, head, batch)
+    self.stage_dq(acc_dq, sdQ)
     warpgroup.wait_group(0)
     pipeline_qdo.consumer_release(qdo_state)
 
   @cute.jit
-  def store_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor, mdQaccum: cute.Tensor,
-               mSem: cute.Tensor, m_block: Int32, n_block: Int32, head: Int32, batch: Int32):
-    """Adds this warpgroup's dQ half into the fp32 accumulator (bwd_common layout)."""
+  def stage_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor):
+    """Writes this warpgroup's dQ half to its staging buffer for the dQ writer warp."""
     tidx, _, _ = cute.arch.thread_idx()
     wg_tidx = tidx % _WG
     wg = cute.arch.make_warp_uniform((tidx - _WG) // _WG)
     half = self.tile_m * self.head_dim // _NUM_WG
-    # The bulk reduction of the previous step must have read the staging half before reuse.
-    if wg_tidx == 0:
-      cute.arch.cp_async_bulk_wait_group(0, read=True)
-    cute.arch.barrier(barrier_id=_DQ_BARRIER + wg, number_of_threads=_WG)
+    # The writer has seen the previous reduction of this half read out (bulk read done).
+    cute.arch.barrier(barrier_id=_DQ_EMPTY_BARRIER + wg, number_of_threads=_DQ_BARRIER_THREADS)
     # Value i of every thread lands in one 128-float row: conflict-free scalar stores.
     for i in cutlass.range_constexpr(cute.size(acc_dq)):
       sdQ[wg * half + i * _WG + wg_tidx] = acc_dq[i]
+    # Generic-proxy smem writes must be visible to the bulk copy (async proxy).
     cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.barrier(barrier_id=_DQ_BARRIER + wg, number_of_threads=_WG)
-    if wg_tidx == 0:
-      gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim),
-                            (m_block, 0))
-      if const_expr(self.deterministic):
-        # Key blocks 0 .. n_block-1 all see this query block; each adds one half per warpgroup.
-        sem = mSem[None, head, batch].iterator + m_block
-        bwd_common.wait_at_least(sem, n_block * _NUM_WG)
-        cute.arch.fence_proxy("async.global")
-      bwd_common.bulk_reduce_add_f32(gdQ.iterator + wg * half, sdQ.iterator + wg * half,
-                                     half * 4)
-      cute.arch.cp_async_bulk_commit_group()
-      if const_expr(self.deterministic):
-        cute.arch.cp_async_bulk_wait_group(0)
-        cute.arch.fence_proxy("async.global")
-        bwd_common.add_release(sem, 1)
+    cute.arch.barrier_arrive(barrier_id=_DQ_FULL_BARRIER + wg,
+                             number_of_threads=_DQ_BARRIER_THREADS)
+
+  @cute.jit
+  def store_dq(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
+               n_block: Int32, head_kv: Int32, batch: Int32, group: Int32, m_min: Int32,
+               m_max: Int32, seqlen_q: Int32, seqlen_k: Int32):
+    """dQ writer warp: adds each staged dQ block into the fp32 accumulator (bwd_common layout).
+
+    Visits the (query head, query block) steps in the consumers' order. Lane 0 issues the bulk
+    reductions (bulk-async groups belong to the issuing thread); the whole warp takes part in
+    the named barriers.
+    """
+    lane = cute.arch.lane_idx()
+    half = self.tile_m * self.head_dim // _NUM_WG
+    for g in cutlass.range(group, unroll=1):
+      head = head_kv * group + g
+      for m_block in cutlass.range(m_min, m_max, unroll=1):
+        for wg in cutlass.range_constexpr(_NUM_WG):
+          # Groups complete in order: the previous step's reduction of half wg has been read
+          # once at most _NUM_WG - 1 - wg groups are pending.
+          if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(_NUM_WG - 1 - wg, read=True)
+          cute.arch.barrier_arrive(barrier_id=_DQ_EMPTY_BARRIER + wg,
+                                   number_of_threads=_DQ_BARRIER_THREADS)
+        gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim),
+                              (m_block, 0))
+        if const_expr(self.deterministic):
+          sem = mSem[None, head, batch].iterator + m_block
+          if lane == 0:
+            bwd_common.wait_at_least(sem, self._dq_rank(m_block, n_block, seqlen_q, seqlen_k))
+            cute.arch.fence_proxy("async.global")
+        for wg in cutlass.range_constexpr(_NUM_WG):
+          cute.arch.barrier(barrier_id=_DQ_FULL_BARRIER + wg,
+                            number_of_threads=_DQ_BARRIER_THREADS)
+          if lane == 0:
+            bwd_common.bulk_reduce_add_f32(gdQ.iterator + wg * half, sdQ.iterator + wg * half,
+                                           half * 4)
+            cute.arch.cp_async_bulk_commit_group()
+        if const_expr(self.deterministic):
+          if lane == 0:
+            # Written (not only read) before the next key block may add to the same floats.
+            cute.arch.cp_async_bulk_wait_group(0)
+            cute.arch.fence_proxy("async.global")
+            bwd_common.add_release(sem, 1)
+    # Shared memory must outlive every bulk read of it.
+    if lane == 0:
+      cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+  @cute.jit
+  def _dq_rank(self, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
+    """Position of this key block among those adding into query block m_block (deterministic).
+
+    The key blocks seen by a query block are exactly [0, n_block_max): without a mask they add
+    in ascending order, with the causal mask in descending order (see the class docstring).
+    """
+    rank = n_block
+    if const_expr(self.causal):
+      n_end = mask.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, True)
+      rank = n_end - 1 - n_block
+    return rank
 
   @cute.jit
   def epilogue(self, mdK: cute.Tensor, mdV: cute.Tensor, tma_atom_dk: cute.CopyAtom,
@@ -530,8 +610,4 @@ class FlashAttentionBackwardSm90:
         cute.copy(atom, t_s, t_g)
       cute.arch.cp_async_bulk_commit_group()
       # The copies were issued by an elected lane; the whole warp waits, which covers it.
-      cute.arch.cp_async_bulk_wait_group(0, read=True)
-    # Shared memory must outlive every bulk read of it: also the last dQ reductions, issued by
-    # thread 0 of each consumer warpgroup.
-    if tidx % _WG == 0:
       cute.arch.cp_async_bulk_wait_group(0, read=True)

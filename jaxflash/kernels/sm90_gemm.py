@@ -59,18 +59,28 @@ def store_acc_to_smem(tiled_mma: cute.TiledMma, tidx, acc: cute.Tensor, dst: cut
   """Converts an fp32 WGMMA accumulator to `dtype` and writes it to a row-major smem tile.
 
   Uses stmatrix (16-byte rows per lane). `tidx` is the thread index among the MMA threads;
-  each thread writes exactly the tile positions its accumulator holds.
+  each thread writes exactly the tile positions its accumulator holds. Converts one stmatrix
+  worth of values at a time, so the converted copy never occupies more than a few registers
+  (the backward kernel runs at the 240-register limit).
   """
-  converted = cute.make_rmem_tensor(acc.layout.shape, dtype)
-  converted.store(acc.load().to(dtype))
   store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, dtype, Float32)
   tiled_copy = cute.make_tiled_copy_S(store_atom,
                                       cute.make_tiled_copy_C_atom(store_atom, tiled_mma))
   thr_copy = tiled_copy.get_slice(tidx)
+  # (values per stmatrix, stmatrix calls) views of the source and destination partitions.
+  src_part = thr_copy.partition_S(dst)
+  src_chunks = cute.group_modes(src_part, 1, cute.rank(src_part))
+  dst_part = thr_copy.partition_D(dst)
+  dst_chunks = cute.group_modes(dst_part, 1, cute.rank(dst_part))
   # retile() orders the values as the copy consumes them but nests the modes differently from
-  # the smem partition; copy them by flat index into a fragment of the partition's shape.
-  retiled = tiled_copy.retile(converted)
-  src = cute.make_rmem_tensor_like(thr_copy.partition_S(dst), dtype)
-  for i in cutlass.range_constexpr(cute.size(src)):
-    src[i] = retiled[i]
-  cute.copy(tiled_copy, src, thr_copy.partition_D(dst))
+  # the partition: flat value k of the retiled view is flat value k of a partition_S-shaped
+  # fragment, so stmatrix call c takes values [c * per_copy, (c + 1) * per_copy).
+  retiled = tiled_copy.retile(acc)
+  per_copy = cute.size(src_chunks, mode=[0])
+  for c in cutlass.range_constexpr(cute.size(src_chunks, mode=[1])):
+    chunk32 = cute.make_rmem_tensor(per_copy, Float32)
+    for v in cutlass.range_constexpr(per_copy):
+      chunk32[v] = retiled[c * per_copy + v]
+    chunk = cute.make_rmem_tensor_like(src_chunks[None, c], dtype)
+    chunk.store(chunk32.load().to(dtype))
+    cute.copy(tiled_copy, chunk, dst_chunks[None, c])
