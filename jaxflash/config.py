@@ -40,10 +40,14 @@ LSE_CHECKPOINT_NAME = "jaxflash_lse"
 IMPLEMENTATIONS = ("cute", "reference")
 KERNEL_DTYPES = ("float16", "bfloat16")
 REFERENCE_DTYPES = ("float16", "bfloat16", "float32")
-# Hopper forward: head dims the sm90 kernel is built for (head_dim_v == head_dim for now).
-KERNEL_HEAD_DIMS = (64, 128, 256)
-# Hopper backward: head dims with a kernel (hdim 256 needs another warpgroup split; not yet).
-BWD_KERNEL_HEAD_DIMS = (64, 128)
+# Hopper forward: the (head_dim, head_dim_v) pairs the sm90 kernel is built for. 192/128 is the
+# DeepSeek MLA training shape (q and k carry a 64-wide rotary part that v lacks).
+KERNEL_HEAD_DIM_PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
+# The q/k head dims among them.
+KERNEL_HEAD_DIMS = tuple(sorted({d for d, _ in KERNEL_HEAD_DIM_PAIRS}))
+# Hopper backward: head dims with a kernel (head_dim_v == head_dim; 192 and 256 use the
+# head-dim split warpgroup mapping of kernels/bwd_sm90.py).
+BWD_KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)
 DIRECTIONS = ("fwd", "bwd")
 KERNEL_ARCHS = ("sm90a",)
 
@@ -86,7 +90,7 @@ class TileConfig:
 
 def default_tile(direction: str, arch: str, head_dim: int, head_dim_v: int, causal: bool) -> TileConfig:
   """Tile table. Each entry says where its numbers come from."""
-  del arch, head_dim_v  # one table for sm90 so far
+  del arch  # one table for sm90 so far
   if direction == "bwd":
     return _default_bwd_tile(head_dim, causal)
   if direction != "fwd":
@@ -96,11 +100,29 @@ def default_tile(direction: str, arch: str, head_dim: int, head_dim_v: int, caus
     # 192x128, 2 stages (3 consumer warpgroups, FA-4's choice): 380/505/518 against 384/456/452
     # for 128x128; causal 232/428/534 against 247/389/436. A 3rd stage changed nothing.
     return TileConfig(192, 128, 2)
+  if head_dim <= 96:
+    # hdim 96: 128x128, 2 stages (121 KiB of shared memory). FA-3 and FA-4
+    # run 192 x 128/144 here but with P passed through shared memory; this kernel keeps P in
+    # registers (RS GEMM), which FA-4's notes (flash_attn/cute/interface.py) measure as about
+    # half the speed with 192-row tiles on H100 (3 consumer warpgroups get 160 registers each).
+    # So 2 consumer warpgroups, FA-3's earlier 128x128 hdim-96 choice. Measured (through JAX,
+    # seq 1k/4k): 428/566 (causal 275/461) vs cuDNN 396/480; no other tile was tried.
+    return TileConfig(128, 128, 2)
   if head_dim <= 128:
     # 128x128, 2 stages: 558/677/654 (causal 378/615/710); 3 stages: same or slower.
     return TileConfig(128, 128, 2)
+  if head_dim <= 192:
+    # hdim 192: FA-3 (hopper/tile_size.h) and FA-4 (Hopper) use these tiles. Measured through
+    # JAX at seq 1k/4k: dv 192 539/719 (causal 345/606), dv 128 533/674 (337/572), 1.07-1.24x
+    # cuDNN; no other tile was tried.
+    # head_dim_v 128 (DeepSeek shape): 128x128, 2 stages: Q 48 KiB + K 96 + V 64 (209 KiB with
+    # barriers and alignment). head_dim_v 192: 128x112, 2 stages: 48 + 84 + 84 (217 KiB);
+    # 128x128 would need 241 KiB of the 227.
+    # Registers per consumer thread: O 96 + S 56 + P 28 fp32 at dv 192 (hdim 256: 128+40+20).
+    return TileConfig(128, 128 if head_dim_v <= 128 else 112, 2)
   # hdim 256: 128x80, 2 stages (FA-4's choice; K+V stages fill 224 KiB): 651/780/747 against
-  # 633/739/663 for 128x64; causal 459/702/756 against 463/684/747.
+  # 633/739/663 for 128x64; causal 459/702/756 against 463/684/747 (self-test). Through JAX
+  # with conditional rescaling: 596/744/813, causal 348/650/791.
   return TileConfig(128, 80, 2)
 
 
@@ -142,6 +164,13 @@ class KernelVariant:
         deterministic=config.deterministic and direction == "bwd")
 
 
+def _head_dim_pairs(direction: str) -> tuple[tuple[int, int], ...]:
+  """(head_dim, head_dim_v) pairs with a kernel; the backward ones have head_dim_v == head_dim."""
+  if direction == "fwd":
+    return KERNEL_HEAD_DIM_PAIRS
+  return tuple((d, d) for d in BWD_KERNEL_HEAD_DIMS)
+
+
 def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
                    config: AttentionConfig) -> tuple[bool, str]:
   """Whether a CuTe kernel exists for this call; the reason text is shown to users and in skips."""
@@ -149,11 +178,14 @@ def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
     return False, f"direction {direction!r} unknown; accepted: {DIRECTIONS}"
   if dtype not in KERNEL_DTYPES:
     return False, f"dtype {dtype} has no kernel; accepted: {', '.join(KERNEL_DTYPES)}"
-  head_dims = KERNEL_HEAD_DIMS if direction == "fwd" else BWD_KERNEL_HEAD_DIMS
+  pairs = _head_dim_pairs(direction)
+  head_dims = tuple(sorted({d for d, _ in pairs}))
   if head_dim not in head_dims:
     return False, f"head_dim {head_dim} has no {direction} kernel; accepted: {head_dims}"
-  if head_dim_v != head_dim:
-    return False, f"head_dim_v {head_dim_v} != head_dim {head_dim} has no kernel yet"
+  if (head_dim, head_dim_v) not in pairs:
+    accepted = tuple(dv for d, dv in pairs if d == head_dim)
+    return False, (f"head_dim_v {head_dim_v} with head_dim {head_dim} has no {direction} "
+                   f"kernel; accepted head_dim_v: {accepted}")
   unsupported = [name for name, on in (("window_size", config.has_window),
                                        ("softcap", config.softcap is not None),
                                        ("q_segment_ids/kv_segment_ids", config.has_segment_ids))
@@ -172,24 +204,39 @@ def shipped_variants(arch: str = "sm90a", direction: str = "fwd") -> list[Kernel
     raise ValueError(f"direction: {direction!r} unknown; accepted: {DIRECTIONS}")
   out = []
   for dtype in KERNEL_DTYPES:
-    for head_dim in KERNEL_HEAD_DIMS if direction == "fwd" else BWD_KERNEL_HEAD_DIMS:
+    for head_dim, head_dim_v in _head_dim_pairs(direction):
       for causal in (False, True):
         for deterministic in (False, True) if direction == "bwd" else (False,):
           cfg = AttentionConfig(softmax_scale=1.0, causal=causal, deterministic=deterministic)
-          out.append(KernelVariant.for_call(direction, arch, dtype, head_dim, head_dim, cfg))
+          out.append(KernelVariant.for_call(direction, arch, dtype, head_dim, head_dim_v, cfg))
   return out
 
 
 def _default_bwd_tile(head_dim: int, causal: bool) -> TileConfig:
   """Backward tiles (sm90): tile_m query rows x tile_n key rows per step, Q/dO ring depth."""
-  del head_dim, causal
+  del causal
+  if head_dim > 128:
+    # hdim 192 and 256: 64 x 64 with the head-dim split warpgroup mapping
+    # (kernels/bwd_sm90.py), where num_stages counts Q stages and dO has a ring of its own.
+    # hdim 256: one dO stage (FA-3's Hopper hdim-256 backward: 2 Q stages, 1 dO stage). Shared
+    # memory: K + V 64 KiB, Q 2 x 32, dO 32, P + dS 16, fp32 dQ staging 32 (half a block, two
+    # pieces per warpgroup): 209 KiB of the 227. hdim 192: K + V 48, Q 2 x 24, dO 2 x 24,
+    # P + dS 16, dQ staging 48 (whole block): 209 KiB. FA-3 runs 64 x 96 / 64 x 80 there.
+    # Measured fwd+bwd through JAX (bf16, seq 1k/4k/16k): hdim 256 313/430/465 (causal
+    # 221/378/456) vs cuDNN 307/409/412; hdim 192 seq 1k 313 vs 275. No other tile was tried.
+    return TileConfig(64, 64, 2)
+  if head_dim == 96:
+    # hdim 96: the 64 / 128 layout below (FA-3's Hopper hdim-96 tile is also 64 x 128); dQ is
+    # split 48 columns per warpgroup; shared memory 153 KiB. fwd+bwd through JAX at seq
+    # 1k/4k/16k: 328/444/490 (causal 223/391/472) vs cuDNN 328/415/441.
+    return TileConfig(64, 128, 2)
   # 64 x 128 for hdim 64 and 128: one 64-row WGMMA block of queries; each of the two consumer
   # warpgroups owns 64 key rows, so dK + dV stay in registers (2 x 64 fp32 per thread at hdim
   # 128). FA-4 uses 64x128 for hdim 128 causal (80x128 otherwise) and 128x128 for hdim 64
   # (perf-anchors.md); 2 Q/dO stages as FA-4. Shared memory at hdim 128: 193 KiB. Measured on
-  # the H200 (bf16, 16k tokens, seq 4k / 16k, devtools/kernel_selftest/bwd_selftest.cc): backward
-  # 472 / 513 TFLOP/s at hdim 128 (causal 405 / 508), 351 / 390 at hdim 64 (causal 311 / 380),
-  # counting 2.5x the forward flops.
+  # the H200 (bf16, 16k tokens, seq 4k / 16k, devtools/kernel_selftest/bwd_selftest.cc, kernel
+  # v2 with the dQ writer warp): backward 492 / 537 TFLOP/s at hdim 128 (causal 427 / 526),
+  # 368 / 405 at hdim 64 (causal 326 / 396), counting 2.5x the forward flops.
   return TileConfig(64, 128, 2)
 
 

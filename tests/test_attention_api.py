@@ -50,7 +50,11 @@ BAD = {  # id -> (overrides, exception, words the message must contain)
     "cute_float32": ({"implementation": "cute"}, ValueError, ["cute", "float32"]),
     "cute_head_dim": ({"implementation": "cute", "query": Q.astype(jnp.bfloat16),
                        "key": K.astype(jnp.bfloat16), "value": V.astype(jnp.bfloat16)},
-                      ValueError, ["cute", "head_dim 16", "64, 128, 256"]),
+                      ValueError, ["cute", "head_dim 16", "64, 96, 128, 192, 256"]),
+    "cute_head_dim_v": ({"implementation": "cute", "query": jnp.ones((1, 4, 2, 192), jnp.bfloat16),
+                         "key": jnp.ones((1, 4, 2, 192), jnp.bfloat16),
+                         "value": jnp.ones((1, 4, 2, 64), jnp.bfloat16)},
+                        ValueError, ["cute", "head_dim_v 64", "head_dim 192", "(128, 192)"]),
     "cute_softcap": ({"implementation": "cute", "softcap": 2.0,
                       "query": jnp.ones((1, 4, 2, 64), jnp.bfloat16),
                       "key": jnp.ones((1, 4, 2, 64), jnp.bfloat16),
@@ -132,3 +136,63 @@ def test_auto_on_hopper_picks_the_kernels_when_they_can_be_had(monkeypatch):
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     assert attention_module._resolve_implementation(None, "float32", 64, 64, cfg) == "reference"
+
+
+# Forward-only head dims: the Hopper forward kernel covers them, the backward kernels do not
+# (config.BWD_KERNEL_HEAD_DIMS); gradients then come from the reference backward.
+FWD_ONLY_HEAD_DIMS = [
+    (d, dv) for d, dv in jaxflash.config.KERNEL_HEAD_DIM_PAIRS
+    if not jaxflash.config.kernel_support("bwd", "bfloat16", d, dv,
+                                          jaxflash.config.AttentionConfig(softmax_scale=1.0))[0]]
+
+
+def test_forward_only_head_dims_include_head_dim_v_not_head_dim():
+  assert (192, 128) in FWD_ONLY_HEAD_DIMS  # the backward kernels need head_dim_v == head_dim
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", FWD_ONLY_HEAD_DIMS)
+def test_auto_on_hopper_needs_only_the_forward_kernel_of_a_forward_only_head_dim(
+    monkeypatch, head_dim, head_dim_v):
+  import sys
+  from jaxflash import _jax_internal, ffi
+  from jaxflash.config import AttentionConfig, default_tile
+  attention_module = sys.modules["jaxflash.attention"]
+  asked = []
+  monkeypatch.setattr(_jax_internal, "has_hopper_device", lambda: True)
+  monkeypatch.setattr(ffi, "variant_available", lambda v: (asked.append(v.key), (True, ""))[1])
+  cfg = AttentionConfig(softmax_scale=0.1, causal=True)
+  assert attention_module._resolve_implementation(None, "bfloat16", head_dim, head_dim_v,
+                                                  cfg) == "cute"
+  tile = default_tile("fwd", "sm90a", head_dim, head_dim_v, True)
+  assert asked == [f"fwd-sm90a-bf16-d{head_dim}-dv{head_dim_v}-causal-{tile.key}"]
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", FWD_ONLY_HEAD_DIMS)
+def test_cute_grad_of_a_forward_only_head_dim_lowers_to_the_forward_kernel_only(head_dim,
+                                                                                 head_dim_v):
+  from jaxflash.config import BWD_TARGET, FWD_TARGET
+  q, k, v = make_qkv(8, 2, 100, 64, 4, 2, head_dim, head_dim_v=head_dim_v, dtype=jnp.bfloat16)
+  loss = lambda q, k, v: jnp.sum(jaxflash.attention(q, k, v, causal=True, implementation="cute")
+                                 .astype(jnp.float32))
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  text = grad.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  assert BWD_TARGET not in text
+  (call,) = [line for line in text.splitlines() if f"@{FWD_TARGET}(" in line]
+  assert f'variant = "fwd-sm90a-bf16-d{head_dim}-dv{head_dim_v}-causal-' in call
+  assert f"head_dim = {head_dim} : i32" in call and f"head_dim_v = {head_dim_v} : i32" in call
+  # q, k, v in; out (b, seq_q, h, head_dim_v) and lse out.
+  assert (f"tensor<2x64x2x{head_dim_v}xbf16>) -> (tensor<2x100x4x{head_dim_v}xbf16>, "
+          f"tensor<2x4x100xf32>)") in call
+
+
+def test_grad_with_head_dim_v_not_head_dim_on_the_reference():
+  from jaxflash import reference
+  from jaxflash.config import AttentionConfig
+  q, k, v = make_qkv(9, 1, 12, 10, 4, 2, 24, head_dim_v=8)
+  loss = lambda q, k, v: jnp.sum(jaxflash.attention(q, k, v, causal=True) ** 2)
+  grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+  naive = lambda q, k, v: jnp.sum(reference.naive_attention(
+      q, k, v, AttentionConfig(softmax_scale=24 ** -0.5, causal=True))[0] ** 2)
+  for got, want in zip(grads, jax.grad(naive, argnums=(0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)

@@ -53,6 +53,17 @@ def test_fwd_attributes_are_typed_and_complete():
   assert attrs["head_dim"] == 128 and attrs["head_dim_v"].dtype == np.int32
 
 
+def test_fwd_attributes_carry_head_dim_v_of_the_variant():
+  """handlers.cc checks these against the variant key's d<head_dim>/dv<head_dim_v> tokens and
+  against the q/k and v/out extents."""
+  cfg = AttentionConfig(softmax_scale=192 ** -0.5)
+  variant = KernelVariant.for_call("fwd", "sm90a", "bfloat16", 192, 128, cfg)
+  attrs = ffi.fwd_attributes(variant, cfg)
+  assert attrs["head_dim"] == 192 and attrs["head_dim_v"] == 128
+  assert "-d192-dv128-" in attrs["variant"]
+  assert variant in config.shipped_variants()
+
+
 def test_bwd_attributes_add_deterministic_to_the_forward_ones():
   cfg = AttentionConfig(softmax_scale=0.3, causal=True, deterministic=True)
   variant = KernelVariant.for_call("bwd", "sm90a", "float16", 64, 64, cfg)

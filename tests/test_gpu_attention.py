@@ -91,7 +91,7 @@ def test_forward_matches_float64_oracle(variant, shape):
   b, seq_q, seq_k, h, h_kv = shape
   dtype = jnp.dtype(variant.dtype)
   q, k, v = make_qkv(zlib.crc32(f"{variant.key}{shape}".encode()), b, seq_q, seq_k, h, h_kv,
-                     variant.head_dim, dtype=dtype)
+                     variant.head_dim, head_dim_v=variant.head_dim_v, dtype=dtype)
   cfg = _config(variant)
   out, lse = jaxflash.attention(q, k, v, causal=variant.causal, return_lse=True,
                                 implementation="cute")
@@ -192,6 +192,51 @@ def test_command_buffer_moving_buffers():
     for i in range(chain):
       np.testing.assert_array_equal(outs[i], single(qs[i], k, v))
   np.testing.assert_array_equal(runs[0][3][0], runs[2][3][0])
+
+
+def test_handler_checks_v_and_out_against_head_dim_v():
+  """A head_dim_v != head_dim variant: v and out must carry head_dim_v, not head_dim."""
+  variant = next(v for v in VARIANTS if v.head_dim != v.head_dim_v)
+  cfg = _config(variant)
+  d, dv = variant.head_dim, variant.head_dim_v
+  q, k, v_wrong = make_qkv(13, 1, 16, 16, 2, 2, d, dtype=jnp.dtype(variant.dtype))
+  with pytest.raises(Exception, match=rf"do not fit q .*v \(b, sk, hk, {dv}\)"):
+    _run_raw(q, k, v_wrong, variant, cfg)
+  v = v_wrong[..., :dv]
+  result = (jax.ShapeDtypeStruct((1, 16, 2, d), q.dtype),
+            jax.ShapeDtypeStruct((1, 2, 16), jnp.float32))
+  with pytest.raises(Exception, match=rf"out has shape \(1, 16, 2, {d}\), expected "
+                                      rf"\(1, 16, 2, {dv}\)"):
+    jax.block_until_ready(jax.jit(lambda *a: jax.ffi.ffi_call(FWD_TARGET, result)(
+        *a, **ffi.fwd_attributes(variant, cfg)))(q, k, v))
+
+
+# Forward variants without a backward kernel (head dims outside config.BWD_KERNEL_HEAD_DIMS):
+# jax.grad runs the forward kernel and the reference backward (primitives._bwd_lower_cuda).
+_FWD_ONLY = [v for v in VARIANTS if v.dtype == "bfloat16" and not config.kernel_support(
+    "bwd", v.dtype, v.head_dim, v.head_dim_v, _config(v))[0]]
+
+
+@pytest.mark.parametrize("variant", _FWD_ONLY, ids=lambda v: v.key)
+def test_grad_of_a_forward_only_variant_runs_the_reference_backward(variant):
+  b, seq_q, seq_k, h, h_kv = (1, 300, 70, 4, 2) if variant.causal else (2, 200, 200, 4, 2)
+  dtype = jnp.dtype(variant.dtype)
+  seed = zlib.crc32(f"fwd-only{variant.key}".encode())
+  q, k, v = make_qkv(seed, b, seq_q, seq_k, h, h_kv, variant.head_dim,
+                     head_dim_v=variant.head_dim_v, dtype=dtype)
+  rng = np.random.default_rng(seed + 1)
+  w_out = np.asarray(jnp.asarray(rng.standard_normal((b, seq_q, h, variant.head_dim_v)), dtype),
+                     np.float64)
+  w_lse = rng.standard_normal((b, h, seq_q))
+  args = (q, k, v, jnp.asarray(w_out, jnp.float32), jnp.asarray(w_lse, jnp.float32))
+  kw = dict(causal=variant.causal, deterministic=False, with_lse=True)
+  hlo = _cute_grads.lower(*args, **kw).as_text()
+  assert variant.key in hlo and config.BWD_TARGET not in hlo
+  got = _cute_grads(*args, **kw)
+  want, naive = _grad_oracle(q, k, v, w_out, w_lse, variant, with_lse=True)
+  for name, g, x, w, n in zip(("dq", "dk", "dv"), got, (q, k, v), want, naive):
+    assert g.shape == x.shape and g.dtype == x.dtype, (name, g.shape, g.dtype)
+    assert_close_to_oracle(g, w, n, name=name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,8 +346,9 @@ def test_backward_through_lse_matches_float64_oracle(variant):
                with_lse=True)
 
 
+# hdim 128 and 256: both warpgroup mappings of the backward kernel.
 @pytest.mark.parametrize("variant", [v for v in BWD_VARIANTS if v.deterministic
-                                     and v.dtype == "bfloat16" and v.head_dim == 128],
+                                     and v.dtype == "bfloat16" and v.head_dim in (128, 256)],
                          ids=lambda v: v.key)
 def test_deterministic_backward_is_bitwise_reproducible(variant):
   # Long enough that many key blocks add into each dq row block (the order that can vary).

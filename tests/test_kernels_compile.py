@@ -91,14 +91,36 @@ def _abi_version_in_header():
   return int(re.search(r"#define JAXFLASH_KERNEL_ABI_VERSION (\d+)", text).group(1))
 
 
-@pytest.mark.parametrize("head_dim,tile,reason", [
-    (96, config.TileConfig(128, 128, 2), "head_dim 96"),
-    (128, config.TileConfig(192, 128, 2), "tile_m 192"),
-    (256, config.TileConfig(128, 128, 2), "shared memory"),
+@pytest.mark.parametrize("head_dim,head_dim_v,tile,reason", [
+    (80, 80, config.TileConfig(128, 128, 2), "head_dim 80"),
+    (192, 64, config.TileConfig(128, 128, 2), "head_dim_v 64"),
+    (128, 128, config.TileConfig(192, 128, 2), "tile_m 192"),
+    (96, 96, config.TileConfig(192, 128, 2), "tile_m 192"),
+    (256, 256, config.TileConfig(128, 128, 2), "shared memory"),
+    # 128 x 128 fits hdim 192 only with head_dim_v 128 (208 KiB); dv 192 needs 240 KiB.
+    (192, 192, config.TileConfig(128, 128, 2), "shared memory"),
 ])
-def test_can_implement_names_the_problem(head_dim, tile, reason):
-  ok, text = FlashAttentionForwardSm90.can_implement("bfloat16", head_dim, head_dim, False, tile)
+def test_can_implement_names_the_problem(head_dim, head_dim_v, tile, reason):
+  ok, text = FlashAttentionForwardSm90.can_implement("bfloat16", head_dim, head_dim_v, False,
+                                                     tile)
   assert not ok and reason in text
+
+
+def test_shipped_variants_cover_every_forward_head_dim_pair():
+  pairs = {(v.head_dim, v.head_dim_v) for v in VARIANTS}
+  assert pairs == set(config.KERNEL_HEAD_DIM_PAIRS)
+  assert (192, 128) in pairs  # head_dim_v != head_dim (DeepSeek MLA shape)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.key)
+def test_wgmma_shapes_follow_tile_n_and_head_dim_v(exported, variant):
+  """S = Q K^T is 64 x tile_n per warpgroup, O += P V is 64 x head_dim_v (not head_dim)."""
+  exp, _ = exported(variant)
+  sass = kernel_compile.disassemble(exp.cubin, exp.object_path.parent)
+  shapes = set(re.findall(r"\bHGMMA\.(\d+x\d+x\d+)\.", sass))
+  assert shapes == {f"64x{variant.tile.tile_n}x16", f"64x{variant.head_dim_v}x16"}, shapes
+  assert exp.defines[-2:] == (f"-DJAXFLASH_HEAD_DIM={variant.head_dim}",
+                              f"-DJAXFLASH_HEAD_DIM_V={variant.head_dim_v}")
 
 
 def test_shipped_variants_fit():

@@ -99,7 +99,10 @@ def test_linked_library_exports_the_bwd_abi(exported, tmp_path, deterministic):
 
 @pytest.mark.cutlass
 @pytest.mark.parametrize("head_dim,head_dim_v,tile,reason", [
-    (256, 256, config.TileConfig(64, 128, 2), "head_dim 256"),
+    (160, 160, config.TileConfig(64, 64, 1), "head_dim 160"),
+    (192, 192, config.TileConfig(64, 128, 2), "tile 64x128 unsupported for head_dim 192"),
+    (256, 256, config.TileConfig(64, 128, 1), "tile 64x128 unsupported for head_dim 256"),
+    (128, 128, config.TileConfig(64, 64, 2), "tile 64x64 unsupported for head_dim 128"),
     (128, 64, config.TileConfig(64, 128, 2), "head_dim_v 64"),
     (128, 128, config.TileConfig(128, 128, 2), "tile 128x128"),
     (128, 128, config.TileConfig(64, 128, 3), "num_stages 3"),
@@ -112,6 +115,15 @@ def test_can_implement_names_the_problem(head_dim, head_dim_v, tile, reason):
 
 
 @pytest.mark.cutlass
+def test_head_dim_split_fits_two_q_stages():
+  """hdim 256: one dO stage and half-block dQ staging leave room for 2 Q stages, not 3."""
+  bwd_sm90 = pytest.importorskip("jaxflash.kernels.bwd_sm90")
+  kernel = bwd_sm90.FlashAttentionBackwardSm90
+  assert kernel.smem_bytes(256, 256, config.TileConfig(64, 64, 2)) <= 232448
+  assert kernel.smem_bytes(256, 256, config.TileConfig(64, 64, 3)) > 232448
+
+
+@pytest.mark.cutlass
 def test_shipped_variants_fit():
   bwd_sm90 = pytest.importorskip("jaxflash.kernels.bwd_sm90")
   for v in VARIANTS:
@@ -121,18 +133,21 @@ def test_shipped_variants_fit():
 
 def test_shipped_bwd_variants_cover_dtypes_head_dims_masks_and_determinism():
   combos = {(v.dtype, v.head_dim, v.causal, v.deterministic) for v in VARIANTS}
-  assert len(combos) == len(VARIANTS) == 16
+  assert len(combos) == len(VARIANTS) == 2 * len(config.BWD_KERNEL_HEAD_DIMS) * 2 * 2
+  assert {v.head_dim for v in VARIANTS} == {64, 96, 128, 192, 256}
   assert all(v.direction == "bwd" and v.key.startswith("bwd-") for v in VARIANTS)
   assert [v for v in VARIANTS if v.deterministic] and all(
       "-det" in v.key for v in VARIANTS if v.deterministic)
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
-def test_bwd_scratch_shapes_round_seq_q_to_the_tile(deterministic):
+def test_bwd_scratch_shapes_round_seq_q_to_the_tile(deterministic, head_dim):
   cfg = config.AttentionConfig(softmax_scale=0.1, causal=True, deterministic=deterministic)
-  variant = config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", 128, 128, cfg)
+  variant = config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", head_dim, head_dim, cfg)
   shapes = config.bwd_scratch_shapes(variant, batch=2, seq_q=130, num_heads=3)
-  expected = [("dq_accum", (2, 3, 192, 128), "float32"), ("lse_log2", (2, 3, 192), "float32"),
+  expected = [("dq_accum", (2, 3, 192, head_dim), "float32"),
+              ("lse_log2", (2, 3, 192), "float32"),
               ("delta", (2, 3, 192), "float32")]
   if deterministic:
     expected.append(("dq_semaphore", (2, 3, 3), "int32"))
@@ -145,7 +160,10 @@ def test_kernel_support_for_the_backward():
   cfg = config.AttentionConfig(softmax_scale=0.1)
   assert config.kernel_support("bwd", "bfloat16", 128, 128, cfg) == (True, "")
   assert config.kernel_support("bwd", "float16", 64, 64, cfg.replace(deterministic=True))[0]
-  ok, reason = config.kernel_support("bwd", "bfloat16", 256, 256, cfg)
-  assert not ok and "head_dim 256" in reason
+  assert config.kernel_support("bwd", "bfloat16", 256, 256, cfg) == (True, "")
+  ok, reason = config.kernel_support("bwd", "bfloat16", 160, 160, cfg)
+  assert not ok and "head_dim 160" in reason
+  ok, reason = config.kernel_support("bwd", "bfloat16", 192, 128, cfg)
+  assert not ok and "head_dim_v 128" in reason
   ok, reason = config.kernel_support("bwd", "bfloat16", 128, 128, cfg.replace(softcap=5.0))
   assert not ok and "softcap" in reason

@@ -4,9 +4,11 @@ Libraries go to a work folder (one subfolder per --tag); `--pack` writes the git
 .selftest/ at the repo root: fwd_selftest (binary) and libs.tar.xz (the stripped libraries of the
 packed tags, a few MB). On the GPU host: `bash devtools/kernel_selftest/run.sh` (carry .selftest).
 
-  python devtools/kernel_selftest/build.py --tag v1                 # 12 shipped variants
+  python devtools/kernel_selftest/build.py --tag v1                 # the shipped variants
+  python devtools/kernel_selftest/build.py --tag mla --head-dims 192x128 --tile 192x128=128x96x2
   python devtools/kernel_selftest/build.py --tag t64 --dtypes bf16 --head-dims 64 --tile 64=192x128x2
   python devtools/kernel_selftest/build.py --tag pp0 --kernel-arg pingpong=0 --head-dims 128
+  python devtools/kernel_selftest/build.py --tag r8 --rescale-threshold 8 --dtypes bf16
   python devtools/kernel_selftest/build.py --pack v1,t64,pp0
 """
 
@@ -31,33 +33,52 @@ _DTYPE = {"bf16": "bfloat16", "f16": "float16"}
 _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
+def _parse_head_dims(text):
+  """'64,192x128' -> [(64, 64), (192, 128)]: head_dim, or head_dim x head_dim_v."""
+  pairs = []
+  for item in text.split(","):
+    d, _, dv = item.partition("x")
+    pairs.append((int(d), int(dv or d)))
+  return pairs
+
+
 def _parse_tiles(items):
-  """['64=192x128x2', ...] -> {64: TileConfig(192, 128, 2)}."""
+  """['64=192x128x2', '192x128=128x96x2'] -> {(64, 64): TileConfig(192, 128, 2), ...}."""
   tiles = {}
   for item in items:
-    dim, spec = item.split("=")
+    dims, spec = item.split("=")
     m, n, s = (int(x) for x in spec.split("x"))
-    tiles[int(dim)] = config.TileConfig(m, n, s)
+    (pair,) = _parse_head_dims(dims)
+    tiles[pair] = config.TileConfig(m, n, s)
   return tiles
 
 
 def _parse_kernel_args(items):
-  """['pingpong=0', ...] -> {'pingpong': False}; ints stay ints, 0/1 become bools."""
+  """['pingpong=0', 'x=2.5'] -> {'pingpong': False, 'x': 2.5}; 0/1 become bools, else int or
+  float."""
   out = {}
   for item in items:
     name, value = item.split("=")
-    out[name] = bool(int(value)) if value in ("0", "1") else int(value)
+    if value in ("0", "1"):
+      out[name] = bool(int(value))
+    else:
+      out[name] = int(value) if re.fullmatch(r"-?\d+", value) else float(value)
   return out
 
 
-def variants(dtypes, head_dims, causal_modes, tiles):
+def _arg_text(value) -> str:
+  """Kernel argument in a library key: bools as 0/1, numbers in shortest form (8.0 -> 8)."""
+  return str(int(value)) if isinstance(value, bool) else f"{value:g}"
+
+
+def variants(dtypes, head_dim_pairs, causal_modes, tiles):
   for dtype in dtypes:
-    for d in head_dims:
+    for d, dv in head_dim_pairs:
       for causal in causal_modes:
         cfg = config.AttentionConfig(softmax_scale=1.0, causal=causal)
-        v = config.KernelVariant.for_call("fwd", "sm90a", _DTYPE[dtype], d, d, cfg)
-        if d in tiles:
-          v = dataclasses.replace(v, tile=tiles[d])
+        v = config.KernelVariant.for_call("fwd", "sm90a", _DTYPE[dtype], d, dv, cfg)
+        if (d, dv) in tiles:
+          v = dataclasses.replace(v, tile=tiles[(d, dv)])
         yield v
 
 
@@ -83,7 +104,7 @@ def export(variant, kernel_args, out_dir):
   seconds = time.perf_counter() - start
   obj = pathlib.Path(out_dir) / f"{variant.key}.o"
   header = (pathlib.Path(out_dir) / f"{variant.key}.h").resolve()
-  key = variant.key + "+" + ",".join(f"{k}={int(v)}" for k, v in sorted(kernel_args.items()))
+  key = variant.key + "+" + ",".join(f"{k}={_arg_text(v)}" for k, v in sorted(kernel_args.items()))
   defines = tuple(f'-DJAXFLASH_VARIANT_KEY="{key}"' if d.startswith("-DJAXFLASH_VARIANT_KEY")
                   else d for d in kc.glue_defines(variant, prefix, header))
   return kc.ExportedKernel(variant=variant, header_path=header, object_path=obj.resolve(),
@@ -107,8 +128,10 @@ def build(args):
   shutil.rmtree(tag_dir, ignore_errors=True)
   (tag_dir / "obj").mkdir(parents=True)
   kernel_args = _parse_kernel_args(args.kernel_arg)
+  if args.rescale_threshold is not None:
+    kernel_args["rescale_threshold_log2"] = args.rescale_threshold
   causal_modes = {"both": (False, True), "0": (False,), "1": (True,)}[args.causal]
-  for v in variants(args.dtypes.split(","), [int(x) for x in args.head_dims.split(",")],
+  for v in variants(args.dtypes.split(","), _parse_head_dims(args.head_dims),
                     causal_modes, _parse_tiles(args.tile)):
     t = time.perf_counter()
     exp = export(v, kernel_args, tag_dir / "obj")
@@ -150,11 +173,18 @@ def main():
   p.add_argument("--tag", help="build the variants into <work>/<tag>")
   p.add_argument("--work", default="/tmp/jaxflash_selftest_work")
   p.add_argument("--dtypes", default="f16,bf16")
-  p.add_argument("--head-dims", default=",".join(str(d) for d in config.KERNEL_HEAD_DIMS))
+  p.add_argument("--head-dims", help="comma-separated D or DxDV (head_dim x head_dim_v)",
+                 default=",".join(str(d) if d == dv else f"{d}x{dv}"
+                                  for d, dv in config.KERNEL_HEAD_DIM_PAIRS))
   p.add_argument("--causal", default="both", choices=("both", "0", "1"))
-  p.add_argument("--tile", action="append", default=[], help="HEAD_DIM=MxNxSTAGES override")
+  p.add_argument("--tile", action="append", default=[],
+                 help="D=MxNxSTAGES or DxDV=MxNxSTAGES tile override")
   p.add_argument("--kernel-arg", action="append", default=[],
                  help="NAME=VALUE passed to FlashAttentionForwardSm90 (A/B builds)")
+  p.add_argument("--rescale-threshold", type=float,
+                 help="rescale_threshold_log2 of the kernel (0 = rescale on every max change, "
+                      "8 = FA-4's conditional rescaling); the library keys get "
+                      "'+rescale_threshold_log2=T'")
   p.add_argument("--pack", help="comma-separated tags to pack into .selftest/")
   args = p.parse_args()
   if args.tag:

@@ -293,7 +293,7 @@ void CheckShape(BwdFn bwd, int d, bool causal, bool det, Shape s, std::mt19937& 
 
 // Repeated calls on one input: bitwise identical results? Returns differing dq elements.
 void CheckDeterminism(BwdFn bwd, int d, bool det, std::mt19937& rng) {
-  Shape s = {2, 1536, 1536, 8, 2};  // 12 key blocks add into every query block
+  Shape s = {2, 1536, 1536, 8, 2};  // 12 (tile_n 64: 24) key blocks add into every query block
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   Device dev(s, d);
   std::vector<uint16_t> x(dev.q.bytes / 2), kv(dev.k.bytes / 2);
@@ -423,16 +423,18 @@ std::vector<double> Bench(BwdFn bwd, FwdFn fwd, int d, bool causal, bool det) {
 
 bool Has(const std::string& key, const char* tag) { return key.find(tag) != std::string::npos; }
 
-// The forward library of the same dtype / head_dim / causal in dir, or "".
+// The forward library of the same dtype / head_dim / head_dim_v / causal in dir, or "" (192
+// has forward libraries for head_dim_v 128 and 192).
 std::string FindForward(const std::string& dir, const std::string& bwd_key) {
-  std::string want = "fwd" + bwd_key.substr(3, bwd_key.find("-dv") - 3);  // fwd-sm90a-bf16-d128
+  const size_t dv_end = bwd_key.find('-', bwd_key.find("-dv") + 1);
+  std::string want = "fwd" + bwd_key.substr(3, dv_end - 3);  // fwd-sm90a-bf16-d128-dv128
   const bool causal = Has(bwd_key, "-causal");
   DIR* dp = opendir(dir.c_str());
   if (!dp) return "";
   std::string found;
   while (dirent* e = readdir(dp)) {
     std::string name = e->d_name;
-    if (name.rfind(want + "-dv", 0) == 0 && Has(name, ".so") && Has(name, "-causal") == causal)
+    if (name.rfind(want + "-", 0) == 0 && Has(name, ".so") && Has(name, "-causal") == causal)
       found = dir + "/" + name;
   }
   closedir(dp);

@@ -4,7 +4,10 @@
 # costs one library), writes the full log to $OUT/bwd_selftest.log and prints a table last.
 # Usage, from the repo root: bash devtools/kernel_selftest/run_bwd.sh [extra bwd_selftest flags]
 # f16 libraries are checked but not timed. After two hangs the remaining libraries are skipped.
+# BWD_ONLY=<glob> runs only the libraries whose name matches *<glob>* (e.g. BWD_ONLY=d256, or
+# BWD_ONLY='-d[19][69]' for hdim 96 and 192), to split the run over several device calls.
 set -u
+shopt -s nullglob  # a BWD_ONLY that matches nothing runs nothing
 out=${OUT:-/tmp}
 log="$out/bwd_selftest.log"
 work=/tmp/jaxflash_selftest_bwd_libs
@@ -14,7 +17,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw -
   | tee "$log"
 status=0
 hangs=0
-for lib in "$work"/bwd/*.so; do
+for lib in "$work"/bwd/*${BWD_ONLY:-}*.so; do
   name=${lib##*/}
   if [ $hangs -ge 2 ]; then
     echo "RESULT ${name} SKIPPED 0 0 0 0" >>"$log"
@@ -34,7 +37,7 @@ for lib in "$work"/bwd/*.so; do
 done
 # Second pass: fwd+bwd timing of the bf16 non-deterministic libraries that passed, with the
 # forward library of the same variant (a forward hang cannot hide a backward result).
-for lib in "$work"/bwd/*bf16*.so; do
+for lib in "$work"/bwd/*bf16*${BWD_ONLY:-}*.so; do
   name=${lib##*/}
   case "$name" in *-det-*) continue ;; esac
   key=${name#*_}

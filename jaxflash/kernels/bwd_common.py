@@ -21,10 +21,11 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-# Two consumer warpgroups: each owns 64 key rows of dK/dV and half of the head_dim of dQ.
+# Two consumer warpgroups: each owns half of the head_dim of dQ, and 64 key rows of dK/dV (or,
+# above head_dim 128, half of the head_dim of dK/dV for 64 key rows: bwd_sm90's head-dim split).
 NUM_MMA_WARPGROUPS = 2
 # WGMMA's M is 64 per warpgroup: the query tile is one WGMMA row block; the key tile one per
-# consumer warpgroup.
+# consumer warpgroup (head_dim <= 128).
 TILE_M = 64
 TILE_N = 64 * NUM_MMA_WARPGROUPS
 

@@ -38,16 +38,19 @@ class FlashAttentionBackwardPreprocess:
     self.head_dim_v = head_dim_v
     self.deterministic = deterministic
     self.tile_m = bwd_common.TILE_M
-    # A row of dO / O is read by head_dim_v / 8 consecutive lanes, 16 bytes each.
-    self.threads_per_row = head_dim_v // _VEC
+    # A row of dO / O is read by head_dim_v / 8 consecutive lanes, 16 bytes each; the lanes per
+    # row are a power of two (the shuffle reduction's group), the extra ones idle (hdim 96, 192).
+    self.chunks = head_dim_v // _VEC
+    self.threads_per_row = 1 << (self.chunks - 1).bit_length()
     self.rows_per_pass = _NUM_THREADS // self.threads_per_row
 
   @staticmethod
   def can_implement(dtype: str, head_dim: int, head_dim_v: int) -> tuple[bool, str]:
     """Whether this kernel can be built for the arguments; the reason text is user-facing."""
     del dtype
-    if head_dim_v % _VEC or not _VEC <= head_dim_v <= 32 * _VEC:
-      return False, f"head_dim_v {head_dim_v} unsupported; accepted: multiples of 8 up to 256"
+    # One pass of the CTA's threads must cover at most tile_m rows: 32 columns or more.
+    if head_dim_v % _VEC or not 4 * _VEC <= head_dim_v <= 32 * _VEC:
+      return False, f"head_dim_v {head_dim_v} unsupported; accepted: multiples of 8, 32 to 256"
     if head_dim * bwd_common.TILE_M % _NUM_THREADS:
       return False, f"head_dim {head_dim} unsupported; accepted: multiples of 4"
     return True, ""
@@ -90,14 +93,11 @@ class FlashAttentionBackwardPreprocess:
       row = m_block * self.tile_m + p * self.rows_per_pass + tidx // self.threads_per_row
       dot = Float32(0.0)
       if row < seqlen_q:
-        r_o = cute.make_rmem_tensor((_VEC,), self.dtype)
-        r_do = cute.make_rmem_tensor((_VEC,), self.dtype)
-        cute.autovec_copy(cute.local_tile(mO[row, None, head, batch], (_VEC,), (chunk,)), r_o)
-        cute.autovec_copy(cute.local_tile(mdO[row, None, head, batch], (_VEC,), (chunk,)), r_do)
-        o = r_o.load().to(Float32)
-        do = r_do.load().to(Float32)
-        for i in cutlass.range_constexpr(_VEC):
-          dot += o[i] * do[i]
+        if const_expr(self.threads_per_row == self.chunks):
+          dot = self._chunk_dot(mO, mdO, row, chunk, head, batch)
+        else:
+          if chunk < self.chunks:
+            dot = self._chunk_dot(mO, mdO, row, chunk, head, batch)
       # The lanes of one row are consecutive: reduce over that group only.
       dot = cute.arch.warp_reduction_sum(dot, threads_in_group=self.threads_per_row)
       if chunk == 0:
@@ -120,3 +120,18 @@ class FlashAttentionBackwardPreprocess:
     if const_expr(self.deterministic):
       if tidx == 0:
         mSem[m_block, head, batch] = Int32(0)
+
+  @cute.jit
+  def _chunk_dot(self, mO: cute.Tensor, mdO: cute.Tensor, row: Int32, chunk: Int32, head: Int32,
+                 batch: Int32) -> Float32:
+    """sum over 8 columns (16 bytes) of dO * O in one row, in fp32."""
+    r_o = cute.make_rmem_tensor((_VEC,), self.dtype)
+    r_do = cute.make_rmem_tensor((_VEC,), self.dtype)
+    cute.autovec_copy(cute.local_tile(mO[row, None, head, batch], (_VEC,), (chunk,)), r_o)
+    cute.autovec_copy(cute.local_tile(mdO[row, None, head, batch], (_VEC,), (chunk,)), r_do)
+    o = r_o.load().to(Float32)
+    do = r_do.load().to(Float32)
+    dot = Float32(0.0)
+    for i in cutlass.range_constexpr(_VEC):
+      dot += o[i] * do[i]
+    return dot

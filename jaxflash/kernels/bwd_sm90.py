@@ -37,6 +37,22 @@ _DQ_EMPTY_BARRIER = 4 + _NUM_WG
 _DQ_BARRIER_THREADS = _WG + sm90_gemm.WARP_THREADS
 # Producer warpgroup keeps 24 registers (TMA only); the two consumers get 240 (FA-3's split).
 _PRODUCER_REGS, _MMA_REGS = 24, 240
+# Above this head_dim, dK + dV of 64 key rows per warpgroup (head_dim fp32 registers per
+# thread) do not fit: the head-dim split mapping (class docstring) takes over, tile_n 64.
+_MAX_KEY_SPLIT_HEAD_DIM = 128
+_HEAD_SPLIT_TILE_N = 64
+_HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+def _ring_shape(head_dim: int, num_stages: int) -> tuple[int, int]:
+  """(dO stages, dQ staging pieces per warpgroup) for a head_dim and num_stages (Q stages).
+
+  hdim 256 fits 227 KiB only with one dO stage and half a dQ block staged at a time (two pieces
+  per warpgroup); below, dO gets as many stages as Q and the whole dQ block is staged.
+  """
+  if head_dim > 192:
+    return 1, 2
+  return num_stages, 1
 
 
 def _select(t: cute.Tensor, modes) -> cute.Tensor:
@@ -50,12 +66,21 @@ class FlashAttentionBackwardSm90:
   for every query head of the kv head's group and every query block that sees the key block;
   warp 1 adds the staged dQ blocks into the fp32 accumulator (bulk reductions), so neither the
   reduction nor the deterministic-mode semaphore wait sits on the consumers' path.
-  Consumer warpgroup w owns key rows [64 w, 64 w + 64) of the tile. Per query block:
-  S = Q K^T and dP = dO V^T (WGMMA), P = exp2(S * scale * log2 e - lse * log2 e), dS = P (dP -
-  delta); P and dS go to shared memory; dV += P^T dO, dK += dS^T Q (registers, whole loop);
-  dQ = dS K (half of head_dim per warpgroup) is staged in shared memory and added into the fp32
-  accumulator by a bulk reduction (bwd_common describes its layout). GQA: the group's query
-  heads are looped inside the CTA, so dK/dV are written once, in the input dtype, by TMA.
+  head_dim <= 128 (64, 96, 128): consumer warpgroup w owns key rows [64 w, 64 w + 64) of the
+  tile. Per query block: S = Q K^T and dP = dO V^T (WGMMA), P = exp2(S * scale * log2 e - lse *
+  log2 e), dS = P (dP - delta); P and dS go to shared memory; dV += P^T dO, dK += dS^T Q
+  (registers, whole loop); dQ = dS K (half of head_dim per warpgroup) is staged in shared memory
+  and added into the fp32 accumulator by a bulk reduction (bwd_common describes its layout).
+  head_dim > 128 (192, 256; the "head-dim split", after FA-3's Hopper hdim-256 layout): tile_n
+  = 64; S and dP are split along the key mode (64 x 32 per warpgroup) but dV, dK and dQ along
+  head_dim: each warpgroup accumulates dK and dV of all 64 key rows for its head_dim half (2 x
+  64 fp32 registers per thread at hdim 256), so both read all of P and dS, and P is written
+  only once both finished the previous step's dV GEMM. dO gets its own ring (num_stages counts
+  Q stages), released as soon as the dV GEMM is done; at hdim 256, to fit 227 KiB, that ring
+  has one stage and the dQ staging buffer holds half a block: each warpgroup hands its dQ over
+  in two pieces. The dQ accumulator layout is the same.
+  GQA: the group's query heads are looped inside the CTA, so dK/dV are written once, in the
+  input dtype, by TMA.
   With `deterministic`, the dQ reductions into one (batch, head, m block) happen in a fixed
   key-block order, gated by an int32 semaphore per (batch, head, m block): ascending without a
   mask; with the causal mask descending, and CTAs launch the last key block first, so every CTA
@@ -75,17 +100,23 @@ class FlashAttentionBackwardSm90:
     self.deterministic = deterministic
     self.num_mma_threads = _NUM_WG * _WG
     self.num_threads = self.num_mma_threads + _WG
+    self.split_head_dim = head_dim > _MAX_KEY_SPLIT_HEAD_DIM
+    # Head-dim split: dO has its own ring (num_stages counts Q stages), released once the dV
+    # GEMM is done; at hdim 256 it has one stage and dQ is staged in two pieces per warpgroup.
+    self.do_stages, self.dq_pieces = _ring_shape(head_dim, tile.num_stages)
 
   @staticmethod
   def smem_bytes(head_dim: int, head_dim_v: int, tile: config.TileConfig,
                  elem_bytes: int = 2) -> int:
-    """K, V, the Q and dO rings, P, dS, the fp32 dQ staging tile, mbarriers, alignment."""
+    """K, V, the Q and dO rings, P, dS, the fp32 dQ staging buffer, mbarriers, alignment."""
     def aligned(n):
       return (n + sm90_gemm.SMEM_ALIGN - 1) // sm90_gemm.SMEM_ALIGN * sm90_gemm.SMEM_ALIGN
     m, n, s = tile.tile_m, tile.tile_n, tile.num_stages
+    do_stages, dq_pieces = _ring_shape(head_dim, s)
     total = (aligned(n * head_dim * elem_bytes) + aligned(n * head_dim_v * elem_bytes)
-             + aligned(s * m * head_dim * elem_bytes) + aligned(s * m * head_dim_v * elem_bytes)
-             + 2 * aligned(m * n * elem_bytes) + aligned(m * head_dim * 4))
+             + aligned(s * m * head_dim * elem_bytes)
+             + aligned(do_stages * m * head_dim_v * elem_bytes)
+             + 2 * aligned(m * n * elem_bytes) + aligned(m * head_dim * 4 // dq_pieces))
     return total + sm90_gemm.SMEM_ALIGN
 
   @staticmethod
@@ -95,14 +126,19 @@ class FlashAttentionBackwardSm90:
     del causal  # both masks share one code path
     if dtype not in DTYPES:
       return False, f"dtype {dtype} has no backward kernel; accepted: {', '.join(DTYPES)}"
-    if head_dim not in (64, 128):
-      return False, f"head_dim {head_dim} has no backward kernel; accepted: 64, 128"
+    if head_dim not in _HEAD_DIMS:
+      return False, (f"head_dim {head_dim} has no backward kernel; accepted: "
+                     f"{', '.join(map(str, _HEAD_DIMS))}")
     if head_dim_v != head_dim:
       return False, f"head_dim_v {head_dim_v} != head_dim {head_dim} has no backward kernel"
-    if (tile.tile_m, tile.tile_n) != (bwd_common.TILE_M, bwd_common.TILE_N):
-      return False, (f"tile {tile.tile_m}x{tile.tile_n} unsupported; accepted: "
-                     f"{bwd_common.TILE_M}x{bwd_common.TILE_N} (one 64-row WGMMA block of "
-                     f"queries, 64 key rows per consumer warpgroup)")
+    if head_dim <= _MAX_KEY_SPLIT_HEAD_DIM:
+      tile_n, why = bwd_common.TILE_N, "64 key rows per consumer warpgroup"
+    else:
+      tile_n, why = _HEAD_SPLIT_TILE_N, "head_dim split between the consumer warpgroups"
+    if (tile.tile_m, tile.tile_n) != (bwd_common.TILE_M, tile_n):
+      return False, (f"tile {tile.tile_m}x{tile.tile_n} unsupported for head_dim {head_dim}; "
+                     f"accepted: {bwd_common.TILE_M}x{tile_n} (one 64-row WGMMA block of "
+                     f"queries, {why})")
     if tile.num_stages not in (1, 2):
       return False, f"num_stages {tile.num_stages} unsupported; accepted: 1, 2"
     smem = FlashAttentionBackwardSm90.smem_bytes(head_dim, head_dim_v, tile)
@@ -118,35 +154,57 @@ class FlashAttentionBackwardSm90:
     # S = Q K^T and dP = dO V^T: warpgroups side by side along the key (N) mode.
     self.tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
         self.dtype, self.dtype, k_major, k_major, Float32, (1, _NUM_WG, 1), (64, half_n))
-    # dK = dS^T Q and dV = P^T dO: warpgroups stacked along the key (M) mode; both operands are
-    # the smem tiles read transposed (MN-major).
-    self.tiled_mma_dk = sm90_utils.make_trivial_tiled_mma(
-        self.dtype, self.dtype, mn_major, mn_major, Float32, (_NUM_WG, 1, 1), (64, self.head_dim))
-    self.tiled_mma_dv = sm90_utils.make_trivial_tiled_mma(
-        self.dtype, self.dtype, mn_major, mn_major, Float32, (_NUM_WG, 1, 1),
-        (64, self.head_dim_v))
+    # dK = dS^T Q and dV = P^T dO: both operands are the smem tiles read transposed (MN-major).
+    if self.split_head_dim:
+      # Both warpgroups cover all key rows (M = tile_n = 64), each half of head_dim (N).
+      self.tiled_mma_dk = sm90_utils.make_trivial_tiled_mma(
+          self.dtype, self.dtype, mn_major, mn_major, Float32, (1, _NUM_WG, 1),
+          (64, self.head_dim // _NUM_WG))
+      self.tiled_mma_dv = sm90_utils.make_trivial_tiled_mma(
+          self.dtype, self.dtype, mn_major, mn_major, Float32, (1, _NUM_WG, 1),
+          (64, self.head_dim_v // _NUM_WG))
+    else:
+      # Warpgroups stacked along the key (M) mode.
+      self.tiled_mma_dk = sm90_utils.make_trivial_tiled_mma(
+          self.dtype, self.dtype, mn_major, mn_major, Float32, (_NUM_WG, 1, 1),
+          (64, self.head_dim))
+      self.tiled_mma_dv = sm90_utils.make_trivial_tiled_mma(
+          self.dtype, self.dtype, mn_major, mn_major, Float32, (_NUM_WG, 1, 1),
+          (64, self.head_dim_v))
     self.tiled_mma_dq = bwd_common.dq_tiled_mma(self.dtype, self.head_dim)
     m, n, s = self.tile_m, self.tile_n, self.num_stages
-    self.sQ_layout = sm90_gemm.smem_layout(self.dtype, m, self.head_dim, s)
-    self.sdO_layout = sm90_gemm.smem_layout(self.dtype, m, self.head_dim_v, s)
+    # Head-dim split: the dK / dV GEMMs read Q / dO transposed with head_dim split between the
+    # warpgroups, so each half must be whole swizzle atoms.
+    q_major = self.head_dim // _NUM_WG if self.split_head_dim else None
+    do_major = self.head_dim_v // _NUM_WG if self.split_head_dim else None
+    self.sQ_layout = sm90_gemm.smem_layout(self.dtype, m, self.head_dim, s, major_size=q_major)
+    self.sdO_layout = sm90_gemm.smem_layout(self.dtype, m, self.head_dim_v, self.do_stages,
+                                            major_size=do_major)
     # K is also read transposed by dQ = dS K with head_dim split between the warpgroups.
     self.sK_layout = sm90_gemm.smem_layout(self.dtype, n, self.head_dim,
                                            major_size=self.head_dim // _NUM_WG)
-    self.sV_layout = sm90_gemm.smem_layout(self.dtype, n, self.head_dim_v)
-    # P and dS are read transposed with the key mode split between the warpgroups.
-    self.sPdS_layout = sm90_gemm.smem_layout(self.dtype, m, n, major_size=half_n)
+    # dV leaves through sV: with the head-dim split each warpgroup stores half of head_dim_v.
+    self.sV_layout = sm90_gemm.smem_layout(self.dtype, n, self.head_dim_v, major_size=do_major)
+    # P and dS are read transposed with the key mode split between the warpgroups (whole
+    # swizzle atoms per half); the head-dim split reads all 64 keys: one 128-byte atom.
+    self.sPdS_layout = sm90_gemm.smem_layout(self.dtype, m, n,
+                                             major_size=n if self.split_head_dim else half_n)
     self.tma_bytes_kv = (cute.size_in_bytes(self.dtype, self.sK_layout)
                          + cute.size_in_bytes(self.dtype, self.sV_layout))
-    self.tma_bytes_qdo = (
-        cute.size_in_bytes(self.dtype, cute.slice_(self.sQ_layout, (None, None, 0)))
-        + cute.size_in_bytes(self.dtype, cute.slice_(self.sdO_layout, (None, None, 0))))
-    stages = self.num_stages
+    self.tma_bytes_q = cute.size_in_bytes(self.dtype, cute.slice_(self.sQ_layout, (None, None, 0)))
+    self.tma_bytes_do = cute.size_in_bytes(self.dtype,
+                                           cute.slice_(self.sdO_layout, (None, None, 0)))
+    self.tma_bytes_qdo = self.tma_bytes_q + self.tma_bytes_do
+    stages, do_stages = self.num_stages, self.do_stages
+    dq_floats = m * self.head_dim // self.dq_pieces
     align = sm90_gemm.SMEM_ALIGN
 
     @cute.struct
     class SharedStorage:
       mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
       mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+      # The separate dO ring of the head-dim split (unused otherwise).
+      mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * do_stages]
       sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], align]
       sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], align]
       sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sQ_layout)], align]
@@ -156,7 +214,7 @@ class FlashAttentionBackwardSm90:
                             align]
       sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sPdS_layout)],
                              align]
-      sdQ: cute.struct.Align[cute.struct.MemRange[Float32, m * self.head_dim], align]
+      sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_floats], align]
 
     self.shared_storage = SharedStorage
 
@@ -253,12 +311,13 @@ class FlashAttentionBackwardSm90:
         cpasync.prefetch_descriptor(atom)
 
     storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-    pipeline_kv, pipeline_qdo = self._make_pipelines(storage)
+    # pipeline_qdo carries Q and dO, or Q only when dO has its own ring (head-dim split).
+    pipeline_kv, pipeline_qdo, pipeline_do = self._make_pipelines(storage)
     smem = {name: getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
             for name, layout in (("sQ", sQ_layout), ("sK", sK_layout), ("sV", sV_layout),
                                  ("sdO", sdO_layout), ("sP", sPdS_layout),
                                  ("sdS", sPdS_layout))}
-    sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim))
+    sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim // self.dq_pieces))
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -276,7 +335,7 @@ class FlashAttentionBackwardSm90:
       if warp_idx == 0:
         self.load(mQ, mK, mV, mdO, tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do,
                   smem["sQ"], smem["sK"], smem["sV"], smem["sdO"], pipeline_kv, pipeline_qdo,
-                  n_block, head_kv, batch, group, m_min, m_max)
+                  pipeline_do, n_block, head_kv, batch, group, m_min, m_max)
       if warp_idx == 1:
         self.store_dq(mdQaccum, mSem, sdQ, n_block, head_kv, batch, group, m_min, m_max,
                       seqlen_q, seqlen_k)
@@ -284,7 +343,7 @@ class FlashAttentionBackwardSm90:
       cute.arch.setmaxregister_increase(_MMA_REGS)
       self.mma(mdK, mdV, mLSE2, mDelta, tma_atom_dk, tma_atom_dv, smem, sdQ,
                tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
-               pipeline_kv, pipeline_qdo, softmax_scale,
+               pipeline_kv, pipeline_qdo, pipeline_do, softmax_scale,
                n_block, head_kv, batch, group, m_min, m_max, seqlen_q, seqlen_k)
 
   def _make_pipelines(self, storage):
@@ -295,11 +354,21 @@ class FlashAttentionBackwardSm90:
     kv = pipeline.PipelineTmaAsync.create(
         barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
         consumer_group=consumer, tx_count=self.tma_bytes_kv, defer_sync=True)
-    qdo = pipeline.PipelineTmaAsync.create(
+    if not self.split_head_dim:
+      qdo = pipeline.PipelineTmaAsync.create(
+          barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.num_stages,
+          producer_group=producer, consumer_group=consumer, tx_count=self.tma_bytes_qdo,
+          defer_sync=True)
+      return kv, qdo, None
+    q = pipeline.PipelineTmaAsync.create(
         barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.num_stages,
-        producer_group=producer, consumer_group=consumer, tx_count=self.tma_bytes_qdo,
+        producer_group=producer, consumer_group=consumer, tx_count=self.tma_bytes_q,
         defer_sync=True)
-    return kv, qdo
+    do = pipeline.PipelineTmaAsync.create(
+        barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.do_stages,
+        producer_group=producer, consumer_group=consumer, tx_count=self.tma_bytes_do,
+        defer_sync=True)
+    return kv, q, do
 
   @cute.jit
   def _m_block_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
@@ -336,8 +405,8 @@ class FlashAttentionBackwardSm90:
   def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
            tma_atom_q: cute.CopyAtom, tma_atom_k: cute.CopyAtom, tma_atom_v: cute.CopyAtom,
            tma_atom_do: cute.CopyAtom, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-           sdO: cute.Tensor, pipeline_kv, pipeline_qdo, n_block: Int32, head_kv: Int32,
-           batch: Int32, group: Int32, m_min: Int32, m_max: Int32):
+           sdO: cute.Tensor, pipeline_kv, pipeline_qdo, pipeline_do, n_block: Int32,
+           head_kv: Int32, batch: Int32, group: Int32, m_min: Int32, m_max: Int32):
     """Producer warp: K and V once, then Q and dO per (query head of the group, query block)."""
     one_cta = cute.make_layout(1)
     gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim),
@@ -354,6 +423,8 @@ class FlashAttentionBackwardSm90:
     cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
 
     qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+    if const_expr(self.split_head_dim):
+      do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
     for g in cutlass.range(group, unroll=1):
       head = head_kv * group + g
       gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
@@ -364,22 +435,33 @@ class FlashAttentionBackwardSm90:
       tOsdO, tOgdO = cpasync.tma_partition(
           tma_atom_do, 0, one_cta, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
       for m_block in cutlass.range(m_min, m_max, unroll=1):
-        # Q and dO of one block share a slot (one barrier, tx = both byte counts).
-        pipeline_qdo.producer_acquire(qdo_state)
-        barrier = pipeline_qdo.producer_get_barrier(qdo_state)
-        cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, qdo_state.index],
-                  tma_bar_ptr=barrier)
-        cute.copy(tma_atom_do, tOgdO[None, m_block], tOsdO[None, qdo_state.index],
-                  tma_bar_ptr=barrier)
-        qdo_state.advance()
+        if const_expr(not self.split_head_dim):
+          # Q and dO of one block share a slot (one barrier, tx = both byte counts).
+          pipeline_qdo.producer_acquire(qdo_state)
+          barrier = pipeline_qdo.producer_get_barrier(qdo_state)
+          cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, qdo_state.index],
+                    tma_bar_ptr=barrier)
+          cute.copy(tma_atom_do, tOgdO[None, m_block], tOsdO[None, qdo_state.index],
+                    tma_bar_ptr=barrier)
+          qdo_state.advance()
+        else:
+          # Q runs ahead in its deeper ring; dO waits for the previous block's dV GEMM.
+          pipeline_qdo.producer_acquire(qdo_state)
+          cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, qdo_state.index],
+                    tma_bar_ptr=pipeline_qdo.producer_get_barrier(qdo_state))
+          qdo_state.advance()
+          pipeline_do.producer_acquire(do_state)
+          cute.copy(tma_atom_do, tOgdO[None, m_block], tOsdO[None, do_state.index],
+                    tma_bar_ptr=pipeline_do.producer_get_barrier(do_state))
+          do_state.advance()
 
   @cute.jit
   def mma(self, mdK: cute.Tensor, mdV: cute.Tensor, mLSE2: cute.Tensor, mDelta: cute.Tensor,
           tma_atom_dk: cute.CopyAtom, tma_atom_dv: cute.CopyAtom, smem, sdQ: cute.Tensor,
           tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
-          tiled_mma_dq: cute.TiledMma, pipeline_kv, pipeline_qdo, softmax_scale: Float32,
-          n_block: Int32, head_kv: Int32, batch: Int32, group: Int32, m_min: Int32,
-          m_max: Int32, seqlen_q: Int32, seqlen_k: Int32):
+          tiled_mma_dq: cute.TiledMma, pipeline_kv, pipeline_qdo, pipeline_do,
+          softmax_scale: Float32, n_block: Int32, head_kv: Int32, batch: Int32, group: Int32,
+          m_min: Int32, m_max: Int32, seqlen_q: Int32, seqlen_k: Int32):
     """Consumer warpgroups: the five GEMMs per query block, then the dK/dV epilogue."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WG
@@ -412,6 +494,9 @@ class FlashAttentionBackwardSm90:
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
     pipeline_kv.consumer_wait(kv_state)
     qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+    do_state = None
+    if const_expr(self.split_head_dim):
+      do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
     # Query blocks [m_min, m_split) need the elementwise mask, [m_split, m_max) none: two loops,
     # so the unmasked (most common) steps carry no mask code or registers.
     m_split = self._first_unmasked_m_block(n_block, m_min, m_max, seqlen_q, seqlen_k)
@@ -422,15 +507,19 @@ class FlashAttentionBackwardSm90:
       for m_block in cutlass.range(m_min, m_split, unroll=1):
         self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
                       acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
-                      pipeline_qdo, qdo_state, scale_log2, m_block, n_block, seqlen_q, seqlen_k,
-                      True)
+                      pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
+                      n_block, seqlen_q, seqlen_k, True)
         qdo_state.advance()
+        if const_expr(self.split_head_dim):
+          do_state.advance()
       for m_block in cutlass.range(m_split, m_max, unroll=1):
         self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
                       acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
-                      pipeline_qdo, qdo_state, scale_log2, m_block, n_block, seqlen_q, seqlen_k,
-                      False)
+                      pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
+                      n_block, seqlen_q, seqlen_k, False)
         qdo_state.advance()
+        if const_expr(self.split_head_dim):
+          do_state.advance()
 
     self.epilogue(mdK, mdV, tma_atom_dk, tma_atom_dv, sK, sV, tiled_mma_dk, tiled_mma_dv,
                   acc_dk, acc_dv, softmax_scale, n_block, head_kv, batch)
@@ -440,13 +529,16 @@ class FlashAttentionBackwardSm90:
                tiled_mma_dv: cute.TiledMma, tiled_mma_dq: cute.TiledMma, frags,
                acc_dk: cute.Tensor, acc_dv: cute.Tensor, tScS_mn: cute.Tensor,
                sP: cute.Tensor, sdS: cute.Tensor, sdQ: cute.Tensor, lse2_head: cute.Tensor,
-               delta_head: cute.Tensor, pipeline_qdo, qdo_state, scale_log2: Float32,
-               m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-               is_masked: cutlass.Constexpr):
+               delta_head: cute.Tensor, pipeline_qdo, qdo_state, pipeline_do, do_state,
+               scale_log2: Float32, m_block: Int32, n_block: Int32, seqlen_q: Int32,
+               seqlen_k: Int32, is_masked: cutlass.Constexpr):
     """One (query head, query block) against this CTA's key block; `is_masked`: apply the mask."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WG
     stage = qdo_state.index
+    do_stage = stage
+    if const_expr(self.split_head_dim):
+      do_stage = do_state.index
     num_rows = cute.size(tScS_mn, mode=[0])
     # Row statistics straight from global memory (L2-resident, written by the preprocess);
     # issued before the GEMMs so their latency hides behind them. Rows >= seqlen_q hold
@@ -464,7 +556,9 @@ class FlashAttentionBackwardSm90:
     pipeline_qdo.consumer_wait(qdo_state)
     sm90_gemm.gemm(tiled_mma_sdp, acc_s, frags["tSrQ"][None, None, None, stage], frags["tSrK"],
                    zero_init=True)
-    sm90_gemm.gemm(tiled_mma_sdp, acc_dp, frags["tdPrdO"][None, None, None, stage],
+    if const_expr(self.split_head_dim):
+      pipeline_do.consumer_wait(do_state)
+    sm90_gemm.gemm(tiled_mma_sdp, acc_dp, frags["tdPrdO"][None, None, None, do_stage],
                    frags["tdPrV"], zero_init=True)
     warpgroup.wait_group(1)
 
@@ -476,8 +570,9 @@ class FlashAttentionBackwardSm90:
     for i in cutlass.range_constexpr(num_rows):
       for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
         acc_s_mn[i, j] = cute.math.exp2(acc_s_mn[i, j] * scale_log2 - lse2[i], fastmath=True)
-    # This warpgroup's P columns are read only by its own dV GEMM, which finished last step.
-    sm90_gemm.store_acc_to_smem(tiled_mma_sdp, mma_tidx, acc_s, sP, self.dtype)
+    if const_expr(not self.split_head_dim):
+      # This warpgroup's P columns are read only by its own dV GEMM, which finished last step.
+      sm90_gemm.store_acc_to_smem(tiled_mma_sdp, mma_tidx, acc_s, sP, self.dtype)
 
     # dS = P * (dP - delta)
     warpgroup.wait_group(0)
@@ -487,41 +582,64 @@ class FlashAttentionBackwardSm90:
         acc_dp_mn[i, j] = acc_s_mn[i, j] * (acc_dp_mn[i, j] - delta[i])
     # The other warpgroup's dQ GEMM of the previous step reads all of dS.
     cute.arch.barrier(barrier_id=_DS_EMPTY_BARRIER, number_of_threads=self.num_mma_threads)
+    if const_expr(self.split_head_dim):
+      # Head-dim split: both warpgroups' dV GEMMs read all of P; both finished (barrier above).
+      sm90_gemm.store_acc_to_smem(tiled_mma_sdp, mma_tidx, acc_s, sP, self.dtype)
     sm90_gemm.store_acc_to_smem(tiled_mma_sdp, mma_tidx, acc_dp, sdS, self.dtype)
     # Generic-proxy smem writes must be visible to the async proxy (WGMMA) of both warpgroups.
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier(barrier_id=_DS_FULL_BARRIER, number_of_threads=self.num_mma_threads)
 
-    # dQ first: its result is written out while dV and dK still run.
     acc_dq = cute.make_rmem_tensor(
         tiled_mma_dq.get_slice(mma_tidx).partition_shape_C((self.tile_m, self.head_dim)),
         Float32)
-    sm90_gemm.gemm(tiled_mma_dq, acc_dq, frags["tdQrdS"], frags["tdQrKt"], zero_init=True)
-    sm90_gemm.gemm(tiled_mma_dv, acc_dv, frags["tdVrPt"],
-                   frags["tdVrdOt"][None, None, None, stage], zero_init=False)
-    sm90_gemm.gemm(tiled_mma_dk, acc_dk, frags["tdKrdSt"],
-                   frags["tdKrQt"][None, None, None, stage], zero_init=False)
-    warpgroup.wait_group(2)
-    self.stage_dq(acc_dq, sdQ)
-    warpgroup.wait_group(0)
-    pipeline_qdo.consumer_release(qdo_state)
+    if const_expr(not self.split_head_dim):
+      # dQ first: its result is written out while dV and dK still run.
+      sm90_gemm.gemm(tiled_mma_dq, acc_dq, frags["tdQrdS"], frags["tdQrKt"], zero_init=True)
+      sm90_gemm.gemm(tiled_mma_dv, acc_dv, frags["tdVrPt"],
+                     frags["tdVrdOt"][None, None, None, stage], zero_init=False)
+      sm90_gemm.gemm(tiled_mma_dk, acc_dk, frags["tdKrdSt"],
+                     frags["tdKrQt"][None, None, None, stage], zero_init=False)
+      warpgroup.wait_group(2)
+      self.stage_dq(acc_dq, sdQ)
+      warpgroup.wait_group(0)
+      pipeline_qdo.consumer_release(qdo_state)
+    else:
+      # dV first: once it is done, dO's slot goes back to the producer for the next block.
+      sm90_gemm.gemm(tiled_mma_dv, acc_dv, frags["tdVrPt"],
+                     frags["tdVrdOt"][None, None, None, do_stage], zero_init=False)
+      sm90_gemm.gemm(tiled_mma_dq, acc_dq, frags["tdQrdS"], frags["tdQrKt"], zero_init=True)
+      sm90_gemm.gemm(tiled_mma_dk, acc_dk, frags["tdKrdSt"],
+                     frags["tdKrQt"][None, None, None, stage], zero_init=False)
+      warpgroup.wait_group(2)
+      pipeline_do.consumer_release(do_state)
+      warpgroup.wait_group(1)
+      self.stage_dq(acc_dq, sdQ)
+      warpgroup.wait_group(0)
+      pipeline_qdo.consumer_release(qdo_state)
 
   @cute.jit
   def stage_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor):
-    """Writes this warpgroup's dQ half to its staging buffer for the dQ writer warp."""
+    """Writes this warpgroup's dQ half to its staging buffer for the dQ writer warp.
+
+    In dq_pieces pieces (values [p * n, (p + 1) * n) of every thread: a contiguous run of the
+    accumulator layout) when the buffer holds only a piece.
+    """
     tidx, _, _ = cute.arch.thread_idx()
     wg_tidx = tidx % _WG
     wg = cute.arch.make_warp_uniform((tidx - _WG) // _WG)
-    half = self.tile_m * self.head_dim // _NUM_WG
-    # The writer has seen the previous reduction of this half read out (bulk read done).
-    cute.arch.barrier(barrier_id=_DQ_EMPTY_BARRIER + wg, number_of_threads=_DQ_BARRIER_THREADS)
-    # Value i of every thread lands in one 128-float row: conflict-free scalar stores.
-    for i in cutlass.range_constexpr(cute.size(acc_dq)):
-      sdQ[wg * half + i * _WG + wg_tidx] = acc_dq[i]
-    # Generic-proxy smem writes must be visible to the bulk copy (async proxy).
-    cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.barrier_arrive(barrier_id=_DQ_FULL_BARRIER + wg,
-                             number_of_threads=_DQ_BARRIER_THREADS)
+    buf = self.tile_m * self.head_dim // _NUM_WG // self.dq_pieces
+    per_piece = cute.size(acc_dq) // self.dq_pieces
+    for p in cutlass.range_constexpr(self.dq_pieces):
+      # The writer has seen the previous reduction of this buffer read out (bulk read done).
+      cute.arch.barrier(barrier_id=_DQ_EMPTY_BARRIER + wg, number_of_threads=_DQ_BARRIER_THREADS)
+      # Value i of every thread lands in one 128-float row: conflict-free scalar stores.
+      for i in cutlass.range_constexpr(per_piece):
+        sdQ[wg * buf + i * _WG + wg_tidx] = acc_dq[p * per_piece + i]
+      # Generic-proxy smem writes must be visible to the bulk copy (async proxy).
+      cute.arch.fence_proxy("async.shared", space="cta")
+      cute.arch.barrier_arrive(barrier_id=_DQ_FULL_BARRIER + wg,
+                               number_of_threads=_DQ_BARRIER_THREADS)
 
   @cute.jit
   def store_dq(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
@@ -535,30 +653,35 @@ class FlashAttentionBackwardSm90:
     """
     lane = cute.arch.lane_idx()
     half = self.tile_m * self.head_dim // _NUM_WG
+    buf = half // self.dq_pieces  # floats per warpgroup staging buffer
     for g in cutlass.range(group, unroll=1):
       head = head_kv * group + g
       for m_block in cutlass.range(m_min, m_max, unroll=1):
-        for wg in cutlass.range_constexpr(_NUM_WG):
-          # Groups complete in order: the previous step's reduction of half wg has been read
-          # once at most _NUM_WG - 1 - wg groups are pending.
-          if lane == 0:
-            cute.arch.cp_async_bulk_wait_group(_NUM_WG - 1 - wg, read=True)
-          cute.arch.barrier_arrive(barrier_id=_DQ_EMPTY_BARRIER + wg,
-                                   number_of_threads=_DQ_BARRIER_THREADS)
-        gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim),
-                              (m_block, 0))
-        if const_expr(self.deterministic):
-          sem = mSem[None, head, batch].iterator + m_block
-          if lane == 0:
-            bwd_common.wait_at_least(sem, self._dq_rank(m_block, n_block, seqlen_q, seqlen_k))
-            cute.arch.fence_proxy("async.global")
-        for wg in cutlass.range_constexpr(_NUM_WG):
-          cute.arch.barrier(barrier_id=_DQ_FULL_BARRIER + wg,
-                            number_of_threads=_DQ_BARRIER_THREADS)
-          if lane == 0:
-            bwd_common.bulk_reduce_add_f32(gdQ.iterator + wg * half, sdQ.iterator + wg * half,
-                                           half * 4)
-            cute.arch.cp_async_bulk_commit_group()
+        for p in cutlass.range_constexpr(self.dq_pieces):
+          for wg in cutlass.range_constexpr(_NUM_WG):
+            # Groups complete in order: the previous reduction out of buffer wg has been read
+            # once at most _NUM_WG - 1 - wg groups are pending.
+            if lane == 0:
+              cute.arch.cp_async_bulk_wait_group(_NUM_WG - 1 - wg, read=True)
+            cute.arch.barrier_arrive(barrier_id=_DQ_EMPTY_BARRIER + wg,
+                                     number_of_threads=_DQ_BARRIER_THREADS)
+          if const_expr(p == 0):
+            gdQ = cute.local_tile(mdQaccum[None, None, head, batch],
+                                  (self.tile_m, self.head_dim), (m_block, 0))
+            if const_expr(self.deterministic):
+              sem = mSem[None, head, batch].iterator + m_block
+              if lane == 0:
+                bwd_common.wait_at_least(sem,
+                                         self._dq_rank(m_block, n_block, seqlen_q, seqlen_k))
+                cute.arch.fence_proxy("async.global")
+          for wg in cutlass.range_constexpr(_NUM_WG):
+            cute.arch.barrier(barrier_id=_DQ_FULL_BARRIER + wg,
+                              number_of_threads=_DQ_BARRIER_THREADS)
+            if lane == 0:
+              # Piece p of warpgroup wg's half: floats [p * buf, (p + 1) * buf) of the half.
+              bwd_common.bulk_reduce_add_f32(gdQ.iterator + wg * half + p * buf,
+                                             sdQ.iterator + wg * buf, buf * 4)
+              cute.arch.cp_async_bulk_commit_group()
         if const_expr(self.deterministic):
           if lane == 0:
             # Written (not only read) before the next key block may add to the same floats.

@@ -68,14 +68,23 @@ class FlashAttentionForwardSm90:
   persistent: grid = #SMs, each CTA walks a static list of tiles (next tile's loads overlap the
     epilogue); else one CTA per tile. Causal always uses the LPT tile order
     (tile_scheduler.StaticTileScheduler).
+  rescale_threshold_log2: 0 rescales O whenever a row max grows (FA-3); t > 0 keeps a stale
+    row max until a block's max exceeds it by more than t in log2 units (FA-4's conditional
+    rescaling; P then reaches up to 2^t), and skips the O multiply for warps where no row moved.
+    Shipped: 8 (the skip branch also keeps ptxas from hoisting the PV wait above the softmax
+    exps; docs/perf-notes.md has the A/B against 0).
+  exp2_emulation_every: 0 takes every softmax exp2 on MUFU; n > 0 computes every n-th column's
+    on the FMA/integer pipes instead (softmax.exp2_fma), to balance MUFU against them. Off by
+    default; not measured yet.
   """
 
   def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
-               causal: bool, *, intra_wg_overlap: bool = True, pingpong=None, persistent=None):
+               causal: bool, *, intra_wg_overlap: bool = True, pingpong=None, persistent=None,
+               rescale_threshold_log2: float = 8.0, exp2_emulation_every: int = 0):
     self.dtype = dtype
     self.head_dim = head_dim
     self.head_dim_v = head_dim_v
-    # WGMMA's K step is 16 elements; the shipped head dims are multiples of 64 already.
+    # WGMMA's K step is 16 elements; the shipped head dims (64 to 256) are multiples of 32.
     self.head_dim_padded = (head_dim + 15) // 16 * 16
     self.tile_m = tile.tile_m
     self.tile_n = tile.tile_n
@@ -100,6 +109,8 @@ class FlashAttentionForwardSm90:
     # O of hdim_v > 128 is 128+ registers per thread: rescale it while Q K^T runs instead of
     # after the PV GEMM, off the path between the PV wait and the next GEMMs.
     self.rescale_o_before_pv = intra_wg_overlap and head_dim_v > 128
+    self.rescale_threshold_log2 = softmax.check_rescale_threshold(rescale_threshold_log2)
+    self.exp2_emulation_every = softmax.check_exp2_emulation_every(exp2_emulation_every)
 
   @staticmethod
   def smem_bytes(head_dim: int, head_dim_v: int, tile: config.TileConfig,
@@ -379,7 +390,8 @@ class FlashAttentionForwardSm90:
     tScS_mn = softmax.make_acc_mn_view(
         thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
     num_rows = cute.size(tScS_mn, mode=[0])
-    online = softmax.OnlineSoftmax.create(softmax_scale * softmax.LOG2_E, num_rows)
+    online = softmax.OnlineSoftmax.create(softmax_scale * softmax.LOG2_E, num_rows,
+                                          self.rescale_threshold_log2, self.exp2_emulation_every)
     row_scale = cute.make_rmem_tensor(num_rows, Float32)
     # P of the previous key block: with intra-warpgroup overlap it lives across iterations.
     tOrP = softmax.make_p_fragment(acc_shape_s, self.dtype)
@@ -494,7 +506,7 @@ class FlashAttentionForwardSm90:
     sm90_gemm.gemm(c.tiled_mma_qk, acc_s, c.tSrQ, c.tSrK[None, None, None, kv_state.index],
            zero_init=True)
     if const_expr(self.rescale_o_before_pv):
-      softmax.scale_rows(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
+      c.online.rescale(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
     pipeline_v.consumer_wait(v_state)
     sm90_gemm.gemm(c.tiled_mma_pv, c.acc_o, c.tOrP, c.tOrV[None, None, None, v_state.index],
            zero_init=False)
@@ -507,13 +519,13 @@ class FlashAttentionForwardSm90:
     # P of the previous block is free only now (the PV GEMM read it from registers).
     softmax.convert_p(acc_s, c.tOrP)
     if const_expr(not self.rescale_o_before_pv):
-      softmax.scale_rows(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
+      c.online.rescale(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
 
   @cute.jit
   def last_block(self, c, kv_state):
     """Overlap epilogue: O += P V of the last key block."""
     if const_expr(self.rescale_o_before_pv):
-      softmax.scale_rows(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
+      c.online.rescale(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
     pipeline_v = c.pipeline_v
     pipeline_v.consumer_wait(kv_state)
     sm90_gemm.gemm(c.tiled_mma_pv, c.acc_o, c.tOrP, c.tOrV[None, None, None, kv_state.index],
@@ -537,7 +549,7 @@ class FlashAttentionForwardSm90:
     warpgroup.wait_group(0)
     pipeline_k.consumer_release(kv_state)
     self._softmax(c, acc_s, m_block, n_block, seqlen_q, seqlen_k, is_masked)
-    softmax.scale_rows(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
+    c.online.rescale(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
     softmax.convert_p(acc_s, c.tOrP)
     pipeline_v.consumer_wait(kv_state)
     self._scheduler_sync(wg)
