@@ -3,6 +3,11 @@
 Timing (docs/perf-anchors.md): 2 warm-ups, then 7 repetitions of 5 calls dispatched back to back
 and blocked on the last; the median per-call time counts. Shapes: batch * seq = 16384 tokens,
 heads = 2048 / head_dim. Needs the jaxflash kernels in JAXFLASH_CACHE_DIR (scripts/gpu_check.sh).
+--hdim takes head dims (64) or head_dim x head_dim_v pairs (192x128, the DeepSeek MLA shape).
+Flops: forward 2*b*h*s^2*(d + dv) (= 4*b*h*s^2*d when dv == d), halved if causal; forward +
+backward 2*b*h*s^2*(4d + 3dv) (3.5x the forward when dv == d), halved if causal.
+Forward+backward rows also time jaxflash with deterministic=True ("jaxflash det.", --skip-det
+leaves it out) and give its ratio to the default backward.
 """
 
 from __future__ import annotations
@@ -24,20 +29,60 @@ import jaxflash
 
 TOKENS, WIDTH = 16384, 2048
 WARMUPS, REPS, CALLS = 2, 7, 5
-IMPLS = ("jaxflash", "cudnn", "xla")
-LABELS = {"jaxflash": "jaxflash", "cudnn": "cuDNN", "xla": "XLA"}
+IMPLS = ("jaxflash", "jaxflash-det", "cudnn", "xla")
+LABELS = {"jaxflash": "jaxflash", "jaxflash-det": "jaxflash det.", "cudnn": "cuDNN", "xla": "XLA"}
+# jaxflash-det = deterministic=True: only its backward differs, so it is timed in fwd+bwd only.
+FWD_BWD_ONLY = ("jaxflash-det",)
 # Which head dims have a CuTe backward kernel decides what jaxflash's fwd+bwd column measures.
 _BWD_KERNEL_HDIMS = tuple(
-    d for d in jaxflash.config.KERNEL_HEAD_DIMS
-    if jaxflash.config.kernel_support("bwd", "bfloat16", d, d,
+    (d, dv) for d, dv in jaxflash.config.KERNEL_HEAD_DIM_PAIRS
+    if jaxflash.config.kernel_support("bwd", "bfloat16", d, dv,
                                       jaxflash.config.AttentionConfig(softmax_scale=1.0))[0])
-BWD_NOTE = (f"jaxflash fwd+bwd = CuTe forward + CuTe backward for head_dim {_BWD_KERNEL_HDIMS}, "
-            f"pure-JAX reference backward for other head dims")
+BWD_NOTE = (f"jaxflash fwd+bwd = CuTe forward + CuTe backward for head_dim "
+            f"{tuple(d for d, _ in _BWD_KERNEL_HDIMS)} (= head_dim_v), pure-JAX reference "
+            f"backward for other head dims")
+# jax.nn.dot_product_attention wants v's head dim equal to q/k's. With head_dim_v != head_dim,
+# cuDNN runs through jax's own cuDNN entry point, which passes a smaller v head dim to cuDNN
+# (its MLA support: cuDNN >= 9.10 on Hopper); XLA gets v zero-padded to head_dim (the output
+# sliced back), so its column pays for the padded P V product.
+DV_NOTES = {"cudnn": "head_dim_v != head_dim: jax._src.cudnn dot_product_attention (jax.nn "
+                     "needs equal head dims)",
+            "xla": "head_dim_v != head_dim: v zero-padded to head_dim (jax.nn needs equal "
+                   "head dims); flops counted unpadded"}
 
 
-def attention_fn(impl: str, causal: bool):
-  if impl == "jaxflash":
-    return lambda q, k, v: jaxflash.attention(q, k, v, causal=causal, implementation="cute")
+def parse_hdim(text: str) -> tuple[int, int]:
+  """'128' -> (128, 128); '192x128' -> (192, 128): head_dim [x head_dim_v]."""
+  d, sep, dv = text.partition("x")
+  try:
+    pair = (int(d), int(dv) if sep else int(d))
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"--hdim: {text!r} is not D or DxDV (e.g. 128, 192x128)") from None
+  if min(pair) <= 0:
+    raise argparse.ArgumentTypeError(f"--hdim: {text!r} needs positive head dims")
+  return pair
+
+
+def hdim_label(head_dim: int, head_dim_v: int) -> str:
+  return str(head_dim) if head_dim == head_dim_v else f"{head_dim}x{head_dim_v}"
+
+
+def attention_fn(impl: str, causal: bool, head_dim: int, head_dim_v: int):
+  if impl in ("jaxflash", "jaxflash-det"):
+    return lambda q, k, v: jaxflash.attention(q, k, v, causal=causal, implementation="cute",
+                                              deterministic=impl == "jaxflash-det")
+  if head_dim_v != head_dim and impl == "cudnn":
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+    mask = cudnn_attention.MaskType.CAUSAL if causal else cudnn_attention.MaskType.NO_MASK
+    return lambda q, k, v: cudnn_attention.dot_product_attention(
+        q, k, v, scale=head_dim ** -0.5, mask_type=mask, qkv_layout="BTNH")
+  if head_dim_v != head_dim:
+    def padded(q, k, v):
+      v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, head_dim - head_dim_v)))
+      out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+      return out[..., :head_dim_v]
+    return padded
   return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                       implementation=impl)
 
@@ -63,9 +108,16 @@ def time_ms(fn, *args) -> float:
   return statistics.median(samples)
 
 
-def fwd_flops(batch, heads, seq, head_dim, causal) -> float:
-  flops = 4.0 * batch * heads * seq * seq * head_dim
+def fwd_flops(batch, heads, seq, head_dim, head_dim_v, causal) -> float:
+  """Q K^T (2 s^2 d) + P V (2 s^2 dv) per (batch, head)."""
+  flops = 2.0 * batch * heads * seq * seq * (head_dim + head_dim_v)
   return flops / 2 if causal else flops
+
+
+def fwd_bwd_flops(batch, heads, seq, head_dim, head_dim_v, causal) -> float:
+  """Forward plus backward: Q K^T, dQ, dK in d (3 GEMMs), dO V^T and dV in dv (2)."""
+  bwd = 2.0 * batch * heads * seq * seq * (3 * head_dim + 2 * head_dim_v)
+  return fwd_flops(batch, heads, seq, head_dim, head_dim_v, causal) + (bwd / 2 if causal else bwd)
 
 
 def relative_l2(a, b) -> float:
@@ -73,38 +125,44 @@ def relative_l2(a, b) -> float:
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def run_cell(head_dim, seq, causal, dtype, modes, impls, xla_max_scores, rng):
+def run_cell(head_dim, head_dim_v, seq, causal, dtype, modes, impls, xla_max_scores, rng):
   """All (impl, mode) timings of one shape; returns result records."""
   batch, heads = TOKENS // seq, WIDTH // head_dim
-  shape = (batch, seq, heads, head_dim)
-  q, k, v, ct = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(4))
-  base = {"head_dim": head_dim, "seq": seq, "causal": causal, "batch": batch, "heads": heads,
-          "dtype": jnp.dtype(dtype).name}
+  shape, shape_v = (batch, seq, heads, head_dim), (batch, seq, heads, head_dim_v)
+  q, k, v, ct = (jnp.asarray(rng.standard_normal(s), dtype)
+                 for s in (shape, shape, shape_v, shape_v))
+  base = {"head_dim": head_dim, "head_dim_v": head_dim_v, "seq": seq, "causal": causal,
+          "batch": batch, "heads": heads, "dtype": jnp.dtype(dtype).name}
   records, outputs = [], {}
   for impl in impls:
-    attn = attention_fn(impl, causal)
+    attn = attention_fn(impl, causal, head_dim, head_dim_v)
     for mode in modes:
-      rec = dict(base, impl=impl, mode=mode, ms=None, tflops=None, note="")
+      if mode == "fwd" and impl in FWD_BWD_ONLY:
+        continue
+      rec = dict(base, impl=impl, mode=mode, ms=None, tflops=None,
+                 note=DV_NOTES.get(impl, "") if head_dim_v != head_dim else "")
       records.append(rec)
       if impl == "xla" and batch * heads * seq * seq > xla_max_scores:
         rec["note"] = f"skipped: {batch * heads * seq * seq:.2e} scores > --xla-max-scores"
         continue
       fn = jax.jit(attn if mode == "fwd" else fwd_bwd_fn(attn, ct))
       try:
-        if impl in ("jaxflash", "cudnn"):  # out (fwd) or (dq, dk, dv), compared below
+        if impl != "xla":  # out (fwd) or (dq, dk, dv), compared with cuDNN's below
           outputs[(impl, mode)] = np.concatenate(
               [np.asarray(x, np.float32).ravel() for x in jax.tree_util.tree_leaves(fn(q, k, v))])
         rec["ms"] = time_ms(fn, q, k, v)
       except Exception as e:  # report it and keep going
         rec["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         continue
-      flops = fwd_flops(batch, heads, seq, head_dim, causal) * (1.0 if mode == "fwd" else 3.5)
+      count = fwd_flops if mode == "fwd" else fwd_bwd_flops
+      flops = count(batch, heads, seq, head_dim, head_dim_v, causal)
       rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
-      if mode != "fwd" and impl == "jaxflash" and head_dim not in _BWD_KERNEL_HDIMS:
+      if (mode != "fwd" and impl.startswith("jaxflash")
+          and (head_dim, head_dim_v) not in _BWD_KERNEL_HDIMS):
         rec["note"] = "bwd = reference"
   for rec in records:
-    ours, theirs = (outputs.get((i, rec["mode"])) for i in ("jaxflash", "cudnn"))
-    if rec["impl"] == "jaxflash" and ours is not None and theirs is not None:
+    ours, theirs = (outputs.get((i, rec["mode"])) for i in (rec["impl"], "cudnn"))
+    if rec["impl"].startswith("jaxflash") and ours is not None and theirs is not None:
       rec["rel_l2_vs_cudnn"] = relative_l2(ours, theirs)
   return records
 
@@ -115,18 +173,24 @@ def _fmt(x, digits=0):
 
 def markdown(records, modes, impls) -> str:
   """One row per shape: TFLOP/s per (mode, impl), jaxflash/cuDNN ratios, output error."""
-  cols = [(m, i) for m in modes for i in impls]
+  cols = [(m, i) for m in modes for i in impls if not (m == "fwd" and i in FWD_BWD_ONLY)]
+  det = "fwd+bwd" in modes and "jaxflash-det" in impls
   head = ["hdim", "seq", "causal"] + [f"{LABELS[i]} {m}" for m, i in cols]
-  head += [f"jaxflash/cuDNN {m}" for m in modes] + [f"rel. L2 vs cuDNN {m}" for m in modes]
+  head += [f"jaxflash/cuDNN {m}" for m in modes] + ["det./default fwd+bwd"] * det
+  head += [f"rel. L2 vs cuDNN {m}" for m in modes]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   cells = {}
   for r in records:
-    cells.setdefault((r["head_dim"], r["seq"], r["causal"]), {})[(r["mode"], r["impl"])] = r
+    key = (hdim_label(r["head_dim"], r["head_dim_v"]), r["seq"], r["causal"])
+    cells.setdefault(key, {})[(r["mode"], r["impl"])] = r
   for (d, s, c), row in cells.items():
     vals = [_fmt(row.get(col, {}).get("tflops")) for col in cols]
     for m in modes:
       jf, cu = (row.get((m, i), {}).get("tflops") for i in ("jaxflash", "cudnn"))
       vals.append(_fmt(jf / cu, 2) if jf and cu else "-")
+    if det:
+      jd, jf = (row.get(("fwd+bwd", i), {}).get("tflops") for i in ("jaxflash-det", "jaxflash"))
+      vals.append(_fmt(jd / jf, 2) if jd and jf else "-")
     for m in modes:
       err = row.get((m, "jaxflash"), {}).get("rel_l2_vs_cudnn")
       vals.append("-" if err is None else f"{err:.1e}")
@@ -141,25 +205,26 @@ def plot(records, modes, impls, path: Path) -> str:
     import matplotlib.pyplot as plt
   except ImportError:
     return "matplotlib is not installed: no plot written"
-  hdims = sorted({r["head_dim"] for r in records})
+  hdims = sorted({(r["head_dim"], r["head_dim_v"]) for r in records})
   causals = sorted({r["causal"] for r in records})
   fig, axes = plt.subplots(len(causals), len(hdims), figsize=(5 * len(hdims), 4 * len(causals)),
                            squeeze=False)
   for row, causal in enumerate(causals):
     for col, d in enumerate(hdims):
       ax = axes[row][col]
-      for color, impl in zip(("tab:red", "tab:blue", "tab:gray"), impls):
+      for color, impl in zip(("tab:red", "tab:orange", "tab:blue", "tab:gray"), impls):
         for mode in modes:
           pts = sorted((r["seq"], r["tflops"]) for r in records
-                       if r["impl"] == impl and r["mode"] == mode and r["head_dim"] == d
-                       and r["causal"] == causal and r["tflops"])
+                       if r["impl"] == impl and r["mode"] == mode
+                       and (r["head_dim"], r["head_dim_v"]) == d and r["causal"] == causal
+                       and r["tflops"])
           if pts:
             ax.plot(*zip(*pts), marker="o", linestyle="-" if mode == "fwd" else "--",
                     color=color, label=f"{LABELS[impl]} {mode}")
       seqs = sorted({r["seq"] for r in records})
       ax.set_xscale("log", base=2)
       ax.set_xticks(seqs, [f"{s // 1024}k" if s >= 1024 else str(s) for s in seqs])
-      ax.set_title(f"hdim {d}, {'causal' if causal else 'non-causal'}")
+      ax.set_title(f"hdim {hdim_label(*d)}, {'causal' if causal else 'non-causal'}")
       ax.set_xlabel("seq length (batch * seq = 16k)")
       ax.set_ylabel("TFLOP/s")
       ax.grid(alpha=0.3)
@@ -174,13 +239,16 @@ def plot(records, modes, impls, path: Path) -> str:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-  p.add_argument("--hdim", type=int, nargs="+", default=[64, 128, 256])
+  p.add_argument("--hdim", type=parse_hdim, nargs="+", default=[(64, 64), (128, 128), (256, 256)],
+                 help="head dims: D (head_dim_v = D) or DxDV, e.g. 64 96 192 192x128")
   p.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
   p.add_argument("--causal", type=int, nargs="+", default=[0, 1], choices=(0, 1))
   only = p.add_mutually_exclusive_group()
   only.add_argument("--fwd-only", action="store_true", help="skip forward+backward")
   only.add_argument("--bwd-only", action="store_true", help="forward+backward only")
   p.add_argument("--skip-xla", action="store_true")
+  p.add_argument("--skip-det", action="store_true",
+                 help="skip the deterministic-backward jaxflash column (fwd+bwd)")
   p.add_argument("--quick", action="store_true", help="seq 1024 and 4096 only")
   p.add_argument("--xla-max-scores", type=float, default=2.0**31,
                  help="skip XLA where batch*heads*seq^2 exceeds this (it materializes scores)")
@@ -189,7 +257,8 @@ def main(argv=None) -> int:
   if args.quick:
     args.seq = [1024, 4096]
   modes = ("fwd",) if args.fwd_only else ("fwd+bwd",) if args.bwd_only else ("fwd", "fwd+bwd")
-  impls = tuple(i for i in IMPLS if not (args.skip_xla and i == "xla"))
+  impls = tuple(i for i in IMPLS if not (args.skip_xla and i == "xla")
+                and not ((args.skip_det or args.fwd_only) and i == "jaxflash-det"))
   dtype = jnp.dtype(args.dtype)
   device = jax.devices()[0]
   print(f"device: {device.device_kind}; jax {jax.__version__}; jaxflash {jaxflash.__version__}; "
@@ -197,17 +266,21 @@ def main(argv=None) -> int:
         flush=True)
   rng = np.random.default_rng(0)
   records, start = [], time.perf_counter()
-  for d in args.hdim:
+  for d, dv in args.hdim:
     for s in args.seq:
       for c in args.causal:
-        cell = run_cell(d, s, bool(c), dtype, modes, impls, args.xla_max_scores, rng)
+        cell = run_cell(d, dv, s, bool(c), dtype, modes, impls, args.xla_max_scores, rng)
         records += cell
         summary = ", ".join(f"{r['impl']} {r['mode']} {_fmt(r['tflops'])}" for r in cell)
-        print(f"  hdim {d} seq {s} causal {c}: {summary} TFLOP/s "
+        print(f"  hdim {hdim_label(d, dv)} seq {s} causal {c}: {summary} TFLOP/s "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
   table = markdown(records, modes, impls)
-  notes = sorted({f"{r['impl']} {r['mode']} hdim {r['head_dim']} seq {r['seq']}: {r['note']}"
+  notes = sorted({f"{r['impl']} {r['mode']} hdim {hdim_label(r['head_dim'], r['head_dim_v'])} "
+                  f"seq {r['seq']}: {r['note']}"
                   for r in records if r["note"].startswith(("skipped", "failed"))})
+  notes += sorted({f"{LABELS[r['impl']]} hdim {hdim_label(r['head_dim'], r['head_dim_v'])}: "
+                   f"{DV_NOTES[r['impl']]}" for r in records
+                   if r["head_dim_v"] != r["head_dim"] and r["impl"] in DV_NOTES})
   print("\n" + table + "\n")
   if "fwd+bwd" in modes:
     print(f"note: {BWD_NOTE}")
@@ -216,7 +289,7 @@ def main(argv=None) -> int:
   args.out.mkdir(parents=True, exist_ok=True)
   meta = {"device": device.device_kind, "jax": jax.__version__, "jaxflash": jaxflash.__version__,
           "dtype": args.dtype, "timing": f"{WARMUPS} warm-ups, median of {REPS} x {CALLS} calls",
-          "flops": "fwd 4*b*h*s*s*d (halved if causal); fwd+bwd 3.5x fwd",
+          "flops": "fwd 2*b*h*s*s*(d+dv), fwd+bwd 2*b*h*s*s*(4d+3dv); halved if causal",
           "note": BWD_NOTE, "date": datetime.datetime.now().isoformat(timespec="seconds"),
           "seconds": round(time.perf_counter() - start, 1)}
   (args.out / "bench_attention.json").write_text(
