@@ -12,11 +12,9 @@ from cutlass import Float32, const_expr
 from jaxflash.kernels import bwd_common
 from jaxflash.kernels import sm90_gemm
 
+_select = sm90_gemm.select_modes
+
 _NUM_THREADS = bwd_common.NUM_MMA_WARPGROUPS * sm90_gemm.WARPGROUP_THREADS
-
-
-def _select(t: cute.Tensor, modes) -> cute.Tensor:
-  return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 class FlashAttentionBackwardPostprocess:

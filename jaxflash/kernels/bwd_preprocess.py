@@ -12,15 +12,14 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from jaxflash.kernels import bwd_common
+from jaxflash.kernels import sm90_gemm
+
+_select = sm90_gemm.select_modes
 
 LOG2_E = math.log2(math.e)
 _NUM_THREADS = 256
 # 16 bytes per thread per load: the widest global access.
 _VEC = 8
-
-
-def _select(t: cute.Tensor, modes) -> cute.Tensor:
-  return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 class FlashAttentionBackwardPreprocess:

@@ -19,10 +19,10 @@ from jaxflash.kernels import mask
 from jaxflash.kernels import sm90_gemm
 from jaxflash.kernels import softmax
 
+_select = sm90_gemm.select_modes
+
 DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 LOG2_E = math.log2(math.e)
-# sm_90 opt-in shared memory per block: 227 KiB (232448 bytes).
-_SMEM_CAPACITY = 232448
 _WG = sm90_gemm.WARPGROUP_THREADS
 _NUM_WG = bwd_common.NUM_MMA_WARPGROUPS
 # Named barriers (0 is __syncthreads). The dS tile is shared by both consumer warpgroups: it must
@@ -53,10 +53,6 @@ def _ring_shape(head_dim: int, num_stages: int) -> tuple[int, int]:
   if head_dim > 192:
     return 1, 2
   return num_stages, 1
-
-
-def _select(t: cute.Tensor, modes) -> cute.Tensor:
-  return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 class FlashAttentionBackwardSm90:
@@ -142,9 +138,9 @@ class FlashAttentionBackwardSm90:
     if tile.num_stages not in (1, 2):
       return False, f"num_stages {tile.num_stages} unsupported; accepted: 1, 2"
     smem = FlashAttentionBackwardSm90.smem_bytes(head_dim, head_dim_v, tile)
-    if smem > _SMEM_CAPACITY:
+    if smem > sm90_gemm.SMEM_CAPACITY:
       return False, (f"tile {tile.key} needs {smem} bytes of shared memory for head_dim "
-                     f"{head_dim}; sm_90 has {_SMEM_CAPACITY}")
+                     f"{head_dim}; sm_90 has {sm90_gemm.SMEM_CAPACITY}")
     return True, ""
 
   def _setup_attributes(self):

@@ -20,9 +20,9 @@ from jaxflash.kernels import sm90_gemm
 from jaxflash.kernels import softmax
 from jaxflash.kernels import tile_scheduler
 
+_select = sm90_gemm.select_modes
+
 DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
-# sm_90 opt-in shared memory per block: 227 KiB (232448 bytes).
-_SMEM_CAPACITY = 232448
 _WARPGROUP_THREADS = sm90_gemm.WARPGROUP_THREADS
 _WARP_THREADS = sm90_gemm.WARP_THREADS
 _SMEM_ALIGN = sm90_gemm.SMEM_ALIGN
@@ -45,10 +45,6 @@ def _smem_layout(dtype, layout: LayoutEnum, rows: int, cols: int, stages=None):
   if stages is not None:
     shape, order = (rows, cols, stages), order + (2,)
   return cute.tile_to_shape(atom, shape, order)
-
-
-def _select(t: cute.Tensor, modes) -> cute.Tensor:
-  return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 class FlashAttentionForwardSm90:
@@ -142,9 +138,9 @@ class FlashAttentionForwardSm90:
     if tile.num_stages < 1:
       return False, f"num_stages {tile.num_stages} unsupported; accepted: >= 1"
     smem = FlashAttentionForwardSm90.smem_bytes(head_dim, head_dim_v, tile)
-    if smem > _SMEM_CAPACITY:
+    if smem > sm90_gemm.SMEM_CAPACITY:
       return False, (f"tile {tile.key} needs {smem} bytes of shared memory for head_dim "
-                     f"{head_dim}; sm_90 has {_SMEM_CAPACITY}")
+                     f"{head_dim}; sm_90 has {sm90_gemm.SMEM_CAPACITY}")
     return True, ""
 
   def _setup_attributes(self):
@@ -474,15 +470,32 @@ class FlashAttentionForwardSm90:
                       self.tile_m, self.tile_n, self.causal)
     c.online.online_softmax(acc_s_mn, c.row_scale)
 
+  # The consumer GEMMs and O rescale, one place each (first_block, overlap_step, last_block and
+  # mma_step order them differently).
+  def _new_acc_s(self, c):
+    return c.tiled_mma_qk.get_slice(0).make_fragment_C(c.acc_shape_s)
+
+  def _issue_qk(self, c, acc_s: cute.Tensor, k_state):
+    """Issues S = Q K^T with K from slot k_state (the caller waits with wait_group)."""
+    sm90_gemm.gemm(c.tiled_mma_qk, acc_s, c.tSrQ, c.tSrK[None, None, None, k_state.index],
+                   zero_init=True)
+
+  def _issue_pv(self, c, v_state):
+    """Issues O += P V with P from registers and V from slot v_state."""
+    sm90_gemm.gemm(c.tiled_mma_pv, c.acc_o, c.tOrP, c.tOrV[None, None, None, v_state.index],
+                   zero_init=False)
+
+  def _rescale_o(self, c):
+    c.online.rescale(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
+
   @cute.jit
   def first_block(self, c, kv_state, m_block: Int32, n_block: Int32, seqlen_q: Int32,
                   seqlen_k: Int32):
     """Overlap prologue: S and P of the first (always masked) key block; O is still 0."""
-    acc_s = c.tiled_mma_qk.get_slice(0).make_fragment_C(c.acc_shape_s)
+    acc_s = self._new_acc_s(c)
     pipeline_k = c.pipeline_k
     pipeline_k.consumer_wait(kv_state)
-    sm90_gemm.gemm(c.tiled_mma_qk, acc_s, c.tSrQ, c.tSrK[None, None, None, kv_state.index],
-           zero_init=True)
+    self._issue_qk(c, acc_s, kv_state)
     warpgroup.wait_group(0)
     pipeline_k.consumer_release(kv_state)
     self._softmax(c, acc_s, m_block, n_block, seqlen_q, seqlen_k, True)
@@ -494,22 +507,22 @@ class FlashAttentionForwardSm90:
     """S(n_block) = Q K^T (K slot kv_state) and O += P V of the previous block (V slot v_state)
     in flight together; the softmax of n_block runs while the PV GEMM is still going.
 
-    SASS (ptxas 13): the WARPGROUP.DEPBAR of the wait_group(0) below lands right after the first
-    SHFL of the softmax, so only the first row max overlaps the PV GEMM; ping-pong hides the
-    rest. Predicating the wait made ptxas serialise every WGMMA; two P buffers (no wait at all
-    here) spilled at 240 registers and serialised too.
+    SASS (ptxas 13): with rescale_threshold_log2 = 0 the WARPGROUP.DEPBAR of the wait_group(0)
+    below lands right after the first SHFL of the softmax (only the first row max overlaps the
+    PV GEMM); with the shipped threshold 8 the rescale's vote branch ends a basic block and the
+    wait lands after most of the exps. The H200 A/B measured no difference: ping-pong already
+    hides the softmax. Predicating the wait made ptxas serialise every WGMMA; two P buffers (no
+    wait at all here) spilled at 240 registers and serialised too.
     """
     pipeline_k, pipeline_v = c.pipeline_k, c.pipeline_v
-    acc_s = c.tiled_mma_qk.get_slice(0).make_fragment_C(c.acc_shape_s)
+    acc_s = self._new_acc_s(c)
     pipeline_k.consumer_wait(kv_state)
     self._scheduler_sync(wg)
-    sm90_gemm.gemm(c.tiled_mma_qk, acc_s, c.tSrQ, c.tSrK[None, None, None, kv_state.index],
-           zero_init=True)
+    self._issue_qk(c, acc_s, kv_state)
     if const_expr(self.rescale_o_before_pv):
-      c.online.rescale(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
+      self._rescale_o(c)
     pipeline_v.consumer_wait(v_state)
-    sm90_gemm.gemm(c.tiled_mma_pv, c.acc_o, c.tOrP, c.tOrV[None, None, None, v_state.index],
-           zero_init=False)
+    self._issue_pv(c, v_state)
     self._scheduler_arrive(wg)
     warpgroup.wait_group(1)
     pipeline_k.consumer_release(kv_state)
@@ -519,17 +532,16 @@ class FlashAttentionForwardSm90:
     # P of the previous block is free only now (the PV GEMM read it from registers).
     softmax.convert_p(acc_s, c.tOrP)
     if const_expr(not self.rescale_o_before_pv):
-      c.online.rescale(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
+      self._rescale_o(c)
 
   @cute.jit
   def last_block(self, c, kv_state):
     """Overlap epilogue: O += P V of the last key block."""
     if const_expr(self.rescale_o_before_pv):
-      c.online.rescale(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
+      self._rescale_o(c)
     pipeline_v = c.pipeline_v
     pipeline_v.consumer_wait(kv_state)
-    sm90_gemm.gemm(c.tiled_mma_pv, c.acc_o, c.tOrP, c.tOrV[None, None, None, kv_state.index],
-           zero_init=False)
+    self._issue_pv(c, kv_state)
     warpgroup.wait_group(0)
     pipeline_v.consumer_release(kv_state)
 
@@ -541,20 +553,18 @@ class FlashAttentionForwardSm90:
     Ping-pong turn: from the PV GEMM of this block to the QK^T GEMM of the next one.
     """
     pipeline_k, pipeline_v = c.pipeline_k, c.pipeline_v
-    acc_s = c.tiled_mma_qk.get_slice(0).make_fragment_C(c.acc_shape_s)
+    acc_s = self._new_acc_s(c)
     pipeline_k.consumer_wait(kv_state)
-    sm90_gemm.gemm(c.tiled_mma_qk, acc_s, c.tSrQ, c.tSrK[None, None, None, kv_state.index],
-           zero_init=True)
+    self._issue_qk(c, acc_s, kv_state)
     self._scheduler_arrive(wg)
     warpgroup.wait_group(0)
     pipeline_k.consumer_release(kv_state)
     self._softmax(c, acc_s, m_block, n_block, seqlen_q, seqlen_k, is_masked)
-    c.online.rescale(softmax.make_acc_mn_view(c.acc_o), c.row_scale)
+    self._rescale_o(c)
     softmax.convert_p(acc_s, c.tOrP)
     pipeline_v.consumer_wait(kv_state)
     self._scheduler_sync(wg)
-    sm90_gemm.gemm(c.tiled_mma_pv, c.acc_o, c.tOrP, c.tOrV[None, None, None, kv_state.index],
-           zero_init=False)
+    self._issue_pv(c, kv_state)
     warpgroup.wait_group(0)
     pipeline_v.consumer_release(kv_state)
 

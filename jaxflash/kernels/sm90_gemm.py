@@ -1,4 +1,4 @@
-"""Hopper (sm_90a) shared-memory tile layouts, WGMMA issue and accumulator-to-smem stores.
+"""Hopper (sm_90a) shared-memory tile layouts, tensor views, WGMMA issue and smem stores.
 
 Imports cutlass only. Shared by the forward and backward kernels.
 """
@@ -12,8 +12,15 @@ from cutlass.utils import LayoutEnum
 
 # Each shared buffer starts on a 1 KiB boundary: the 128B swizzle pattern repeats every 1 KiB.
 SMEM_ALIGN = 1024
+# sm_90 opt-in shared memory per block: 227 KiB.
+SMEM_CAPACITY = 232448
 WARPGROUP_THREADS = 128
 WARP_THREADS = 32
+
+
+def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
+  """The same memory with its modes reordered (e.g. (batch, seq, heads, dim) -> seq first)."""
+  return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 def smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
