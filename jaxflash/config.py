@@ -106,11 +106,19 @@ def default_tile(direction: str, arch: str, head_dim: int, head_dim_v: int, caus
     # registers (RS GEMM), which FA-4's notes (flash_attn/cute/interface.py) measure as about
     # half the speed with 192-row tiles on H100 (3 consumer warpgroups get 160 registers each).
     # So 2 consumer warpgroups, FA-3's earlier 128x128 hdim-96 choice. Measured (through JAX,
-    # seq 1k/4k): 428/566 (causal 275/461) vs cuDNN 396/480; no other tile was tried.
+    # seq 1k/4k): 428/566 (causal 275/461) vs cuDNN 396/480. Self-test A/B (seq 1k/4k/16k):
+    # 128x128 481/590/556 (median of 3; causal 313/509/594), 128x160 450/588/558 (causal
+    # 289/499/587), 128x176 476/601/577 (one run; causal 288/497/546): 128x128 kept.
     return TileConfig(128, 128, 2)
   if head_dim <= 128:
-    # 128x128, 2 stages: 558/677/654 (causal 378/615/710); 3 stages: same or slower.
-    return TileConfig(128, 128, 2)
+    # Non-causal: 128x176 (FA-3's Hopper choice; 176 keys = 11 WGMMA K steps of P V). Self-test
+    # A/B (seq 1k/4k/16k): 128x128 549/667/633 (median of 3 interleaved runs), 128x160
+    # 526/686/655 (median of 3), 128x176 547/689/655 (one run): fewer barriers and waits per
+    # key, and 176 leaves <= 3 % of a block unused at seq 512-16k where 160 wastes up to 25 %.
+    # Causal: 128x128: 372/604/700 against 338/598/728 (176) and 341/591/710 (160); the
+    # diagonal blocks favour the smaller tile at short sequences. 3 stages: same or slower.
+    # Shared memory at 176: Q 32 KiB + K, V 2 x 44 each = 208 KiB.
+    return TileConfig(128, 128 if causal else 176, 2)
   if head_dim <= 192:
     # hdim 192: FA-3 (hopper/tile_size.h) and FA-4 (Hopper) use these tiles. Measured through
     # JAX at seq 1k/4k: dv 192 539/719 (causal 345/606), dv 128 533/674 (337/572), 1.07-1.24x
@@ -230,7 +238,16 @@ def _default_bwd_tile(head_dim: int, causal: bool) -> TileConfig:
     # split 48 columns per warpgroup; shared memory 153 KiB. fwd+bwd through JAX at seq
     # 1k/4k/16k: 328/444/490 (causal 223/391/472) vs cuDNN 328/415/441.
     return TileConfig(64, 128, 2)
-  # 64 x 128 for hdim 64 and 128: one 64-row WGMMA block of queries; each of the two consumer
+  if head_dim <= 64:
+    # hdim 64: 128 x 128 (FA-4's Hopper tile), two 64-row WGMMA blocks of queries per step, so
+    # the per-step fixed costs (dS barriers, dQ handoff, Q/dO waits) are paid per 128 rows; the
+    # two consumer warpgroups still own 64 key rows each. Registers: S + dP 2 x 64, dK + dV
+    # 2 x 32 fp32 per thread. Shared memory: K + V 32 KiB, Q + dO 2 x 2 x 16, P + dS 64, dQ
+    # staging 32: 193 KiB. Self-test on the H200 (bf16, backward TFLOP/s at seq 4k / 16k, same
+    # call): 128 x 128 404 / 435 (causal 352 / 429; deterministic 350 / 433, causal 348 / 412)
+    # against 64 x 128 369 / 402 (causal 326 / 395; deterministic 323 / 403, causal 325 / 386).
+    return TileConfig(128, 128, 2)
+  # 64 x 128 for hdim 96 and 128: one 64-row WGMMA block of queries; each of the two consumer
   # warpgroups owns 64 key rows, so dK + dV stay in registers (2 x 64 fp32 per thread at hdim
   # 128). FA-4 uses 64x128 for hdim 128 causal (80x128 otherwise) and 128x128 for hdim 64
   # (perf-anchors.md); 2 Q/dO stages as FA-4. Shared memory at hdim 128: 193 KiB. Measured on

@@ -105,6 +105,8 @@ def test_linked_library_exports_the_bwd_abi(exported, tmp_path, deterministic):
     (128, 128, config.TileConfig(64, 64, 2), "tile 64x64 unsupported for head_dim 128"),
     (128, 64, config.TileConfig(64, 128, 2), "head_dim_v 64"),
     (128, 128, config.TileConfig(128, 128, 2), "tile 128x128"),
+    (96, 96, config.TileConfig(128, 128, 2), "tile 128x128 unsupported for head_dim 96"),
+    (64, 64, config.TileConfig(192, 128, 2), "accepted: 64x128 or 128x128"),
     (128, 128, config.TileConfig(64, 128, 3), "num_stages 3"),
 ])
 def test_can_implement_names_the_problem(head_dim, head_dim_v, tile, reason):
@@ -112,6 +114,18 @@ def test_can_implement_names_the_problem(head_dim, head_dim_v, tile, reason):
   ok, text = bwd_sm90.FlashAttentionBackwardSm90.can_implement(
       "bfloat16", head_dim, head_dim_v, False, tile)
   assert not ok and reason in text
+
+
+@pytest.mark.cutlass
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_head_dim_64_takes_64_or_128_query_rows(tile_m):
+  bwd_sm90 = pytest.importorskip("jaxflash.kernels.bwd_sm90")
+  tile = config.TileConfig(tile_m, 128, 2)
+  assert bwd_sm90.FlashAttentionBackwardSm90.can_implement(
+      "float16", 64, 64, True, tile) == (True, "")
+  # 128 rows: K + V 32 KiB, Q + dO 2 x 2 x 16, P + dS 2 x 32, dQ staging 32, + 1 KiB alignment.
+  if tile_m == 128:
+    assert bwd_sm90.FlashAttentionBackwardSm90.smem_bytes(64, 64, tile) == 193 * 1024
 
 
 @pytest.mark.cutlass

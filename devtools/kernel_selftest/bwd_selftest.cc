@@ -45,7 +45,9 @@ typedef int32_t (*FwdFn)(const JaxflashFwdArgs*, void*);
 
 // A kernel that does not finish within this many seconds ends the process.
 constexpr double kDeadline = 20.0;
-const int kTileM = 64;  // the bwd variants' tile_m (config.bwd_scratch_shapes rounds to it)
+// tile_m of the library under test, from its key's tile token "m<tile_m>n...": the scratch rows
+// are seqlen_q rounded up to it (config.bwd_scratch_shapes).
+int g_tile_m = 64;
 
 struct Shape {
   int b, sq, sk, h, hk;
@@ -172,9 +174,9 @@ struct Device {
   Device(const Shape& s, int d)
       : q(2ul * s.b * s.sq * s.h * d), k(2ul * s.b * s.sk * s.hk * d), v(k.bytes), o(q.bytes),
         dout(q.bytes), lse(4ul * s.b * s.h * s.sq), dlse(lse.bytes), dq(q.bytes), dk(k.bytes),
-        dv(k.bytes), acc(4ul * s.b * s.h * RoundUp(s.sq, kTileM) * d),
-        lse2(4ul * s.b * s.h * RoundUp(s.sq, kTileM)), delta(lse2.bytes),
-        sem(4ul * s.b * s.h * (RoundUp(s.sq, kTileM) / kTileM)) {}
+        dv(k.bytes), acc(4ul * s.b * s.h * RoundUp(s.sq, g_tile_m) * d),
+        lse2(4ul * s.b * s.h * RoundUp(s.sq, g_tile_m)), delta(lse2.bytes),
+        sem(4ul * s.b * s.h * (RoundUp(s.sq, g_tile_m) / g_tile_m)) {}
   JaxflashBwdArgs Args(const Shape& s, int d, float scale, bool det) {
     JaxflashBwdArgs a = {};
     a.q = q.p; a.k = k.p; a.v = v.p; a.out = o.p; a.lse = static_cast<float*>(lse.p);
@@ -263,7 +265,7 @@ void CheckShape(BwdFn bwd, int d, bool causal, bool det, Shape s, std::mt19937& 
   EXPECT(guards, "write past the end of an output or scratch buffer");
 
   // Preprocess scratch: lse * log2(e) (+inf for empty and padding rows), delta (0 for padding).
-  const int sqr = RoundUp(s.sq, kTileM);
+  const int sqr = RoundUp(s.sq, g_tile_m);
   auto lse2 = dev.lse2.Download<float>();
   auto delta = dev.delta.Download<float>();
   long bad_lse2 = 0, bad_delta = 0;
@@ -481,6 +483,9 @@ int main(int argc, char** argv) {
     g_bf16 = Has(key, "-bf16-");
     const bool causal = Has(key, "-causal"), det = Has(key, "-det");
     const int d = atoi(key.c_str() + key.find("-d") + 2);
+    g_tile_m = atoi(key.c_str() + key.rfind("-m") + 2);
+    EXPECT(g_tile_m > 0, "no tile token in key %s", key.c_str());
+    if (g_tile_m <= 0) continue;
     const int32_t ls = load();
     EXPECT(ls == 0, "load status %d", ls);
     if (ls != 0) continue;

@@ -10,7 +10,9 @@ into global memory with one bulk copy per warpgroup:
   - value i of thread t (0..127) of that warpgroup sits at float i * 128 + t of its half;
   - its (row, col) in the tile is dq_tiled_mma(...).get_slice(w * 128 + t).partition_C(
     identity (tile_m, head_dim))[i].
-The postprocess kernel inverts this mapping with the same tiled MMA.
+The postprocess kernel inverts this mapping with the same tiled MMA. A main kernel with a larger
+query block (tile_m = 128 at head_dim 64) keeps this 64-row layout: its m block is tile_m / 64
+consecutive 64-row blocks (the preprocess zeroes and the dQ semaphores count whole m blocks).
 """
 
 import cutlass
@@ -24,8 +26,9 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 # Two consumer warpgroups: each owns half of the head_dim of dQ, and 64 key rows of dK/dV (or,
 # above head_dim 128, half of the head_dim of dK/dV for 64 key rows: bwd_sm90's head-dim split).
 NUM_MMA_WARPGROUPS = 2
-# WGMMA's M is 64 per warpgroup: the query tile is one WGMMA row block; the key tile one per
-# consumer warpgroup (head_dim <= 128).
+# WGMMA's M is 64 per warpgroup: the dQ accumulator layout and the postprocess work in 64-row
+# blocks (one WGMMA row block; the main kernel's query tile is one or two of them); the key tile
+# is one per consumer warpgroup (head_dim <= 128).
 TILE_M = 64
 TILE_N = 64 * NUM_MMA_WARPGROUPS
 

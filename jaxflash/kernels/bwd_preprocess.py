@@ -23,7 +23,7 @@ _VEC = 8
 
 
 class FlashAttentionBackwardPreprocess:
-  """One CTA per (query block of bwd_common.TILE_M rows, head, batch), covering seqlen_q_rounded.
+  """One CTA per (main-kernel query block of tile_m rows, head, batch), over seqlen_q_rounded.
 
   Writes, for every row of the block (rows >= seqlen_q included, so the main kernel never needs
   a bounds check): lse2 = lse * log2(e), or +inf where lse = -inf or the row is padding (P = 0
@@ -31,12 +31,14 @@ class FlashAttentionBackwardPreprocess:
   dQ accumulator floats and, when deterministic, its dQ semaphore.
   """
 
-  def __init__(self, dtype, head_dim: int, head_dim_v: int, deterministic: bool = False):
+  def __init__(self, dtype, head_dim: int, head_dim_v: int, deterministic: bool = False,
+               tile_m: int = bwd_common.TILE_M):
     self.dtype = dtype
     self.head_dim = head_dim
     self.head_dim_v = head_dim_v
     self.deterministic = deterministic
-    self.tile_m = bwd_common.TILE_M
+    # The main kernel's query block (a multiple of bwd_common.TILE_M): one dQ semaphore each.
+    self.tile_m = tile_m
     # A row of dO / O is read by head_dim_v / 8 consecutive lanes, 16 bytes each; the lanes per
     # row are a power of two (the shuffle reduction's group), the extra ones idle (hdim 96, 192).
     self.chunks = head_dim_v // _VEC

@@ -41,6 +41,10 @@ _PRODUCER_REGS, _MMA_REGS = 24, 240
 # thread) do not fit: the head-dim split mapping (class docstring) takes over, tile_n 64.
 _MAX_KEY_SPLIT_HEAD_DIM = 128
 _HEAD_SPLIT_TILE_N = 64
+# Up to this head_dim the key split also runs 128 query rows per step (two 64-row WGMMA blocks):
+# S and dP then take 2 x 64 fp32 registers per thread next to dK + dV (2 x 32 at hdim 64); at
+# hdim 96 / 128 that would pass the 240-register limit.
+_MAX_TILE_M128_HEAD_DIM = 64
 _HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
@@ -63,10 +67,13 @@ class FlashAttentionBackwardSm90:
   warp 1 adds the staged dQ blocks into the fp32 accumulator (bulk reductions), so neither the
   reduction nor the deterministic-mode semaphore wait sits on the consumers' path.
   head_dim <= 128 (64, 96, 128): consumer warpgroup w owns key rows [64 w, 64 w + 64) of the
-  tile. Per query block: S = Q K^T and dP = dO V^T (WGMMA), P = exp2(S * scale * log2 e - lse *
-  log2 e), dS = P (dP - delta); P and dS go to shared memory; dV += P^T dO, dK += dS^T Q
-  (registers, whole loop); dQ = dS K (half of head_dim per warpgroup) is staged in shared memory
-  and added into the fp32 accumulator by a bulk reduction (bwd_common describes its layout).
+  tile; the query block is 64 rows, or 128 at head_dim 64 (two WGMMA row blocks: S and dP take
+  2 x 64 registers, dV / dK run with K = 128, dQ is 128 x head_dim / 2 per warpgroup and is
+  staged as two 64-row accumulator blocks). Per query block: S = Q K^T and dP = dO V^T
+  (WGMMA), P = exp2(S * scale * log2 e - lse * log2 e), dS = P (dP - delta); P and dS go to
+  shared memory; dV += P^T dO, dK += dS^T Q (registers, whole loop); dQ = dS K (half of
+  head_dim per warpgroup) is staged in shared memory and added into the fp32 accumulator by
+  bulk reductions (bwd_common describes its layout).
   head_dim > 128 (192, 256; the "head-dim split", after FA-3's Hopper hdim-256 layout): tile_n
   = 64; S and dP are split along the key mode (64 x 32 per warpgroup) but dV, dK and dQ along
   head_dim: each warpgroup accumulates dK and dV of all 64 key rows for its head_dim half (2 x
@@ -100,6 +107,9 @@ class FlashAttentionBackwardSm90:
     # Head-dim split: dO has its own ring (num_stages counts Q stages), released once the dV
     # GEMM is done; at hdim 256 it has one stage and dQ is staged in two pieces per warpgroup.
     self.do_stages, self.dq_pieces = _ring_shape(head_dim, tile.num_stages)
+    # 64-row blocks of the dQ accumulator layout (bwd_common) per query block: a tile_m = 128
+    # step stages two per warpgroup and the writer adds each with its own bulk reduction.
+    self.dq_blocks = self.tile_m // bwd_common.TILE_M
 
   @staticmethod
   def smem_bytes(head_dim: int, head_dim_v: int, tile: config.TileConfig,
@@ -127,14 +137,17 @@ class FlashAttentionBackwardSm90:
                      f"{', '.join(map(str, _HEAD_DIMS))}")
     if head_dim_v != head_dim:
       return False, f"head_dim_v {head_dim_v} != head_dim {head_dim} has no backward kernel"
+    tile_ms = (bwd_common.TILE_M,)
     if head_dim <= _MAX_KEY_SPLIT_HEAD_DIM:
       tile_n, why = bwd_common.TILE_N, "64 key rows per consumer warpgroup"
+      if head_dim <= _MAX_TILE_M128_HEAD_DIM:
+        tile_ms += (2 * bwd_common.TILE_M,)
     else:
       tile_n, why = _HEAD_SPLIT_TILE_N, "head_dim split between the consumer warpgroups"
-    if (tile.tile_m, tile.tile_n) != (bwd_common.TILE_M, tile_n):
+    if tile.tile_n != tile_n or tile.tile_m not in tile_ms:
+      accepted = " or ".join(f"{m}x{tile_n}" for m in tile_ms)
       return False, (f"tile {tile.tile_m}x{tile.tile_n} unsupported for head_dim {head_dim}; "
-                     f"accepted: {bwd_common.TILE_M}x{tile_n} (one 64-row WGMMA block of "
-                     f"queries, {why})")
+                     f"accepted: {accepted} (64-row WGMMA blocks of queries, {why})")
     if tile.num_stages not in (1, 2):
       return False, f"num_stages {tile.num_stages} unsupported; accepted: 1, 2"
     smem = FlashAttentionBackwardSm90.smem_bytes(head_dim, head_dim_v, tile)
@@ -313,6 +326,14 @@ class FlashAttentionBackwardSm90:
             for name, layout in (("sQ", sQ_layout), ("sK", sK_layout), ("sV", sV_layout),
                                  ("sdO", sdO_layout), ("sP", sPdS_layout),
                                  ("sdS", sPdS_layout))}
+    # The P / dS stores (registers to smem) of several 64-row blocks want the swizzle in the
+    # layout (sm90_gemm.store_acc_to_smem): same bytes, fewer address registers. WGMMA and the
+    # 64-row tiles use the swizzled-pointer tensors above.
+    smem["sP_store"], smem["sdS_store"] = smem["sP"], smem["sdS"]
+    if const_expr(self.dq_blocks > 1):
+      store_layout = sm90_gemm.element_swizzled(sPdS_layout, self.dtype)
+      smem["sP_store"] = storage.sP.get_tensor(store_layout)
+      smem["sdS_store"] = storage.sdS.get_tensor(store_layout)
     sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim // self.dq_pieces))
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
@@ -463,6 +484,7 @@ class FlashAttentionBackwardSm90:
     mma_tidx = tidx - _WG
     sQ, sK, sV, sdO = smem["sQ"], smem["sK"], smem["sV"], smem["sdO"]
     sP, sdS = smem["sP"], smem["sdS"]
+    sP_store, sdS_store = smem["sP_store"], smem["sdS_store"]
     thr_sdp = tiled_mma_sdp.get_slice(mma_tidx)
     thr_dk = tiled_mma_dk.get_slice(mma_tidx)
     thr_dv = tiled_mma_dv.get_slice(mma_tidx)
@@ -502,7 +524,7 @@ class FlashAttentionBackwardSm90:
       delta_head = mDelta[None, head, batch]
       for m_block in cutlass.range(m_min, m_split, unroll=1):
         self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
-                      acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
+                      acc_dk, acc_dv, tScS_mn, sP_store, sdS_store, sdQ, lse2_head, delta_head,
                       pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
                       n_block, seqlen_q, seqlen_k, True)
         qdo_state.advance()
@@ -510,7 +532,7 @@ class FlashAttentionBackwardSm90:
           do_state.advance()
       for m_block in cutlass.range(m_split, m_max, unroll=1):
         self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
-                      acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
+                      acc_dk, acc_dv, tScS_mn, sP_store, sdS_store, sdQ, lse2_head, delta_head,
                       pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
                       n_block, seqlen_q, seqlen_k, False)
         qdo_state.advance()
@@ -648,8 +670,13 @@ class FlashAttentionBackwardSm90:
     the named barriers.
     """
     lane = cute.arch.lane_idx()
-    half = self.tile_m * self.head_dim // _NUM_WG
-    buf = half // self.dq_pieces  # floats per warpgroup staging buffer
+    # Floats of one warpgroup's half of a 64-row accumulator block (bwd_common); a query block
+    # holds dq_blocks of them. The staging buffer of warpgroup wg keeps its value i of 64-row
+    # block s at s * half + i * 128 + thread: one bulk reduction per block (dq_pieces is 1
+    # whenever dq_blocks > 1).
+    half = bwd_common.TILE_M * self.head_dim // _NUM_WG
+    buf = self.tile_m * self.head_dim // _NUM_WG // self.dq_pieces  # floats per staging buffer
+    piece = half // self.dq_pieces  # floats per bulk reduction
     for g in cutlass.range(group, unroll=1):
       head = head_kv * group + g
       for m_block in cutlass.range(m_min, m_max, unroll=1):
@@ -674,9 +701,12 @@ class FlashAttentionBackwardSm90:
             cute.arch.barrier(barrier_id=_DQ_FULL_BARRIER + wg,
                               number_of_threads=_DQ_BARRIER_THREADS)
             if lane == 0:
-              # Piece p of warpgroup wg's half: floats [p * buf, (p + 1) * buf) of the half.
-              bwd_common.bulk_reduce_add_f32(gdQ.iterator + wg * half + p * buf,
-                                             sdQ.iterator + wg * buf, buf * 4)
+              for s in cutlass.range_constexpr(self.dq_blocks):
+                # Piece p of warpgroup wg's half of 64-row block s: floats [p * piece,
+                # (p + 1) * piece) of that half.
+                bwd_common.bulk_reduce_add_f32(
+                    gdQ.iterator + s * _NUM_WG * half + wg * half + p * piece,
+                    sdQ.iterator + wg * buf + s * half, piece * 4)
               cute.arch.cp_async_bulk_commit_group()
         if const_expr(self.deterministic):
           if lane == 0:

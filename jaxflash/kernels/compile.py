@@ -296,7 +296,7 @@ def build_bwd_kernels(variant: config.KernelVariant):
   dtype = DTYPES[variant.dtype]
   return (
       FlashAttentionBackwardPreprocess(dtype, variant.head_dim, variant.head_dim_v,
-                                       variant.deterministic),
+                                       variant.deterministic, variant.tile.tile_m),
       FlashAttentionBackwardSm90(dtype, variant.head_dim, variant.head_dim_v, variant.tile,
                                  variant.causal, variant.deterministic),
       FlashAttentionBackwardPostprocess(dtype, variant.head_dim),

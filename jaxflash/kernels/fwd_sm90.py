@@ -76,7 +76,8 @@ class FlashAttentionForwardSm90:
 
   def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
                causal: bool, *, intra_wg_overlap: bool = True, pingpong=None, persistent=None,
-               rescale_threshold_log2: float = 8.0, exp2_emulation_every: int = 0):
+               rescale_threshold_log2: float = 8.0, exp2_emulation_every: int = 0,
+               l2_sections=None):
     self.dtype = dtype
     self.head_dim = head_dim
     self.head_dim_v = head_dim_v
@@ -102,6 +103,9 @@ class FlashAttentionForwardSm90:
       # dispatch of LPT-ordered CTAs beats a static per-CTA tile list by 10-30%.
       persistent = not causal
     self.persistent = persistent
+    # Tile order (tile_scheduler.StaticTileScheduler): L2-sized head sections, heads fastest,
+    # m-blocks from the last. Needed for causal (LPT); for non-causal an A/B option.
+    self.l2_sections = causal if l2_sections is None else l2_sections
     # O of hdim_v > 128 is 128+ registers per thread: rescale it while Q K^T runs instead of
     # after the PV GEMM, off the path between the PV wait and the next GEMMs.
     self.rescale_o_before_pv = intra_wg_overlap and head_dim_v > 128
@@ -265,7 +269,7 @@ class FlashAttentionForwardSm90:
     scheduler = tile_scheduler.StaticTileScheduler(
         cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3], mK.shape[0],
         kv_bytes_per_key=(self.head_dim + self.head_dim_v) * self.dtype.width // 8,
-        lpt=self.causal, persistent=self.persistent)
+        lpt=self.l2_sections, persistent=self.persistent)
     warpgroup_idx = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS)
     if warpgroup_idx == 0:
       cute.arch.setmaxregister_decrease(self.num_producer_regs)

@@ -37,6 +37,19 @@ def smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
   return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
 
 
+def element_swizzled(layout: cute.ComposedLayout, dtype) -> cute.ComposedLayout:
+  """`layout` with its swizzle on element offsets instead of byte addresses.
+
+  smem_layout's swizzle is meant for a swizzled pointer (it acts on byte addresses); this one
+  gives the same bytes for a buffer that starts on a 1 KiB boundary (SMEM_ALIGN), for tensors
+  made from a plain pointer, where a constant element offset stays a constant address offset.
+  """
+  sw = layout.inner
+  elem_shift = (dtype.width // 8).bit_length() - 1  # log2(bytes per element)
+  return cute.make_composed_layout(
+      cute.make_swizzle(sw.num_bits, sw.num_base - elem_shift, sw.num_shift), 0, layout.outer)
+
+
 def transpose_view(t: cute.Tensor) -> cute.Tensor:
   """Swaps the first two modes of a shared tensor (same bytes): A^T for WGMMA operands."""
   shape = (t.shape[1], t.shape[0], *t.shape[2:])
@@ -68,8 +81,33 @@ def store_acc_to_smem(tiled_mma: cute.TiledMma, tidx, acc: cute.Tensor, dst: cut
   Uses stmatrix (16-byte rows per lane). `tidx` is the thread index among the MMA threads;
   each thread writes exactly the tile positions its accumulator holds. Converts one stmatrix
   worth of values at a time, so the converted copy never occupies more than a few registers
-  (the backward kernel runs at the 240-register limit).
+  (the backward kernel runs at the 240-register limit). An accumulator of several row blocks
+  (MMA_M > 1) is stored one block at a time: the value order _store_block relies on holds
+  within one block only. Then `dst` must carry its swizzle in its layout (element_swizzled)
+  and each row block must start a whole number of swizzle periods after the previous one:
+  block m is block 0 moved by a constant, so the compiler keeps one swizzled address per
+  stmatrix of block 0 instead of one per block.
   """
+  blocks = cute.size(acc, mode=[1])
+  if cutlass.const_expr(blocks == 1):
+    _store_block(tiled_mma, tidx, acc, dst, dtype)
+  else:
+    rows, cols = cute.size(dst, mode=[0]) // blocks, cute.size(dst, mode=[1])
+    first = cute.local_tile(dst, (rows, cols), (0, 0))
+    step = cute.crd2idx((rows, 0), dst.layout)  # elements from block 0 to block 1
+    for m in cutlass.range_constexpr(blocks):
+      # Row block m as a one-block accumulator ((values), 1, MMA_N) and its rows of dst.
+      block = acc[None, m, None]
+      block = cute.make_tensor(block.iterator, cute.make_layout(
+          (block.shape[0], 1, block.shape[1]), stride=(block.stride[0], 0, block.stride[1])))
+      _store_block(tiled_mma, tidx, block,
+                   cute.make_tensor(first.iterator + m * step, first.layout), dtype)
+
+
+@cute.jit
+def _store_block(tiled_mma: cute.TiledMma, tidx, acc: cute.Tensor, dst: cute.Tensor,
+                 dtype: cutlass.Constexpr):
+  """store_acc_to_smem of an accumulator with one row block (MMA_M == 1)."""
   store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, dtype, Float32)
   tiled_copy = cute.make_tiled_copy_S(store_atom,
                                       cute.make_tiled_copy_C_atom(store_atom, tiled_mma))
