@@ -62,8 +62,10 @@ class FlashAttentionForwardSm90:
   pingpong: the consumer warpgroups take turns (named barriers) to issue their GEMMs, so one
     warpgroup's softmax overlaps the other's GEMMs.
   persistent: grid = #SMs, each CTA walks a static list of tiles (next tile's loads overlap the
-    epilogue); else one CTA per tile. Causal always uses the LPT tile order
-    (tile_scheduler.StaticTileScheduler).
+    epilogue); else one CTA per tile.
+  l2_sections: tile order of tile_scheduler.StaticTileScheduler: (batch, head) sections whose
+    K and V fit in L2, heads fastest, m-blocks from the last (LPT). None = causal (LPT is what
+    causal needs); non-causal with True measured slower (docs/perf-notes.md), kept for A/Bs.
   rescale_threshold_log2: 0 rescales O whenever a row max grows (FA-3); t > 0 keeps a stale
     row max until a block's max exceeds it by more than t in log2 units (FA-4's conditional
     rescaling; P then reaches up to 2^t), and skips the O multiply for warps where no row moved.
@@ -71,7 +73,7 @@ class FlashAttentionForwardSm90:
     exps; docs/perf-notes.md has the A/B against 0).
   exp2_emulation_every: 0 takes every softmax exp2 on MUFU; n > 0 computes every n-th column's
     on the FMA/integer pipes instead (softmax.exp2_fma), to balance MUFU against them. Off by
-    default; not measured yet.
+    default: measured 2-7 % slower (docs/perf-notes.md).
   """
 
   def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
@@ -103,8 +105,8 @@ class FlashAttentionForwardSm90:
       # dispatch of LPT-ordered CTAs beats a static per-CTA tile list by 10-30%.
       persistent = not causal
     self.persistent = persistent
-    # Tile order (tile_scheduler.StaticTileScheduler): L2-sized head sections, heads fastest,
-    # m-blocks from the last. Needed for causal (LPT); for non-causal an A/B option.
+    if l2_sections is not None and not isinstance(l2_sections, bool):
+      raise TypeError(f"l2_sections: expected None or a bool, got {l2_sections!r}")
     self.l2_sections = causal if l2_sections is None else l2_sections
     # O of hdim_v > 128 is 128+ registers per thread: rescale it while Q K^T runs instead of
     # after the PV GEMM, off the path between the PV wait and the next GEMMs.
