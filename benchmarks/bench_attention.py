@@ -1,7 +1,8 @@
 """TFLOP/s of jaxflash (CuTe kernels) vs cuDNN vs XLA attention on one GPU; table, JSON, PNG.
 
 Timing (docs/perf-anchors.md): 2 warm-ups, then 7 repetitions of 5 calls dispatched back to back
-and blocked on the last; the median per-call time counts. Shapes: batch * seq = 16384 tokens,
+and blocked on the last; the median per-call time counts. Before the first cell, --spin-up
+seconds of matmuls bring the GPU clock up from idle. Shapes: batch * seq = 16384 tokens,
 heads = 2048 / head_dim. Needs the jaxflash kernels in JAXFLASH_CACHE_DIR (scripts/gpu_check.sh).
 --hdim takes head dims (64) or head_dim x head_dim_v pairs (192x128, the DeepSeek MLA shape).
 Flops: forward 2*b*h*s^2*(d + dv) (= 4*b*h*s^2*d when dv == d), halved if causal; forward +
@@ -92,6 +93,31 @@ def fwd_bwd_fn(attn, cotangent):
   def loss(q, k, v):
     return jnp.sum((attn(q, k, v) * cotangent).astype(jnp.float32))
   return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def spin_up(seconds: float, size: int = 8192) -> int:
+  """Runs bf16 matmuls for `seconds` before the first timed cell; returns how many ran.
+
+  An idle GPU starts at a low clock (nvidia-smi read 345 MHz at the start of a device call):
+  the first cells of a run then measure the clock ramp, not the kernels. 0 skips it.
+  """
+  if seconds <= 0:
+    return 0
+  a = jnp.ones((size, size), jnp.bfloat16)
+  matmul = jax.jit(lambda x: x @ x)
+  jax.block_until_ready(matmul(a))  # compile outside the timed loop
+  runs, start = 0, time.perf_counter()
+  while time.perf_counter() - start < seconds:
+    jax.block_until_ready(matmul(a))
+    runs += 1
+  return runs
+
+
+def _non_negative(text: str) -> float:
+  value = float(text)
+  if not value >= 0:  # also rejects nan
+    raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+  return value
 
 
 def time_ms(fn, *args) -> float:
@@ -252,6 +278,9 @@ def main(argv=None) -> int:
   p.add_argument("--quick", action="store_true", help="seq 1024 and 4096 only")
   p.add_argument("--xla-max-scores", type=float, default=2.0**31,
                  help="skip XLA where batch*heads*seq^2 exceeds this (it materializes scores)")
+  p.add_argument("--spin-up", type=_non_negative, default=5.0, metavar="SECONDS",
+                 help="bf16 matmuls before the first cell so the GPU clock has ramped up "
+                      "(0: none)")
   p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
   args = p.parse_args(argv)
   if args.quick:
@@ -264,6 +293,9 @@ def main(argv=None) -> int:
   print(f"device: {device.device_kind}; jax {jax.__version__}; jaxflash {jaxflash.__version__}; "
         f"{args.dtype}; {WARMUPS} warm-ups, median of {REPS} x {CALLS} pipelined calls",
         flush=True)
+  runs = spin_up(args.spin_up)
+  if runs:
+    print(f"spin-up: {runs} matmuls in {args.spin_up:g} s before the first cell", flush=True)
   rng = np.random.default_rng(0)
   records, start = [], time.perf_counter()
   for d, dv in args.hdim:

@@ -1,0 +1,28 @@
+"""The benchmark script's CPU-checkable parts: the clock spin-up and its argument."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+  spec = importlib.util.spec_from_file_location("bench_attention", _PATH)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_spin_up_runs_matmuls_for_the_given_time(bench):
+  assert bench.spin_up(0.0) == 0
+  assert bench.spin_up(0.05, size=32) >= 1
+
+
+@pytest.mark.parametrize("text", ["-1", "nan"])
+def test_spin_up_argument_rejects_bad_seconds(bench, text, capsys):
+  with pytest.raises(SystemExit):
+    bench.main(["--spin-up", text])
+  assert "--spin-up" in capsys.readouterr().err
