@@ -12,19 +12,13 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-from cutlass.cute.runtime import make_fake_stream  # noqa: E402
-
 from jaxflash import config  # noqa: E402
 from jaxflash.kernels import compile as kernel_compile  # noqa: E402
 from jaxflash.kernels import softmax  # noqa: E402
 from jaxflash.kernels.fwd_sm90 import DTYPES, FlashAttentionForwardSm90  # noqa: E402
+from tests import _fwd_options  # noqa: E402
 
 pytestmark = pytest.mark.cutlass
-
-_SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
-
 
 def _variant(dtype, head_dim, causal):
   cfg = config.AttentionConfig(softmax_scale=1.0, causal=causal)
@@ -47,24 +41,15 @@ def cubin(tmp_path_factory):
     key = (variant.key, threshold, exp2_emulation_every)
     if key not in cache:
       kernel_compile.build_kernel(variant)  # the shipped path's validation
-      kernel = FlashAttentionForwardSm90(
-          DTYPES[variant.dtype], variant.head_dim, variant.head_dim_v, variant.tile,
-          variant.causal, rescale_threshold_log2=threshold,
-          exp2_emulation_every=exp2_emulation_every)
-      kernel_compile.load_dsl_runtime()
-      compiled = cute.compile(kernel, *kernel_compile.fwd_signature(variant),
-                              cutlass.Float32(1.0), make_fake_stream(),
-                              options="--gpu-arch sm_90a")
-      name = f"{variant.key}-t{threshold:g}-e{exp2_emulation_every}"
-      compiled.export_to_c(str(out_dir), name, kernel_compile.function_prefix(variant))
-      cache[key] = kernel_compile.extract_cubin(out_dir / f"{name}.o")
+      cache[key] = _fwd_options.compile_cubin(
+          variant, out_dir, f"{variant.key}-t{threshold:g}-e{exp2_emulation_every}",
+          rescale_threshold_log2=threshold, exp2_emulation_every=exp2_emulation_every)
     return cache[key]
 
   return get
 
 
-def _opcodes(cubin_bytes, tmp_path):
-  return [m.group(1) for m in _SASS_OP.finditer(kernel_compile.disassemble(cubin_bytes, tmp_path))]
+_opcodes = _fwd_options.opcodes
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.key)

@@ -6,23 +6,16 @@ shipped). These tests keep the option wired (it changes the SASS), spill-free, a
 equal to the explicit choice.
 """
 
-import re
-
 import pytest
 
 pytest.importorskip("cutlass")
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-from cutlass.cute.runtime import make_fake_stream  # noqa: E402
-
 from jaxflash import config  # noqa: E402
 from jaxflash.kernels import compile as kernel_compile  # noqa: E402
 from jaxflash.kernels.fwd_sm90 import DTYPES, FlashAttentionForwardSm90  # noqa: E402
+from tests import _fwd_options  # noqa: E402
 
 pytestmark = pytest.mark.cutlass
-
-_SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
 def _variant(causal):
@@ -40,24 +33,12 @@ def sass(tmp_path_factory):
     key = (causal, l2_sections)
     if key not in cache:
       variant = _variant(causal)
-      kernel = FlashAttentionForwardSm90(DTYPES[variant.dtype], variant.head_dim,
-                                         variant.head_dim_v, variant.tile, variant.causal,
+      cubin = _fwd_options.compile_cubin(variant, out_dir, f"{variant.key}-l2s{l2_sections}",
                                          l2_sections=l2_sections)
-      kernel_compile.load_dsl_runtime()
-      compiled = cute.compile(kernel, *kernel_compile.fwd_signature(variant),
-                              cutlass.Float32(1.0), make_fake_stream(),
-                              options="--gpu-arch sm_90a")
-      name = f"{variant.key}-l2s{l2_sections}"
-      compiled.export_to_c(str(out_dir), name, kernel_compile.function_prefix(variant))
-      cubin = kernel_compile.extract_cubin(out_dir / f"{name}.o")
       cache[key] = kernel_compile.disassemble(cubin, out_dir)
     return cache[key]
 
   return get
-
-
-def _ops(text):
-  return [m.group(1) for m in _SASS_OP.finditer(text)]
 
 
 def test_default_is_lpt_for_causal_only(sass):
@@ -66,7 +47,7 @@ def test_default_is_lpt_for_causal_only(sass):
 
 
 def test_sections_on_non_causal_compiles_spill_free_and_differs(sass):
-  on, off = _ops(sass(False, True)), _ops(sass(False, None))
+  on, off = (_fwd_options.sass_opcodes(sass(False, l2)) for l2 in (True, None))
   assert on != off  # the option reaches the scheduler
   assert "LDL" not in on and "STL" not in on
   assert sum(op.startswith("HGMMA") for op in on) == sum(op.startswith("HGMMA") for op in off)
