@@ -77,15 +77,21 @@ class AttentionConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-  """CTA tile and pipeline depth of one kernel build."""
+  """CTA tile, pipeline depth and warpgroup schedule of one kernel build.
+
+  swap_sdp (backward, head_dim <= 128 only): each consumer warpgroup computes S^T and dP^T, so
+  P^T and dS^T feed the dV / dK GEMMs from registers (kernels/bwd_sm90.py). The key ends in
+  "swap" then; the FFI handler reads tile_m from the digits after the "m" of the key's last token.
+  """
 
   tile_m: int
   tile_n: int
   num_stages: int
+  swap_sdp: bool = False
 
   @property
   def key(self) -> str:
-    return f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
+    return f"m{self.tile_m}n{self.tile_n}s{self.num_stages}" + ("swap" if self.swap_sdp else "")
 
 
 def default_tile(direction: str, arch: str, head_dim: int, head_dim_v: int, causal: bool) -> TileConfig:
@@ -222,7 +228,6 @@ def shipped_variants(arch: str = "sm90a", direction: str = "fwd") -> list[Kernel
 
 def _default_bwd_tile(head_dim: int, causal: bool) -> TileConfig:
   """Backward tiles (sm90): tile_m query rows x tile_n key rows per step, Q/dO ring depth."""
-  del causal
   if head_dim > 128:
     # hdim 192 and 256: 64 x 64 with the head-dim split warpgroup mapping
     # (kernels/bwd_sm90.py), where num_stages counts Q stages and dO has a ring of its own.
@@ -233,11 +238,6 @@ def _default_bwd_tile(head_dim: int, causal: bool) -> TileConfig:
     # Measured fwd+bwd through JAX (bf16, seq 1k/4k/16k): hdim 256 313/430/465 (causal
     # 221/378/456) vs cuDNN 307/409/412; hdim 192 seq 1k 313 vs 275. No other tile was tried.
     return TileConfig(64, 64, 2)
-  if head_dim == 96:
-    # hdim 96: the 64 / 128 layout below (FA-3's Hopper hdim-96 tile is also 64 x 128); dQ is
-    # split 48 columns per warpgroup; shared memory 153 KiB. fwd+bwd through JAX at seq
-    # 1k/4k/16k: 328/444/490 (causal 223/391/472) vs cuDNN 328/415/441.
-    return TileConfig(64, 128, 2)
   if head_dim <= 64:
     # hdim 64: 128 x 128 (FA-4's Hopper tile), two 64-row WGMMA blocks of queries per step, so
     # the per-step fixed costs (dS barriers, dQ handoff, Q/dO waits) are paid per 128 rows; the
@@ -247,14 +247,24 @@ def _default_bwd_tile(head_dim: int, causal: bool) -> TileConfig:
     # call): 128 x 128 404 / 435 (causal 352 / 429; deterministic 350 / 433, causal 348 / 412)
     # against 64 x 128 369 / 402 (causal 326 / 395; deterministic 323 / 403, causal 325 / 386).
     return TileConfig(128, 128, 2)
-  # 64 x 128 for hdim 96 and 128: one 64-row WGMMA block of queries; each of the two consumer
-  # warpgroups owns 64 key rows, so dK + dV stay in registers (2 x 64 fp32 per thread at hdim
-  # 128). FA-4 uses 64x128 for hdim 128 causal (80x128 otherwise) and 128x128 for hdim 64
-  # (perf-anchors.md); 2 Q/dO stages as FA-4. Shared memory at hdim 128: 193 KiB. Measured on
-  # the H200 (bf16, 16k tokens, seq 4k / 16k, devtools/kernel_selftest/bwd_selftest.cc, kernel
-  # v2 with the dQ writer warp): backward 492 / 537 TFLOP/s at hdim 128 (causal 427 / 526),
-  # 368 / 405 at hdim 64 (causal 326 / 396), counting 2.5x the forward flops.
-  return TileConfig(64, 128, 2)
+  # hdim 96 and 128: 64 or 80 query rows x 128 keys, each of the two consumer warpgroups owns
+  # 64 key rows, so dK + dV stay in registers (2 x 64 fp32 per thread at hdim 128), and the
+  # swapped S / dP schedule (swap_sdp: S^T, dP^T per warpgroup; P^T, dS^T to the dV / dK GEMMs
+  # from registers, no P buffer, FA-4's SdP_swapAB). Self-test on the H200, one call (bf16,
+  # backward TFLOP/s at seq 4k / 16k, swap against the unswapped 64 x 128 of the previous
+  # release): hdim 128 swap 64 x 128 521 / 572 vs 486 / 535, deterministic 482 / 559 vs
+  # 461 / 525, causal 450 / 552 vs 423 / 529, causal deterministic 425 / 520 vs 423 / 502;
+  # hdim 96 468 / 510 vs 438 / 465, deterministic 434 / 497 vs 403 / 464, causal 411 / 487 vs
+  # 379 / 452, causal deterministic 382 / 465 vs 377 / 446.
+  # hdim 128 without the causal mask: 80 x 128 (FA-3 / FA-4's tile there): 534 / 582,
+  # deterministic 499 / 573. 80 rows need the transposed dQ GEMM (dQ^T = K^T dS^T) and compute
+  # dS from the P rounded to the input dtype (registers): gradient error vs float64 2.9e-3
+  # instead of 2.4e-3 (bf16). With the causal mask 80 rows spill (LDL / STL), so 64.
+  # Shared memory: hdim 128 64 x 128 194 KiB, 80 x 128 226 KiB; hdim 96 154 KiB (dQ split 48
+  # columns per warpgroup).
+  if head_dim == 128 and not causal:
+    return TileConfig(80, 128, 2, swap_sdp=True)
+  return TileConfig(64, 128, 2, swap_sdp=True)
 
 
 def bwd_scratch_shapes(variant: KernelVariant, batch: int, seq_q: int,

@@ -128,6 +128,144 @@ def test_head_dim_64_takes_64_or_128_query_rows(tile_m):
     assert bwd_sm90.FlashAttentionBackwardSm90.smem_bytes(64, 64, tile) == 193 * 1024
 
 
+def _assert_ds_stored_from_dk_operand_registers(sass):
+  """swap_sdp: each stmatrix.trans x4 of dS^T stores one k block of the dK GEMM's A operand.
+
+  Its four registers hold (key r, queries q, q + 1), (key r + 8, same), (key r, q + 8, q + 9),
+  (key r + 8, same), which is what stmatrix.trans expects of matrices 0-3 here, so the store
+  needs no repacking. A repacked source (PRMT into other registers) put key r + 8 of query q
+  at query q + 1 (wrong dQ on the GPU; probe_ds_store_ptx.py shows it on the PTX).
+  """
+  sources = re.findall(r"STSM\.16\.MT88\.4 \[[^\]]*\], (R\d+)", sass)
+  operands = set(re.findall(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, (R\d+), gdesc", sass))
+  assert sources and set(sources) <= operands, (sources, sorted(operands))
+
+
+def _swap_variant(causal, deterministic, tile_m=64, head_dim=128):
+  variant = next(v for v in VARIANTS if v.head_dim == head_dim and v.dtype == "bfloat16"
+                 and v.causal == causal and v.deterministic == deterministic)
+  return dataclasses.replace(variant, tile=config.TileConfig(tile_m, 128, 2, swap_sdp=True))
+
+
+def test_hdim_96_and_128_ship_the_swapped_schedule():
+  """swap_sdp for hdim 96 / 128 (80 query rows at hdim 128 without the causal mask)."""
+  for v in VARIANTS:
+    want = {96: (64, True), 128: (64 if v.causal else 80, True)}.get(v.head_dim,
+                                                                      (v.tile.tile_m, False))
+    assert (v.tile.tile_m, v.tile.swap_sdp) == want, v.key
+    assert v.key.endswith("swap") == v.tile.swap_sdp
+  assert config.TileConfig(80, 128, 2, swap_sdp=True).key == "m80n128s2swap"
+
+
+@pytest.mark.cutlass
+@pytest.mark.parametrize("causal,deterministic", [(False, False), (True, True)],
+                         ids=["plain", "causal-det"])
+def test_swap_sdp_compiles_to_register_operand_gemms_without_spills(tmp_path, causal,
+                                                                     deterministic):
+  """swap_sdp at 64 x 128: RS WGMMA for dV / dK, no P store, no spills."""
+  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
+  variant = _swap_variant(causal, deterministic)
+  exp = kernel_compile.export_bwd_variant(variant, tmp_path)
+  sass = kernel_compile.disassemble(exp.cubin, tmp_path)
+  ops = [m.group(1) for m in _SASS_OP.finditer(sass)]
+  assert f'-DJAXFLASH_VARIANT_KEY="{variant.key}"' in exp.defines
+  assert ops.count("LDL") + ops.count("STL") == 0
+  # dV and dK take A from registers: "HGMMA.64x128x16.F32.BF16 Rd, Ra, gdesc[..]".
+  assert re.search(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
+  # Bulk copies of the lse2 / delta rows, the dQ reduction; only dS is stored by stmatrix
+  # in the loop (4 per step and loop copy) next to the 16 of the dK / dV epilogue.
+  assert ops.count("UBLKCP") == 2 and ops.count("UBLKRED") == 2
+  assert ops.count("STSM") == 2 * 4 + 16
+  _assert_ds_stored_from_dk_operand_registers(sass)
+
+
+@pytest.mark.cutlass
+def test_devtools_override_builds_the_unswapped_schedule(tmp_path):
+  """main_args={"swap_sdp": False} (devtools A/B) builds the P-through-shared-memory kernel."""
+  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
+  variant = _swap_variant(True, False)
+  exp = kernel_compile.export_bwd_variant(variant, tmp_path, main_args={"swap_sdp": False},
+                                          key=variant.key + "+swap_sdp=0")
+  ops = [m.group(1) for m in _SASS_OP.finditer(kernel_compile.disassemble(exp.cubin, tmp_path))]
+  # No lse2 / delta bulk copies; P and dS both stored by stmatrix (4 + 4 per step and loop copy).
+  assert ops.count("UBLKCP") == 0 and ops.count("STSM") == 2 * 8 + 16
+
+
+@pytest.mark.cutlass
+def test_swap_sdp_80_query_rows_compile_with_a_transposed_dq_gemm(exported):
+  """tile 80 x 128 (swap_sdp, hdim 128): S^T 64 x 80, dV / dK with K = 80, dQ^T = K^T dS^T."""
+  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
+  variant = next(v for v in VARIANTS if v.head_dim == 128 and v.dtype == "bfloat16"
+                 and not v.causal and not v.deterministic)
+  assert variant.tile == config.TileConfig(80, 128, 2, swap_sdp=True)
+  exp, _ = exported(variant)
+  sass = kernel_compile.disassemble(exp.cubin, exp.header_path.parent)
+  ops = [m.group(1) for m in _SASS_OP.finditer(sass)]
+  assert ops.count("LDL") + ops.count("STL") == 0
+  assert "-DJAXFLASH_TILE_M=80" in exp.defines
+  # Per step S^T 8 + dP^T 8 (64x80x16), dV 5 + dK 5 (64x128x16, A from registers), dQ^T 8
+  # (64x80x16, A = K^T transposed): 34, in the masked and the unmasked loop.
+  assert ops.count("HGMMA") == 68
+  assert len(re.findall(r"HGMMA\.64x80x16\.F32\.BF16 R\d+, gdesc\[UR\d+\]\.tnspA", sass)) == 16
+  assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)) == 20
+  # Not serialized: one WARPGROUP.ARRIVE per GEMM group (5 per step, two loop copies).
+  assert sass.count("WARPGROUP.ARRIVE") == 10
+  _assert_ds_stored_from_dk_operand_registers(sass)
+
+
+@pytest.mark.cutlass
+def test_tile_m_80_only_with_swap_sdp_at_head_dim_128():
+  bwd_sm90 = pytest.importorskip("jaxflash.kernels.bwd_sm90")
+  import cutlass
+  kernel = bwd_sm90.FlashAttentionBackwardSm90
+  tile = config.TileConfig(80, 128, 2)
+  swapped = config.TileConfig(80, 128, 2, swap_sdp=True)
+  assert kernel.can_implement("bfloat16", 128, 128, False, swapped) == (True, "")
+  assert kernel.can_implement("bfloat16", 128, 128, False, tile, swap_sdp=True) == (True, "")
+  for head_dim, t in ((128, tile), (96, swapped)):
+    ok, text = kernel.can_implement("bfloat16", head_dim, head_dim, False, t)
+    assert not ok and "tile 80x128 unsupported" in text
+  with pytest.raises(ValueError, match="tile_m 80 needs swap_sdp and head_dim 128"):
+    kernel(cutlass.BFloat16, 128, 128, tile, False)
+  with pytest.raises(ValueError, match="tile_m 80 needs swap_sdp and head_dim 128"):
+    kernel(cutlass.BFloat16, 128, 128, swapped, False, swap_sdp=False)
+  # K + V 64 KiB, Q + dO 2 x 2 x 20, dS 2 x 20, dQ staging 40, lse2 / delta 1.25, + 1 KiB.
+  assert kernel.smem_bytes(128, 128, swapped) == 231680 <= 232448
+
+
+@pytest.mark.cutlass
+@pytest.mark.parametrize("head_dim,tile_m", [(192, 64), (64, 128)])
+def test_swap_sdp_names_what_it_needs(head_dim, tile_m):
+  bwd_sm90 = pytest.importorskip("jaxflash.kernels.bwd_sm90")
+  import cutlass
+  tile = config.TileConfig(tile_m, 128, 2, swap_sdp=True)
+  with pytest.raises(ValueError, match=f"head_dim {head_dim}, tile_m {tile_m}"):
+    bwd_sm90.FlashAttentionBackwardSm90(cutlass.BFloat16, head_dim, head_dim, tile, False)
+  ok, text = bwd_sm90.FlashAttentionBackwardSm90.can_implement(
+      "bfloat16", head_dim, head_dim, False,
+      dataclasses.replace(tile, tile_n=64 if head_dim > 128 else 128))
+  assert not ok and "swap_sdp" in text and f"head_dim {head_dim}" in text
+
+
+@pytest.mark.cutlass
+def test_swap_sdp_shared_memory():
+  """hdim 128, 64 x 128 x 2: no P, two dS buffers (16 KiB each), 1 KiB of lse2 / delta rows."""
+  kernel = pytest.importorskip("jaxflash.kernels.bwd_sm90").FlashAttentionBackwardSm90
+  tile = config.TileConfig(64, 128, 2)
+  assert kernel.smem_bytes(128, 128, tile) == 193 * 1024
+  assert kernel.smem_bytes(128, 128, tile, swap_sdp=True) == 193 * 1024 + 1024
+  assert kernel.smem_bytes(128, 128, dataclasses.replace(tile, swap_sdp=True)) == 194 * 1024
+
+
+@pytest.mark.cutlass
+def test_forward_rejects_a_swapped_tile():
+  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
+  variant = config.shipped_variants("sm90a", "fwd")[0]
+  variant = dataclasses.replace(variant, tile=dataclasses.replace(variant.tile, swap_sdp=True))
+  with pytest.raises(ValueError, match="swap_sdp is a backward schedule"):
+    kernel_compile.build_kernel(variant)
+
+
 @pytest.mark.cutlass
 def test_head_dim_split_fits_two_q_stages():
   """hdim 256: one dO stage and half-block dQ staging leave room for 2 Q stages, not 3."""
@@ -168,6 +306,16 @@ def test_bwd_scratch_shapes_round_seq_q_to_the_tile(deterministic, head_dim):
   assert list(shapes) == expected
   with pytest.raises(ValueError, match="direction"):
     config.bwd_scratch_shapes(dataclasses.replace(variant, direction="fwd"), 1, 1, 1)
+
+
+@pytest.mark.parametrize("causal,seq_q_rounded", [(False, 160), (True, 128)])
+def test_bwd_scratch_rows_follow_the_80_or_64_row_tile_at_hdim_128(causal, seq_q_rounded):
+  cfg = config.AttentionConfig(softmax_scale=0.1, causal=causal, deterministic=True)
+  variant = config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", 128, 128, cfg)
+  shapes = dict((name, shape) for name, shape, _ in
+                config.bwd_scratch_shapes(variant, batch=1, seq_q=100, num_heads=2))
+  assert shapes["dq_accum"] == (1, 2, seq_q_rounded, 128)
+  assert shapes["dq_semaphore"] == (1, 2, 2)
 
 
 def test_kernel_support_for_the_backward():

@@ -147,25 +147,30 @@ def _grad_lowered_for_cuda(head_dim, head_dim_v=None, **kw):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_cuda_lowering_of_grad_emits_both_custom_calls(deterministic):
-  text = _grad_lowered_for_cuda(128, causal=True, deterministic=deterministic)
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_lowering_of_grad_emits_both_custom_calls(deterministic, causal):
+  text = _grad_lowered_for_cuda(128, causal=causal, deterministic=deterministic)
   assert text.count(FWD_TARGET) >= 1
   (call,) = [line for line in text.splitlines() if f"@{BWD_TARGET}(" in line]
   det = "-det" if deterministic else ""
-  assert f'variant = "bwd-sm90a-bf16-d128-dv128-causal{det}-m64n128s2"' in call
-  for attr in ("causal = true", f"deterministic = {str(deterministic).lower()}",
+  # hdim 128: 64-row query tiles with the causal mask, 80 without (config._default_bwd_tile).
+  tile_m = 64 if causal else 80
+  flags = ("-causal" if causal else "") + det
+  assert f'variant = "bwd-sm90a-bf16-d128-dv128{flags}-m{tile_m}n128s2swap"' in call
+  for attr in (f"causal = {str(causal).lower()}", f"deterministic = {str(deterministic).lower()}",
                "head_dim = 128", "head_dim_v = 128", "window_left = -1", "softcap = 0.0"):
     assert attr in call, f"{attr!r} missing from {call}"
   # q, k, v, out, lse, d_out, d_lse in; dq, dk, dv, then the scratch of bwd_scratch_shapes
-  # (seq_q 100 rounded up to tile_m 64 = 128; 2 query blocks for the semaphore).
+  # (seq_q 100 rounded up to tile_m: 128 or 160; 2 query blocks for the semaphore either way).
   operands, results = call.split(" -> ")
   operands = operands[operands.rindex(": (") + 3:]
   assert re.findall(r"tensor<[^>]+>", operands) == [
       "tensor<2x100x4x128xbf16>", "tensor<2x64x2x128xbf16>", "tensor<2x64x2x128xbf16>",
       "tensor<2x100x4x128xbf16>", "tensor<2x4x100xf32>", "tensor<2x100x4x128xbf16>",
       "tensor<2x4x100xf32>"]
+  rows = -(-100 // tile_m) * tile_m
   want = ["tensor<2x100x4x128xbf16>", "tensor<2x64x2x128xbf16>", "tensor<2x64x2x128xbf16>",
-          "tensor<2x4x128x128xf32>", "tensor<2x4x128xf32>", "tensor<2x4x128xf32>"]
+          f"tensor<2x4x{rows}x128xf32>", f"tensor<2x4x{rows}xf32>", f"tensor<2x4x{rows}xf32>"]
   assert re.findall(r"tensor<[^>]+>", results) == want + (["tensor<2x4x2xi32>"]
                                                           if deterministic else [])
 

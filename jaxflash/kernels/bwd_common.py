@@ -13,6 +13,9 @@ into global memory with one bulk copy per warpgroup:
 The postprocess kernel inverts this mapping with the same tiled MMA. A main kernel with a larger
 query block (tile_m = 128 at head_dim 64) keeps this 64-row layout: its m block is tile_m / 64
 consecutive 64-row blocks (the preprocess zeroes and the dQ semaphores count whole m blocks).
+bwd_sm90's swap_sdp schedule with tile_m = 80 (hdim 128 non-causal) computes dQ^T: its blocks
+are 80 rows, the coordinates those of dq_tiled_mma(..., rows=80, transposed=True) over
+(head_dim, 80).
 """
 
 import cutlass
@@ -33,8 +36,18 @@ TILE_M = 64
 TILE_N = 64 * NUM_MMA_WARPGROUPS
 
 
-def dq_tiled_mma(dtype, head_dim: int) -> cute.TiledMma:
-  """dQ = dS K: both warpgroups cover the 64 query rows, each half of head_dim (N)."""
+def dq_tiled_mma(dtype, head_dim: int, rows: int = TILE_M,
+                 transposed: bool = False) -> cute.TiledMma:
+  """dQ = dS K: both warpgroups cover the 64 query rows, each half of head_dim (N).
+
+  transposed (bwd_sm90 swap_sdp with 80-row tiles): dQ^T = K^T dS^T, warpgroup w computes
+  head_dim rows [w * head_dim / 2, (w + 1) * head_dim / 2) (M) for all `rows` queries (N):
+  the same head_dim halves per warpgroup, coordinates (head_dim, query).
+  """
+  if transposed:
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.K, Float32,
+        (NUM_MMA_WARPGROUPS, 1, 1), (head_dim // NUM_MMA_WARPGROUPS, rows))
   return sm90_utils.make_trivial_tiled_mma(
       dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
       (1, NUM_MMA_WARPGROUPS, 1), (TILE_M, head_dim // NUM_MMA_WARPGROUPS))
@@ -81,3 +94,21 @@ def wait_at_least(ptr: cute.Pointer, target: Int32):
   seen = load_acquire(ptr)
   while seen < target:
     seen = load_acquire(ptr)
+
+
+@dsl_user_op
+def bulk_copy_g2s(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, num_bytes: int,
+                  mbar_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
+  """smem[0:num_bytes] = gmem[0:num_bytes] by the bulk copy engine; completes on an mbarrier.
+
+  The bytes count towards the mbarrier's transaction count (a TMA pipeline stage's tx_count
+  must include them). num_bytes a multiple of 16, both addresses 16-byte aligned.
+  """
+  saddr = smem_ptr.toint(loc=loc, ip=ip).ir_value()
+  gaddr = gmem_ptr.toint(loc=loc, ip=ip).ir_value()
+  baddr = mbar_ptr.toint(loc=loc, ip=ip).ir_value()
+  llvm.inline_asm(
+      None, [saddr, gaddr, Int32(num_bytes).ir_value(loc=loc, ip=ip), baddr],
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+      "r,l,r,r", has_side_effects=True, is_align_stack=False,
+      asm_dialect=llvm.AsmDialect.AD_ATT)

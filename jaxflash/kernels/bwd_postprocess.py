@@ -24,10 +24,14 @@ class FlashAttentionBackwardPostprocess:
   coordinate partition then says where each value goes in dQ. Rows >= seqlen_q are dropped.
   """
 
-  def __init__(self, dtype, head_dim: int):
+  def __init__(self, dtype, head_dim: int, tile_m: int = bwd_common.TILE_M,
+               transposed: bool = False):
+    """tile_m / transposed: the main kernel's dQ accumulator blocks (bwd_common.dq_tiled_mma's
+    rows / transposed; bwd_sm90 swap_sdp with 80-row tiles writes 80-row dQ^T blocks)."""
     self.dtype = dtype
     self.head_dim = head_dim
-    self.tile_m = bwd_common.TILE_M
+    self.tile_m = tile_m
+    self.transposed = transposed
 
   @staticmethod
   def can_implement(dtype: str, head_dim: int) -> tuple[bool, str]:
@@ -51,7 +55,9 @@ class FlashAttentionBackwardPostprocess:
       raise TypeError("dq_accum must be Float32")
     mdQaccum = _select(mdQaccum, [2, 3, 1, 0])  # (seqlen_q_rounded, head_dim, heads, batch)
     mdQ = _select(mdQ, [1, 3, 2, 0])  # (seqlen_q, head_dim, heads, batch)
-    tiled_mma = bwd_common.dq_tiled_mma(self.dtype, self.head_dim)
+    tiled_mma = bwd_common.dq_tiled_mma(
+        self.dtype, self.head_dim,
+        **({"rows": self.tile_m, "transposed": True} if self.transposed else {}))
     grid = (cute.ceil_div(cute.size(mdQ.shape[0]), self.tile_m), cute.size(mdQ.shape[2]),
             cute.size(mdQ.shape[3]))
     self.kernel(mdQaccum, mdQ, softmax_scale, tiled_mma).launch(
@@ -66,14 +72,17 @@ class FlashAttentionBackwardPostprocess:
     gdQaccum = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim),
                                (m_block, 0))
     flat = cute.make_tensor(gdQaccum.iterator, cute.make_layout(self.tile_m * self.head_dim))
-    # tCcC[i] = (row, col) of value i of this thread in the main kernel's dQ accumulator.
+    # tCcC[i] = (row, col) of value i of this thread in the main kernel's dQ accumulator
+    # ((col, row) of its dQ^T accumulator when transposed).
+    shape = (self.tile_m, self.head_dim)
     tCcC = tiled_mma.get_slice(tidx).partition_C(
-        cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        cute.make_identity_tensor(shape[::-1] if const_expr(self.transposed) else shape))
+    row_mode, col_mode = (1, 0) if const_expr(self.transposed) else (0, 1)
     wg = tidx // sm90_gemm.WARPGROUP_THREADS
     wg_tidx = tidx % sm90_gemm.WARPGROUP_THREADS
     half = self.tile_m * self.head_dim // bwd_common.NUM_MMA_WARPGROUPS
     for i in cutlass.range_constexpr(cute.size(tCcC)):
       value = flat[wg * half + i * sm90_gemm.WARPGROUP_THREADS + wg_tidx]
-      row = m_block * self.tile_m + tCcC[i][0]
+      row = m_block * self.tile_m + tCcC[i][row_mode]
       if row < seqlen_q:
-        mdQ[row, tCcC[i][1], head, batch] = (value * softmax_scale).to(self.dtype)
+        mdQ[row, tCcC[i][col_mode], head, batch] = (value * softmax_scale).to(self.dtype)

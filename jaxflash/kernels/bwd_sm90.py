@@ -45,6 +45,10 @@ _HEAD_SPLIT_TILE_N = 64
 # S and dP then take 2 x 64 fp32 registers per thread next to dK + dV (2 x 32 at hdim 64); at
 # hdim 96 / 128 that would pass the 240-register limit.
 _MAX_TILE_M128_HEAD_DIM = 64
+# swap_sdp also runs 80 query rows per step (FA-3/FA-4's hdim-128 non-causal tile): S^T / dP^T
+# are 64 keys x 80 queries per warpgroup (WGMMA N = 80), and since 80 is no multiple of WGMMA's
+# M = 64, dQ is computed transposed (dQ^T = K^T dS^T, M = head_dim, N = 80).
+_SWAP_TILE_M80 = 80
 _HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
@@ -82,6 +86,18 @@ class FlashAttentionBackwardSm90:
   Q stages), released as soon as the dV GEMM is done; at hdim 256, to fit 227 KiB, that ring
   has one stage and the dQ staging buffer holds half a block: each warpgroup hands its dQ over
   in two pieces. The dQ accumulator layout is the same.
+  swap_sdp (config.TileConfig.swap_sdp; the shipped hdim 96 / 128 variants use it; head_dim
+  <= 128 with tile_m 64): each warpgroup computes S^T = K Q^T and dP^T = V dO^T (64 keys x
+  tile_m queries) instead, so P^T and dS^T are already in the register layout of the A
+  operand of dV += P^T dO and dK += dS^T Q, which read it from registers (RS WGMMA); P never
+  goes to shared memory, dS^T is written transposed (stmatrix.trans) into the dS tile of the
+  unchanged dQ GEMM, double buffered by Q stage (one named barrier per step instead of two).
+  The per-query lse2 / delta are now per fragment column (16 per thread): the producer copies
+  the block's rows into shared memory with Q and dO (mma_step_swapped). At head_dim 128 it
+  also takes tile_m 80 (FA-3/FA-4's non-causal hdim-128 tile): S^T is 64 x 80 per warpgroup
+  and dQ is computed transposed, dQ^T = K^T dS^T (80 is no multiple of WGMMA's M = 64), so
+  the dQ accumulator holds 80-row dQ^T blocks (bwd_common.dq_tiled_mma transposed; the
+  postprocess reads them the same way); dS is then computed from the rounded P (registers).
   GQA: the group's query heads are looped inside the CTA, so dK/dV are written once, in the
   input dtype, by TMA.
   With `deterministic`, the dQ reductions into one (batch, head, m block) happen in a fixed
@@ -91,7 +107,10 @@ class FlashAttentionBackwardSm90:
   """
 
   def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
-               causal: bool, deterministic: bool = False):
+               causal: bool, deterministic: bool = False, swap_sdp: bool | None = None):
+    """swap_sdp: None takes the tile's choice (config.TileConfig.swap_sdp); devtools A/B builds
+    pass True / False to override it."""
+    swap_sdp = tile.swap_sdp if swap_sdp is None else swap_sdp
     self.dtype = dtype
     self.head_dim = head_dim
     self.head_dim_v = head_dim_v
@@ -109,12 +128,33 @@ class FlashAttentionBackwardSm90:
     self.do_stages, self.dq_pieces = _ring_shape(head_dim, tile.num_stages)
     # 64-row blocks of the dQ accumulator layout (bwd_common) per query block: a tile_m = 128
     # step stages two per warpgroup and the writer adds each with its own bulk reduction.
-    self.dq_blocks = self.tile_m // bwd_common.TILE_M
+    # Rows of one dQ accumulator block (bwd_common): 64, or the whole 80-row tile when dQ is
+    # computed transposed (swap_sdp, tile_m 80).
+    self.dq_transposed = swap_sdp and self.tile_m == _SWAP_TILE_M80
+    self.dq_rows = self.tile_m if self.dq_transposed else bwd_common.TILE_M
+    self.dq_blocks = self.tile_m // self.dq_rows
+    # swap_sdp (see mma_step_swapped): S^T and dP^T per warpgroup, P^T and dS^T
+    # fed to the dV / dK GEMMs from registers, no P buffer; dS gets one buffer per Q stage.
+    self.swap_sdp = swap_sdp
+    if swap_sdp and (self.split_head_dim
+                     or self.tile_m not in (bwd_common.TILE_M, _SWAP_TILE_M80)):
+      raise ValueError(f"swap_sdp: needs head_dim <= {_MAX_KEY_SPLIT_HEAD_DIM} and tile_m "
+                       f"{bwd_common.TILE_M} or {_SWAP_TILE_M80}; got head_dim {head_dim}, "
+                       f"tile_m {self.tile_m}")
+    if self.tile_m == _SWAP_TILE_M80 and not (swap_sdp and head_dim == 2 * 64):
+      raise ValueError(f"tile_m {_SWAP_TILE_M80} needs swap_sdp and head_dim 128 (the "
+                       f"transposed dQ GEMM's M = 64 per warpgroup); got head_dim {head_dim}")
+    self.ds_stages = self.num_stages if swap_sdp else 1
 
   @staticmethod
   def smem_bytes(head_dim: int, head_dim_v: int, tile: config.TileConfig,
-                 elem_bytes: int = 2) -> int:
-    """K, V, the Q and dO rings, P, dS, the fp32 dQ staging buffer, mbarriers, alignment."""
+                 elem_bytes: int = 2, swap_sdp: bool | None = None) -> int:
+    """K, V, the Q and dO rings, P, dS, the fp32 dQ staging buffer, mbarriers, alignment.
+
+    swap_sdp (None: the tile's): no P buffer, num_stages dS buffers, lse2 / delta rows per Q
+    stage.
+    """
+    swap_sdp = tile.swap_sdp if swap_sdp is None else swap_sdp
     def aligned(n):
       return (n + sm90_gemm.SMEM_ALIGN - 1) // sm90_gemm.SMEM_ALIGN * sm90_gemm.SMEM_ALIGN
     m, n, s = tile.tile_m, tile.tile_n, tile.num_stages
@@ -122,13 +162,18 @@ class FlashAttentionBackwardSm90:
     total = (aligned(n * head_dim * elem_bytes) + aligned(n * head_dim_v * elem_bytes)
              + aligned(s * m * head_dim * elem_bytes)
              + aligned(do_stages * m * head_dim_v * elem_bytes)
-             + 2 * aligned(m * n * elem_bytes) + aligned(m * head_dim * 4 // dq_pieces))
+             + (s if swap_sdp else 2) * aligned(m * n * elem_bytes)
+             + aligned(m * head_dim * 4 // dq_pieces) + (2 * m * s * 4 if swap_sdp else 0))
     return total + sm90_gemm.SMEM_ALIGN
 
   @staticmethod
   def can_implement(dtype: str, head_dim: int, head_dim_v: int, causal: bool,
-                    tile: config.TileConfig) -> tuple[bool, str]:
-    """Whether this kernel can be built for the arguments; the reason text is user-facing."""
+                    tile: config.TileConfig, swap_sdp: bool | None = None) -> tuple[bool, str]:
+    """Whether this kernel can be built for the arguments; the reason text is user-facing.
+
+    swap_sdp (None: the tile's): head_dim <= 128 only; also tile_m 80 at head_dim 128.
+    """
+    swap_sdp = tile.swap_sdp if swap_sdp is None else swap_sdp
     del causal  # both masks share one code path
     if dtype not in DTYPES:
       return False, f"dtype {dtype} has no backward kernel; accepted: {', '.join(DTYPES)}"
@@ -142,6 +187,8 @@ class FlashAttentionBackwardSm90:
       tile_n, why = bwd_common.TILE_N, "64 key rows per consumer warpgroup"
       if head_dim <= _MAX_TILE_M128_HEAD_DIM:
         tile_ms += (2 * bwd_common.TILE_M,)
+      if swap_sdp and head_dim == 2 * 64:
+        tile_ms += (_SWAP_TILE_M80,)
     else:
       tile_n, why = _HEAD_SPLIT_TILE_N, "head_dim split between the consumer warpgroups"
     if tile.tile_n != tile_n or tile.tile_m not in tile_ms:
@@ -150,7 +197,12 @@ class FlashAttentionBackwardSm90:
                      f"accepted: {accepted} (64-row WGMMA blocks of queries, {why})")
     if tile.num_stages not in (1, 2):
       return False, f"num_stages {tile.num_stages} unsupported; accepted: 1, 2"
-    smem = FlashAttentionBackwardSm90.smem_bytes(head_dim, head_dim_v, tile)
+    if swap_sdp and (head_dim > _MAX_KEY_SPLIT_HEAD_DIM
+                     or tile.tile_m not in (bwd_common.TILE_M, _SWAP_TILE_M80)):
+      return False, (f"swap_sdp with tile {tile.tile_m}x{tile.tile_n} at head_dim {head_dim}: "
+                     f"accepted: head_dim <= {_MAX_KEY_SPLIT_HEAD_DIM} with tile_m "
+                     f"{bwd_common.TILE_M} (or {_SWAP_TILE_M80} at head_dim 128)")
+    smem = FlashAttentionBackwardSm90.smem_bytes(head_dim, head_dim_v, tile, swap_sdp=swap_sdp)
     if smem > sm90_gemm.SMEM_CAPACITY:
       return False, (f"tile {tile.key} needs {smem} bytes of shared memory for head_dim "
                      f"{head_dim}; sm_90 has {sm90_gemm.SMEM_CAPACITY}")
@@ -180,7 +232,20 @@ class FlashAttentionBackwardSm90:
       self.tiled_mma_dv = sm90_utils.make_trivial_tiled_mma(
           self.dtype, self.dtype, mn_major, mn_major, Float32, (_NUM_WG, 1, 1),
           (64, self.head_dim_v))
-    self.tiled_mma_dq = bwd_common.dq_tiled_mma(self.dtype, self.head_dim)
+    if self.swap_sdp:
+      # S^T = K Q^T and dP^T = V dO^T: warpgroups stacked along the key (M) mode, all tile_m
+      # queries as N. The accumulators are P^T / dS^T in the A-operand register layout of
+      # the dV / dK GEMMs, which therefore read A from registers.
+      self.tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
+          self.dtype, self.dtype, k_major, k_major, Float32, (_NUM_WG, 1, 1), (64, self.tile_m))
+      self.tiled_mma_dk, self.tiled_mma_dv = [
+          sm90_utils.make_trivial_tiled_mma(
+              self.dtype, self.dtype, k_major, mn_major, Float32, (_NUM_WG, 1, 1), (64, dim),
+              a_source=warpgroup.OperandSource.RMEM)
+          for dim in (self.head_dim, self.head_dim_v)]
+    self.tiled_mma_dq = bwd_common.dq_tiled_mma(self.dtype, self.head_dim,
+                                                **({"rows": self.tile_m, "transposed": True}
+                                                   if self.dq_transposed else {}))
     m, n, s = self.tile_m, self.tile_n, self.num_stages
     # Head-dim split: the dK / dV GEMMs read Q / dO transposed with head_dim split between the
     # warpgroups, so each half must be whole swizzle atoms.
@@ -196,14 +261,18 @@ class FlashAttentionBackwardSm90:
     self.sV_layout = sm90_gemm.smem_layout(self.dtype, n, self.head_dim_v, major_size=do_major)
     # P and dS are read transposed with the key mode split between the warpgroups (whole
     # swizzle atoms per half); the head-dim split reads all 64 keys: one 128-byte atom.
-    self.sPdS_layout = sm90_gemm.smem_layout(self.dtype, m, n,
-                                             major_size=n if self.split_head_dim else half_n)
+    self.sPdS_layout = sm90_gemm.smem_layout(
+        self.dtype, m, n, self.ds_stages if self.swap_sdp else None,
+        major_size=n if self.split_head_dim else half_n)
     self.tma_bytes_kv = (cute.size_in_bytes(self.dtype, self.sK_layout)
                          + cute.size_in_bytes(self.dtype, self.sV_layout))
     self.tma_bytes_q = cute.size_in_bytes(self.dtype, cute.slice_(self.sQ_layout, (None, None, 0)))
     self.tma_bytes_do = cute.size_in_bytes(self.dtype,
                                            cute.slice_(self.sdO_layout, (None, None, 0)))
     self.tma_bytes_qdo = self.tma_bytes_q + self.tma_bytes_do
+    if self.swap_sdp:
+      # The block's lse2 and delta rows ride on the Q/dO stage (one bulk copy each).
+      self.tma_bytes_qdo += 2 * self.tile_m * 4
     stages, do_stages = self.num_stages, self.do_stages
     dq_floats = m * self.head_dim // self.dq_pieces
     align = sm90_gemm.SMEM_ALIGN
@@ -225,7 +294,25 @@ class FlashAttentionBackwardSm90:
                              align]
       sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_floats], align]
 
-    self.shared_storage = SharedStorage
+    # swap_sdp: P stays in registers; the dS buffers (one per Q stage) are in the layout.
+    @cute.struct
+    class SharedStorageSwapped:
+      mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+      mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+      mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * do_stages]
+      sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], align]
+      sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], align]
+      sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sQ_layout)], align]
+      sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sdO_layout)],
+                             align]
+      sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sPdS_layout)],
+                             align]
+      sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_floats], align]
+      # Per Q/dO stage: the block's lse2 and delta rows (read by the columns of S^T / dP^T).
+      sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, m * stages], 128]
+      sDelta: cute.struct.Align[cute.struct.MemRange[Float32, m * stages], 128]
+
+    self.shared_storage = SharedStorageSwapped if self.swap_sdp else SharedStorage
 
   @cute.jit
   def __call__(
@@ -322,19 +409,26 @@ class FlashAttentionBackwardSm90:
     storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
     # pipeline_qdo carries Q and dO, or Q only when dO has its own ring (head-dim split).
     pipeline_kv, pipeline_qdo, pipeline_do = self._make_pipelines(storage)
+    buffers = (("sQ", sQ_layout), ("sK", sK_layout), ("sV", sV_layout), ("sdO", sdO_layout),
+               ("sP", sPdS_layout), ("sdS", sPdS_layout))
+    if const_expr(self.swap_sdp):
+      buffers = tuple(b for b in buffers if b[0] != "sP")
     smem = {name: getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
-            for name, layout in (("sQ", sQ_layout), ("sK", sK_layout), ("sV", sV_layout),
-                                 ("sdO", sdO_layout), ("sP", sPdS_layout),
-                                 ("sdS", sPdS_layout))}
+            for name, layout in buffers}
     # The P / dS stores (registers to smem) of several 64-row blocks want the swizzle in the
     # layout (sm90_gemm.store_acc_to_smem): same bytes, fewer address registers. WGMMA and the
     # 64-row tiles use the swizzled-pointer tensors above.
-    smem["sP_store"], smem["sdS_store"] = smem["sP"], smem["sdS"]
+    smem["sP_store"], smem["sdS_store"] = smem.get("sP"), smem["sdS"]
     if const_expr(self.dq_blocks > 1):
       store_layout = sm90_gemm.element_swizzled(sPdS_layout, self.dtype)
       smem["sP_store"] = storage.sP.get_tensor(store_layout)
       smem["sdS_store"] = storage.sdS.get_tensor(store_layout)
     sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim // self.dq_pieces))
+    stats = None
+    if const_expr(self.swap_sdp):
+      stats_layout = cute.make_layout((self.tile_m, self.num_stages))
+      stats = (mLSE2, mDelta, storage.sLSE2.get_tensor(stats_layout),
+               storage.sDelta.get_tensor(stats_layout))
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -352,16 +446,22 @@ class FlashAttentionBackwardSm90:
       if warp_idx == 0:
         self.load(mQ, mK, mV, mdO, tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do,
                   smem["sQ"], smem["sK"], smem["sV"], smem["sdO"], pipeline_kv, pipeline_qdo,
-                  pipeline_do, n_block, head_kv, batch, group, m_min, m_max)
+                  pipeline_do, n_block, head_kv, batch, group, m_min, m_max, stats)
       if warp_idx == 1:
         self.store_dq(mdQaccum, mSem, sdQ, n_block, head_kv, batch, group, m_min, m_max,
                       seqlen_q, seqlen_k)
     else:
       cute.arch.setmaxregister_increase(_MMA_REGS)
-      self.mma(mdK, mdV, mLSE2, mDelta, tma_atom_dk, tma_atom_dv, smem, sdQ,
-               tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
-               pipeline_kv, pipeline_qdo, pipeline_do, softmax_scale,
-               n_block, head_kv, batch, group, m_min, m_max, seqlen_q, seqlen_k)
+      if const_expr(self.swap_sdp):
+        self.mma_swapped(mdK, mdV, stats[2], stats[3], tma_atom_dk, tma_atom_dv, smem, sdQ,
+                         tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
+                         pipeline_kv, pipeline_qdo, softmax_scale,
+                         n_block, head_kv, batch, group, seqlen_q, seqlen_k)
+      else:
+        self.mma(mdK, mdV, mLSE2, mDelta, tma_atom_dk, tma_atom_dv, smem, sdQ,
+                 tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
+                 pipeline_kv, pipeline_qdo, pipeline_do, softmax_scale,
+                 n_block, head_kv, batch, group, m_min, m_max, seqlen_q, seqlen_k)
 
   def _make_pipelines(self, storage):
     """TMA pipelines: one elected producer thread arrives; lane 0 of each consumer warp releases."""
@@ -423,8 +523,13 @@ class FlashAttentionBackwardSm90:
            tma_atom_q: cute.CopyAtom, tma_atom_k: cute.CopyAtom, tma_atom_v: cute.CopyAtom,
            tma_atom_do: cute.CopyAtom, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
            sdO: cute.Tensor, pipeline_kv, pipeline_qdo, pipeline_do, n_block: Int32,
-           head_kv: Int32, batch: Int32, group: Int32, m_min: Int32, m_max: Int32):
-    """Producer warp: K and V once, then Q and dO per (query head of the group, query block)."""
+           head_kv: Int32, batch: Int32, group: Int32, m_min: Int32, m_max: Int32,
+           stats=None):
+    """Producer warp: K and V once, then Q and dO per (query head of the group, query block).
+
+    stats (swap_sdp): (mLSE2, mDelta, sLSE2, sDelta); the block's lse2 / delta rows go with
+    Q and dO into the same stage.
+    """
     one_cta = cute.make_layout(1)
     gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim),
                          (n_block, 0))
@@ -460,6 +565,13 @@ class FlashAttentionBackwardSm90:
                     tma_bar_ptr=barrier)
           cute.copy(tma_atom_do, tOgdO[None, m_block], tOsdO[None, qdo_state.index],
                     tma_bar_ptr=barrier)
+          if const_expr(stats is not None):
+            with cute.arch.elect_one():
+              for src, dst in ((stats[0], stats[2]), (stats[1], stats[3])):
+                bwd_common.bulk_copy_g2s(
+                    dst[None, qdo_state.index].iterator,
+                    src[None, head, batch].iterator + m_block * self.tile_m,
+                    self.tile_m * 4, barrier)
           qdo_state.advance()
         else:
           # Q runs ahead in its deeper ring; dO waits for the previous block's dV GEMM.
@@ -637,6 +749,176 @@ class FlashAttentionBackwardSm90:
       pipeline_qdo.consumer_release(qdo_state)
 
   @cute.jit
+  def mma_swapped(self, mdK: cute.Tensor, mdV: cute.Tensor, sLSE2: cute.Tensor,
+                  sDelta: cute.Tensor, tma_atom_dk: cute.CopyAtom, tma_atom_dv: cute.CopyAtom,
+                  smem, sdQ: cute.Tensor, tiled_mma_sdp: cute.TiledMma,
+                  tiled_mma_dk: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
+                  tiled_mma_dq: cute.TiledMma, pipeline_kv, pipeline_qdo,
+                  softmax_scale: Float32, n_block: Int32, head_kv: Int32, batch: Int32,
+                  group: Int32, seqlen_q: Int32, seqlen_k: Int32):
+    """mma with swap_sdp: the same loop and epilogue around mma_step_swapped.
+
+    sLSE2 / sDelta: (tile_m, num_stages) lse2 / delta rows of the Q/dO stages (the producer
+    copies them with Q and dO).
+    """
+    tidx, _, _ = cute.arch.thread_idx()
+    mma_tidx = tidx - _WG
+    sQ, sK, sV, sdO, sdS = smem["sQ"], smem["sK"], smem["sV"], smem["sdO"], smem["sdS"]
+    thr_sdp = tiled_mma_sdp.get_slice(mma_tidx)
+    thr_dk = tiled_mma_dk.get_slice(mma_tidx)
+    thr_dv = tiled_mma_dv.get_slice(mma_tidx)
+    thr_dq = tiled_mma_dq.get_slice(mma_tidx)
+    # S^T = K Q^T and dP^T = V dO^T (K, V are the A operands); dV and dK take A (P^T, dS^T)
+    # from registers; dQ = dS K as without the swap, dS from one of ds_stages buffers.
+    frags = dict(
+        tSrK=thr_sdp.make_fragment_A(thr_sdp.partition_A(sK)),
+        tSrQ=thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ)),
+        tdPrV=thr_sdp.make_fragment_A(thr_sdp.partition_A(sV)),
+        tdPrdO=thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO)),
+        tdVrdOt=thr_dv.make_fragment_B(thr_dv.partition_B(sm90_gemm.transpose_view(sdO))),
+        tdKrQt=thr_dk.make_fragment_B(thr_dk.partition_B(sm90_gemm.transpose_view(sQ))),
+    )
+    if const_expr(self.dq_transposed):
+      # dQ^T = K^T dS^T: A = K^T (head_dim contiguous: MN-major), B = the dS tile (K-major).
+      frags["tdQrdS"] = thr_dq.make_fragment_B(thr_dq.partition_B(sdS))
+      frags["tdQrKt"] = thr_dq.make_fragment_A(
+          thr_dq.partition_A(sm90_gemm.transpose_view(sK)))
+    else:
+      frags["tdQrdS"] = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
+      frags["tdQrKt"] = thr_dq.make_fragment_B(
+          thr_dq.partition_B(sm90_gemm.transpose_view(sK)))
+    acc_dk = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.head_dim)))
+    acc_dv = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.head_dim_v)))
+    acc_dk.fill(0.0)
+    acc_dv.fill(0.0)
+    # (key, query) coordinates of this thread's S^T values.
+    tStS_mn = softmax.make_acc_mn_view(
+        thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))))
+    scale_log2 = softmax_scale * LOG2_E
+
+    kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+    pipeline_kv.consumer_wait(kv_state)
+    qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+    for g in cutlass.range(group, unroll=1):
+      # The query block range, recomputed per head (cheap integer math on kernel parameters).
+      m_min, m_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
+      m_split = self._first_unmasked_m_block(n_block, m_min, m_max, seqlen_q, seqlen_k)
+      for m_block in cutlass.range(m_min, m_split, unroll=1):
+        self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
+                              acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
+                              pipeline_qdo, qdo_state, scale_log2, m_block, n_block, seqlen_q,
+                              seqlen_k, True)
+        qdo_state.advance()
+      for m_block in cutlass.range(m_split, m_max, unroll=1):
+        self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
+                              acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
+                              pipeline_qdo, qdo_state, scale_log2, m_block, n_block, seqlen_q,
+                              seqlen_k, False)
+        qdo_state.advance()
+
+    self.epilogue(mdK, mdV, tma_atom_dk, tma_atom_dv, sK, sV, tiled_mma_dk, tiled_mma_dv,
+                  acc_dk, acc_dv, softmax_scale, n_block, head_kv, batch)
+
+  @cute.jit
+  def mma_step_swapped(self, tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma,
+                       tiled_mma_dv: cute.TiledMma, tiled_mma_dq: cute.TiledMma, frags,
+                       acc_dk: cute.Tensor, acc_dv: cute.Tensor, tStS_mn: cute.Tensor,
+                       sdS: cute.Tensor, sdQ: cute.Tensor, sLSE2: cute.Tensor,
+                       sDelta: cute.Tensor, pipeline_qdo, qdo_state, scale_log2: Float32,
+                       m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                       is_masked: cutlass.Constexpr):
+    """mma_step with swap_sdp (FA-3/FA-4's "SdP swapAB" with register-operand dV / dK).
+
+    Each warpgroup computes S^T = K Q^T and dP^T = V dO^T for its 64 keys (rows) x tile_m
+    queries (columns), so the row statistics lse2 / delta belong to the fragment's columns.
+    The fp32 accumulators are then P^T / dS^T in the register layout of an RS WGMMA A operand:
+    dV += P^T dO is issued as soon as P is converted (it runs while dS is computed),
+    dK += dS^T Q from registers too. Only dS goes to shared memory (stmatrix.trans into the
+    (tile_m, tile_n) dS tile the unchanged dQ = dS K GEMM reads). With two Q stages dS is
+    double buffered by the Q stage index: a warpgroup's dQ GEMM of step s has finished before
+    it reaches the dS-full barrier of step s + 1, which the other warpgroup passes before it
+    writes the same buffer at step s + 2, so the dS-empty barrier goes away.
+    tile_m 80: dS = P (dP - delta) takes P after its rounding to the input dtype (the fp32
+    copy dies at the conversion): with fp32 S^T, dP^T and P^T live at once ptxas serialized
+    every WGMMA and spilled. dQ^T = K^T dS^T instead of dQ = dS K.
+    """
+    tidx, _, _ = cute.arch.thread_idx()
+    mma_tidx = tidx - _WG
+    stage = qdo_state.index
+    ds_stage = stage if const_expr(self.ds_stages > 1) else 0
+    num_cols = cute.size(tStS_mn, mode=[1])
+    acc_shape = tiled_mma_sdp.get_slice(mma_tidx).partition_shape_C((self.tile_n, self.tile_m))
+    acc_s = cute.make_rmem_tensor(acc_shape, Float32)
+    acc_dp = cute.make_rmem_tensor(acc_shape, Float32)
+    pipeline_qdo.consumer_wait(qdo_state)
+    sm90_gemm.gemm(tiled_mma_sdp, acc_s, frags["tSrK"], frags["tSrQ"][None, None, None, stage],
+                   zero_init=True)
+    sm90_gemm.gemm(tiled_mma_sdp, acc_dp, frags["tdPrV"],
+                   frags["tdPrdO"][None, None, None, stage], zero_init=True)
+    warpgroup.wait_group(1)
+
+    # P^T = exp2(S^T * scale * log2(e) - lse * log2(e)), lse of the column's query.
+    acc_s_mn = softmax.make_acc_mn_view(acc_s)
+    if const_expr(is_masked):
+      mask.apply_mask_transposed(acc_s_mn, tStS_mn, m_block, n_block, seqlen_q, seqlen_k,
+                                 self.tile_m, self.tile_n, self.causal)
+    # Per-query statistics of this thread's columns come from the stage's copy of the
+    # preprocess output (rows >= seqlen_q hold lse2 = +inf, delta = 0: P = 0 there), read
+    # where used: 16 columns per thread, too many to hold both in registers.
+    for j in cutlass.range_constexpr(num_cols):
+      lse2 = sLSE2[tStS_mn[0, j][1], stage]
+      for i in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
+        acc_s_mn[i, j] = cute.math.exp2(acc_s_mn[i, j] * scale_log2 - lse2, fastmath=True)
+    # dV += P^T dO, A from registers: runs while dS is computed.
+    t_p = cute.make_rmem_tensor(acc_shape, self.dtype)
+    r_p = softmax.operand_a_view(t_p)
+    softmax.convert_p(acc_s, r_p)
+    sm90_gemm.gemm(tiled_mma_dv, acc_dv, r_p, frags["tdVrdOt"][None, None, None, stage],
+                   zero_init=False)
+
+    # dS^T = P^T (dP^T - delta); dP (the older group) is done once one group is pending.
+    warpgroup.wait_group(1)
+    acc_dp_mn = softmax.make_acc_mn_view(acc_dp)
+    # 80 query columns: fp32 S^T, dP^T and P^T at once do not fit next to dK and dV (ptxas
+    # serialized every WGMMA and spilled), so dS uses the rounded P (its fp32 copy is dead).
+    p_mn = softmax.make_acc_mn_view(t_p if const_expr(self.dq_transposed) else acc_s)
+    for j in cutlass.range_constexpr(num_cols):
+      delta = sDelta[tStS_mn[0, j][1], stage]
+      for i in cutlass.range_constexpr(cute.size(acc_dp_mn, mode=[0])):
+        acc_dp_mn[i, j] = p_mn[i, j].to(Float32) * (acc_dp_mn[i, j] - delta)
+    t_ds = cute.make_rmem_tensor(acc_shape, self.dtype)
+    r_ds = softmax.operand_a_view(t_ds)
+    softmax.convert_p(acc_dp, r_ds)
+    if const_expr(self.ds_stages == 1):
+      # One dS buffer: the other warpgroup's dQ GEMM of the previous step reads all of it.
+      cute.arch.barrier(barrier_id=_DS_EMPTY_BARRIER, number_of_threads=self.num_mma_threads)
+    sm90_gemm.store_frag_transposed(tiled_mma_sdp, mma_tidx, t_ds,
+                                    sm90_gemm.transpose_view(sdS[None, None, ds_stage]))
+    # Generic-proxy smem writes must be visible to the async proxy (WGMMA) of both warpgroups.
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=_DS_FULL_BARRIER, number_of_threads=self.num_mma_threads)
+
+    if const_expr(self.dq_transposed):
+      acc_dq = cute.make_rmem_tensor(
+          tiled_mma_dq.get_slice(mma_tidx).partition_shape_C((self.head_dim, self.tile_m)),
+          Float32)
+      sm90_gemm.gemm(tiled_mma_dq, acc_dq, frags["tdQrKt"],
+                     frags["tdQrdS"][None, None, None, ds_stage], zero_init=True)
+    else:
+      acc_dq = cute.make_rmem_tensor(
+          tiled_mma_dq.get_slice(mma_tidx).partition_shape_C((self.tile_m, self.head_dim)),
+          Float32)
+      sm90_gemm.gemm(tiled_mma_dq, acc_dq, frags["tdQrdS"][None, None, None, ds_stage],
+                     frags["tdQrKt"], zero_init=True)
+    sm90_gemm.gemm(tiled_mma_dk, acc_dk, r_ds, frags["tdKrQt"][None, None, None, stage],
+                   zero_init=False)
+    # Pending: dV, dQ, dK (in that order); dQ is done once only dK may be.
+    warpgroup.wait_group(1)
+    self.stage_dq(acc_dq, sdQ)
+    warpgroup.wait_group(0)
+    pipeline_qdo.consumer_release(qdo_state)
+
+  @cute.jit
   def stage_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor):
     """Writes this warpgroup's dQ half to its staging buffer for the dQ writer warp.
 
@@ -674,7 +956,7 @@ class FlashAttentionBackwardSm90:
     # holds dq_blocks of them. The staging buffer of warpgroup wg keeps its value i of 64-row
     # block s at s * half + i * 128 + thread: one bulk reduction per block (dq_pieces is 1
     # whenever dq_blocks > 1).
-    half = bwd_common.TILE_M * self.head_dim // _NUM_WG
+    half = self.dq_rows * self.head_dim // _NUM_WG
     buf = self.tile_m * self.head_dim // _NUM_WG // self.dq_pieces  # floats per staging buffer
     piece = half // self.dq_pieces  # floats per bulk reduction
     for g in cutlass.range(group, unroll=1):

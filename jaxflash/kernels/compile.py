@@ -120,6 +120,9 @@ def _check_variant(variant: config.KernelVariant, direction: str) -> None:
     raise ValueError(f"variant.arch: {variant.arch!r} unsupported; accepted: {tuple(_GPU_ARCH)}")
   if variant.has_window or variant.has_softcap or variant.has_segment_ids:
     raise ValueError(f"variant {variant.key}: window/softcap/segment ids not supported yet")
+  if direction == "fwd" and variant.tile.swap_sdp:
+    raise ValueError(f"variant {variant.key}: tile.swap_sdp is a backward schedule; the forward "
+                     f"kernel accepts swap_sdp=False only")
 
 
 def build_kernel(variant: config.KernelVariant) -> FlashAttentionForwardSm90:
@@ -282,30 +285,43 @@ def bwd_signature(variant: config.KernelVariant) -> dict:
   )
 
 
-def build_bwd_kernels(variant: config.KernelVariant):
-  """(preprocess, main, postprocess) kernel objects of a backward variant, or ValueError."""
+def build_bwd_kernels(variant: config.KernelVariant, main_args: dict | None = None):
+  """(preprocess, main, postprocess) kernel objects of a backward variant, or ValueError.
+
+  main_args: extra FlashAttentionBackwardSm90 constructor arguments (devtools A/B builds).
+  """
   _check_variant(variant, "bwd")
   for ok, reason in (
       FlashAttentionBackwardSm90.can_implement(variant.dtype, variant.head_dim,
-                                               variant.head_dim_v, variant.causal, variant.tile),
+                                               variant.head_dim_v, variant.causal, variant.tile,
+                                               swap_sdp=(main_args or {}).get("swap_sdp")),
       FlashAttentionBackwardPreprocess.can_implement(variant.dtype, variant.head_dim,
                                                      variant.head_dim_v),
       FlashAttentionBackwardPostprocess.can_implement(variant.dtype, variant.head_dim)):
     if not ok:
       raise ValueError(f"variant {variant.key}: {reason}")
   dtype = DTYPES[variant.dtype]
+  main = FlashAttentionBackwardSm90(dtype, variant.head_dim, variant.head_dim_v, variant.tile,
+                                    variant.causal, variant.deterministic, **(main_args or {}))
+  # The postprocess reads the dQ accumulator blocks the main kernel writes (bwd_common).
+  post_args = {"tile_m": main.dq_rows, "transposed": True} if main.dq_transposed else {}
   return (
       FlashAttentionBackwardPreprocess(dtype, variant.head_dim, variant.head_dim_v,
                                        variant.deterministic, variant.tile.tile_m),
-      FlashAttentionBackwardSm90(dtype, variant.head_dim, variant.head_dim_v, variant.tile,
-                                 variant.causal, variant.deterministic),
-      FlashAttentionBackwardPostprocess(dtype, variant.head_dim),
+      main,
+      FlashAttentionBackwardPostprocess(dtype, variant.head_dim, **post_args),
   )
 
 
-def export_bwd_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
-  """Compiles the three backward kernels and writes `<key>-{pre,main,post}.{h,o}`."""
-  pre, main, post = build_bwd_kernels(variant)
+def export_bwd_variant(variant: config.KernelVariant, out_dir, main_args: dict | None = None,
+                       key: str | None = None) -> ExportedKernel:
+  """Compiles the three backward kernels and writes `<key>-{pre,main,post}.{h,o}`.
+
+  main_args / key (default variant.key): devtools A/B builds, see build_bwd_kernels; the key
+  names the files and is what the library reports as its variant key.
+  """
+  pre, main, post = build_bwd_kernels(variant, main_args)
+  key = key or variant.key
   load_dsl_runtime()
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -324,11 +340,11 @@ def export_bwd_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel
   for part in _BWD_PARTS:
     kernel, *args = arguments[part]
     compiled = cute.compile(kernel, *args, options=f"--gpu-arch {_GPU_ARCH[variant.arch]}")
-    compiled.export_to_c(str(out_dir), f"{variant.key}-{part}", f"{prefix}_{part}")
-    headers[part] = (out_dir / f"{variant.key}-{part}.h").resolve()
-    objects[part] = (out_dir / f"{variant.key}-{part}.o").resolve()
+    compiled.export_to_c(str(out_dir), f"{key}-{part}", f"{prefix}_{part}")
+    headers[part] = (out_dir / f"{key}-{part}.h").resolve()
+    objects[part] = (out_dir / f"{key}-{part}.o").resolve()
   seconds = time.perf_counter() - start
-  defines = (f'-DJAXFLASH_VARIANT_KEY="{variant.key}"',
+  defines = (f'-DJAXFLASH_VARIANT_KEY="{key}"',
              f"-DJAXFLASH_HEAD_DIM={variant.head_dim}",
              f"-DJAXFLASH_HEAD_DIM_V={variant.head_dim_v}",
              f"-DJAXFLASH_TILE_M={variant.tile.tile_m}",

@@ -63,3 +63,24 @@ def apply_mask(acc_s_mn: cute.Tensor, coord_mn: cute.Tensor, m_block: Int32, n_b
     for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
       if coord_mn[0, j][1] >= col_limit:
         acc_s_mn[i, j] = -Float32.inf
+
+
+@cute.jit
+def apply_mask_transposed(acc_t_mn: cute.Tensor, coord_mn: cute.Tensor, m_block: Int32,
+                          n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                          tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+                          causal: cutlass.Constexpr):
+  """apply_mask on S^T: rows are keys, columns queries (the backward's swapped S).
+
+  coord_mn: the (key, query) coordinates inside the (tile_n, tile_m) tile. The key limit
+  depends on the column only, so it is computed once per column.
+  """
+  row_base = n_block * tile_n
+  for j in cutlass.range_constexpr(cute.size(acc_t_mn, mode=[1])):
+    key_limit = seqlen_k - row_base  # exclusive, relative to the block
+    if cutlass.const_expr(causal):
+      query = m_block * tile_m + coord_mn[0, j][1]
+      key_limit = cutlass.min(key_limit, query + seqlen_k - seqlen_q + 1 - row_base)
+    for i in cutlass.range_constexpr(cute.size(acc_t_mn, mode=[0])):
+      if coord_mn[i, 0][0] >= key_limit:
+        acc_t_mn[i, j] = -Float32.inf

@@ -105,10 +105,26 @@ def store_acc_to_smem(tiled_mma: cute.TiledMma, tidx, acc: cute.Tensor, dst: cut
 
 
 @cute.jit
+def store_frag_transposed(tiled_mma: cute.TiledMma, tidx, frag: cute.Tensor, dst_t: cute.Tensor):
+  """Writes an accumulator-layout fragment (already in dst's dtype) to a transposed smem view.
+
+  `frag` has the layout of a one-row-block fragment of `tiled_mma` over an (M, N) tile;
+  `dst_t` is that (M, N) tile as a view whose mode 0 is contiguous (transpose_view of a
+  row-major (N, M) tile), written with stmatrix.trans. Used for dS^T of the swapped backward:
+  the accumulator holds keys x queries, the dQ GEMM reads dS as queries x keys.
+  """
+  _store_block(tiled_mma, tidx, frag, dst_t, frag.element_type, transposed=True)
+
+
+@cute.jit
 def _store_block(tiled_mma: cute.TiledMma, tidx, acc: cute.Tensor, dst: cute.Tensor,
-                 dtype: cutlass.Constexpr):
-  """store_acc_to_smem of an accumulator with one row block (MMA_M == 1)."""
-  store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, dtype, Float32)
+                 dtype: cutlass.Constexpr, transposed: cutlass.Constexpr = False):
+  """store_acc_to_smem of an accumulator with one row block (MMA_M == 1).
+
+  `transposed`: dst's mode 0 is contiguous (stmatrix.trans) and acc is already in `dtype`.
+  """
+  layout = LayoutEnum.COL_MAJOR if cutlass.const_expr(transposed) else LayoutEnum.ROW_MAJOR
+  store_atom = sm90_utils.get_smem_store_op(layout, dtype, Float32)
   tiled_copy = cute.make_tiled_copy_S(store_atom,
                                       cute.make_tiled_copy_C_atom(store_atom, tiled_mma))
   thr_copy = tiled_copy.get_slice(tidx)
@@ -123,9 +139,19 @@ def _store_block(tiled_mma: cute.TiledMma, tidx, acc: cute.Tensor, dst: cute.Ten
   retiled = tiled_copy.retile(acc)
   per_copy = cute.size(src_chunks, mode=[0])
   for c in cutlass.range_constexpr(cute.size(src_chunks, mode=[1])):
-    chunk32 = cute.make_rmem_tensor(per_copy, Float32)
-    for v in cutlass.range_constexpr(per_copy):
-      chunk32[v] = retiled[c * per_copy + v]
-    chunk = cute.make_rmem_tensor_like(src_chunks[None, c], dtype)
-    chunk.store(chunk32.load().to(dtype))
+    if cutlass.const_expr(transposed):
+      # Already converted (the same registers feed an RS WGMMA): only gathered, into a flat
+      # chunk. A chunk shaped like the partition (((2, 2, 2), 1) for the .trans atom) is
+      # packed into the stmatrix registers in another order (PTX: value pairs (0, 2), (1, 3),
+      # ...), which puts key r + 8 of query q at query q + 1, key r; flat, pair k is values
+      # (2k, 2k + 1) as the copy's partition assumes (probe_ds_store_ptx.py checks the PTX).
+      chunk = cute.make_rmem_tensor(per_copy, dtype)
+      for v in cutlass.range_constexpr(per_copy):
+        chunk[v] = retiled[c * per_copy + v]
+    else:
+      chunk = cute.make_rmem_tensor_like(src_chunks[None, c], dtype)
+      chunk32 = cute.make_rmem_tensor(per_copy, Float32)
+      for v in cutlass.range_constexpr(per_copy):
+        chunk32[v] = retiled[c * per_copy + v]
+      chunk.store(chunk32.load().to(dtype))
     cute.copy(tiled_copy, chunk, dst_chunks[None, c])
