@@ -35,18 +35,6 @@ _SCHEDULER_BARRIER_BASE = 2
 _REGISTER_SPLIT = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 
 
-def _smem_layout(dtype, layout: LayoutEnum, rows: int, cols: int, stages=None):
-  """Swizzled shared layout of a (rows, cols[, stages]) tile; ROW_MAJOR: cols are contiguous."""
-  major_size = cols if layout == LayoutEnum.ROW_MAJOR else rows
-  atom = warpgroup.make_smem_layout_atom(
-      sm90_utils.get_smem_layout_atom(layout, dtype, major_size), dtype)
-  order = (0, 1) if layout == LayoutEnum.ROW_MAJOR else (1, 0)
-  shape = (rows, cols)
-  if stages is not None:
-    shape, order = (rows, cols, stages), order + (2,)
-  return cute.tile_to_shape(atom, shape, order)
-
-
 class FlashAttentionForwardSm90:
   """FA-3 style forward: warpgroup 0 produces (one warp issues TMA), the others consume.
 
@@ -160,12 +148,12 @@ class FlashAttentionForwardSm90:
     self.tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
         self.dtype, self.dtype, k_major, mn_major, Float32, atoms, (64, self.head_dim_v),
         a_source=warpgroup.OperandSource.RMEM)
-    row, col = LayoutEnum.ROW_MAJOR, LayoutEnum.COL_MAJOR
-    self.sQ_layout = _smem_layout(self.dtype, row, self.tile_m, self.head_dim)
-    self.sK_layout = _smem_layout(self.dtype, row, self.tile_n, self.head_dim, self.num_stages)
+    self.sQ_layout = sm90_gemm.smem_layout(self.dtype, self.tile_m, self.head_dim)
+    self.sK_layout = sm90_gemm.smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
     # V^T tile: (head_dim_v, tile_n), head_dim_v contiguous.
-    self.sV_layout = _smem_layout(self.dtype, col, self.head_dim_v, self.tile_n, self.num_stages)
-    self.sO_layout = _smem_layout(self.dtype, row, self.tile_m, self.head_dim_v)
+    self.sV_layout = sm90_gemm.smem_layout(self.dtype, self.head_dim_v, self.tile_n,
+                                           self.num_stages, col_major=True)
+    self.sO_layout = sm90_gemm.smem_layout(self.dtype, self.tile_m, self.head_dim_v)
     self.tma_bytes_q = cute.size_in_bytes(self.dtype, self.sQ_layout)
     self.tma_bytes_k = cute.size_in_bytes(self.dtype, cute.slice_(self.sK_layout, (None, None, 0)))
     self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.slice_(self.sV_layout, (None, None, 0)))

@@ -23,18 +23,22 @@ def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
   return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
-def smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None):
-  """Swizzled row-major (cols contiguous) layout of a (rows, cols[, stages]) tile.
+def smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None, col_major=False):
+  """Swizzled layout of a (rows, cols[, stages]) tile: cols contiguous, or rows if col_major.
 
-  `major_size` (default cols) picks the swizzle width: a WGMMA that reads the tile transposed
-  (MN-major) and splits the contiguous mode between warpgroups needs each warpgroup's slice to
-  be whole swizzle atoms, e.g. 32 columns of 16-bit -> 64-byte swizzle.
+  `major_size` (default: the contiguous mode's size) picks the swizzle width: a WGMMA that reads
+  the tile transposed (MN-major) and splits the contiguous mode between warpgroups needs each
+  warpgroup's slice to be whole swizzle atoms, e.g. 32 columns of 16-bit -> 64-byte swizzle.
+  col_major: e.g. the forward's V^T tile (head_dim_v, tile_n), head_dim_v contiguous.
   """
+  layout = LayoutEnum.COL_MAJOR if col_major else LayoutEnum.ROW_MAJOR
   atom = warpgroup.make_smem_layout_atom(
-      sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major_size or cols), dtype)
+      sm90_utils.get_smem_layout_atom(layout, dtype, major_size or (rows if col_major else cols)),
+      dtype)
+  order = (1, 0) if col_major else (0, 1)
   if stages is None:
-    return cute.tile_to_shape(atom, (rows, cols), (0, 1))
-  return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+    return cute.tile_to_shape(atom, (rows, cols), order)
+  return cute.tile_to_shape(atom, (rows, cols, stages), order + (2,))
 
 
 def element_swizzled(layout: cute.ComposedLayout, dtype) -> cute.ComposedLayout:
