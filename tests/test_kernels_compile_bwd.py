@@ -329,3 +329,30 @@ def test_kernel_support_for_the_backward():
   assert not ok and "head_dim_v 128" in reason
   ok, reason = config.kernel_support("bwd", "bfloat16", 128, 128, cfg.replace(softcap=5.0))
   assert not ok and "softcap" in reason
+
+
+@pytest.mark.cutlass
+def test_det_sync_is_validated_and_only_the_devtools_values_change_the_code(exported, tmp_path):
+  """det_sync (devtools measurements of the deterministic ordering): "ordered" is the shipped
+  code; "no_wait" / "no_flush" drop the semaphore wait (and the write wait) from the SASS."""
+  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
+  bwd_sm90 = pytest.importorskip("jaxflash.kernels.bwd_sm90")
+  import cutlass
+  det = next(v for v in VARIANTS if v.deterministic and not v.causal and v.head_dim == 64)
+  with pytest.raises(ValueError, match=r"det_sync: 'fast'; accepted: \('ordered'"):
+    bwd_sm90.FlashAttentionBackwardSm90(cutlass.BFloat16, 64, 64, det.tile, False, True,
+                                        det_sync="fast")
+  with pytest.raises(ValueError, match="det_sync 'no_wait' needs deterministic=True"):
+    bwd_sm90.FlashAttentionBackwardSm90(cutlass.BFloat16, 64, 64, det.tile, False, False,
+                                        det_sync="no_wait")
+  shipped = exported(det)[0].cubin
+  cubins = {}
+  for sync in ("ordered", "no_wait", "no_flush"):
+    exp = kernel_compile.export_bwd_variant(det, tmp_path / sync, main_args={"det_sync": sync},
+                                            key=f"{det.key}+det_sync={sync}")
+    ops = [m.group(1) for m in _SASS_OP.finditer(kernel_compile.disassemble(exp.cubin,
+                                                                           tmp_path))]
+    assert ops.count("LDL") + ops.count("STL") == 0 and "REDG" in ops, sync
+    cubins[sync] = exp.cubin
+  assert cubins["ordered"] == shipped
+  assert len({cubins["ordered"], cubins["no_wait"], cubins["no_flush"]}) == 3

@@ -54,20 +54,27 @@ def _parse_tiles(items):
 
 
 def _parse_kernel_args(items):
-  """['pingpong=0', 'x=2.5'] -> {'pingpong': False, 'x': 2.5}; 0/1 become bools, else int or
-  float."""
+  """['pingpong=0', 'x=2.5', 'det_sync=no_wait'] -> {'pingpong': False, 'x': 2.5, 'det_sync':
+  'no_wait'}; 0/1 become bools, numbers int or float, anything else stays a string."""
   out = {}
   for item in items:
     name, value = item.split("=")
     if value in ("0", "1"):
       out[name] = bool(int(value))
+    elif re.fullmatch(r"-?\d+", value):
+      out[name] = int(value)
     else:
-      out[name] = int(value) if re.fullmatch(r"-?\d+", value) else float(value)
+      try:
+        out[name] = float(value)
+      except ValueError:
+        out[name] = value
   return out
 
 
 def _arg_text(value) -> str:
   """Kernel argument in a library key: bools as 0/1, numbers in shortest form (8.0 -> 8)."""
+  if isinstance(value, str):
+    return value
   return str(int(value)) if isinstance(value, bool) else f"{value:g}"
 
 

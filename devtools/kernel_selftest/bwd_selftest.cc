@@ -15,7 +15,8 @@
 //    2.5x the forward flops (4 b h sq sk d, halved when causal); with --fwd-dir the matching
 //    forward library is timed too and fwd+bwd TFLOP/s (3.5x) printed.
 // A kernel that does not finish within a deadline ends the process (exit 3). Prints one
-// "RESULT <key> <PASS|FAIL> <bwd tflops 4k> <bwd 16k> <fwd+bwd 4k> <fwd+bwd 16k>" line per library.
+// "RESULT <key> <PASS|FAIL> <bwd tflops 4k> <bwd 16k> <fwd+bwd 4k> <fwd+bwd 16k> <bwd 1k>
+// <fwd+bwd 1k>" line per library.
 #include <cuda_runtime.h>
 #include <dirent.h>
 #include <dlfcn.h>
@@ -367,9 +368,11 @@ double MedianMs(Fn launch) {
   return ms[ms.size() / 2];
 }
 
-// Returns {bwd TF/s 4k, bwd 16k, fwd+bwd 4k, fwd+bwd 16k} (0 where not measured or failed).
+// Returns {bwd TF/s 4k, bwd 16k, fwd+bwd 4k, fwd+bwd 16k, bwd 1k, fwd+bwd 1k} (0 where not
+// measured or failed).
 std::vector<double> Bench(BwdFn bwd, FwdFn fwd, int d, bool causal, bool det) {
-  const int tokens = 16384, seqs[] = {4096, 16384}, heads = 2048 / d;
+  // seq 1k last: the RESULT line keeps its 4k / 16k columns and appends the 1k ones.
+  const int tokens = 16384, seqs[] = {4096, 16384, 1024}, heads = 2048 / d;
   const size_t nl = static_cast<size_t>(tokens) * heads, n = nl * d;
   std::vector<double> bwd_tf, both_tf;
   for (int seq : seqs) {
@@ -420,7 +423,7 @@ std::vector<double> Bench(BwdFn bwd, FwdFn fwd, int d, bool causal, bool det) {
     bwd_tf.push_back(ok && nan == 0 ? tf : 0.0);
     both_tf.push_back(both);
   }
-  return {bwd_tf[0], bwd_tf[1], both_tf[0], both_tf[1]};
+  return {bwd_tf[0], bwd_tf[1], both_tf[0], both_tf[1], bwd_tf[2], both_tf[2]};
 }
 
 bool Has(const std::string& key, const char* tag) { return key.find(tag) != std::string::npos; }
@@ -504,7 +507,7 @@ int main(int argc, char** argv) {
       }
       CheckDeterminism(bwd, d, det, rng);
     }
-    std::vector<double> tf = {0, 0, 0, 0};
+    std::vector<double> tf = {0, 0, 0, 0, 0, 0};
     if (bench) {
       FwdFn fwd = nullptr;
       std::string fwd_path = fwd_dir.empty() ? "" : FindForward(fwd_dir, key);
@@ -518,8 +521,8 @@ int main(int argc, char** argv) {
       }
       tf = Bench(bwd, fwd, d, causal, det);
     }
-    printf("RESULT %s %s %.0f %.0f %.0f %.0f\n", key.c_str(),
-           g_failures == before ? "PASS" : "FAIL", tf[0], tf[1], tf[2], tf[3]);
+    printf("RESULT %s %s %.0f %.0f %.0f %.0f %.0f %.0f\n", key.c_str(),
+           g_failures == before ? "PASS" : "FAIL", tf[0], tf[1], tf[2], tf[3], tf[4], tf[5]);
     fflush(stdout);
   }
   printf(g_failures ? "FAILED (%d)\n" : "ALL PASSED\n", g_failures);

@@ -20,7 +20,7 @@ hangs=0
 for lib in "$work"/bwd/*${BWD_ONLY:-}*.so; do
   name=${lib##*/}
   if [ $hangs -ge 2 ]; then
-    echo "RESULT ${name} SKIPPED 0 0 0 0" >>"$log"
+    echo "RESULT ${name} SKIPPED 0 0 0 0 0 0" >>"$log"
     continue
   fi
   flags=()
@@ -31,7 +31,7 @@ for lib in "$work"/bwd/*${BWD_ONLY:-}*.so; do
   if [ $rc -ne 0 ]; then
     status=1
     # Exit 1 is a failed check (bwd_selftest printed its RESULT line); others are crashes/hangs.
-    [ $rc -ne 1 ] && echo "RESULT ${name} EXIT$rc 0 0 0 0" >>"$log"
+    [ $rc -ne 1 ] && echo "RESULT ${name} EXIT$rc 0 0 0 0 0 0" >>"$log"
     if [ $rc -eq 3 ] || [ $rc -eq 124 ]; then hangs=$((hangs + 1)); fi
   fi
 done
@@ -46,9 +46,9 @@ for lib in "$work"/bwd/*bf16*${BWD_ONLY:-}*.so; do
   timeout 40 .selftest/bwd/bwd_selftest --no-check --fwd-dir "$work/fwd" "$lib" >>"$log" 2>&1
 done
 grep -E "FAIL|HANG|error|rel_l2=[0-9.e+-]+ .*nan=[1-9]" "$log" | head -60
-echo "| library | check | bwd TF/s 4k | bwd 16k | fwd+bwd 4k | fwd+bwd 16k |"
-echo "|---|---|---|---|---|---|"
-grep "^RESULT" "$log" | while read -r _ key res a b c d; do
-  echo "| $key | $res | $a | $b | $c | $d |"
+echo "| library | check | bwd TF/s 4k | bwd 16k | fwd+bwd 4k | fwd+bwd 16k | bwd 1k | fwd+bwd 1k |"
+echo "|---|---|---|---|---|---|---|---|"
+grep "^RESULT" "$log" | while read -r _ key res a b c d e f; do
+  echo "| $key | $res | $a | $b | $c | $d | ${e:-} | ${f:-} |"
 done
 exit $status

@@ -50,6 +50,7 @@ _MAX_TILE_M128_HEAD_DIM = 64
 # M = 64, dQ is computed transposed (dQ^T = K^T dS^T, M = head_dim, N = 80).
 _SWAP_TILE_M80 = 80
 _HEAD_DIMS = (64, 96, 128, 192, 256)
+_DET_SYNC = ("ordered", "no_wait", "no_flush")
 
 
 def _ring_shape(head_dim: int, num_stages: int) -> tuple[int, int]:
@@ -107,10 +108,23 @@ class FlashAttentionBackwardSm90:
   """
 
   def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
-               causal: bool, deterministic: bool = False, swap_sdp: bool | None = None):
+               causal: bool, deterministic: bool = False, swap_sdp: bool | None = None,
+               det_sync: str = "ordered"):
     """swap_sdp: None takes the tile's choice (config.TileConfig.swap_sdp); devtools A/B builds
-    pass True / False to override it."""
+    pass True / False to override it.
+
+    det_sync (deterministic only; devtools measurements of what the ordering costs): "ordered"
+    (shipped) waits for its turn on the semaphore and for its dQ reductions to be written before
+    releasing the next key block; "no_wait" skips the turn wait, "no_flush" also the write wait.
+    Both measure a kernel that is NOT deterministic (and "no_flush" publishes nothing).
+    """
     swap_sdp = tile.swap_sdp if swap_sdp is None else swap_sdp
+    if det_sync not in _DET_SYNC:
+      raise ValueError(f"det_sync: {det_sync!r}; accepted: {_DET_SYNC}")
+    if det_sync != "ordered" and not deterministic:
+      raise ValueError(f"det_sync {det_sync!r} needs deterministic=True (it changes the "
+                       f"deterministic dQ ordering only)")
+    self.det_sync = det_sync
     self.dtype = dtype
     self.head_dim = head_dim
     self.head_dim_v = head_dim_v
@@ -976,8 +990,9 @@ class FlashAttentionBackwardSm90:
             if const_expr(self.deterministic):
               sem = mSem[None, head, batch].iterator + m_block
               if lane == 0:
-                bwd_common.wait_at_least(sem,
-                                         self._dq_rank(m_block, n_block, seqlen_q, seqlen_k))
+                if const_expr(self.det_sync == "ordered"):
+                  bwd_common.wait_at_least(
+                      sem, self._dq_rank(m_block, n_block, seqlen_q, seqlen_k))
                 cute.arch.fence_proxy("async.global")
           for wg in cutlass.range_constexpr(_NUM_WG):
             cute.arch.barrier(barrier_id=_DQ_FULL_BARRIER + wg,
@@ -993,8 +1008,9 @@ class FlashAttentionBackwardSm90:
         if const_expr(self.deterministic):
           if lane == 0:
             # Written (not only read) before the next key block may add to the same floats.
-            cute.arch.cp_async_bulk_wait_group(0)
-            cute.arch.fence_proxy("async.global")
+            if const_expr(self.det_sync != "no_flush"):
+              cute.arch.cp_async_bulk_wait_group(0)
+              cute.arch.fence_proxy("async.global")
             bwd_common.add_release(sem, 1)
     # Shared memory must outlive every bulk read of it.
     if lane == 0:
