@@ -599,6 +599,22 @@ class FlashAttentionBackwardSm90:
           do_state.advance()
 
   @cute.jit
+  def _zeroed_dk_dv(self, thr_dk, thr_dv):
+    """This consumer thread's dK / dV accumulators (registers for the whole loop), zeroed."""
+    acc_dk = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.head_dim)))
+    acc_dv = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.head_dim_v)))
+    acc_dk.fill(0.0)
+    acc_dv.fill(0.0)
+    return acc_dk, acc_dv
+
+  @cute.jit
+  def _wait_for_k_v(self, pipeline_kv):
+    """Waits for the CTA's K and V tiles; returns the consumer state of the Q/dO ring."""
+    kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+    pipeline_kv.consumer_wait(kv_state)
+    return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+
+  @cute.jit
   def mma(self, mdK: cute.Tensor, mdV: cute.Tensor, mLSE2: cute.Tensor, mDelta: cute.Tensor,
           tma_atom_dk: cute.CopyAtom, tma_atom_dv: cute.CopyAtom, smem, sdQ: cute.Tensor,
           tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
@@ -627,17 +643,12 @@ class FlashAttentionBackwardSm90:
         tdQrdS=thr_dq.make_fragment_A(thr_dq.partition_A(sdS)),
         tdQrKt=thr_dq.make_fragment_B(thr_dq.partition_B(sm90_gemm.transpose_view(sK))),
     )
-    acc_dk = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.head_dim)))
-    acc_dv = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.head_dim_v)))
-    acc_dk.fill(0.0)
-    acc_dv.fill(0.0)
+    acc_dk, acc_dv = self._zeroed_dk_dv(thr_dk, thr_dv)
     tScS_mn = softmax.make_acc_mn_view(
         thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
     scale_log2 = softmax_scale * LOG2_E
 
-    kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-    pipeline_kv.consumer_wait(kv_state)
-    qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+    qdo_state = self._wait_for_k_v(pipeline_kv)
     do_state = None
     if const_expr(self.split_head_dim):
       do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
@@ -801,18 +812,13 @@ class FlashAttentionBackwardSm90:
       frags["tdQrdS"] = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
       frags["tdQrKt"] = thr_dq.make_fragment_B(
           thr_dq.partition_B(sm90_gemm.transpose_view(sK)))
-    acc_dk = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.head_dim)))
-    acc_dv = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.head_dim_v)))
-    acc_dk.fill(0.0)
-    acc_dv.fill(0.0)
+    acc_dk, acc_dv = self._zeroed_dk_dv(thr_dk, thr_dv)
     # (key, query) coordinates of this thread's S^T values.
     tStS_mn = softmax.make_acc_mn_view(
         thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))))
     scale_log2 = softmax_scale * LOG2_E
 
-    kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-    pipeline_kv.consumer_wait(kv_state)
-    qdo_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+    qdo_state = self._wait_for_k_v(pipeline_kv)
     for g in cutlass.range(group, unroll=1):
       # The query block range, recomputed per head (cheap integer math on kernel parameters).
       m_min, m_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
