@@ -627,10 +627,8 @@ class FlashAttentionBackwardSm90:
     sQ, sK, sV, sdO = smem["sQ"], smem["sK"], smem["sV"], smem["sdO"]
     sP, sdS = smem["sP"], smem["sdS"]
     sP_store, sdS_store = smem["sP_store"], smem["sdS_store"]
-    thr_sdp = tiled_mma_sdp.get_slice(mma_tidx)
-    thr_dk = tiled_mma_dk.get_slice(mma_tidx)
-    thr_dv = tiled_mma_dv.get_slice(mma_tidx)
-    thr_dq = tiled_mma_dq.get_slice(mma_tidx)
+    thr_sdp, thr_dk, thr_dv, thr_dq = (
+        t.get_slice(mma_tidx) for t in (tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq))
     frags = dict(
         tSrQ=thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ)),
         tSrK=thr_sdp.make_fragment_B(thr_sdp.partition_B(sK)),
@@ -789,10 +787,8 @@ class FlashAttentionBackwardSm90:
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WG
     sQ, sK, sV, sdO, sdS = smem["sQ"], smem["sK"], smem["sV"], smem["sdO"], smem["sdS"]
-    thr_sdp = tiled_mma_sdp.get_slice(mma_tidx)
-    thr_dk = tiled_mma_dk.get_slice(mma_tidx)
-    thr_dv = tiled_mma_dv.get_slice(mma_tidx)
-    thr_dq = tiled_mma_dq.get_slice(mma_tidx)
+    thr_sdp, thr_dk, thr_dv, thr_dq = (
+        t.get_slice(mma_tidx) for t in (tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq))
     # S^T = K Q^T and dP^T = V dO^T (K, V are the A operands); dV and dK take A (P^T, dS^T)
     # from registers; dQ = dS K as without the swap, dS from one of ds_stages buffers.
     frags = dict(
