@@ -16,6 +16,13 @@ from jaxflash import build, config
 
 VARIANTS = config.shipped_variants("sm90a", "bwd")
 _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", re.M)
+
+
+def _opcodes(sass):
+  """The SASS opcodes of a disassembly, in order (predicates dropped, modifiers cut)."""
+  return [m.group(1) for m in _SASS_OP.finditer(sass)]
+
+
 _ABI = {"jaxflash_variant_abi_version", "jaxflash_variant_key", "jaxflash_variant_load",
         "jaxflash_variant_bwd"}
 
@@ -33,7 +40,7 @@ def exported(tmp_path_factory):
       ops = {}
       for part, cubin in zip(("main", "pre", "post"), (exp.cubin, *exp.extra_cubins)):
         sass = kernel_compile.disassemble(cubin, out_dir)
-        ops[part] = [m.group(1) for m in _SASS_OP.finditer(sass)]
+        ops[part] = _opcodes(sass)
       cache[variant.key] = (exp, ops)
     return cache[variant.key]
 
@@ -167,7 +174,7 @@ def test_swap_sdp_compiles_to_register_operand_gemms_without_spills(tmp_path, ca
   variant = _swap_variant(causal, deterministic)
   exp = kernel_compile.export_bwd_variant(variant, tmp_path)
   sass = kernel_compile.disassemble(exp.cubin, tmp_path)
-  ops = [m.group(1) for m in _SASS_OP.finditer(sass)]
+  ops = _opcodes(sass)
   assert f'-DJAXFLASH_VARIANT_KEY="{variant.key}"' in exp.defines
   assert ops.count("LDL") + ops.count("STL") == 0
   # dV and dK take A from registers: "HGMMA.64x128x16.F32.BF16 Rd, Ra, gdesc[..]".
@@ -186,7 +193,7 @@ def test_devtools_override_builds_the_unswapped_schedule(tmp_path):
   variant = _swap_variant(True, False)
   exp = kernel_compile.export_bwd_variant(variant, tmp_path, main_args={"swap_sdp": False},
                                           key=variant.key + "+swap_sdp=0")
-  ops = [m.group(1) for m in _SASS_OP.finditer(kernel_compile.disassemble(exp.cubin, tmp_path))]
+  ops = _opcodes(kernel_compile.disassemble(exp.cubin, tmp_path))
   # No lse2 / delta bulk copies; P and dS both stored by stmatrix (4 + 4 per step and loop copy).
   assert ops.count("UBLKCP") == 0 and ops.count("STSM") == 2 * 8 + 16
 
@@ -200,7 +207,7 @@ def test_swap_sdp_80_query_rows_compile_with_a_transposed_dq_gemm(exported):
   assert variant.tile == config.TileConfig(80, 128, 2, swap_sdp=True)
   exp, _ = exported(variant)
   sass = kernel_compile.disassemble(exp.cubin, exp.header_path.parent)
-  ops = [m.group(1) for m in _SASS_OP.finditer(sass)]
+  ops = _opcodes(sass)
   assert ops.count("LDL") + ops.count("STL") == 0
   assert "-DJAXFLASH_TILE_M=80" in exp.defines
   # Per step S^T 8 + dP^T 8 (64x80x16), dV 5 + dK 5 (64x128x16, A from registers), dQ^T 8
@@ -350,8 +357,7 @@ def test_det_sync_is_validated_and_only_the_devtools_values_change_the_code(expo
   for sync in ("ordered", "no_wait", "no_flush"):
     exp = kernel_compile.export_bwd_variant(det, tmp_path / sync, main_args={"det_sync": sync},
                                             key=f"{det.key}+det_sync={sync}")
-    ops = [m.group(1) for m in _SASS_OP.finditer(kernel_compile.disassemble(exp.cubin,
-                                                                           tmp_path))]
+    ops = _opcodes(kernel_compile.disassemble(exp.cubin, tmp_path))
     assert ops.count("LDL") + ops.count("STL") == 0 and "REDG" in ops, sync
     cubins[sync] = exp.cubin
   assert cubins["ordered"] == shipped

@@ -38,7 +38,7 @@ TILE_N = 64 * NUM_MMA_WARPGROUPS
 
 def dq_tiled_mma(dtype, head_dim: int, rows: int = TILE_M,
                  transposed: bool = False) -> cute.TiledMma:
-  """dQ = dS K: both warpgroups cover the 64 query rows, each half of head_dim (N).
+  """dQ = dS K: both warpgroups cover the `rows` (64) query rows, each half of head_dim (N).
 
   transposed (bwd_sm90 swap_sdp with 80-row tiles): dQ^T = K^T dS^T, warpgroup w computes
   head_dim rows [w * head_dim / 2, (w + 1) * head_dim / 2) (M) for all `rows` queries (N):
@@ -50,7 +50,7 @@ def dq_tiled_mma(dtype, head_dim: int, rows: int = TILE_M,
         (NUM_MMA_WARPGROUPS, 1, 1), (head_dim // NUM_MMA_WARPGROUPS, rows))
   return sm90_utils.make_trivial_tiled_mma(
       dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
-      (1, NUM_MMA_WARPGROUPS, 1), (TILE_M, head_dim // NUM_MMA_WARPGROUPS))
+      (1, NUM_MMA_WARPGROUPS, 1), (rows, head_dim // NUM_MMA_WARPGROUPS))
 
 
 @dsl_user_op

@@ -55,9 +55,8 @@ class FlashAttentionBackwardPostprocess:
       raise TypeError("dq_accum must be Float32")
     mdQaccum = _select(mdQaccum, [2, 3, 1, 0])  # (seqlen_q_rounded, head_dim, heads, batch)
     mdQ = _select(mdQ, [1, 3, 2, 0])  # (seqlen_q, head_dim, heads, batch)
-    tiled_mma = bwd_common.dq_tiled_mma(
-        self.dtype, self.head_dim,
-        **({"rows": self.tile_m, "transposed": True} if self.transposed else {}))
+    tiled_mma = bwd_common.dq_tiled_mma(self.dtype, self.head_dim, rows=self.tile_m,
+                                        transposed=self.transposed)
     grid = (cute.ceil_div(cute.size(mdQ.shape[0]), self.tile_m), cute.size(mdQ.shape[2]),
             cute.size(mdQ.shape[3]))
     self.kernel(mdQaccum, mdQ, softmax_scale, tiled_mma).launch(

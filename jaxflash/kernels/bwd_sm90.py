@@ -257,9 +257,8 @@ class FlashAttentionBackwardSm90:
               self.dtype, self.dtype, k_major, mn_major, Float32, (_NUM_WG, 1, 1), (64, dim),
               a_source=warpgroup.OperandSource.RMEM)
           for dim in (self.head_dim, self.head_dim_v)]
-    self.tiled_mma_dq = bwd_common.dq_tiled_mma(self.dtype, self.head_dim,
-                                                **({"rows": self.tile_m, "transposed": True}
-                                                   if self.dq_transposed else {}))
+    self.tiled_mma_dq = bwd_common.dq_tiled_mma(self.dtype, self.head_dim, rows=self.dq_rows,
+                                                transposed=self.dq_transposed)
     m, n, s = self.tile_m, self.tile_n, self.num_stages
     # Head-dim split: the dK / dV GEMMs read Q / dO transposed with head_dim split between the
     # warpgroups, so each half must be whole swizzle atoms.

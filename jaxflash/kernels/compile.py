@@ -304,12 +304,12 @@ def build_bwd_kernels(variant: config.KernelVariant, main_args: dict | None = No
   main = FlashAttentionBackwardSm90(dtype, variant.head_dim, variant.head_dim_v, variant.tile,
                                     variant.causal, variant.deterministic, **(main_args or {}))
   # The postprocess reads the dQ accumulator blocks the main kernel writes (bwd_common).
-  post_args = {"tile_m": main.dq_rows, "transposed": True} if main.dq_transposed else {}
   return (
       FlashAttentionBackwardPreprocess(dtype, variant.head_dim, variant.head_dim_v,
                                        variant.deterministic, variant.tile.tile_m),
       main,
-      FlashAttentionBackwardPostprocess(dtype, variant.head_dim, **post_args),
+      FlashAttentionBackwardPostprocess(dtype, variant.head_dim, tile_m=main.dq_rows,
+                                        transposed=main.dq_transposed),
   )
 
 
