@@ -16,6 +16,8 @@ from jaxflash import build, config
 
 VARIANTS = config.shipped_variants("sm90a", "bwd")
 _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", re.M)
+_SASS_OP_FULL = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)",
+                           re.M)
 
 
 def _opcodes(sass):
@@ -29,7 +31,8 @@ _ABI = {"jaxflash_variant_abi_version", "jaxflash_variant_key", "jaxflash_varian
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-  """Compiles lazily, once per variant: {key: (ExportedKernel, {part: sass opcodes})}."""
+  """Compiles lazily, once per variant: {key: (ExportedKernel, {part: sass opcodes},
+  {part: sass opcodes with their modifiers})}."""
   kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
   out_dir = tmp_path_factory.mktemp("bwd_kernels")
   cache = {}
@@ -37,11 +40,12 @@ def exported(tmp_path_factory):
   def get(variant):
     if variant.key not in cache:
       exp = kernel_compile.export_variant(variant, out_dir)
-      ops = {}
+      ops, full = {}, {}
       for part, cubin in zip(("main", "pre", "post"), (exp.cubin, *exp.extra_cubins)):
         sass = kernel_compile.disassemble(cubin, out_dir)
         ops[part] = _opcodes(sass)
-      cache[variant.key] = (exp, ops)
+        full[part] = [m.group(1) for m in _SASS_OP_FULL.finditer(sass)]
+      cache[variant.key] = (exp, ops, full)
     return cache[variant.key]
 
   return get
@@ -50,7 +54,7 @@ def exported(tmp_path_factory):
 @pytest.mark.cutlass
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.key)
 def test_sass_uses_wgmma_tma_and_bulk_reduction_without_spills(exported, variant):
-  exp, ops = exported(variant)
+  exp, ops, full = exported(variant)
   main = {op: ops["main"].count(op) for op in ("HGMMA", "UTMALDG", "UTMASTG", "UBLKRED")}
   # Loads of K/V/Q/dO, stores of dK/dV, the dQ bulk reduction, five GEMMs per step.
   assert all(main.values()), main
@@ -58,13 +62,20 @@ def test_sass_uses_wgmma_tma_and_bulk_reduction_without_spills(exported, variant
   for part, opcodes in ops.items():
     spills = opcodes.count("LDL") + opcodes.count("STL")
     assert spills == 0, f"{part}: {spills} local-memory instructions"
+  # GEMM operand descriptors on the uniform datapath, not moved there before each HGMMA:
+  # 4-55 R2UR per kernel (88-204 with per-thread operand slices).
+  assert ops["main"].count("R2UR") <= 64, ops["main"].count("R2UR")
+  # The dQ accumulator moves in 4-float chunks (bwd_common.fragment_chunks): the consumers
+  # stage it with 128-bit shared stores and the postprocess reads it with 128-bit loads only.
+  assert full["main"].count("STS.128") >= 8, full["main"].count("STS.128")
+  assert "LDG.E.128" in full["post"] and "LDG.E" not in full["post"], full["post"]
   assert exp.cubin[:4] == b"\x7fELF" and all(c[:4] == b"\x7fELF" for c in exp.extra_cubins)
 
 
 @pytest.mark.cutlass
 @pytest.mark.parametrize("variant", VARIANTS[:2], ids=lambda v: v.key)
 def test_headers_declare_three_wrappers(exported, variant):
-  exp, _ = exported(variant)
+  exp, *_ = exported(variant)
   for path in (exp.header_path, *(p.with_suffix(".h") for p in exp.extra_object_paths)):
     header = path.read_text()
     prefix = re.search(r"int32_t cute_dsl_(\w+)_wrapper\(", header).group(1)
@@ -88,7 +99,7 @@ def test_linked_library_exports_the_bwd_abi(exported, tmp_path, deterministic):
   kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
   variant = next(v for v in VARIANTS if v.causal and v.head_dim == 128
                  and v.deterministic == deterministic)
-  exp, _ = exported(variant)
+  exp, *_ = exported(variant)
   lib_path = tmp_path / f"{variant.key}.so"
   build.link_variant(exp, variant, lib_path)
   nm = subprocess.run(["nm", "-D", "--defined-only", str(lib_path)], check=True,
@@ -205,7 +216,7 @@ def test_swap_sdp_80_query_rows_compile_with_a_transposed_dq_gemm(exported):
   variant = next(v for v in VARIANTS if v.head_dim == 128 and v.dtype == "bfloat16"
                  and not v.causal and not v.deterministic)
   assert variant.tile == config.TileConfig(80, 128, 2, swap_sdp=True)
-  exp, _ = exported(variant)
+  exp, *_ = exported(variant)
   sass = kernel_compile.disassemble(exp.cubin, exp.header_path.parent)
   ops = _opcodes(sass)
   assert ops.count("LDL") + ops.count("STL") == 0

@@ -145,7 +145,8 @@ def _swapped_checks(kernel, tag):
 
 def _dq_transposed_check(kernel):
   """5. (tile 80) The dQ^T accumulator: value i of thread t of warpgroup w sits at float
-  w * half + i * 128 + t of the block (stage_dq / store_dq); the postprocess reads it back
+  w * half + (i // 4) * 512 + 4 t + i % 4 of the block (bwd_common.fragment_chunks, stage_dq /
+  store_dq); the postprocess reads it back
   through the same tiled MMA with (head_dim, query) swapped. Every (query, head_dim) of the
   80 x head_dim block must be hit exactly once, warpgroup w only in its head_dim half."""
   m, d = kernel.tile_m, kernel.head_dim
@@ -159,7 +160,7 @@ def _dq_transposed_check(kernel):
     for i in range(cute.size(coord)):
       dd, q = _coord(coord[i])
       bad += not wg * d // 2 <= dd < (wg + 1) * d // 2
-      seen.setdefault((q, dd), []).append(wg * half + i * 128 + lane)
+      seen.setdefault((q, dd), []).append(wg * half + (i // 4) * 512 + 4 * lane + i % 4)
   bad += sum(len(v) != 1 for v in seen.values()) + (m * d - len(seen))
   floats = sorted(v[0] for v in seen.values())
   bad += floats != list(range(m * d))

@@ -7,7 +7,9 @@ kernel can dump a WGMMA accumulator to shared memory with conflict-free stores a
 into global memory with one bulk copy per warpgroup:
   - warpgroup w (of NUM_MMA_WARPGROUPS) owns columns [w * head_dim / 2, (w + 1) * head_dim / 2)
     and the floats [w * tile_m * head_dim / 2, (w + 1) * tile_m * head_dim / 2) of the block;
-  - value i of thread t (0..127) of that warpgroup sits at float i * 128 + t of its half;
+  - values 4j..4j+3 of thread t (0..127) of that warpgroup sit at floats 512j + 4t .. 512j + 4t
+    + 3 of its half (fragment_chunks): one 128-bit access per chunk, and the 32 chunks of a warp
+    are 512 consecutive bytes;
   - its (row, col) in the tile is dq_tiled_mma(...).get_slice(w * 128 + t).partition_C(
     identity (tile_m, head_dim))[i].
 The postprocess kernel inverts this mapping with the same tiled MMA. A main kernel with a larger
@@ -26,6 +28,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from jaxflash.kernels import sm90_gemm
+
 # Two consumer warpgroups: each owns half of the head_dim of dQ, and 64 key rows of dK/dV (or,
 # above head_dim 128, half of the head_dim of dK/dV for 64 key rows: bwd_sm90's head-dim split).
 NUM_MMA_WARPGROUPS = 2
@@ -34,6 +38,21 @@ NUM_MMA_WARPGROUPS = 2
 # is one per consumer warpgroup (head_dim <= 128).
 TILE_M = 64
 TILE_N = 64 * NUM_MMA_WARPGROUPS
+
+
+# Floats per 128-bit access: the accumulator's fragment order keeps a thread's values in chunks
+# of CHUNK consecutive floats.
+CHUNK = 4
+
+
+def fragment_chunks(half: cute.Tensor, wg_tidx) -> cute.Tensor:
+  """Thread wg_tidx's values of a warpgroup's `half` (1-D float32, fragment order, a multiple of
+  512 floats): ((CHUNK, 1), chunks) with value i = (i % CHUNK, i // CHUNK); copy it with
+  cute.autovec_copy (128-bit accesses)."""
+  tiled_copy = cute.make_tiled_copy_tv(
+      cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
+      cute.make_layout(sm90_gemm.WARPGROUP_THREADS), cute.make_layout(CHUNK))
+  return tiled_copy.get_slice(wg_tidx).partition_D(half)
 
 
 def dq_tiled_mma(dtype, head_dim: int, rows: int = TILE_M,

@@ -70,18 +70,20 @@ class FlashAttentionBackwardPostprocess:
     seqlen_q = mdQ.shape[0]
     gdQaccum = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim),
                                (m_block, 0))
-    flat = cute.make_tensor(gdQaccum.iterator, cute.make_layout(self.tile_m * self.head_dim))
     # tCcC[i] = (row, col) of value i of this thread in the main kernel's dQ accumulator
     # ((col, row) of its dQ^T accumulator when transposed).
     shape = (self.tile_m, self.head_dim)
     tCcC = tiled_mma.get_slice(tidx).partition_C(
         cute.make_identity_tensor(shape[::-1] if const_expr(self.transposed) else shape))
     row_mode, col_mode = (1, 0) if const_expr(self.transposed) else (0, 1)
-    wg = tidx // sm90_gemm.WARPGROUP_THREADS
-    wg_tidx = tidx % sm90_gemm.WARPGROUP_THREADS
     half = self.tile_m * self.head_dim // bwd_common.NUM_MMA_WARPGROUPS
+    halves = cute.make_tensor(gdQaccum.iterator,
+                              cute.make_layout((half, bwd_common.NUM_MMA_WARPGROUPS)))
+    src = bwd_common.fragment_chunks(halves[None, tidx // sm90_gemm.WARPGROUP_THREADS],
+                                     tidx % sm90_gemm.WARPGROUP_THREADS)
+    values = cute.make_rmem_tensor(src.shape, Float32)
+    cute.autovec_copy(src, values)  # 128-bit loads
     for i in cutlass.range_constexpr(cute.size(tCcC)):
-      value = flat[wg * half + i * sm90_gemm.WARPGROUP_THREADS + wg_tidx]
       row = m_block * self.tile_m + tCcC[i][row_mode]
       if row < seqlen_q:
-        mdQ[row, tCcC[i][col_mode], head, batch] = (value * softmax_scale).to(self.dtype)
+        mdQ[row, tCcC[i][col_mode], head, batch] = (values[i] * softmax_scale).to(self.dtype)

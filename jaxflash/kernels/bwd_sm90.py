@@ -109,7 +109,7 @@ class FlashAttentionBackwardSm90:
 
   def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
                causal: bool, deterministic: bool = False, swap_sdp: bool | None = None,
-               det_sync: str = "ordered"):
+               det_sync: str = "ordered", uniform_operand_slices: bool = True):
     """swap_sdp: None takes the tile's choice (config.TileConfig.swap_sdp); devtools A/B builds
     pass True / False to override it.
 
@@ -117,6 +117,9 @@ class FlashAttentionBackwardSm90:
     (shipped) waits for its turn on the semaphore and for its dQ reductions to be written before
     releasing the next key block; "no_wait" skips the turn wait, "no_flush" also the write wait.
     Both measure a kernel that is NOT deterministic (and "no_flush" publishes nothing).
+    uniform_operand_slices (devtools A/B; True is the experiment's new code): partition the
+    shared-memory GEMM operands with the warpgroup's first thread (warp-uniform) instead of
+    each thread's own index (same descriptors, address math on the uniform datapath).
     """
     swap_sdp = tile.swap_sdp if swap_sdp is None else swap_sdp
     if det_sync not in _DET_SYNC:
@@ -125,6 +128,7 @@ class FlashAttentionBackwardSm90:
       raise ValueError(f"det_sync {det_sync!r} needs deterministic=True (it changes the "
                        f"deterministic dQ ordering only)")
     self.det_sync = det_sync
+    self.uniform_operand_slices = uniform_operand_slices
     self.dtype = dtype
     self.head_dim = head_dim
     self.head_dim_v = head_dim_v
@@ -628,17 +632,25 @@ class FlashAttentionBackwardSm90:
     sP_store, sdS_store = smem["sP_store"], smem["sdS_store"]
     thr_sdp, thr_dk, thr_dv, thr_dq = (
         t.get_slice(mma_tidx) for t in (tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq))
+    # Shared-memory operand descriptors are the same for every thread of a warpgroup: slicing
+    # with the warpgroup's first thread, a warp-uniform value, keeps their address math on the
+    # uniform datapath (no R2UR before each HGMMA). Accumulators keep the per-thread slices.
+    wg_idx = cute.arch.make_warp_uniform(mma_tidx // _WG)
+    operand_tidx = wg_idx * _WG if const_expr(self.uniform_operand_slices) else mma_tidx
+    wg_sdp, wg_dk, wg_dv, wg_dq = (
+        t.get_slice(operand_tidx)
+        for t in (tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq))
     frags = dict(
-        tSrQ=thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ)),
-        tSrK=thr_sdp.make_fragment_B(thr_sdp.partition_B(sK)),
-        tdPrdO=thr_sdp.make_fragment_A(thr_sdp.partition_A(sdO)),
-        tdPrV=thr_sdp.make_fragment_B(thr_sdp.partition_B(sV)),
-        tdVrPt=thr_dv.make_fragment_A(thr_dv.partition_A(sm90_gemm.transpose_view(sP))),
-        tdVrdOt=thr_dv.make_fragment_B(thr_dv.partition_B(sm90_gemm.transpose_view(sdO))),
-        tdKrdSt=thr_dk.make_fragment_A(thr_dk.partition_A(sm90_gemm.transpose_view(sdS))),
-        tdKrQt=thr_dk.make_fragment_B(thr_dk.partition_B(sm90_gemm.transpose_view(sQ))),
-        tdQrdS=thr_dq.make_fragment_A(thr_dq.partition_A(sdS)),
-        tdQrKt=thr_dq.make_fragment_B(thr_dq.partition_B(sm90_gemm.transpose_view(sK))),
+        tSrQ=wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ)),
+        tSrK=wg_sdp.make_fragment_B(wg_sdp.partition_B(sK)),
+        tdPrdO=wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO)),
+        tdPrV=wg_sdp.make_fragment_B(wg_sdp.partition_B(sV)),
+        tdVrPt=wg_dv.make_fragment_A(wg_dv.partition_A(sm90_gemm.transpose_view(sP))),
+        tdVrdOt=wg_dv.make_fragment_B(wg_dv.partition_B(sm90_gemm.transpose_view(sdO))),
+        tdKrdSt=wg_dk.make_fragment_A(wg_dk.partition_A(sm90_gemm.transpose_view(sdS))),
+        tdKrQt=wg_dk.make_fragment_B(wg_dk.partition_B(sm90_gemm.transpose_view(sQ))),
+        tdQrdS=wg_dq.make_fragment_A(wg_dq.partition_A(sdS)),
+        tdQrKt=wg_dq.make_fragment_B(wg_dq.partition_B(sm90_gemm.transpose_view(sK))),
     )
     acc_dk, acc_dv = self._zeroed_dk_dv(thr_dk, thr_dv)
     tScS_mn = softmax.make_acc_mn_view(
@@ -660,7 +672,7 @@ class FlashAttentionBackwardSm90:
         self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
                       acc_dk, acc_dv, tScS_mn, sP_store, sdS_store, sdQ, lse2_head, delta_head,
                       pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
-                      n_block, seqlen_q, seqlen_k, True)
+                      n_block, seqlen_q, seqlen_k, wg_idx, True)
         qdo_state.advance()
         if const_expr(self.split_head_dim):
           do_state.advance()
@@ -668,7 +680,7 @@ class FlashAttentionBackwardSm90:
         self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
                       acc_dk, acc_dv, tScS_mn, sP_store, sdS_store, sdQ, lse2_head, delta_head,
                       pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
-                      n_block, seqlen_q, seqlen_k, False)
+                      n_block, seqlen_q, seqlen_k, wg_idx, False)
         qdo_state.advance()
         if const_expr(self.split_head_dim):
           do_state.advance()
@@ -683,7 +695,7 @@ class FlashAttentionBackwardSm90:
                sP: cute.Tensor, sdS: cute.Tensor, sdQ: cute.Tensor, lse2_head: cute.Tensor,
                delta_head: cute.Tensor, pipeline_qdo, qdo_state, pipeline_do, do_state,
                scale_log2: Float32, m_block: Int32, n_block: Int32, seqlen_q: Int32,
-               seqlen_k: Int32, is_masked: cutlass.Constexpr):
+               seqlen_k: Int32, wg_idx: Int32, is_masked: cutlass.Constexpr):
     """One (query head, query block) against this CTA's key block; `is_masked`: apply the mask."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WG
@@ -753,7 +765,7 @@ class FlashAttentionBackwardSm90:
       sm90_gemm.gemm(tiled_mma_dk, acc_dk, frags["tdKrdSt"],
                      frags["tdKrQt"][None, None, None, stage], zero_init=False)
       warpgroup.wait_group(2)
-      self.stage_dq(acc_dq, sdQ)
+      self.stage_dq(acc_dq, sdQ, wg_idx)
       warpgroup.wait_group(0)
       pipeline_qdo.consumer_release(qdo_state)
     else:
@@ -766,7 +778,7 @@ class FlashAttentionBackwardSm90:
       warpgroup.wait_group(2)
       pipeline_do.consumer_release(do_state)
       warpgroup.wait_group(1)
-      self.stage_dq(acc_dq, sdQ)
+      self.stage_dq(acc_dq, sdQ, wg_idx)
       warpgroup.wait_group(0)
       pipeline_qdo.consumer_release(qdo_state)
 
@@ -788,25 +800,33 @@ class FlashAttentionBackwardSm90:
     sQ, sK, sV, sdO, sdS = smem["sQ"], smem["sK"], smem["sV"], smem["sdO"], smem["sdS"]
     thr_sdp, thr_dk, thr_dv, thr_dq = (
         t.get_slice(mma_tidx) for t in (tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq))
+    # Shared-memory operand descriptors are the same for every thread of a warpgroup: slicing
+    # with the warpgroup's first thread, a warp-uniform value, keeps their address math on the
+    # uniform datapath (no R2UR before each HGMMA). Accumulators keep the per-thread slices.
+    wg_idx = cute.arch.make_warp_uniform(mma_tidx // _WG)
+    operand_tidx = wg_idx * _WG if const_expr(self.uniform_operand_slices) else mma_tidx
+    wg_sdp, wg_dk, wg_dv, wg_dq = (
+        t.get_slice(operand_tidx)
+        for t in (tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq))
     # S^T = K Q^T and dP^T = V dO^T (K, V are the A operands); dV and dK take A (P^T, dS^T)
     # from registers; dQ = dS K as without the swap, dS from one of ds_stages buffers.
     frags = dict(
-        tSrK=thr_sdp.make_fragment_A(thr_sdp.partition_A(sK)),
-        tSrQ=thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ)),
-        tdPrV=thr_sdp.make_fragment_A(thr_sdp.partition_A(sV)),
-        tdPrdO=thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO)),
-        tdVrdOt=thr_dv.make_fragment_B(thr_dv.partition_B(sm90_gemm.transpose_view(sdO))),
-        tdKrQt=thr_dk.make_fragment_B(thr_dk.partition_B(sm90_gemm.transpose_view(sQ))),
+        tSrK=wg_sdp.make_fragment_A(wg_sdp.partition_A(sK)),
+        tSrQ=wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ)),
+        tdPrV=wg_sdp.make_fragment_A(wg_sdp.partition_A(sV)),
+        tdPrdO=wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO)),
+        tdVrdOt=wg_dv.make_fragment_B(wg_dv.partition_B(sm90_gemm.transpose_view(sdO))),
+        tdKrQt=wg_dk.make_fragment_B(wg_dk.partition_B(sm90_gemm.transpose_view(sQ))),
     )
     if const_expr(self.dq_transposed):
       # dQ^T = K^T dS^T: A = K^T (head_dim contiguous: MN-major), B = the dS tile (K-major).
-      frags["tdQrdS"] = thr_dq.make_fragment_B(thr_dq.partition_B(sdS))
-      frags["tdQrKt"] = thr_dq.make_fragment_A(
-          thr_dq.partition_A(sm90_gemm.transpose_view(sK)))
+      frags["tdQrdS"] = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
+      frags["tdQrKt"] = wg_dq.make_fragment_A(
+          wg_dq.partition_A(sm90_gemm.transpose_view(sK)))
     else:
-      frags["tdQrdS"] = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
-      frags["tdQrKt"] = thr_dq.make_fragment_B(
-          thr_dq.partition_B(sm90_gemm.transpose_view(sK)))
+      frags["tdQrdS"] = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+      frags["tdQrKt"] = wg_dq.make_fragment_B(
+          wg_dq.partition_B(sm90_gemm.transpose_view(sK)))
     acc_dk, acc_dv = self._zeroed_dk_dv(thr_dk, thr_dv)
     # (key, query) coordinates of this thread's S^T values.
     tStS_mn = softmax.make_acc_mn_view(
@@ -822,13 +842,13 @@ class FlashAttentionBackwardSm90:
         self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
                               acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
                               pipeline_qdo, qdo_state, scale_log2, m_block, n_block, seqlen_q,
-                              seqlen_k, True)
+                              seqlen_k, wg_idx, True)
         qdo_state.advance()
       for m_block in cutlass.range(m_split, m_max, unroll=1):
         self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
                               acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
                               pipeline_qdo, qdo_state, scale_log2, m_block, n_block, seqlen_q,
-                              seqlen_k, False)
+                              seqlen_k, wg_idx, False)
         qdo_state.advance()
 
     self.epilogue(mdK, mdV, tma_atom_dk, tma_atom_dv, sK, sV, tiled_mma_dk, tiled_mma_dv,
@@ -841,7 +861,7 @@ class FlashAttentionBackwardSm90:
                        sdS: cute.Tensor, sdQ: cute.Tensor, sLSE2: cute.Tensor,
                        sDelta: cute.Tensor, pipeline_qdo, qdo_state, scale_log2: Float32,
                        m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                       is_masked: cutlass.Constexpr):
+                       wg_idx: Int32, is_masked: cutlass.Constexpr):
     """mma_step with swap_sdp (FA-3/FA-4's "SdP swapAB" with register-operand dV / dK).
 
     Each warpgroup computes S^T = K Q^T and dP^T = V dO^T for its 64 keys (rows) x tile_m
@@ -929,28 +949,29 @@ class FlashAttentionBackwardSm90:
                    zero_init=False)
     # Pending: dV, dQ, dK (in that order); dQ is done once only dK may be.
     warpgroup.wait_group(1)
-    self.stage_dq(acc_dq, sdQ)
+    self.stage_dq(acc_dq, sdQ, wg_idx)
     warpgroup.wait_group(0)
     pipeline_qdo.consumer_release(qdo_state)
 
   @cute.jit
-  def stage_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor):
+  def stage_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor, wg: Int32):
     """Writes this warpgroup's dQ half to its staging buffer for the dQ writer warp.
 
     In dq_pieces pieces (values [p * n, (p + 1) * n) of every thread: a contiguous run of the
     accumulator layout) when the buffer holds only a piece.
     """
     tidx, _, _ = cute.arch.thread_idx()
-    wg_tidx = tidx % _WG
-    wg = cute.arch.make_warp_uniform((tidx - _WG) // _WG)
     buf = self.tile_m * self.head_dim // _NUM_WG // self.dq_pieces
     per_piece = cute.size(acc_dq) // self.dq_pieces
+    bufs = cute.make_tensor(sdQ.iterator, cute.make_layout((buf, _NUM_WG)))
+    # This thread's 4-float chunks of its warpgroup's buffer: 128-bit stores, and a warp's 32
+    # chunks fill 512 consecutive bytes (conflict-free).
+    tdQsdQ = bwd_common.fragment_chunks(bufs[None, wg], tidx % _WG)
     for p in cutlass.range_constexpr(self.dq_pieces):
       # The writer has seen the previous reduction of this buffer read out (bulk read done).
       cute.arch.barrier(barrier_id=_DQ_EMPTY_BARRIER + wg, number_of_threads=_DQ_BARRIER_THREADS)
-      # Value i of every thread lands in one 128-float row: conflict-free scalar stores.
-      for i in cutlass.range_constexpr(per_piece):
-        sdQ[wg * buf + i * _WG + wg_tidx] = acc_dq[p * per_piece + i]
+      piece = cute.make_tensor(acc_dq.iterator + p * per_piece, cute.make_layout(tdQsdQ.shape))
+      cute.autovec_copy(piece, tdQsdQ)
       # Generic-proxy smem writes must be visible to the bulk copy (async proxy).
       cute.arch.fence_proxy("async.shared", space="cta")
       cute.arch.barrier_arrive(barrier_id=_DQ_FULL_BARRIER + wg,
@@ -968,9 +989,9 @@ class FlashAttentionBackwardSm90:
     """
     lane = cute.arch.lane_idx()
     # Floats of one warpgroup's half of a 64-row accumulator block (bwd_common); a query block
-    # holds dq_blocks of them. The staging buffer of warpgroup wg keeps its value i of 64-row
-    # block s at s * half + i * 128 + thread: one bulk reduction per block (dq_pieces is 1
-    # whenever dq_blocks > 1).
+    # holds dq_blocks of them. The staging buffer of warpgroup wg keeps 64-row block s at floats
+    # [s * half, (s + 1) * half), in fragment order: one bulk reduction per block (dq_pieces is
+    # 1 whenever dq_blocks > 1).
     half = self.dq_rows * self.head_dim // _NUM_WG
     buf = self.tile_m * self.head_dim // _NUM_WG // self.dq_pieces  # floats per staging buffer
     piece = half // self.dq_pieces  # floats per bulk reduction
