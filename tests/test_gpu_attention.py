@@ -248,6 +248,11 @@ BWD_SHAPES = {  # name -> (batch, seq_q, seq_k, heads, kv_heads); none a multipl
     "q70_k300_mqa": (1, 70, 300, 4, 1),
     "q300_k70": (1, 300, 70, 4, 4),  # causal: the first 230 rows see no key
 }
+# Deterministic mode. Long enough that many key blocks add into each dq row block (the order that
+# can vary). Without a mask, seq_q >= seq_k runs bwd_sm90's rotated order (each key block starts
+# on another query block; hdim 128: 8 key blocks over 13 query blocks), seq_k > seq_q the
+# ascending one.
+_DET_SHAPES = {"k2048_q1024": (1, 1024, 2048, 8, 2), "s1000_rotated": (1, 1000, 1000, 8, 2)}
 
 
 def _grad_inputs(variant, shape, seed_text):
@@ -337,6 +342,14 @@ def test_backward_matches_float64_oracle(variant, shape):
   _check_grads(variant, BWD_SHAPES[shape], with_lse=False)
 
 
+@pytest.mark.parametrize("variant", [v for v in BWD_VARIANTS if v.deterministic
+                                     and not v.causal and v.dtype == "bfloat16"],
+                         ids=lambda v: v.key)
+def test_rotated_deterministic_backward_matches_float64_oracle(variant):
+  """Every query block gets the contributions of all its key blocks in the rotated order."""
+  _check_grads(variant, _DET_SHAPES["s1000_rotated"], with_lse=False)
+
+
 @pytest.mark.parametrize("variant", [v for v in BWD_VARIANTS if not v.deterministic
                                      and v.dtype == "bfloat16"],
                          ids=lambda v: v.key)
@@ -347,12 +360,12 @@ def test_backward_through_lse_matches_float64_oracle(variant):
 
 
 # hdim 128 and 256: both warpgroup mappings of the backward kernel.
+@pytest.mark.parametrize("shape", _DET_SHAPES.values(), ids=_DET_SHAPES.keys())
 @pytest.mark.parametrize("variant", [v for v in BWD_VARIANTS if v.deterministic
                                      and v.dtype == "bfloat16" and v.head_dim in (128, 256)],
                          ids=lambda v: v.key)
-def test_deterministic_backward_is_bitwise_reproducible(variant):
-  # Long enough that many key blocks add into each dq row block (the order that can vary).
-  q, k, v, w_out, w_lse = _grad_inputs(variant, (1, 1024, 2048, 8, 2), "determinism")
+def test_deterministic_backward_is_bitwise_reproducible(variant, shape):
+  q, k, v, w_out, w_lse = _grad_inputs(variant, shape, "determinism")
   args = (q, k, v, jnp.asarray(w_out, jnp.float32), jnp.asarray(w_lse, jnp.float32))
   kw = dict(causal=variant.causal, deterministic=True, with_lse=True)
   first = [np.asarray(g) for g in _cute_grads(*args, **kw)]

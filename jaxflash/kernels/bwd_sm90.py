@@ -51,6 +51,15 @@ _MAX_TILE_M128_HEAD_DIM = 64
 _SWAP_TILE_M80 = 80
 _HEAD_DIMS = (64, 96, 128, 192, 256)
 _DET_SYNC = ("ordered", "no_wait", "no_flush")
+# Deterministic without a mask: key block n walks the query blocks starting at (M - n) mod M
+# (M query blocks), so the key blocks of a head start on different query blocks instead of
+# queueing on block 0 (one dQ write and semaphore hop each: the ascending order lost 13 % at
+# seq 1k / 4k, hdim 128). The order at a query block is then the arrival order (_dq_rank), in
+# which key block 0 waits for blocks launched after it: every key block of a head must be
+# resident at once, so this runs only up to this many key blocks (every sm_90 part has more SMs,
+# and a backward CTA holds a whole SM's shared memory) and with no more key blocks than query
+# blocks; above, the ascending order stays.
+_DET_ROTATE_MAX_KEY_BLOCKS = 64
 
 
 def _ring_shape(head_dim: int, num_stages: int) -> tuple[int, int]:
@@ -102,9 +111,13 @@ class FlashAttentionBackwardSm90:
   GQA: the group's query heads are looped inside the CTA, so dK/dV are written once, in the
   input dtype, by TMA.
   With `deterministic`, the dQ reductions into one (batch, head, m block) happen in a fixed
-  key-block order, gated by an int32 semaphore per (batch, head, m block): ascending without a
-  mask; with the causal mask descending, and CTAs launch the last key block first, so every CTA
-  only waits for CTAs launched before it (no deadlock) that reached the block earlier (no stall).
+  key-block order, gated by an int32 semaphore per (batch, head, m block). With the causal mask
+  descending, and CTAs launch the last key block first, so every CTA only waits for CTAs
+  launched before it (no deadlock) that reached the block earlier (no stall). Without a mask,
+  key block n walks the query blocks from (M - n) mod M and the order at a query block is the
+  arrival order, so no key block queues behind the others at the start (_m_rotation, _dq_rank);
+  key block 0 then also waits for later CTAs, so this needs the head's key blocks resident
+  together: up to _DET_ROTATE_MAX_KEY_BLOCKS of them, else the ascending order.
   """
 
   def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
@@ -456,6 +469,7 @@ class FlashAttentionBackwardSm90:
       n_block = cute.ceil_div(seqlen_k, self.tile_n) - 1 - n_block
     group = mQ.shape[2] // mK.shape[2]  # GQA/MQA: query heads per kv head
     m_min, m_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
+    m_rot = self._m_rotation(n_block, seqlen_q, seqlen_k)
 
     warpgroup_idx = cute.arch.make_warp_uniform(tidx // _WG)
     if warpgroup_idx == 0:
@@ -463,22 +477,22 @@ class FlashAttentionBackwardSm90:
       if warp_idx == 0:
         self.load(mQ, mK, mV, mdO, tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do,
                   smem["sQ"], smem["sK"], smem["sV"], smem["sdO"], pipeline_kv, pipeline_qdo,
-                  pipeline_do, n_block, head_kv, batch, group, m_min, m_max, stats)
+                  pipeline_do, n_block, head_kv, batch, group, m_min, m_max, m_rot, stats)
       if warp_idx == 1:
         self.store_dq(mdQaccum, mSem, sdQ, n_block, head_kv, batch, group, m_min, m_max,
-                      seqlen_q, seqlen_k)
+                      m_rot, seqlen_q, seqlen_k)
     else:
       cute.arch.setmaxregister_increase(_MMA_REGS)
       if const_expr(self.swap_sdp):
         self.mma_swapped(mdK, mdV, stats[2], stats[3], tma_atom_dk, tma_atom_dv, smem, sdQ,
                          tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
                          pipeline_kv, pipeline_qdo, softmax_scale,
-                         n_block, head_kv, batch, group, seqlen_q, seqlen_k)
+                         n_block, head_kv, batch, group, m_rot, seqlen_q, seqlen_k)
       else:
         self.mma(mdK, mdV, mLSE2, mDelta, tma_atom_dk, tma_atom_dv, smem, sdQ,
                  tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
                  pipeline_kv, pipeline_qdo, pipeline_do, softmax_scale,
-                 n_block, head_kv, batch, group, m_min, m_max, seqlen_q, seqlen_k)
+                 n_block, head_kv, batch, group, m_min, m_max, m_rot, seqlen_q, seqlen_k)
 
   def _make_pipelines(self, storage):
     """TMA pipelines: one elected producer thread arrives; lane 0 of each consumer warp releases."""
@@ -536,11 +550,42 @@ class FlashAttentionBackwardSm90:
     return m_split
 
   @cute.jit
+  def _m_rotation(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+    """Deterministic without a mask: this key block's first query block, (M - n_block) mod M,
+    or 0 where the ascending order stays (_DET_ROTATE_MAX_KEY_BLOCKS); None (a compile-time
+    no-op) for the other variants."""
+    m_rot = None
+    if const_expr(self.deterministic and not self.causal):
+      m_rot = Int32(0)
+      num_m, rotates = self._rotates(seqlen_q, seqlen_k)
+      if rotates and n_block > 0:
+        m_rot = num_m - n_block
+    return m_rot
+
+  @cute.jit
+  def _rotates(self, seqlen_q: Int32, seqlen_k: Int32):
+    """(query blocks M, whether the rotated deterministic order runs: key blocks N <= M and
+    N <= _DET_ROTATE_MAX_KEY_BLOCKS); _m_rotation and _dq_rank must agree on it."""
+    num_n = cute.ceil_div(seqlen_k, self.tile_n)
+    num_m = cute.ceil_div(seqlen_q, self.tile_m)
+    return num_m, cutlass.max(num_n - num_m, num_n - _DET_ROTATE_MAX_KEY_BLOCKS) <= 0
+
+  @cute.jit
+  def _m_block_at(self, i: Int32, m_rot, m_max: Int32) -> Int32:
+    """The query block of step i in [0, m_max) (no mask, so m_min = 0): i rotated by m_rot."""
+    m_block = i
+    if const_expr(m_rot is not None):
+      m_block = i + m_rot
+      if m_block >= m_max:
+        m_block = m_block - m_max
+    return m_block
+
+  @cute.jit
   def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
            tma_atom_q: cute.CopyAtom, tma_atom_k: cute.CopyAtom, tma_atom_v: cute.CopyAtom,
            tma_atom_do: cute.CopyAtom, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
            sdO: cute.Tensor, pipeline_kv, pipeline_qdo, pipeline_do, n_block: Int32,
-           head_kv: Int32, batch: Int32, group: Int32, m_min: Int32, m_max: Int32,
+           head_kv: Int32, batch: Int32, group: Int32, m_min: Int32, m_max: Int32, m_rot,
            stats=None):
     """Producer warp: K and V once, then Q and dO per (query head of the group, query block).
 
@@ -573,7 +618,8 @@ class FlashAttentionBackwardSm90:
           tma_atom_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
       tOsdO, tOgdO = cpasync.tma_partition(
           tma_atom_do, 0, one_cta, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
-      for m_block in cutlass.range(m_min, m_max, unroll=1):
+      for step in cutlass.range(m_min, m_max, unroll=1):
+        m_block = self._m_block_at(step, m_rot, m_max)
         if const_expr(not self.split_head_dim):
           # Q and dO of one block share a slot (one barrier, tx = both byte counts).
           pipeline_qdo.producer_acquire(qdo_state)
@@ -623,7 +669,7 @@ class FlashAttentionBackwardSm90:
           tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
           tiled_mma_dq: cute.TiledMma, pipeline_kv, pipeline_qdo, pipeline_do,
           softmax_scale: Float32, n_block: Int32, head_kv: Int32, batch: Int32, group: Int32,
-          m_min: Int32, m_max: Int32, seqlen_q: Int32, seqlen_k: Int32):
+          m_min: Int32, m_max: Int32, m_rot, seqlen_q: Int32, seqlen_k: Int32):
     """Consumer warpgroups: the five GEMMs per query block, then the dK/dV epilogue."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WG
@@ -668,7 +714,8 @@ class FlashAttentionBackwardSm90:
       head = head_kv * group + g
       lse2_head = mLSE2[None, head, batch]
       delta_head = mDelta[None, head, batch]
-      for m_block in cutlass.range(m_min, m_split, unroll=1):
+      for step in cutlass.range(m_min, m_split, unroll=1):
+        m_block = self._m_block_at(step, m_rot, m_max)
         self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
                       acc_dk, acc_dv, tScS_mn, sP_store, sdS_store, sdQ, lse2_head, delta_head,
                       pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
@@ -676,7 +723,8 @@ class FlashAttentionBackwardSm90:
         qdo_state.advance()
         if const_expr(self.split_head_dim):
           do_state.advance()
-      for m_block in cutlass.range(m_split, m_max, unroll=1):
+      for step in cutlass.range(m_split, m_max, unroll=1):
+        m_block = self._m_block_at(step, m_rot, m_max)
         self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
                       acc_dk, acc_dv, tScS_mn, sP_store, sdS_store, sdQ, lse2_head, delta_head,
                       pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
@@ -789,7 +837,7 @@ class FlashAttentionBackwardSm90:
                   tiled_mma_dk: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
                   tiled_mma_dq: cute.TiledMma, pipeline_kv, pipeline_qdo,
                   softmax_scale: Float32, n_block: Int32, head_kv: Int32, batch: Int32,
-                  group: Int32, seqlen_q: Int32, seqlen_k: Int32):
+                  group: Int32, m_rot, seqlen_q: Int32, seqlen_k: Int32):
     """mma with swap_sdp: the same loop and epilogue around mma_step_swapped.
 
     sLSE2 / sDelta: (tile_m, num_stages) lse2 / delta rows of the Q/dO stages (the producer
@@ -838,13 +886,15 @@ class FlashAttentionBackwardSm90:
       # The query block range, recomputed per head (cheap integer math on kernel parameters).
       m_min, m_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
       m_split = self._first_unmasked_m_block(n_block, m_min, m_max, seqlen_q, seqlen_k)
-      for m_block in cutlass.range(m_min, m_split, unroll=1):
+      for step in cutlass.range(m_min, m_split, unroll=1):
+        m_block = self._m_block_at(step, m_rot, m_max)
         self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
                               acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
                               pipeline_qdo, qdo_state, scale_log2, m_block, n_block, seqlen_q,
                               seqlen_k, wg_idx, True)
         qdo_state.advance()
-      for m_block in cutlass.range(m_split, m_max, unroll=1):
+      for step in cutlass.range(m_split, m_max, unroll=1):
+        m_block = self._m_block_at(step, m_rot, m_max)
         self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
                               acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
                               pipeline_qdo, qdo_state, scale_log2, m_block, n_block, seqlen_q,
@@ -980,7 +1030,7 @@ class FlashAttentionBackwardSm90:
   @cute.jit
   def store_dq(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
                n_block: Int32, head_kv: Int32, batch: Int32, group: Int32, m_min: Int32,
-               m_max: Int32, seqlen_q: Int32, seqlen_k: Int32):
+               m_max: Int32, m_rot, seqlen_q: Int32, seqlen_k: Int32):
     """dQ writer warp: adds each staged dQ block into the fp32 accumulator (bwd_common layout).
 
     Visits the (query head, query block) steps in the consumers' order. Lane 0 issues the bulk
@@ -997,7 +1047,8 @@ class FlashAttentionBackwardSm90:
     piece = half // self.dq_pieces  # floats per bulk reduction
     for g in cutlass.range(group, unroll=1):
       head = head_kv * group + g
-      for m_block in cutlass.range(m_min, m_max, unroll=1):
+      for step in cutlass.range(m_min, m_max, unroll=1):
+        m_block = self._m_block_at(step, m_rot, m_max)
         for p in cutlass.range_constexpr(self.dq_pieces):
           for wg in cutlass.range_constexpr(_NUM_WG):
             # Groups complete in order: the previous reduction out of buffer wg has been read
@@ -1044,8 +1095,18 @@ class FlashAttentionBackwardSm90:
 
     The key blocks seen by a query block are exactly [0, n_block_max): without a mask they add
     in ascending order, with the causal mask in descending order (see the class docstring).
+    Rotated (_m_rotation): key block n reaches query block m at step (m + n) mod M, and they add
+    in that order: ascending n where m + N <= M (no step wraps), else the N - (M - m) blocks
+    n >= M - m (wrapped, steps m + n - M) first.
     """
     rank = n_block
+    if const_expr(self.deterministic and not self.causal):
+      num_m, rotates = self._rotates(seqlen_q, seqlen_k)
+      num_n = cute.ceil_div(seqlen_k, self.tile_n)
+      if rotates and m_block + num_n > num_m:
+        rank = n_block + m_block - num_m
+        if rank < 0:
+          rank = rank + num_n
     if const_expr(self.causal):
       n_end = mask.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, True)
       rank = n_end - 1 - n_block
