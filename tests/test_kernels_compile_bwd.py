@@ -373,3 +373,41 @@ def test_det_sync_is_validated_and_only_the_devtools_values_change_the_code(expo
     cubins[sync] = exp.cubin
   assert cubins["ordered"] == shipped
   assert len({cubins["ordered"], cubins["no_wait"], cubins["no_flush"]}) == 3
+
+
+@pytest.mark.cutlass
+def test_rotated_query_order_is_the_deterministic_default_without_a_mask(exported, tmp_path):
+  """rotate_m: None (shipped) rotates the query-block walk of the deterministic variants without
+  a mask only; forcing it either way changes the code, and the causal order cannot rotate."""
+  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
+  bwd_sm90 = pytest.importorskip("jaxflash.kernels.bwd_sm90")
+  import cutlass
+  det = next(v for v in VARIANTS if v.deterministic and not v.causal and v.head_dim == 128)
+  plain = dataclasses.replace(det, deterministic=False)
+  with pytest.raises(ValueError, match="rotate_m=True needs causal=False"):
+    bwd_sm90.FlashAttentionBackwardSm90(cutlass.BFloat16, 128, 128, det.tile, True, True,
+                                        rotate_m=True)
+
+  def build(variant, rotate):
+    return kernel_compile.export_bwd_variant(
+        variant, tmp_path / f"{variant.key}{rotate}", main_args={"rotate_m": rotate},
+        key=f"{variant.key}+rotate_m={int(rotate)}").cubin
+
+  assert build(det, True) == exported(det)[0].cubin != build(det, False)
+  assert build(plain, False) == exported(plain)[0].cubin != build(plain, True)
+
+
+@pytest.mark.cutlass
+def test_early_dq_buffer_hand_back_is_deterministic_only(exported, tmp_path):
+  """early_dq_empty (shipped True): only the deterministic writer's code changes with it."""
+  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
+  det = next(v for v in VARIANTS if v.deterministic and v.causal and v.head_dim == 192)
+  plain = dataclasses.replace(det, deterministic=False)
+
+  def build(variant, early):
+    return kernel_compile.export_bwd_variant(
+        variant, tmp_path / f"{variant.key}{early}", main_args={"early_dq_empty": early},
+        key=f"{variant.key}+early_dq_empty={int(early)}").cubin
+
+  assert build(det, True) == exported(det)[0].cubin != build(det, False)
+  assert build(plain, False) == exported(plain)[0].cubin

@@ -58,7 +58,8 @@ _DET_SYNC = ("ordered", "no_wait", "no_flush")
 # which key block 0 waits for blocks launched after it: every key block of a head must be
 # resident at once, so this runs only up to this many key blocks (every sm_90 part has more SMs,
 # and a backward CTA holds a whole SM's shared memory) and with no more key blocks than query
-# blocks; above, the ascending order stays.
+# blocks; above, the ascending order stays. (The default mode keeps the ascending order: the
+# rotation measured -1 % at hdim 128 and +2 % at hdim 192 there, perf-notes.md.)
 _DET_ROTATE_MAX_KEY_BLOCKS = 64
 
 
@@ -122,7 +123,8 @@ class FlashAttentionBackwardSm90:
 
   def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
                causal: bool, deterministic: bool = False, swap_sdp: bool | None = None,
-               det_sync: str = "ordered", uniform_operand_slices: bool = True):
+               det_sync: str = "ordered", rotate_m: bool | None = None,
+               early_dq_empty: bool = True):
     """swap_sdp: None takes the tile's choice (config.TileConfig.swap_sdp); devtools A/B builds
     pass True / False to override it.
 
@@ -130,9 +132,11 @@ class FlashAttentionBackwardSm90:
     (shipped) waits for its turn on the semaphore and for its dQ reductions to be written before
     releasing the next key block; "no_wait" skips the turn wait, "no_flush" also the write wait.
     Both measure a kernel that is NOT deterministic (and "no_flush" publishes nothing).
-    uniform_operand_slices (devtools A/B; True is the experiment's new code): partition the
-    shared-memory GEMM operands with the warpgroup's first thread (warp-uniform) instead of
-    each thread's own index (same descriptors, address math on the uniform datapath).
+    rotate_m: None walks the query blocks in the rotated order (_DET_ROTATE_MAX_KEY_BLOCKS)
+    when deterministic without a mask, else in ascending order; devtools A/B builds pass True /
+    False to force it (True: also the default mode, without a mask).
+    early_dq_empty (deterministic; devtools A/B with False): the dQ writer hands the staging
+    buffers back for the next step before it waits for this step's writes to land.
     """
     swap_sdp = tile.swap_sdp if swap_sdp is None else swap_sdp
     if det_sync not in _DET_SYNC:
@@ -141,7 +145,10 @@ class FlashAttentionBackwardSm90:
       raise ValueError(f"det_sync {det_sync!r} needs deterministic=True (it changes the "
                        f"deterministic dQ ordering only)")
     self.det_sync = det_sync
-    self.uniform_operand_slices = uniform_operand_slices
+    if rotate_m and causal:
+      raise ValueError("rotate_m=True needs causal=False (the causal order is fixed)")
+    self.rotate_m = (deterministic and not causal) if rotate_m is None else rotate_m
+    self.early_dq_empty = early_dq_empty
     self.dtype = dtype
     self.head_dim = head_dim
     self.head_dim_v = head_dim_v
@@ -551,15 +558,18 @@ class FlashAttentionBackwardSm90:
 
   @cute.jit
   def _m_rotation(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
-    """Deterministic without a mask: this key block's first query block, (M - n_block) mod M,
-    or 0 where the ascending order stays (_DET_ROTATE_MAX_KEY_BLOCKS); None (a compile-time
-    no-op) for the other variants."""
+    """rotate_m (no mask): this key block's first query block, (M - n_block) mod M, or 0 where
+    the deterministic order stays ascending (_DET_ROTATE_MAX_KEY_BLOCKS); else None (a
+    compile-time no-op)."""
     m_rot = None
-    if const_expr(self.deterministic and not self.causal):
+    if const_expr(self.rotate_m):
       m_rot = Int32(0)
       num_m, rotates = self._rotates(seqlen_q, seqlen_k)
-      if rotates and n_block > 0:
-        m_rot = num_m - n_block
+      if const_expr(not self.deterministic):
+        rotates = num_m > 0  # no waits, so no limit
+      n_mod = n_block % cutlass.max(num_m, 1)
+      if rotates and n_mod > 0:
+        m_rot = num_m - n_mod
     return m_rot
 
   @cute.jit
@@ -682,7 +692,7 @@ class FlashAttentionBackwardSm90:
     # with the warpgroup's first thread, a warp-uniform value, keeps their address math on the
     # uniform datapath (no R2UR before each HGMMA). Accumulators keep the per-thread slices.
     wg_idx = cute.arch.make_warp_uniform(mma_tidx // _WG)
-    operand_tidx = wg_idx * _WG if const_expr(self.uniform_operand_slices) else mma_tidx
+    operand_tidx = wg_idx * _WG
     wg_sdp, wg_dk, wg_dv, wg_dq = (
         t.get_slice(operand_tidx)
         for t in (tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq))
@@ -852,7 +862,7 @@ class FlashAttentionBackwardSm90:
     # with the warpgroup's first thread, a warp-uniform value, keeps their address math on the
     # uniform datapath (no R2UR before each HGMMA). Accumulators keep the per-thread slices.
     wg_idx = cute.arch.make_warp_uniform(mma_tidx // _WG)
-    operand_tidx = wg_idx * _WG if const_expr(self.uniform_operand_slices) else mma_tidx
+    operand_tidx = wg_idx * _WG
     wg_sdp, wg_dk, wg_dv, wg_dq = (
         t.get_slice(operand_tidx)
         for t in (tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq))
@@ -1045,18 +1055,19 @@ class FlashAttentionBackwardSm90:
     half = self.dq_rows * self.head_dim // _NUM_WG
     buf = self.tile_m * self.head_dim // _NUM_WG // self.dq_pieces  # floats per staging buffer
     piece = half // self.dq_pieces  # floats per bulk reduction
+    # Deterministic: the buffers are handed back for the next step before the wait for this
+    # step's writes (the release), so the consumers stage the next dQ block meanwhile.
+    early_empty = self.deterministic and self.det_sync != "no_flush" and self.early_dq_empty
     for g in cutlass.range(group, unroll=1):
       head = head_kv * group + g
       for step in cutlass.range(m_min, m_max, unroll=1):
         m_block = self._m_block_at(step, m_rot, m_max)
         for p in cutlass.range_constexpr(self.dq_pieces):
-          for wg in cutlass.range_constexpr(_NUM_WG):
-            # Groups complete in order: the previous reduction out of buffer wg has been read
-            # once at most _NUM_WG - 1 - wg groups are pending.
-            if lane == 0:
-              cute.arch.cp_async_bulk_wait_group(_NUM_WG - 1 - wg, read=True)
-            cute.arch.barrier_arrive(barrier_id=_DQ_EMPTY_BARRIER + wg,
-                                     number_of_threads=_DQ_BARRIER_THREADS)
+          if const_expr(early_empty and p == 0):
+            if g == 0 and step == m_min:
+              self._hand_back_dq_buffers(lane)
+          else:
+            self._hand_back_dq_buffers(lane)
           if const_expr(p == 0):
             gdQ = cute.local_tile(mdQaccum[None, None, head, batch],
                                   (self.tile_m, self.head_dim), (m_block, 0))
@@ -1078,6 +1089,9 @@ class FlashAttentionBackwardSm90:
                     gdQ.iterator + s * _NUM_WG * half + wg * half + p * piece,
                     sdQ.iterator + wg * buf + s * half, piece * 4)
               cute.arch.cp_async_bulk_commit_group()
+        if const_expr(early_empty):
+          if g < group - 1 or step < m_max - 1:
+            self._hand_back_dq_buffers(lane)
         if const_expr(self.deterministic):
           if lane == 0:
             # Written (not only read) before the next key block may add to the same floats.
@@ -1090,6 +1104,17 @@ class FlashAttentionBackwardSm90:
       cute.arch.cp_async_bulk_wait_group(0, read=True)
 
   @cute.jit
+  def _hand_back_dq_buffers(self, lane: Int32):
+    """dQ writer: each staging buffer is free again (its pending bulk reduction has read it)."""
+    for wg in cutlass.range_constexpr(_NUM_WG):
+      # Groups complete in order: the previous reduction out of buffer wg has been read once at
+      # most _NUM_WG - 1 - wg groups are pending.
+      if lane == 0:
+        cute.arch.cp_async_bulk_wait_group(_NUM_WG - 1 - wg, read=True)
+      cute.arch.barrier_arrive(barrier_id=_DQ_EMPTY_BARRIER + wg,
+                               number_of_threads=_DQ_BARRIER_THREADS)
+
+  @cute.jit
   def _dq_rank(self, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
     """Position of this key block among those adding into query block m_block (deterministic).
 
@@ -1100,7 +1125,7 @@ class FlashAttentionBackwardSm90:
     n >= M - m (wrapped, steps m + n - M) first.
     """
     rank = n_block
-    if const_expr(self.deterministic and not self.causal):
+    if const_expr(self.rotate_m and self.deterministic):
       num_m, rotates = self._rotates(seqlen_q, seqlen_k)
       num_n = cute.ceil_div(seqlen_k, self.tile_n)
       if rotates and m_block + num_n > num_m:
