@@ -15,14 +15,13 @@ import pytest
 from jaxflash import build, config
 
 VARIANTS = config.shipped_variants("sm90a", "bwd")
-_SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", re.M)
-_SASS_OP_FULL = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)",
-                           re.M)
+_SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
-def _opcodes(sass):
-  """The SASS opcodes of a disassembly, in order (predicates dropped, modifiers cut)."""
-  return [m.group(1) for m in _SASS_OP.finditer(sass)]
+def _opcodes(sass, modifiers=False):
+  """The SASS opcodes of a disassembly, in order (predicates dropped; modifiers cut unless
+  `modifiers`, e.g. STS.128)."""
+  return [m.group(1) if modifiers else m.group(1).split(".")[0] for m in _SASS_OP.finditer(sass)]
 
 
 _ABI = {"jaxflash_variant_abi_version", "jaxflash_variant_key", "jaxflash_variant_load",
@@ -44,7 +43,7 @@ def exported(tmp_path_factory):
       for part, cubin in zip(("main", "pre", "post"), (exp.cubin, *exp.extra_cubins)):
         sass = kernel_compile.disassemble(cubin, out_dir)
         ops[part] = _opcodes(sass)
-        full[part] = [m.group(1) for m in _SASS_OP_FULL.finditer(sass)]
+        full[part] = _opcodes(sass, modifiers=True)
       cache[variant.key] = (exp, ops, full)
     return cache[variant.key]
 
