@@ -326,42 +326,29 @@ class FlashAttentionBackwardSm90:
     dq_floats = m * self.head_dim // self.dq_pieces
     align = sm90_gemm.SMEM_ALIGN
 
-    @cute.struct
-    class SharedStorage:
-      mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-      mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-      # The separate dO ring of the head-dim split (unused otherwise).
-      mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * do_stages]
-      sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], align]
-      sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], align]
-      sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sQ_layout)], align]
-      sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sdO_layout)],
-                             align]
-      sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sPdS_layout)],
-                            align]
-      sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sPdS_layout)],
-                             align]
-      sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_floats], align]
+    def buffer(dtype, count, alignment=align):
+      return cute.struct.Align[cute.struct.MemRange[dtype, count], alignment]
 
-    # swap_sdp: P stays in registers; the dS buffers (one per Q stage) are in the layout.
-    @cute.struct
-    class SharedStorageSwapped:
-      mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-      mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-      mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * do_stages]
-      sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)], align]
-      sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)], align]
-      sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sQ_layout)], align]
-      sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sdO_layout)],
-                             align]
-      sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sPdS_layout)],
-                             align]
-      sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_floats], align]
+    # One field list for both schedules (cute.struct reads the class annotations in order).
+    fields = dict(
+        mbar_kv=cute.struct.MemRange[cutlass.Int64, 2],
+        mbar_qdo=cute.struct.MemRange[cutlass.Int64, 2 * stages],
+        # The separate dO ring of the head-dim split (unused otherwise).
+        mbar_do=cute.struct.MemRange[cutlass.Int64, 2 * do_stages],
+        sK=buffer(self.dtype, cute.cosize(self.sK_layout)),
+        sV=buffer(self.dtype, cute.cosize(self.sV_layout)),
+        sQ=buffer(self.dtype, cute.cosize(self.sQ_layout)),
+        sdO=buffer(self.dtype, cute.cosize(self.sdO_layout)))
+    if not self.swap_sdp:  # swap_sdp: P stays in registers
+      fields["sP"] = buffer(self.dtype, cute.cosize(self.sPdS_layout))
+    # swap_sdp: one dS buffer per Q stage (in the layout).
+    fields["sdS"] = buffer(self.dtype, cute.cosize(self.sPdS_layout))
+    fields["sdQ"] = buffer(Float32, dq_floats)
+    if self.swap_sdp:
       # Per Q/dO stage: the block's lse2 and delta rows (read by the columns of S^T / dP^T).
-      sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, m * stages], 128]
-      sDelta: cute.struct.Align[cute.struct.MemRange[Float32, m * stages], 128]
-
-    self.shared_storage = SharedStorageSwapped if self.swap_sdp else SharedStorage
+      fields["sLSE2"] = buffer(Float32, m * stages, 128)
+      fields["sDelta"] = buffer(Float32, m * stages, 128)
+    self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
   @cute.jit
   def __call__(
