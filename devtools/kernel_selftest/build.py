@@ -42,14 +42,19 @@ def _parse_head_dims(text):
   return pairs
 
 
+def parse_tile_spec(spec: str) -> config.TileConfig:
+  """'192x128x2' -> TileConfig(192, 128, 2); a 'swap' suffix sets swap_sdp (backward only)."""
+  m, n, s = (int(x) for x in spec.removesuffix("swap").split("x"))
+  return config.TileConfig(m, n, s, swap_sdp=spec.endswith("swap"))
+
+
 def _parse_tiles(items):
   """['64=192x128x2', '192x128=128x96x2'] -> {(64, 64): TileConfig(192, 128, 2), ...}."""
   tiles = {}
   for item in items:
     dims, spec = item.split("=")
-    m, n, s = (int(x) for x in spec.split("x"))
     (pair,) = _parse_head_dims(dims)
-    tiles[pair] = config.TileConfig(m, n, s)
+    tiles[pair] = parse_tile_spec(spec)
   return tiles
 
 
@@ -69,6 +74,11 @@ def _parse_kernel_args(items):
       except ValueError:
         out[name] = value
   return out
+
+
+def key_with_args(key: str, kernel_args: dict) -> str:
+  """A variant key plus '+name=value,...' of an A/B build's kernel arguments (sorted)."""
+  return key + "+" + ",".join(f"{k}={_arg_text(v)}" for k, v in sorted(kernel_args.items()))
 
 
 def _arg_text(value) -> str:
@@ -111,7 +121,7 @@ def export(variant, kernel_args, out_dir):
   seconds = time.perf_counter() - start
   obj = pathlib.Path(out_dir) / f"{variant.key}.o"
   header = (pathlib.Path(out_dir) / f"{variant.key}.h").resolve()
-  key = variant.key + "+" + ",".join(f"{k}={_arg_text(v)}" for k, v in sorted(kernel_args.items()))
+  key = key_with_args(variant.key, kernel_args)
   defines = tuple(f'-DJAXFLASH_VARIANT_KEY="{key}"' if d.startswith("-DJAXFLASH_VARIANT_KEY")
                   else d for d in kc.glue_defines(variant, prefix, header))
   return kc.ExportedKernel(variant=variant, header_path=header, object_path=obj.resolve(),

@@ -61,9 +61,7 @@ def _parse_tiles(items):
   tiles = {}
   for item in items:
     d, spec = item.split("=")
-    swap = spec.endswith("swap")
-    m, n, s = (int(x) for x in spec.removesuffix("swap").split("x"))
-    tiles[int(d)] = config.TileConfig(m, n, s, swap_sdp=swap)
+    tiles[int(d)] = _forward_builder().parse_tile_spec(spec)
   return tiles
 
 
@@ -78,9 +76,7 @@ def build_one(variant, work: pathlib.Path, kernel_args=None) -> pathlib.Path:
   t = time.perf_counter()
   key = variant.key
   if kernel_args:
-    fwd_builder = _forward_builder()
-    key += "+" + ",".join(f"{k}={fwd_builder._arg_text(v)}"
-                          for k, v in sorted(kernel_args.items()))
+    key = _forward_builder().key_with_args(key, kernel_args)
     exp = kc.export_bwd_variant(variant, work / "obj", main_args=kernel_args, key=key)
   else:
     exp = kc.export_variant(variant, work / "obj")

@@ -37,7 +37,11 @@ for lib in "$work"/bwd/*${BWD_ONLY:-}*.so; do
 done
 # Second pass: fwd+bwd timing of the bf16 non-deterministic libraries that passed, with the
 # forward library of the same variant (a forward hang cannot hide a backward result).
+# (Skipped when build_bwd.py packed no forward library, --no-fwd: it would only rerun the
+# backward timing.)
+fwd_libs=("$work"/fwd/*.so)
 for lib in "$work"/bwd/*bf16*${BWD_ONLY:-}*.so; do
+  [ ${#fwd_libs[@]} -gt 0 ] || break
   name=${lib##*/}
   case "$name" in *-det-*) continue ;; esac
   key=${name#*_}
