@@ -242,11 +242,17 @@ def _default_bwd_tile(head_dim: int, causal: bool) -> TileConfig:
     # hdim 64: 128 x 128 (FA-4's Hopper tile), two 64-row WGMMA blocks of queries per step, so
     # the per-step fixed costs (dS barriers, dQ handoff, Q/dO waits) are paid per 128 rows; the
     # two consumer warpgroups still own 64 key rows each. Registers: S + dP 2 x 64, dK + dV
-    # 2 x 32 fp32 per thread. Shared memory: K + V 32 KiB, Q + dO 2 x 2 x 16, P + dS 64, dQ
-    # staging 32: 193 KiB. Self-test on the H200 (bf16, backward TFLOP/s at seq 4k / 16k, same
-    # call): 128 x 128 404 / 435 (causal 352 / 429; deterministic 350 / 433, causal 348 / 412)
-    # against 64 x 128 369 / 402 (causal 326 / 395; deterministic 323 / 403, causal 325 / 386).
-    return TileConfig(128, 128, 2)
+    # 2 x 32 fp32 per thread. Self-test on the H200 (bf16, backward TFLOP/s at seq 4k / 16k,
+    # same call): 128 x 128 404 / 435 (causal 352 / 429; deterministic 350 / 433, causal
+    # 348 / 412) against 64 x 128 369 / 402 (causal 326 / 395; deterministic 323 / 403, causal
+    # 325 / 386).
+    # Swapped (swap_sdp, FA-4's SdP_swapAB at hdim 64; dS from the rounded P, so gradient rel.
+    # L2 vs float64 3.6e-3 instead of 2.5e-3, bf16), one call, seq 4k / 16k / 1k: 479 / 494 /
+    # 373 against 413 / 439 / 327; deterministic 465 / 493 / 368 vs 409 / 435 / 326; causal
+    # 411 / 470 / 259 vs 366 / 434 / 239; causal deterministic 409 / 460 / 255 vs 362 / 420 /
+    # 237. Shared memory: K + V 32 KiB, Q + dO 2 x 2 x 16, dS 2 x 32, dQ staging 32, lse2 /
+    # delta rows 2 KiB: 195 KiB.
+    return TileConfig(128, 128, 2, swap_sdp=True)
   # hdim 96 and 128: 64 or 80 query rows x 128 keys, each of the two consumer warpgroups owns
   # 64 key rows, so dK + dV stay in registers (2 x 64 fp32 per thread at hdim 128), and the
   # swapped S / dP schedule (swap_sdp: S^T, dP^T per warpgroup; P^T, dS^T to the dV / dK GEMMs

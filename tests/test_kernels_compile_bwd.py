@@ -154,7 +154,7 @@ def _assert_ds_stored_from_dk_operand_registers(sass):
   at query q + 1 (wrong dQ on the GPU; probe_ds_store_ptx.py shows it on the PTX).
   """
   sources = re.findall(r"STSM\.16\.MT88\.4 \[[^\]]*\], (R\d+)", sass)
-  operands = set(re.findall(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, (R\d+), gdesc", sass))
+  operands = set(re.findall(r"HGMMA\.64x\d+x16\.F32\.BF16 R\d+, (R\d+), gdesc", sass))
   assert sources and set(sources) <= operands, (sources, sorted(operands))
 
 
@@ -164,11 +164,11 @@ def _swap_variant(causal, deterministic, tile_m=64, head_dim=128):
   return dataclasses.replace(variant, tile=config.TileConfig(tile_m, 128, 2, swap_sdp=True))
 
 
-def test_hdim_96_and_128_ship_the_swapped_schedule():
-  """swap_sdp for hdim 96 / 128 (80 query rows at hdim 128 without the causal mask)."""
+def test_hdim_64_to_128_ship_the_swapped_schedule():
+  """swap_sdp up to hdim 128 (128 query rows at hdim 64, 80 at hdim 128 without the mask)."""
   for v in VARIANTS:
-    want = {96: (64, True), 128: (64 if v.causal else 80, True)}.get(v.head_dim,
-                                                                      (v.tile.tile_m, False))
+    want = {64: (128, True), 96: (64, True),
+            128: (64 if v.causal else 80, True)}.get(v.head_dim, (v.tile.tile_m, False))
     assert (v.tile.tile_m, v.tile.swap_sdp) == want, v.key
     assert v.key.endswith("swap") == v.tile.swap_sdp
   assert config.TileConfig(80, 128, 2, swap_sdp=True).key == "m80n128s2swap"
@@ -231,6 +231,31 @@ def test_swap_sdp_80_query_rows_compile_with_a_transposed_dq_gemm(exported):
 
 
 @pytest.mark.cutlass
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.head_dim == 64
+                                     and v.dtype == "bfloat16"], ids=lambda v: v.key)
+def test_swap_sdp_128_query_rows_at_head_dim_64(exported, variant):
+  """hdim 64, 128 x 128 swapped: S^T / dP^T 64 x 128 per warpgroup, dV / dK from registers,
+  dS^T stored into both 64-row blocks of the dS tile, the dQ GEMM as two 64-row blocks."""
+  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
+  assert variant.tile == config.TileConfig(128, 128, 2, swap_sdp=True)
+  exp, ops, _ = exported(variant)
+  sass = kernel_compile.disassemble(exp.cubin, exp.header_path.parent)
+  # Per step and loop copy: S^T 4 + dP^T 4 (64x128x16), dV 8 + dK 8 (64x64x16, A from
+  # registers), dQ 2 blocks x 8 (64x32x16).
+  assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, gdesc", sass)) == 16
+  assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)) == 32
+  assert len(re.findall(r"HGMMA\.64x32x16\.F32\.BF16 R\d+, gdesc", sass)) == 32
+  assert ops["main"].count("HGMMA") == 80
+  # dS^T: 8 stmatrix.trans per step and loop copy; the dK / dV epilogue 8 plain ones.
+  assert sass.count("STSM.16.MT88.4") == 16 and sass.count("STSM.16.M88.4") == 8
+  _assert_ds_stored_from_dk_operand_registers(sass)
+  # Not serialized (5 GEMM groups per step, two loop copies); each 64-row dQ block reduced.
+  assert sass.count("WARPGROUP.ARRIVE") == 10
+  assert ops["main"].count("UBLKRED") == 4 and ops["main"].count("UBLKCP") == 2
+  assert ops["main"].count("LDL") + ops["main"].count("STL") == 0
+
+
+@pytest.mark.cutlass
 def test_tile_m_80_only_with_swap_sdp_at_head_dim_128():
   bwd_sm90 = pytest.importorskip("jaxflash.kernels.bwd_sm90")
   import cutlass
@@ -251,17 +276,29 @@ def test_tile_m_80_only_with_swap_sdp_at_head_dim_128():
 
 
 @pytest.mark.cutlass
-@pytest.mark.parametrize("head_dim,tile_m", [(192, 64), (64, 128)])
+@pytest.mark.parametrize("head_dim,tile_m", [(192, 64), (96, 128), (64, 80)])
 def test_swap_sdp_names_what_it_needs(head_dim, tile_m):
   bwd_sm90 = pytest.importorskip("jaxflash.kernels.bwd_sm90")
   import cutlass
   tile = config.TileConfig(tile_m, 128, 2, swap_sdp=True)
-  with pytest.raises(ValueError, match=f"head_dim {head_dim}, tile_m {tile_m}"):
+  with pytest.raises(ValueError, match=f"swap_sdp: accepted: .*; got head_dim {head_dim}, "
+                                       f"tile_m {tile_m}"):
     bwd_sm90.FlashAttentionBackwardSm90(cutlass.BFloat16, head_dim, head_dim, tile, False)
   ok, text = bwd_sm90.FlashAttentionBackwardSm90.can_implement(
       "bfloat16", head_dim, head_dim, False,
       dataclasses.replace(tile, tile_n=64 if head_dim > 128 else 128))
-  assert not ok and "swap_sdp" in text and f"head_dim {head_dim}" in text
+  # 192: the swap check names it; 96 x 128 rows and 64 x 80 rows: the tile check comes first.
+  assert not ok and f"head_dim {head_dim}" in text
+  assert ("swap_sdp" in text) == (head_dim == 192)
+
+
+@pytest.mark.cutlass
+def test_swap_sdp_accepts_128_query_rows_up_to_head_dim_64():
+  kernel = pytest.importorskip("jaxflash.kernels.bwd_sm90").FlashAttentionBackwardSm90
+  tile = config.TileConfig(128, 128, 2, swap_sdp=True)
+  assert kernel.can_implement("bfloat16", 64, 64, True, tile) == (True, "")
+  # K + V 32 KiB, Q + dO 2 x 2 x 16, dS 2 x 32 (no P), dQ staging 32, lse2 / delta 2, + 1 KiB.
+  assert kernel.smem_bytes(64, 64, tile) == 195 * 1024
 
 
 @pytest.mark.cutlass

@@ -107,6 +107,18 @@ def add_release(ptr: cute.Pointer, value: int, *, loc=None, ip=None) -> None:
       is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
+@dsl_user_op
+def fresh_thread_idx(*, loc=None, ip=None) -> Int32:
+  """threadIdx.x read anew (inline asm with side effects: not merged with earlier reads).
+
+  For code after the main loop: values derived from a thread index read before the loop stay
+  live across it (ptxas spilled one in a kernel at the 240-register limit); from a new read
+  they are recomputed where they are used.
+  """
+  return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True,
+                               is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 @cute.jit
 def wait_at_least(ptr: cute.Pointer, target: Int32):
   """Spins until the int32 semaphore at ptr is >= target (one thread calls this)."""

@@ -49,6 +49,19 @@ _MAX_TILE_M128_HEAD_DIM = 64
 # are 64 keys x 80 queries per warpgroup (WGMMA N = 80), and since 80 is no multiple of WGMMA's
 # M = 64, dQ is computed transposed (dQ^T = K^T dS^T, M = head_dim, N = 80).
 _SWAP_TILE_M80 = 80
+_SWAP_TILES_ACCEPTED = (f"accepted: head_dim <= {_MAX_KEY_SPLIT_HEAD_DIM} with tile_m 64, "
+                        f"{_SWAP_TILE_M80} at head_dim 128, 128 at head_dim <= "
+                        f"{_MAX_TILE_M128_HEAD_DIM}")
+
+
+def _swap_tile_ms(head_dim: int) -> tuple[int, ...]:
+  """Query rows per step that swap_sdp runs at head_dim (none above the key-split limit)."""
+  if head_dim > _MAX_KEY_SPLIT_HEAD_DIM:
+    return ()
+  return ((bwd_common.TILE_M,) + ((_SWAP_TILE_M80,) if head_dim == 2 * 64 else ())
+          + ((2 * bwd_common.TILE_M,) if head_dim <= _MAX_TILE_M128_HEAD_DIM else ()))
+
+
 _HEAD_DIMS = (64, 96, 128, 192, 256)
 _DET_SYNC = ("ordered", "no_wait", "no_flush")
 # Deterministic without a mask: key block n walks the query blocks starting at (M - n) mod M
@@ -109,9 +122,9 @@ class FlashAttentionBackwardSm90:
   Q stages), released as soon as the dV GEMM is done; at hdim 256, to fit 227 KiB, that ring
   has one stage and the dQ staging buffer holds half a block: each warpgroup hands its dQ over
   in two pieces. The dQ accumulator layout is the same.
-  swap_sdp (config.TileConfig.swap_sdp; the shipped hdim 96 / 128 variants use it; head_dim
-  <= 128 with tile_m 64): each warpgroup computes S^T = K Q^T and dP^T = V dO^T (64 keys x
-  tile_m queries) instead, so P^T and dS^T are already in the register layout of the A
+  swap_sdp (config.TileConfig.swap_sdp; every shipped variant up to hdim 128 uses it; head_dim
+  <= 128 with tile_m 64, 80 or 128, below): each warpgroup computes S^T = K Q^T and dP^T =
+  V dO^T (64 keys x tile_m queries) instead, so P^T and dS^T are already in the layout of the A
   operand of dV += P^T dO and dK += dS^T Q, which read it from registers (RS WGMMA); P never
   goes to shared memory, dS^T is written transposed (stmatrix.trans) into the dS tile of the
   unchanged dQ GEMM, double buffered by Q stage (one named barrier per step instead of two).
@@ -121,6 +134,9 @@ class FlashAttentionBackwardSm90:
   and dQ is computed transposed, dQ^T = K^T dS^T (80 is no multiple of WGMMA's M = 64), so
   the dQ accumulator holds 80-row dQ^T blocks (bwd_common.dq_tiled_mma transposed; the
   postprocess reads them the same way); dS is then computed from the rounded P (registers).
+  At head_dim 64 it takes tile_m 128 (FA-3/FA-4's hdim-64 tile): S^T and dP^T are 64 x 128
+  per warpgroup, dS^T goes into the two 64-row blocks of the dS tile, the dQ GEMM is unchanged
+  from the unswapped 128-row step, and dS again takes the rounded P.
   GQA: the group's query heads are looped inside the CTA, so dK/dV are written once, in the
   input dtype, by TMA.
   With `deterministic`, the dQ reductions into one (batch, head, m block) happen in a fixed
@@ -186,10 +202,8 @@ class FlashAttentionBackwardSm90:
     # swap_sdp (see mma_step_swapped): S^T and dP^T per warpgroup, P^T and dS^T
     # fed to the dV / dK GEMMs from registers, no P buffer; dS gets one buffer per Q stage.
     self.swap_sdp = swap_sdp
-    if swap_sdp and (self.split_head_dim
-                     or self.tile_m not in (bwd_common.TILE_M, _SWAP_TILE_M80)):
-      raise ValueError(f"swap_sdp: needs head_dim <= {_MAX_KEY_SPLIT_HEAD_DIM} and tile_m "
-                       f"{bwd_common.TILE_M} or {_SWAP_TILE_M80}; got head_dim {head_dim}, "
+    if swap_sdp and self.tile_m not in _swap_tile_ms(head_dim):
+      raise ValueError(f"swap_sdp: {_SWAP_TILES_ACCEPTED}; got head_dim {head_dim}, "
                        f"tile_m {self.tile_m}")
     if self.tile_m == _SWAP_TILE_M80 and not (swap_sdp and head_dim == 2 * 64):
       raise ValueError(f"tile_m {_SWAP_TILE_M80} needs swap_sdp and head_dim 128 (the "
@@ -221,7 +235,7 @@ class FlashAttentionBackwardSm90:
                     tile: config.TileConfig, swap_sdp: bool | None = None) -> tuple[bool, str]:
     """Whether this kernel can be built for the arguments; the reason text is user-facing.
 
-    swap_sdp (None: the tile's): head_dim <= 128 only; also tile_m 80 at head_dim 128.
+    swap_sdp (None: the tile's): head_dim <= 128 only (_swap_tile_ms).
     """
     swap_sdp = tile.swap_sdp if swap_sdp is None else swap_sdp
     del causal  # both masks share one code path
@@ -247,11 +261,9 @@ class FlashAttentionBackwardSm90:
                      f"accepted: {accepted} (64-row WGMMA blocks of queries, {why})")
     if tile.num_stages not in (1, 2):
       return False, f"num_stages {tile.num_stages} unsupported; accepted: 1, 2"
-    if swap_sdp and (head_dim > _MAX_KEY_SPLIT_HEAD_DIM
-                     or tile.tile_m not in (bwd_common.TILE_M, _SWAP_TILE_M80)):
+    if swap_sdp and tile.tile_m not in _swap_tile_ms(head_dim):
       return False, (f"swap_sdp with tile {tile.tile_m}x{tile.tile_n} at head_dim {head_dim}: "
-                     f"accepted: head_dim <= {_MAX_KEY_SPLIT_HEAD_DIM} with tile_m "
-                     f"{bwd_common.TILE_M} (or {_SWAP_TILE_M80} at head_dim 128)")
+                     f"{_SWAP_TILES_ACCEPTED}")
     smem = FlashAttentionBackwardSm90.smem_bytes(head_dim, head_dim_v, tile, swap_sdp=swap_sdp)
     if smem > sm90_gemm.SMEM_CAPACITY:
       return False, (f"tile {tile.key} needs {smem} bytes of shared memory for head_dim "
@@ -457,7 +469,8 @@ class FlashAttentionBackwardSm90:
     smem["sP_store"], smem["sdS_store"] = smem.get("sP"), smem["sdS"]
     if const_expr(self.dq_blocks > 1):
       store_layout = sm90_gemm.element_swizzled(sPdS_layout, self.dtype)
-      smem["sP_store"] = storage.sP.get_tensor(store_layout)
+      if const_expr(not self.swap_sdp):
+        smem["sP_store"] = storage.sP.get_tensor(store_layout)
       smem["sdS_store"] = storage.sdS.get_tensor(store_layout)
     sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim // self.dq_pieces))
     stats = None
@@ -469,17 +482,16 @@ class FlashAttentionBackwardSm90:
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
 
-    n_block, head_kv, batch = cute.arch.block_idx()
     seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-    if const_expr(self.causal and self.deterministic):
-      n_block = cute.ceil_div(seqlen_k, self.tile_n) - 1 - n_block
     group = mQ.shape[2] // mK.shape[2]  # GQA/MQA: query heads per kv head
-    m_min, m_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
-    m_rot = self._m_rotation(n_block, seqlen_q, seqlen_k)
 
+    # The block coordinates are computed by each role after its register resize: computed
+    # before it, they are live into the producer's 24 registers, which spilled them (causal +
+    # deterministic at 128 query rows, swapped).
     warpgroup_idx = cute.arch.make_warp_uniform(tidx // _WG)
     if warpgroup_idx == 0:
       cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+      n_block, head_kv, batch, m_min, m_max, m_rot = self._work_coords(seqlen_q, seqlen_k)
       if warp_idx == 0:
         self.load(mQ, mK, mV, mdO, tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do,
                   smem["sQ"], smem["sK"], smem["sV"], smem["sdO"], pipeline_kv, pipeline_qdo,
@@ -489,6 +501,7 @@ class FlashAttentionBackwardSm90:
                       m_rot, seqlen_q, seqlen_k)
     else:
       cute.arch.setmaxregister_increase(_MMA_REGS)
+      n_block, head_kv, batch, m_min, m_max, m_rot = self._work_coords(seqlen_q, seqlen_k)
       if const_expr(self.swap_sdp):
         self.mma_swapped(mdK, mdV, stats[2], stats[3], tma_atom_dk, tma_atom_dv, smem, sdQ,
                          tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
@@ -523,6 +536,16 @@ class FlashAttentionBackwardSm90:
         producer_group=producer, consumer_group=consumer, tx_count=self.tma_bytes_do,
         defer_sync=True)
     return kv, q, do
+
+  @cute.jit
+  def _work_coords(self, seqlen_q: Int32, seqlen_k: Int32):
+    """This CTA's key block, kv head and batch, and its query blocks [m_min, m_max), rotation."""
+    n_block, head_kv, batch = cute.arch.block_idx()
+    if const_expr(self.causal and self.deterministic):
+      # Shortest first: the last key block (fewest query blocks) is launched first.
+      n_block = cute.ceil_div(seqlen_k, self.tile_n) - 1 - n_block
+    m_min, m_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
+    return n_block, head_kv, batch, m_min, m_max, self._m_rotation(n_block, seqlen_q, seqlen_k)
 
   @cute.jit
   def _m_block_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
@@ -957,9 +980,10 @@ class FlashAttentionBackwardSm90:
     # dS^T = P^T (dP^T - delta); dP (the older group) is done once one group is pending.
     warpgroup.wait_group(1)
     acc_dp_mn = softmax.make_acc_mn_view(acc_dp)
-    # 80 query columns: fp32 S^T, dP^T and P^T at once do not fit next to dK and dV (ptxas
-    # serialized every WGMMA and spilled), so dS uses the rounded P (its fp32 copy is dead).
-    p_mn = softmax.make_acc_mn_view(t_p if const_expr(self.dq_transposed) else acc_s)
+    # 80 or 128 query columns: fp32 S^T, dP^T and P^T at once do not fit next to dK and dV
+    # (ptxas serialized every WGMMA and spilled at 80; 12 LDL / STL at 128, hdim 64), so dS uses
+    # the rounded P (its fp32 copy is dead).
+    p_mn = softmax.make_acc_mn_view(t_p if const_expr(self.tile_m > 64) else acc_s)
     for j in cutlass.range_constexpr(num_cols):
       delta = sDelta[tStS_mn[0, j][1], stage]
       for i in cutlass.range_constexpr(cute.size(acc_dp_mn, mode=[0])):
@@ -1127,8 +1151,7 @@ class FlashAttentionBackwardSm90:
                acc_dv: cute.Tensor, softmax_scale: Float32, n_block: Int32, head_kv: Int32,
                batch: Int32):
     """dK = scale * sum dS^T Q and dV leave through sK / sV and two TMA stores."""
-    tidx, _, _ = cute.arch.thread_idx()
-    mma_tidx = tidx - _WG
+    mma_tidx = bwd_common.fresh_thread_idx() - _WG
     # Every GEMM reading sK / sV (both warpgroups) is done before they are overwritten.
     cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
     acc_dk.store(acc_dk.load() * softmax_scale)
