@@ -1,0 +1,36 @@
+#!/bin/bash
+# GPU host side: Nsight Compute profile of one backward call (preprocess, main, postprocess) of
+# shipped variants at the self-test's seq 16k shape, with the warp-stall breakdown per role.
+# Needs .kcache (scripts/gpu_check.sh build) and .selftest/bwd/bwd_selftest (build_bwd.py, any
+# selection) carried: run(command="bash devtools/kernel_selftest/ncu_bwd.sh KEY [KEY...]",
+# carry=[".kcache", ".selftest/bwd"]). About 40 s per key. Writes $OUT/ncu_KEY.ncu-rep,
+# ncu_KEY_details.txt (every section of the three kernels) and ncu_KEY_sass.csv (per-instruction
+# samples), and prints the details' headline metrics and ncu_stalls.py's breakdown of each kernel.
+# Clocks are left alone (--clock-control none, as the device notes ask), so durations are at
+# whatever clock the GPU ran; compare kernels of one report, not reports of two calls.
+set -u
+out=${OUT:-/tmp}
+ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+selftest=.selftest/bwd/bwd_selftest
+[ -x "$selftest" ] || { echo "no $selftest: run build_bwd.py on the build host" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 VARIANT_KEY..." >&2; exit 2; }
+# bwd_selftest --no-check times seq 4k, 16k, 1k, each 9 x 5 calls of pre + main + post:
+# skip the 4k calls (135 launches) and two 16k calls, take the third one's three kernels.
+filter='regex:FlashAttentionBackward(Preprocess|Sm90|Postprocess)'
+status=0
+for key in "$@"; do
+  lib=.kcache/$key/libjaxflash_variant.so
+  if [ ! -f "$lib" ]; then echo "$key: no $lib" >&2; status=1; continue; fi
+  rep=$out/ncu_$key
+  timeout 300 "$ncu" --clock-control none --kernel-name "$filter" --launch-skip 141 \
+    --launch-count 3 --set full --import-source no -f -o "$rep" \
+    "$selftest" --no-check "$PWD/$lib" >"${rep}_run.txt" 2>&1 || {
+    echo "$key: ncu failed (tail of ${rep}_run.txt):"; tail -5 "${rep}_run.txt"; status=1; continue; }
+  "$ncu" --import "$rep.ncu-rep" --page details >"${rep}_details.txt" 2>&1
+  echo "== $key"
+  grep -E "^  [a-z_]+kernel|Duration|SM Frequency|Compute \(SM\) Throughput|Issue Slots Busy|DRAM Throughput" \
+    "${rep}_details.txt" | sed -E 's/_object_at_.*//'
+  "$ncu" --import "$rep.ncu-rep" --page source --print-source sass --csv >"${rep}_sass.csv" 2>&1
+  python3 devtools/kernel_selftest/ncu_stalls.py "${rep}_sass.csv" --top 8 || status=1
+done
+exit $status
