@@ -25,11 +25,12 @@ for key in "$@"; do
   timeout 300 "$ncu" --clock-control none --kernel-name "$filter" --launch-skip 141 \
     --launch-count 3 --set full --import-source no -f -o "$rep" \
     "$selftest" --no-check "$PWD/$lib" >"${rep}_run.txt" 2>&1 || {
-    echo "$key: ncu failed (tail of ${rep}_run.txt):"; tail -5 "${rep}_run.txt"; status=1; continue; }
+    echo "$key: ncu failed (tail of ${rep}_run.txt):"; tail -5 "${rep}_run.txt"
+    status=1; continue; }
   "$ncu" --import "$rep.ncu-rep" --page details >"${rep}_details.txt" 2>&1
   echo "== $key"
-  grep -E "^  [a-z_]+kernel|Duration|SM Frequency|Compute \(SM\) Throughput|Issue Slots Busy|DRAM Throughput" \
-    "${rep}_details.txt" | sed -E 's/_object_at_.*//'
+  headline="^  [a-z_]+kernel|Duration|SM Frequency|Compute \(SM\) Throughput|Issue Slots Busy"
+  grep -E "$headline|DRAM Throughput" "${rep}_details.txt" | sed -E 's/_object_at_.*//'
   "$ncu" --import "$rep.ncu-rep" --page source --print-source sass --csv >"${rep}_sass.csv" 2>&1
   python3 devtools/kernel_selftest/ncu_stalls.py "${rep}_sass.csv" --top 8 || status=1
 done

@@ -1,10 +1,11 @@
-"""Warp-stall breakdown of one kernel from Nsight Compute's SASS page (devtools, not shipped).
+"""Warp-stall breakdown of kernels from Nsight Compute's SASS page (devtools, not shipped).
 
 Input: the CSV of `ncu --import REPORT --page source --print-source sass --csv` (each kernel
-of the report has its table). Prints, per kernel and warp role, the share of each stall reason in the sampled warp states and the
-instructions holding most samples with their top reasons. The roles are told apart by SASS
-address: a warp-specialised kernel (bwd_sm90, fwd_sm90) lays out the producer branch first and
-the consumers from their `USETMAXREG.TRY_ALLOC` on; a kernel without it is one role.
+of the report has its table). Prints, per kernel and warp role, the share of each stall reason
+in the sampled warp states and the instructions holding most samples with their top reasons.
+The roles are told apart by SASS address: a warp-specialised kernel (bwd_sm90, fwd_sm90) lays
+out the producer branch first and the consumers from their `USETMAXREG.TRY_ALLOC` on; a kernel
+without it is one role.
 
   python3 devtools/kernel_selftest/ncu_stalls.py out/main_sass.csv [--top 14]
 """
@@ -21,7 +22,8 @@ _PREDICATE = re.compile(r"^@!?U?P\w+\s+")
 
 
 def read_kernels(path: str) -> list[tuple[str, list[str], list[list[str]]]]:
-  """(kernel name, header, instruction rows) per kernel: each table follows a "Kernel Name" line."""
+  """(kernel name, header, instruction rows) per kernel; each table follows a "Kernel Name"
+  line."""
   with open(path, newline="") as f:
     rows = list(csv.reader(f))
   kernels = []
