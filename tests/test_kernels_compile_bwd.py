@@ -9,6 +9,7 @@ import dataclasses
 import pathlib
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -447,3 +448,47 @@ def test_early_dq_buffer_hand_back_is_deterministic_only(exported, tmp_path):
 
   assert build(det, True) == exported(det)[0].cubin != build(det, False)
   assert build(plain, False) == exported(plain)[0].cubin
+
+
+@pytest.mark.cutlass
+def test_dq_split_m_is_validated_and_only_changes_the_dq_gemm_when_set(exported, tmp_path):
+  """dq_split_m (devtools A/B, tile_m 128): the default builds the shipped cubin; set, the dQ
+  GEMM runs 64 x 64 x 16 per warpgroup (8 per step instead of 16 64 x 32 x 16) and each
+  warpgroup's block leaves in one bulk reduction."""
+  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
+  bwd_sm90 = pytest.importorskip("jaxflash.kernels.bwd_sm90")
+  import cutlass
+  with pytest.raises(ValueError, match="dq_split_m: needs tile_m 128 .* got tile_m 64, "
+                                       "head_dim 128"):
+    bwd_sm90.FlashAttentionBackwardSm90(cutlass.BFloat16, 128, 128,
+                                        config.TileConfig(64, 128, 2, swap_sdp=True), False,
+                                        dq_split_m=True)
+  variant = next(v for v in VARIANTS if v.head_dim == 64 and v.dtype == "bfloat16"
+                 and v.causal and v.deterministic)
+
+  def build(split):
+    return kernel_compile.export_bwd_variant(
+        variant, tmp_path / str(split), main_args={"dq_split_m": split},
+        key=f"{variant.key}+dq_split_m={int(split)}")
+
+  assert build(False).cubin == exported(variant)[0].cubin
+  exp = build(True)
+  sass = kernel_compile.disassemble(exp.cubin, tmp_path)
+  ops = _opcodes(sass)
+  assert ops.count("LDL") + ops.count("STL") == 0
+  assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 R\d+, gdesc", sass)) == 16
+  assert "HGMMA.64x32x16" not in sass and ops.count("HGMMA") == 64
+  assert ops.count("UBLKRED") == 2
+
+
+@pytest.mark.cutlass
+def test_dq_split_m_keeps_the_accumulator_layout():
+  """devtools/kernel_selftest/probe_dq_split_m.py: every dQ value of the row split lands where
+  the postprocess reads its (row, column); the head_dim split passes the same check, and the
+  row split with the head_dim split's writer addresses must fail it."""
+  probe = (pathlib.Path(__file__).parents[1] / "devtools" / "kernel_selftest"
+           / "probe_dq_split_m.py")
+  run = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stdout + run.stderr
+  assert "row split: 0 of 8192 values mismatched" in run.stdout
+  assert "negative: row split, head_dim split writer: 4096 of 8192" in run.stdout

@@ -55,14 +55,23 @@ def fragment_chunks(half: cute.Tensor, wg_tidx) -> cute.Tensor:
   return tiled_copy.get_slice(wg_tidx).partition_D(half)
 
 
-def dq_tiled_mma(dtype, head_dim: int, rows: int = TILE_M,
-                 transposed: bool = False) -> cute.TiledMma:
+def dq_tiled_mma(dtype, head_dim: int, rows: int = TILE_M, transposed: bool = False,
+                 split_rows: bool = False) -> cute.TiledMma:
   """dQ = dS K: both warpgroups cover the `rows` (64) query rows, each half of head_dim (N).
 
   transposed (bwd_sm90 swap_sdp with 80-row tiles): dQ^T = K^T dS^T, warpgroup w computes
   head_dim rows [w * head_dim / 2, (w + 1) * head_dim / 2) (M) for all `rows` queries (N):
   the same head_dim halves per warpgroup, coordinates (head_dim, query).
+  split_rows (bwd_sm90 option dq_split_m, rows = 128): warpgroup w computes 64-row block w for
+  all of head_dim (WGMMA N = head_dim instead of head_dim / 2; FA-4's AtomLayoutMdQ = 2). Its
+  thread t holds, in value order, what thread t of warpgroups 0 and 1 hold in the 64-row layout
+  above (values 0..15 the first head_dim half), so staged whole into one buffer it is block w
+  of the accumulator layout unchanged (devtools/kernel_selftest/probe_dq_split_m.py).
   """
+  if split_rows:
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
+        (NUM_MMA_WARPGROUPS, 1, 1), (rows // NUM_MMA_WARPGROUPS, head_dim))
   if transposed:
     return sm90_utils.make_trivial_tiled_mma(
         dtype, dtype, cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.K, Float32,

@@ -152,7 +152,7 @@ class FlashAttentionBackwardSm90:
   def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
                causal: bool, deterministic: bool = False, swap_sdp: bool | None = None,
                det_sync: str = "ordered", rotate_m: bool | None = None,
-               early_dq_empty: bool = True):
+               early_dq_empty: bool = True, dq_split_m: bool = False):
     """swap_sdp: None takes the tile's choice (config.TileConfig.swap_sdp); devtools A/B builds
     pass True / False to override it.
 
@@ -165,6 +165,11 @@ class FlashAttentionBackwardSm90:
     False to force it (True: also the default mode, without a mask).
     early_dq_empty (deterministic; devtools A/B with False): the dQ writer hands the staging
     buffers back for the next step before it waits for this step's writes to land.
+    dq_split_m (devtools A/B, tile_m 128 only): the dQ GEMM splits the query rows between the
+    warpgroups (one 64-row block each, all of head_dim: 64 x 64 x 16 WGMMAs at hdim 64 instead
+    of twice as many 64 x 32 x 16) instead of head_dim; each warpgroup stages its block whole
+    and the writer adds it with one bulk reduction. The accumulator layout is unchanged
+    (bwd_common.dq_tiled_mma split_rows).
     """
     swap_sdp = tile.swap_sdp if swap_sdp is None else swap_sdp
     if det_sync not in _DET_SYNC:
@@ -209,6 +214,11 @@ class FlashAttentionBackwardSm90:
       raise ValueError(f"tile_m {_SWAP_TILE_M80} needs swap_sdp and head_dim 128 (the "
                        f"transposed dQ GEMM's M = 64 per warpgroup); got head_dim {head_dim}")
     self.ds_stages = self.num_stages if swap_sdp else 1
+    if dq_split_m and (self.dq_blocks != _NUM_WG or self.dq_transposed or self.split_head_dim):
+      raise ValueError(f"dq_split_m: needs tile_m {_NUM_WG * bwd_common.TILE_M} (one 64-row "
+                       f"block per warpgroup) and head_dim <= {_MAX_TILE_M128_HEAD_DIM}; got "
+                       f"tile_m {self.tile_m}, head_dim {head_dim}")
+    self.dq_split_m = dq_split_m
 
   @staticmethod
   def smem_bytes(head_dim: int, head_dim_v: int, tile: config.TileConfig,
@@ -305,8 +315,12 @@ class FlashAttentionBackwardSm90:
               self.dtype, self.dtype, k_major, mn_major, Float32, (_NUM_WG, 1, 1), (64, dim),
               a_source=warpgroup.OperandSource.RMEM)
           for dim in (self.head_dim, self.head_dim_v)]
-    self.tiled_mma_dq = bwd_common.dq_tiled_mma(self.dtype, self.head_dim, rows=self.dq_rows,
-                                                transposed=self.dq_transposed)
+    if const_expr(self.dq_split_m):
+      self.tiled_mma_dq = bwd_common.dq_tiled_mma(self.dtype, self.head_dim, rows=self.tile_m,
+                                                  split_rows=True)
+    else:
+      self.tiled_mma_dq = bwd_common.dq_tiled_mma(self.dtype, self.head_dim, rows=self.dq_rows,
+                                                  transposed=self.dq_transposed)
     m, n, s = self.tile_m, self.tile_n, self.num_stages
     # Head-dim split: the dK / dV GEMMs read Q / dO transposed with head_dim split between the
     # warpgroups, so each half must be whole swizzle atoms.
@@ -1089,12 +1103,17 @@ class FlashAttentionBackwardSm90:
             cute.arch.barrier(barrier_id=_DQ_FULL_BARRIER + wg,
                               number_of_threads=_DQ_BARRIER_THREADS)
             if lane == 0:
-              for s in cutlass.range_constexpr(self.dq_blocks):
-                # Piece p of warpgroup wg's half of 64-row block s: floats [p * piece,
-                # (p + 1) * piece) of that half.
-                bwd_common.bulk_reduce_add_f32(
-                    gdQ.iterator + s * _NUM_WG * half + wg * half + p * piece,
-                    sdQ.iterator + wg * buf + s * half, piece * 4)
+              if const_expr(self.dq_split_m):
+                # Warpgroup wg staged 64-row block wg whole (both halves, in order).
+                bwd_common.bulk_reduce_add_f32(gdQ.iterator + wg * _NUM_WG * half,
+                                               sdQ.iterator + wg * buf, buf * 4)
+              else:
+                for s in cutlass.range_constexpr(self.dq_blocks):
+                  # Piece p of warpgroup wg's half of 64-row block s: floats [p * piece,
+                  # (p + 1) * piece) of that half.
+                  bwd_common.bulk_reduce_add_f32(
+                      gdQ.iterator + s * _NUM_WG * half + wg * half + p * piece,
+                      sdQ.iterator + wg * buf + s * half, piece * 4)
               cute.arch.cp_async_bulk_commit_group()
         if const_expr(early_empty):
           if g < group - 1 or step < m_max - 1:
