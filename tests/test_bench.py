@@ -1,19 +1,13 @@
 """The benchmark script's CPU-checkable parts: the clock spin-up and its argument."""
 
-import importlib.util
-import pathlib
-
 import pytest
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
+from tests._scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-  spec = importlib.util.spec_from_file_location("bench_attention", _PATH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script("benchmarks/bench_attention.py")
 
 
 def test_spin_up_runs_matmuls_for_the_given_time(bench):

@@ -1,11 +1,10 @@
 """devtools/kernel_selftest/ncu_stalls.py: Nsight Compute SASS-page CSV -> stall breakdown."""
 import csv
-import importlib.util
-import pathlib
 
 import pytest
 
-_PATH = pathlib.Path(__file__).parents[1] / "devtools" / "kernel_selftest" / "ncu_stalls.py"
+from tests._scripts import load_script
+
 _HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)",
            "Warp Stall Sampling (Not-issued Samples)", "stall_barrier", "stall_long_sb",
            "stall_short_sb", "stall_barrier (Not Issued)"]
@@ -13,10 +12,7 @@ _HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)",
 
 @pytest.fixture(scope="module")
 def ncu_stalls():
-  spec = importlib.util.spec_from_file_location("ncu_stalls", _PATH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script("devtools/kernel_selftest/ncu_stalls.py")
 
 
 def _write(path, kernels):
