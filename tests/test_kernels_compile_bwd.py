@@ -492,3 +492,31 @@ def test_dq_split_m_keeps_the_accumulator_layout():
   assert run.returncode == 0, run.stdout + run.stderr
   assert "row split: 0 of 8192 values mismatched" in run.stdout
   assert "negative: row split, head_dim split writer: 4096 of 8192" in run.stdout
+
+
+@pytest.mark.cutlass
+@pytest.mark.parametrize("causal,deterministic", [(False, False), (True, True)],
+                         ids=["plain", "causal-det"])
+def test_head_dim_192_with_head_dim_v_128_compiles(exported, causal, deterministic):
+  """192 / 128 (MLA): built by the head-dim split like 192 / 192, with dV's and dP's GEMMs over
+  128 columns. Not shipped until its GPU check (config has no (192, 128) backward pair): the
+  devtools self-test builds it (build_bwd.py --head-dims 192x128)."""
+  kernel = pytest.importorskip("jaxflash.kernels.bwd_sm90").FlashAttentionBackwardSm90
+  assert kernel.can_implement("bfloat16", 192, 128, causal, config.TileConfig(64, 64, 2)) == (
+      True, "")
+  ok, text = kernel.can_implement("bfloat16", 128, 96, causal, config.TileConfig(64, 128, 2))
+  assert not ok and "head_dim_v 96 with head_dim 128" in text and "(192, 128)" in text
+  assert (192, 128) not in {(v.head_dim, v.head_dim_v) for v in VARIANTS}
+  base = next(v for v in VARIANTS if v.head_dim == 192 and v.dtype == "bfloat16"
+              and v.causal == causal and v.deterministic == deterministic)
+  variant = dataclasses.replace(base, head_dim_v=128)
+  exp, ops, _ = exported(variant)
+  sass = pytest.importorskip("jaxflash.kernels.compile").disassemble(
+      exp.cubin, exp.header_path.parent)
+  assert f'-DJAXFLASH_VARIANT_KEY="{variant.key}"' in exp.defines
+  assert all(ops[part].count("LDL") + ops[part].count("STL") == 0 for part in ops)
+  # Per step and loop copy, per warpgroup: S (K = 192) 12 + dP (K = 128) 8 of 64x32x16 (its
+  # 32 keys); dV (N = 64, half of 128) 4 of 64x64x16; dK and dQ (N = 96) 4 + 4 of 64x96x16.
+  assert len(re.findall(r"HGMMA\.64x32x16\.F32\.BF16", sass)) == 40
+  assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", sass)) == 8
+  assert len(re.findall(r"HGMMA\.64x96x16\.F32\.BF16", sass)) == 16

@@ -7,6 +7,7 @@ host: `bash devtools/kernel_selftest/run_bwd.sh` (carry .selftest/bwd).
   python devtools/kernel_selftest/build_bwd.py                       # every shipped bwd variant
   python devtools/kernel_selftest/build_bwd.py --dtypes bf16 --head-dims 128 --no-fwd
   python devtools/kernel_selftest/build_bwd.py --head-dims 128 --kernel-arg swap_sdp=0 --ab
+  python devtools/kernel_selftest/build_bwd.py --dtypes bf16 --head-dims 192x128   # MLA shape
   python devtools/kernel_selftest/build_bwd.py --head-dims 128 --causal 0 --no-fwd --append \
       --tile 128=64x128x2swap
 
@@ -47,13 +48,26 @@ _DTYPE = {"bf16": "bfloat16", "f16": "float16"}
 _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
-def _selected(direction, dtypes, head_dims, det_modes, tiles=None, causal_modes=(False, True)):
-  for v in config.shipped_variants("sm90a", direction):
-    if (v.dtype in dtypes and v.head_dim in head_dims and v.causal in causal_modes
-        and (direction == "fwd" or v.deterministic in det_modes)):
-      if direction == "bwd" and tiles and v.head_dim in tiles:
-        v = dataclasses.replace(v, tile=tiles[v.head_dim])
-      yield v
+def _selected(direction, dtypes, pairs, det_modes, tiles=None, causal_modes=(False, True)):
+  """Variants of `direction` for the (head_dim, head_dim_v) pairs. A backward pair that ships no
+  variant (head_dim_v != head_dim, e.g. 192x128 before its GPU check) takes the head_dim's
+  shipped variants with head_dim_v replaced (the kernel's can_implement decides)."""
+  shipped = config.shipped_variants("sm90a", direction)
+  have = {(v.head_dim, v.head_dim_v) for v in shipped}
+  for v in shipped:
+    if not (v.dtype in dtypes and v.causal in causal_modes
+            and (direction == "fwd" or v.deterministic in det_modes)):
+      continue
+    for d, dv in pairs:
+      if (v.head_dim, v.head_dim_v) == (d, dv):
+        chosen = v
+      elif direction == "bwd" and (d, dv) not in have and v.head_dim == v.head_dim_v == d:
+        chosen = dataclasses.replace(v, head_dim_v=dv)
+      else:
+        continue
+      if direction == "bwd" and tiles and chosen.head_dim in tiles:
+        chosen = dataclasses.replace(chosen, tile=tiles[chosen.head_dim])
+      yield chosen
 
 
 def _parse_tiles(items):
@@ -105,7 +119,8 @@ def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--work", default="/tmp/jaxflash_selftest_bwd_work")
   p.add_argument("--dtypes", default="bf16,f16")
-  p.add_argument("--head-dims", default=",".join(str(d) for d in config.BWD_KERNEL_HEAD_DIMS))
+  p.add_argument("--head-dims", default=",".join(str(d) for d in config.BWD_KERNEL_HEAD_DIMS),
+                 help="D or DxDV items (head_dim x head_dim_v), e.g. 64,128,192x128")
   p.add_argument("--det", default="both", choices=("both", "0", "1"))
   p.add_argument("--causal", default="both", choices=("both", "0", "1"),
                  help="backward variants without (0) / with (1) the causal mask")
@@ -128,26 +143,26 @@ def main():
   shutil.rmtree(work, ignore_errors=True)
   (work / "obj").mkdir(parents=True)
   dtypes = [_DTYPE[x] for x in args.dtypes.split(",")]
-  head_dims = [int(x) for x in args.head_dims.split(",")]
+  pairs = _forward_builder()._parse_head_dims(args.head_dims)
   det_modes = {"both": (False, True), "0": (False,), "1": (True,)}[args.det]
   causal_modes = {"both": (False, True), "0": (False,), "1": (True,)}[args.causal]
   # bf16 first: run_bwd.sh runs the libraries in archive order.
   dtypes.sort(key=lambda d: d != "bfloat16")
   libs = []
   for dt in dtypes:
-    for v in _selected("bwd", (dt,), head_dims, det_modes, tiles, causal_modes):
+    for v in _selected("bwd", (dt,), pairs, det_modes, tiles, causal_modes):
       if args.ab:
-        default = next(d for d in _selected("bwd", (dt,), (v.head_dim,), (v.deterministic,))
-                       if d.causal == v.causal)
+        default = next(d for d in _selected("bwd", (dt,), [(v.head_dim, v.head_dim_v)],
+                                            (v.deterministic,)) if d.causal == v.causal)
         libs.append(("bwd", build_one(default, work)))
       libs.append(("bwd", build_one(v, work, kernel_args)))
   if args.fwd_from:
     # Any tile: bwd_selftest picks the forward library by dtype, head_dim and causal only.
-    libs += [("fwd", lib) for d in head_dims
-             for lib in sorted(pathlib.Path(args.fwd_from).glob(f"fwd-sm90a-bf16-d{d}-dv{d}-*.so"))]
+    libs += [("fwd", lib) for d, dv in pairs
+             for lib in sorted(pathlib.Path(args.fwd_from).glob(f"fwd-sm90a-bf16-d{d}-dv{dv}-*.so"))]
   elif not args.no_fwd:
     libs += [("fwd", build_one(v, work))
-             for v in _selected("fwd", ("bfloat16",), head_dims, (False,))]
+             for v in _selected("fwd", ("bfloat16",), pairs, (False,))]
   out = REPO / ".selftest" / "bwd"
   kept = {}  # arcname -> bytes of the libraries already packed (--append)
   if args.append and (out / "libs.tar.xz").exists():

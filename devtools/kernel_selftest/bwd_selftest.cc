@@ -12,8 +12,9 @@
 //    give bitwise identical dq/dk/dv, the others identical dk/dv (dq differences are counted);
 //  - benchmark at the perf-anchors shapes b=4 s=4096 and b=1 s=16384 (heads = 2048 / head_dim):
 //    5 launches back to back per repetition, median of 7 after 2 warm-ups. Backward TFLOP/s count
-//    2.5x the forward flops (4 b h sq sk d, halved when causal); with --fwd-dir the matching
-//    forward library is timed too and fwd+bwd TFLOP/s (3.5x) printed.
+//    2 b h sq sk (3 d + 2 dv) flops (2.5x the forward's 4 b h sq sk d when dv == d; halved when
+//    causal); with --fwd-dir the matching forward library is timed too and fwd+bwd TFLOP/s
+//    printed. head_dim_v (dv) comes from the key too (192 / 128: DeepSeek's MLA shape).
 // A kernel that does not finish within a deadline ends the process (exit 3). Prints one
 // "RESULT <key> <PASS|FAIL> <bwd tflops 4k> <bwd 16k> <fwd+bwd 4k> <fwd+bwd 16k> <bwd 1k>
 // <fwd+bwd 1k>" line per library.
@@ -85,7 +86,7 @@ struct DevBuf {
 // Host problem: inputs as bits, out / lse from a float64 forward, float64 gradients.
 struct Problem {
   Shape s;
-  int d;
+  int d, d_v;  // head_dim (Q, K, dQ, dK) and head_dim_v (V, O, dO, dV)
   bool causal;
   float scale;
   std::vector<uint16_t> q, k, v, o, dout;
@@ -102,24 +103,25 @@ size_t Idx(const Shape& s, int b, int i, int h, int heads, int seq, int dim) {
 // delta = rowsum(dO * O) - d_lse with the rounded O.
 void Reference(Problem& p) {
   const Shape& s = p.s;
-  const int d = p.d, group = s.h / s.hk;
-  p.o.assign(static_cast<size_t>(s.b) * s.sq * s.h * d, 0);
+  const int d = p.d, dv = p.d_v, group = s.h / s.hk;
+  p.o.assign(static_cast<size_t>(s.b) * s.sq * s.h * dv, 0);
   p.lse.assign(static_cast<size_t>(s.b) * s.h * s.sq, 0.f);
-  p.dq.assign(p.o.size(), 0.0);
-  p.dk.assign(static_cast<size_t>(s.b) * s.sk * s.hk * d, 0.0);
-  p.dv.assign(p.dk.size(), 0.0);
+  p.dq.assign(p.q.size(), 0.0);
+  p.dk.assign(p.k.size(), 0.0);
+  p.dv.assign(p.v.size(), 0.0);
   p.delta.assign(p.lse.size(), 0.0);
   ParallelFor(s.b * s.hk, [&](int task) {
     const int b = task / s.hk, g = task % s.hk;
-    std::vector<double> sc(s.sk), pr(s.sk), qi(d), doi(d), acc(d);
+    std::vector<double> sc(s.sk), pr(s.sk), qi(d), doi(dv), acc(dv), acc_q(d);
     for (int hh = 0; hh < group; ++hh) {
       const int h = g * group + hh;
       for (int i = 0; i < s.sq; ++i) {
         const size_t lrow = (static_cast<size_t>(b) * s.h + h) * s.sq + i;
         const int limit = p.causal ? std::min(s.sk, i + s.sk - s.sq + 1) : s.sk;
         const size_t qoff = Idx(s, b, i, h, s.h, s.sq, d);
+        const size_t ooff = Idx(s, b, i, h, s.h, s.sq, dv);  // O and dO rows
         for (int c = 0; c < d; ++c) qi[c] = FromHalfBits(p.q[qoff + c]);
-        for (int c = 0; c < d; ++c) doi[c] = FromHalfBits(p.dout[qoff + c]);
+        for (int c = 0; c < dv; ++c) doi[c] = FromHalfBits(p.dout[ooff + c]);
         if (limit <= 0) {  // sees no key: out 0, lse -inf, no gradient
           p.lse[lrow] = -INFINITY;
           p.delta[lrow] = -p.dlse[lrow];
@@ -137,34 +139,34 @@ void Reference(Problem& p) {
         for (int j = 0; j < limit; ++j) sum += std::exp(sc[j] - mx);
         std::fill(acc.begin(), acc.end(), 0.0);
         for (int j = 0; j < limit; ++j) {
-          const size_t voff = Idx(s, b, j, g, s.hk, s.sk, d);
+          const size_t voff = Idx(s, b, j, g, s.hk, s.sk, dv);
           const double w = std::exp(sc[j] - mx) / sum;
-          for (int c = 0; c < d; ++c) acc[c] += w * FromHalfBits(p.v[voff + c]);
+          for (int c = 0; c < dv; ++c) acc[c] += w * FromHalfBits(p.v[voff + c]);
         }
         const float lse = static_cast<float>(mx + std::log(sum));
         p.lse[lrow] = lse;
         double delta = 0;
-        for (int c = 0; c < d; ++c) {
-          p.o[qoff + c] = ToHalfBits(static_cast<float>(acc[c]));
-          delta += doi[c] * FromHalfBits(p.o[qoff + c]);
+        for (int c = 0; c < dv; ++c) {
+          p.o[ooff + c] = ToHalfBits(static_cast<float>(acc[c]));
+          delta += doi[c] * FromHalfBits(p.o[ooff + c]);
         }
         delta -= p.dlse[lrow];
         p.delta[lrow] = delta;
-        std::fill(acc.begin(), acc.end(), 0.0);
+        std::fill(acc_q.begin(), acc_q.end(), 0.0);
         for (int j = 0; j < limit; ++j) {
           const size_t koff = Idx(s, b, j, g, s.hk, s.sk, d);
+          const size_t voff = Idx(s, b, j, g, s.hk, s.sk, dv);
           const double pj = std::exp(sc[j] - static_cast<double>(lse));
           double dp = 0;
-          for (int c = 0; c < d; ++c) dp += doi[c] * FromHalfBits(p.v[koff + c]);
+          for (int c = 0; c < dv; ++c) dp += doi[c] * FromHalfBits(p.v[voff + c]);
           const double ds = pj * (dp - delta) * p.scale;
           for (int c = 0; c < d; ++c) {
-            const double kc = FromHalfBits(p.k[koff + c]);
-            acc[c] += ds * kc;
+            acc_q[c] += ds * FromHalfBits(p.k[koff + c]);
             p.dk[koff + c] += ds * qi[c];
-            p.dv[koff + c] += pj * doi[c];
           }
+          for (int c = 0; c < dv; ++c) p.dv[voff + c] += pj * doi[c];
         }
-        for (int c = 0; c < d; ++c) p.dq[qoff + c] = acc[c];
+        for (int c = 0; c < d; ++c) p.dq[qoff + c] = acc_q[c];
       }
     }
   });
@@ -172,13 +174,14 @@ void Reference(Problem& p) {
 
 struct Device {
   DevBuf q, k, v, o, dout, lse, dlse, dq, dk, dv, acc, lse2, delta, sem;
-  Device(const Shape& s, int d)
-      : q(2ul * s.b * s.sq * s.h * d), k(2ul * s.b * s.sk * s.hk * d), v(k.bytes), o(q.bytes),
-        dout(q.bytes), lse(4ul * s.b * s.h * s.sq), dlse(lse.bytes), dq(q.bytes), dk(k.bytes),
-        dv(k.bytes), acc(4ul * s.b * s.h * RoundUp(s.sq, g_tile_m) * d),
+  Device(const Shape& s, int d, int dv_)
+      : q(2ul * s.b * s.sq * s.h * d), k(2ul * s.b * s.sk * s.hk * d),
+        v(2ul * s.b * s.sk * s.hk * dv_), o(2ul * s.b * s.sq * s.h * dv_), dout(o.bytes),
+        lse(4ul * s.b * s.h * s.sq), dlse(lse.bytes), dq(q.bytes), dk(k.bytes),
+        dv(v.bytes), acc(4ul * s.b * s.h * RoundUp(s.sq, g_tile_m) * d),
         lse2(4ul * s.b * s.h * RoundUp(s.sq, g_tile_m)), delta(lse2.bytes),
         sem(4ul * s.b * s.h * (RoundUp(s.sq, g_tile_m) / g_tile_m)) {}
-  JaxflashBwdArgs Args(const Shape& s, int d, float scale, bool det) {
+  JaxflashBwdArgs Args(const Shape& s, int d, int dv_, float scale, bool det) {
     JaxflashBwdArgs a = {};
     a.q = q.p; a.k = k.p; a.v = v.p; a.out = o.p; a.lse = static_cast<float*>(lse.p);
     a.d_out = dout.p; a.d_lse = static_cast<float*>(dlse.p);
@@ -187,7 +190,7 @@ struct Device {
     a.delta = static_cast<float*>(delta.p);
     a.dq_semaphore = det ? static_cast<int32_t*>(sem.p) : nullptr;
     a.batch = s.b; a.seqlen_q = s.sq; a.seqlen_k = s.sk; a.num_heads = s.h;
-    a.num_kv_heads = s.hk; a.head_dim = d; a.head_dim_v = d; a.softmax_scale = scale;
+    a.num_kv_heads = s.hk; a.head_dim = d; a.head_dim_v = dv_; a.softmax_scale = scale;
     a.window_left = -1; a.window_right = -1;
     return a;
   }
@@ -234,32 +237,33 @@ void FillNormal(std::vector<uint16_t>& x, std::mt19937& rng, float sigma = 1.f) 
   for (auto& e : x) e = ToHalfBits(nd(rng));
 }
 
-void CheckShape(BwdFn bwd, int d, bool causal, bool det, Shape s, std::mt19937& rng) {
+void CheckShape(BwdFn bwd, int d, int dv, bool causal, bool det, Shape s, std::mt19937& rng) {
   printf("  b=%d sq=%d sk=%d h=%d hk=%d\n", s.b, s.sq, s.sk, s.h, s.hk);
   Problem p;
-  p.s = s; p.d = d; p.causal = causal; p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  p.s = s; p.d = d; p.d_v = dv; p.causal = causal;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(d));
   p.q.resize(static_cast<size_t>(s.b) * s.sq * s.h * d);
   p.k.resize(static_cast<size_t>(s.b) * s.sk * s.hk * d);
-  p.v.resize(p.k.size());
-  p.dout.resize(p.q.size());
+  p.v.resize(static_cast<size_t>(s.b) * s.sk * s.hk * dv);
+  p.dout.resize(static_cast<size_t>(s.b) * s.sq * s.h * dv);
   FillNormal(p.q, rng); FillNormal(p.k, rng); FillNormal(p.v, rng); FillNormal(p.dout, rng);
   p.dlse.resize(static_cast<size_t>(s.b) * s.h * s.sq);
   std::normal_distribution<float> nd(0.f, 0.3f);
   for (auto& x : p.dlse) x = nd(rng);
   Reference(p);
 
-  Device dev(s, d);
+  Device dev(s, d, dv);
   dev.q.Upload(p.q.data()); dev.k.Upload(p.k.data()); dev.v.Upload(p.v.data());
   dev.o.Upload(p.o.data()); dev.dout.Upload(p.dout.data());
   dev.lse.Upload(p.lse.data()); dev.dlse.Upload(p.dlse.data());
-  JaxflashBwdArgs a = dev.Args(s, d, p.scale, det);
+  JaxflashBwdArgs a = dev.Args(s, d, dv, p.scale, det);
   int32_t st = bwd(&a, nullptr);
   EXPECT(st == 0, "launch status %d", st);
   SyncOrDie("check launch", kDeadline);
 
   Compare("dq", dev.dq.Download<uint16_t>(), p.dq, s, s.h, s.sq, d);
   Compare("dk", dev.dk.Download<uint16_t>(), p.dk, s, s.hk, s.sk, d);
-  Compare("dv", dev.dv.Download<uint16_t>(), p.dv, s, s.hk, s.sk, d);
+  Compare("dv", dev.dv.Download<uint16_t>(), p.dv, s, s.hk, s.sk, dv);
   bool guards = dev.dq.GuardIntact() && dev.dk.GuardIntact() && dev.dv.GuardIntact() &&
                 dev.acc.GuardIntact() && dev.lse2.GuardIntact() && dev.delta.GuardIntact() &&
                 (!det || dev.sem.GuardIntact());
@@ -295,11 +299,13 @@ void CheckShape(BwdFn bwd, int d, bool causal, bool det, Shape s, std::mt19937& 
 }
 
 // Repeated calls on one input: bitwise identical results? Returns differing dq elements.
-void CheckDeterminism(BwdFn bwd, int d, bool det, std::mt19937& rng) {
+void CheckDeterminism(BwdFn bwd, int d, int dv, bool det, std::mt19937& rng) {
   Shape s = {2, 1536, 1536, 8, 2};  // 12 (tile_n 64: 24) key blocks add into every query block
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  Device dev(s, d);
-  std::vector<uint16_t> x(dev.q.bytes / 2), kv(dev.k.bytes / 2);
+  Device dev(s, d, dv);
+  // Sized for the larger of head_dim / head_dim_v (Upload copies the buffer's own size).
+  std::vector<uint16_t> x(std::max(dev.q.bytes, dev.o.bytes) / 2);
+  std::vector<uint16_t> kv(std::max(dev.k.bytes, dev.v.bytes) / 2);
   for (DevBuf* buf : {&dev.q, &dev.dout}) { FillNormal(x, rng); buf->Upload(x.data()); }
   for (DevBuf* buf : {&dev.k, &dev.v}) { FillNormal(kv, rng); buf->Upload(kv.data()); }
   FillNormal(x, rng, 0.5f);
@@ -307,7 +313,7 @@ void CheckDeterminism(BwdFn bwd, int d, bool det, std::mt19937& rng) {
   std::vector<float> lse(dev.lse.bytes / 4, 6.0f), dlse(lse.size(), 0.1f);
   dev.lse.Upload(lse.data());
   dev.dlse.Upload(dlse.data());
-  JaxflashBwdArgs a = dev.Args(s, d, scale, det);
+  JaxflashBwdArgs a = dev.Args(s, d, dv, scale, det);
   std::vector<uint16_t> dq0, dk0, dv0;
   long dq_diff = 0, dkv_diff = 0, nan = 0;
   for (int r = 0; r < 5; ++r) {
@@ -370,15 +376,15 @@ double MedianMs(Fn launch) {
 
 // Returns {bwd TF/s 4k, bwd 16k, fwd+bwd 4k, fwd+bwd 16k, bwd 1k, fwd+bwd 1k} (0 where not
 // measured or failed).
-std::vector<double> Bench(BwdFn bwd, FwdFn fwd, int d, bool causal, bool det) {
+std::vector<double> Bench(BwdFn bwd, FwdFn fwd, int d, int dv, bool causal, bool det) {
   // seq 1k last: the RESULT line keeps its 4k / 16k columns and appends the 1k ones.
   const int tokens = 16384, seqs[] = {4096, 16384, 1024}, heads = 2048 / d;
-  const size_t nl = static_cast<size_t>(tokens) * heads, n = nl * d;
+  const size_t nl = static_cast<size_t>(tokens) * heads, n = nl * std::max(d, dv);
   std::vector<double> bwd_tf, both_tf;
   for (int seq : seqs) {
     Shape s = {tokens / seq, seq, seq, heads, heads};
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    Device dev(s, d);
+    Device dev(s, d, dv);
     std::vector<uint16_t> x(n);
     uint64_t seed = 1;
     for (DevBuf* buf : {&dev.q, &dev.k, &dev.v, &dev.dout}) {
@@ -391,7 +397,7 @@ std::vector<double> Bench(BwdFn bwd, FwdFn fwd, int d, bool causal, bool det) {
     std::vector<float> lse(nl, std::log(static_cast<float>(seq)) + 4.0f), dlse(nl, 0.0f);
     dev.lse.Upload(lse.data());
     dev.dlse.Upload(dlse.data());
-    JaxflashBwdArgs a = dev.Args(s, d, scale, det);
+    JaxflashBwdArgs a = dev.Args(s, d, dv, scale, det);
     bool ok = true;
     double ms = MedianMs([&] { ok &= bwd(&a, nullptr) == 0; });
     EXPECT(ok, "benchmark launch failed (seq %d)", seq);
@@ -401,24 +407,27 @@ std::vector<double> Bench(BwdFn bwd, FwdFn fwd, int d, bool causal, bool det) {
       for (size_t i = 0; i < buf->bytes / 2; ++i) nan += std::isnan(FromHalfBits(h[i]));
     }
     EXPECT(nan == 0, "%ld NaN / unwritten gradient elements in the benchmark (seq %d)", nan, seq);
-    const double fwd_flops = 4.0 * s.b * s.h * static_cast<double>(s.sq) * s.sk * d *
-                             (causal ? 0.5 : 1.0);
-    const double tf = 2.5 * fwd_flops / (ms * 1e-3) / 1e12;
+    // 2 b h sq sk per unit of head dim, halved when causal: the forward's GEMMs span d + dv,
+    // the backward's 3 d + 2 dv (S, dK, dQ over d; dP, dV over dv): 2.5x / 3.5x the forward
+    // when dv == d.
+    const double unit = 2.0 * s.b * s.h * static_cast<double>(s.sq) * s.sk * (causal ? 0.5 : 1.0);
+    const double fwd_flops = unit * (d + dv), bwd_flops = unit * (3 * d + 2 * dv);
+    const double tf = bwd_flops / (ms * 1e-3) / 1e12;
     double both = 0, fwd_ms = 0;
     if (fwd != nullptr) {
       JaxflashFwdArgs f = {};
       f.q = dev.q.p; f.k = dev.k.p; f.v = dev.v.p; f.out = dev.o.p;
       f.lse = static_cast<float*>(dev.lse.p);
       f.batch = s.b; f.seqlen_q = s.sq; f.seqlen_k = s.sk; f.num_heads = s.h;
-      f.num_kv_heads = s.hk; f.head_dim = d; f.head_dim_v = d; f.softmax_scale = scale;
+      f.num_kv_heads = s.hk; f.head_dim = d; f.head_dim_v = dv; f.softmax_scale = scale;
       f.window_left = -1; f.window_right = -1;
       bool fok = true;
       fwd_ms = MedianMs([&] { fok &= fwd(&f, nullptr) == 0; });
       EXPECT(fok, "forward benchmark launch failed");
-      both = 3.5 * fwd_flops / ((ms + fwd_ms) * 1e-3) / 1e12;
+      both = (fwd_flops + bwd_flops) / ((ms + fwd_ms) * 1e-3) / 1e12;
     }
-    printf("  bench b=%d s=%d h=%d d=%d causal=%d det=%d: bwd %.3f ms = %.0f TFLOP/s (2.5x fwd "
-           "flops); fwd %.3f ms; fwd+bwd %.0f TFLOP/s (3.5x)\n", s.b, s.sq, s.h, d,
+    printf("  bench b=%d s=%d h=%d d=%d dv=%d causal=%d det=%d: bwd %.3f ms = %.0f TFLOP/s; fwd "
+           "%.3f ms; fwd+bwd %.0f TFLOP/s\n", s.b, s.sq, s.h, d, dv,
            static_cast<int>(causal), static_cast<int>(det), ms, tf, fwd_ms, both);
     bwd_tf.push_back(ok && nan == 0 ? tf : 0.0);
     both_tf.push_back(both);
@@ -486,6 +495,7 @@ int main(int argc, char** argv) {
     g_bf16 = Has(key, "-bf16-");
     const bool causal = Has(key, "-causal"), det = Has(key, "-det");
     const int d = atoi(key.c_str() + key.find("-d") + 2);
+    const int dv = atoi(key.c_str() + key.find("-dv") + 3);
     g_tile_m = atoi(key.c_str() + key.rfind("-m") + 2);
     EXPECT(g_tile_m > 0, "no tile token in key %s", key.c_str());
     if (g_tile_m <= 0) continue;
@@ -502,10 +512,10 @@ int main(int argc, char** argv) {
                               {1, 77, 200, 2, 2},   {1, 384, 384, 2, 2}, {1, 700, 650, 4, 4},
                               {3, 129, 64, 2, 1},   {1, 64, 1000, 4, 2}, {1, 1000, 300, 2, 2}};
       for (const Shape& s : shapes) {
-        CheckShape(bwd, d, causal, det, s, rng);
+        CheckShape(bwd, d, dv, causal, det, s, rng);
         fflush(stdout);
       }
-      CheckDeterminism(bwd, d, det, rng);
+      CheckDeterminism(bwd, d, dv, det, rng);
     }
     std::vector<double> tf = {0, 0, 0, 0, 0, 0};
     if (bench) {
@@ -519,7 +529,7 @@ int main(int argc, char** argv) {
           fwd = reinterpret_cast<FwdFn>(dlsym(flib, "jaxflash_variant_fwd"));
         printf("  forward for timing: %s%s\n", fwd_path.c_str(), fwd ? "" : " (failed to load)");
       }
-      tf = Bench(bwd, fwd, d, causal, det);
+      tf = Bench(bwd, fwd, d, dv, causal, det);
     }
     printf("RESULT %s %s %.0f %.0f %.0f %.0f %.0f %.0f\n", key.c_str(),
            g_failures == before ? "PASS" : "FAIL", tf[0], tf[1], tf[2], tf[3], tf[4], tf[5]);

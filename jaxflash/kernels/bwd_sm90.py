@@ -63,6 +63,9 @@ def _swap_tile_ms(head_dim: int) -> tuple[int, ...]:
 
 
 _HEAD_DIMS = (64, 96, 128, 192, 256)
+# (head_dim, head_dim_v) pairs with head_dim_v != head_dim: 192 / 128 (DeepSeek's MLA shape) in
+# the head-dim split mapping (dK's columns split 96 / 96, dV's 64 / 64 between the warpgroups).
+_HEAD_DIM_V_PAIRS = ((192, 128),)
 _DET_SYNC = ("ordered", "no_wait", "no_flush")
 # Deterministic without a mask: key block n walks the query blocks starting at (M - n) mod M
 # (M query blocks), so the key blocks of a head start on different query blocks instead of
@@ -254,8 +257,9 @@ class FlashAttentionBackwardSm90:
     if head_dim not in _HEAD_DIMS:
       return False, (f"head_dim {head_dim} has no backward kernel; accepted: "
                      f"{', '.join(map(str, _HEAD_DIMS))}")
-    if head_dim_v != head_dim:
-      return False, f"head_dim_v {head_dim_v} != head_dim {head_dim} has no backward kernel"
+    if head_dim_v != head_dim and (head_dim, head_dim_v) not in _HEAD_DIM_V_PAIRS:
+      return False, (f"head_dim_v {head_dim_v} with head_dim {head_dim} has no backward kernel; "
+                     f"accepted: head_dim_v = head_dim, or {_HEAD_DIM_V_PAIRS}")
     tile_ms = (bwd_common.TILE_M,)
     if head_dim <= _MAX_KEY_SPLIT_HEAD_DIM:
       tile_n, why = bwd_common.TILE_N, "64 key rows per consumer warpgroup"
