@@ -3,9 +3,11 @@
 # shipped variants at the self-test's seq 16k shape, with the warp-stall breakdown per role.
 # Needs .kcache (scripts/gpu_check.sh build) and .selftest/bwd/bwd_selftest (build_bwd.py, any
 # selection) carried: run(command="bash devtools/kernel_selftest/ncu_bwd.sh KEY [KEY...]",
-# carry=[".kcache", ".selftest/bwd"]). About 40 s per key. Writes $OUT/ncu_KEY.ncu-rep,
-# ncu_KEY_details.txt (every section of the three kernels) and ncu_KEY_sass.csv (per-instruction
-# samples), and prints the details' headline metrics and ncu_stalls.py's breakdown of each kernel.
+# carry=[".kcache", ".selftest/bwd"]). A KEY may also be a library path, e.g. FA-4's
+# .selftest/fa4/fa4-sm90a-bf16-d128-dv128-m80n128.so (devtools/fa4_compare; carry .selftest/fa4).
+# About 40 s per key. Writes $OUT/ncu_KEY.ncu-rep, ncu_KEY_details.txt (every section of the
+# three kernels) and ncu_KEY_sass.csv (per-instruction samples), and prints the details'
+# headline metrics and ncu_stalls.py's breakdown of each kernel.
 # Clocks are left alone (--clock-control none, as the device notes ask), so durations are at
 # whatever clock the GPU ran; compare kernels of one report, not reports of two calls.
 set -u
@@ -19,12 +21,16 @@ selftest=.selftest/bwd/bwd_selftest
 filter='regex:FlashAttentionBackward(Preprocess|Sm90|Postprocess)'
 status=0
 for key in "$@"; do
-  lib=.kcache/$key/libjaxflash_variant.so
+  # A variant key (its library in .kcache) or a library path (e.g. devtools/fa4_compare's).
+  case "$key" in
+    *.so) lib=$key; key=$(basename "$key" .so) ;;
+    *) lib=.kcache/$key/libjaxflash_variant.so ;;
+  esac
   if [ ! -f "$lib" ]; then echo "$key: no $lib" >&2; status=1; continue; fi
   rep=$out/ncu_$key
   timeout 300 "$ncu" --clock-control none --kernel-name "$filter" --launch-skip 141 \
     --launch-count 3 --set full --import-source no -f -o "$rep" \
-    "$selftest" --no-check "$PWD/$lib" >"${rep}_run.txt" 2>&1 || {
+    "$selftest" --no-check "$(realpath "$lib")" >"${rep}_run.txt" 2>&1 || {
     echo "$key: ncu failed (tail of ${rep}_run.txt):"; tail -5 "${rep}_run.txt"
     status=1; continue; }
   "$ncu" --import "$rep.ncu-rep" --page details >"${rep}_details.txt" 2>&1

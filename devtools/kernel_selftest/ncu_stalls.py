@@ -41,8 +41,8 @@ def read_kernels(path: str) -> list[tuple[str, list[str], list[list[str]]]]:
 
 def short_name(name: str) -> str:
   """kernel_cutlass_kernel_jaxflashkernelsbwd_sm90FlashAttentionBackwardSm90_object_at_... ->
-  FlashAttentionBackwardSm90."""
-  found = re.search(r"jaxflashkernels\w*?([A-Z]\w*?)_object", name)
+  FlashAttentionBackwardSm90 (the class before "_object"; FA-4's kernels are named alike)."""
+  found = re.search(r"([A-Z][A-Za-z0-9]*)_object", name)
   return found.group(1) if found else name[:60]
 
 

@@ -1,0 +1,79 @@
+"""Extract the cubin embedded in each exported object (ELF symbol *kernels_binary*), disassemble
+it with cuobjdump and count HGMMA / LDL / STL / registers / spill info per kernel.
+
+usage: inspect_sass.py BUILD_DIR  (writes BUILD_DIR/sass/<name>.cubin, .sass, and summary.json)
+"""
+
+import json
+import pathlib
+import re
+import struct
+import subprocess
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+from jaxflash import build as _jaxflash_build  # noqa: E402  (its cuobjdump lookup)
+
+CUOBJDUMP = _jaxflash_build._find_cuobjdump()
+
+
+def embedded_cubin(path: pathlib.Path) -> bytes:
+  data = path.read_bytes()
+  assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, path
+  shoff, = struct.unpack_from("<Q", data, 0x28)
+  shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+  secs = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+  for sec in secs:
+    if sec[1] != 2:  # SHT_SYMTAB
+      continue
+    strtab = secs[sec[6]]
+    for off in range(sec[4], sec[4] + sec[5], sec[9]):
+      name_off, _, _, shndx, value, size = struct.unpack_from("<IBBHQQ", data, off)
+      end = data.index(b"\0", strtab[4] + name_off)
+      name = data[strtab[4] + name_off:end].decode()
+      if "kernels_binary" in name and size > 0 and shndx < shnum:
+        tgt = secs[shndx]
+        blob = data[tgt[4] + value:tgt[4] + value + size]
+        return blob[blob.find(b"\x7fELF"):]
+  raise ValueError(f"{path}: no kernels_binary")
+
+
+def main():
+  build = pathlib.Path(sys.argv[1])
+  out = build / "sass"
+  out.mkdir(exist_ok=True)
+  summary = {}
+  for obj in sorted(build.glob("fa4_bwd_*.o")):
+    cub = out / (obj.stem + ".cubin")
+    cub.write_bytes(embedded_cubin(obj))
+    sass = subprocess.run([CUOBJDUMP, "-sass", str(cub)], check=True, capture_output=True,
+                          text=True).stdout
+    (out / (obj.stem + ".sass")).write_text(sass)
+    res = subprocess.run([CUOBJDUMP, "-res-usage", str(cub)], check=True, capture_output=True,
+                         text=True).stdout
+    (out / (obj.stem + ".res")).write_text(res)
+    lines = [l for l in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", l)]
+    count = lambda pat: sum(1 for l in lines if re.search(pat, l))
+    regs = [int(x) for x in re.findall(r"REG:(\d+)", res)]
+    stack = [int(x) for x in re.findall(r"STACK:(\d+)", res)]
+    lmem = [int(x) for x in re.findall(r"LOCAL:(\d+)", res)]
+    summary[obj.stem] = {
+        "cubin_bytes": cub.stat().st_size,
+        "sm": sorted(set(re.findall(r"code for (sm_\w+)", sass))),
+        "functions": re.findall(r"Function : (\S+)", sass),
+        "instructions": len(lines),
+        "HGMMA": count(r"\bHGMMA\."),
+        "UTMALDG": count(r"\bUTMALDG"),
+        "UTMASTG": count(r"\bUTMASTG"),
+        "UBLKRED": count(r"\bUBLKRED"),
+        "LDL": count(r"\bLDL\b|\bLDL\."),
+        "STL": count(r"\bSTL\b|\bSTL\."),
+        "USETMAXREG": sorted(set(re.findall(r"USETMAXREG\.\S+ \S+", sass))),
+        "REG": regs, "STACK": stack, "LOCAL": lmem,
+    }
+  (out / "summary.json").write_text(json.dumps(summary, indent=1))
+  print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+  main()
