@@ -23,6 +23,7 @@
 #include <mutex>
 
 #include "kernel_abi.h"
+#include "tensor_args.h"  // jaxflash::Dense3, jaxflash::Aligned
 #include "fa4_bwd_pre.h"
 #include "fa4_bwd_main_g1.h"
 #include "fa4_bwd_main_g2.h"
@@ -38,6 +39,9 @@
 #define FA4_GROUPS(X) X(1) X(2) X(3) X(4) X(8)
 
 namespace {
+
+using jaxflash::Aligned;
+using jaxflash::Dense3;
 
 constexpr int32_t kHeadDim = 128;   // = head_dim_v
 constexpr int32_t kTileM = 80;      // FA-4 _tile_size_bwd_sm90(128, 128, causal=False).m_block_size
@@ -65,23 +69,6 @@ T Dense4(const void* data, int32_t d0, int32_t d1, int32_t d2, int32_t d3) {
   t.dynamic_strides[1] = static_cast<int64_t>(d2) * d3;
   t.dynamic_strides[2] = d3;
   return t;
-}
-
-template <typename T>
-T Dense3(const void* data, int32_t d0, int32_t d1, int32_t d2) {
-  static_assert(kRank<T, 3>, "expected a rank-3 tensor struct");
-  T t = {};
-  t.data = const_cast<void*>(data);
-  t.dynamic_shapes[0] = d0;
-  t.dynamic_shapes[1] = d1;
-  t.dynamic_shapes[2] = d2;
-  t.dynamic_strides[0] = static_cast<int64_t>(d1) * d2;
-  t.dynamic_strides[1] = d2;
-  return t;
-}
-
-bool Aligned(const void* p, uintptr_t bytes) {
-  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
 }
 
 int32_t RoundUp(int32_t x, int32_t m) { return (x + m - 1) / m * m; }

@@ -7,35 +7,14 @@ usage: inspect_sass.py BUILD_DIR  (writes BUILD_DIR/sass/<name>.cubin, .sass, an
 import json
 import pathlib
 import re
-import struct
 import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 from jaxflash import build as _jaxflash_build  # noqa: E402  (its cuobjdump lookup)
+from jaxflash.kernels.compile import extract_cubin  # noqa: E402
 
 CUOBJDUMP = _jaxflash_build._find_cuobjdump()
-
-
-def embedded_cubin(path: pathlib.Path) -> bytes:
-  data = path.read_bytes()
-  assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, path
-  shoff, = struct.unpack_from("<Q", data, 0x28)
-  shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-  secs = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-  for sec in secs:
-    if sec[1] != 2:  # SHT_SYMTAB
-      continue
-    strtab = secs[sec[6]]
-    for off in range(sec[4], sec[4] + sec[5], sec[9]):
-      name_off, _, _, shndx, value, size = struct.unpack_from("<IBBHQQ", data, off)
-      end = data.index(b"\0", strtab[4] + name_off)
-      name = data[strtab[4] + name_off:end].decode()
-      if "kernels_binary" in name and size > 0 and shndx < shnum:
-        tgt = secs[shndx]
-        blob = data[tgt[4] + value:tgt[4] + value + size]
-        return blob[blob.find(b"\x7fELF"):]
-  raise ValueError(f"{path}: no kernels_binary")
 
 
 def main():
@@ -45,7 +24,7 @@ def main():
   summary = {}
   for obj in sorted(build.glob("fa4_bwd_*.o")):
     cub = out / (obj.stem + ".cubin")
-    cub.write_bytes(embedded_cubin(obj))
+    cub.write_bytes(extract_cubin(obj))
     sass = subprocess.run([CUOBJDUMP, "-sass", str(cub)], check=True, capture_output=True,
                           text=True).stdout
     (out / (obj.stem + ".sass")).write_text(sass)
