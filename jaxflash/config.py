@@ -45,9 +45,10 @@ REFERENCE_DTYPES = ("float16", "bfloat16", "float32")
 KERNEL_HEAD_DIM_PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
 # The q/k head dims among them.
 KERNEL_HEAD_DIMS = tuple(sorted({d for d, _ in KERNEL_HEAD_DIM_PAIRS}))
-# Hopper backward: head dims with a kernel (head_dim_v == head_dim; 192 and 256 use the
-# head-dim split warpgroup mapping of kernels/bwd_sm90.py).
-BWD_KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)
+# Hopper backward: the (head_dim, head_dim_v) pairs with a kernel (192 and 256 use the head-dim
+# split warpgroup mapping of kernels/bwd_sm90.py, which takes head_dim_v for V, dO, dP and dV).
+BWD_KERNEL_HEAD_DIM_PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
+BWD_KERNEL_HEAD_DIMS = tuple(sorted({d for d, _ in BWD_KERNEL_HEAD_DIM_PAIRS}))
 DIRECTIONS = ("fwd", "bwd")
 KERNEL_ARCHS = ("sm90a",)
 
@@ -179,10 +180,8 @@ class KernelVariant:
 
 
 def _head_dim_pairs(direction: str) -> tuple[tuple[int, int], ...]:
-  """(head_dim, head_dim_v) pairs with a kernel; the backward ones have head_dim_v == head_dim."""
-  if direction == "fwd":
-    return KERNEL_HEAD_DIM_PAIRS
-  return tuple((d, d) for d in BWD_KERNEL_HEAD_DIMS)
+  """(head_dim, head_dim_v) pairs with a kernel (read at call time: tests replace them)."""
+  return KERNEL_HEAD_DIM_PAIRS if direction == "fwd" else BWD_KERNEL_HEAD_DIM_PAIRS
 
 
 def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,

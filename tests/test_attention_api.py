@@ -138,21 +138,34 @@ def test_auto_on_hopper_picks_the_kernels_when_they_can_be_had(monkeypatch):
     assert attention_module._resolve_implementation(None, "float32", 64, 64, cfg) == "reference"
 
 
-# Forward-only head dims: the Hopper forward kernel covers them, the backward kernels do not
-# (config.BWD_KERNEL_HEAD_DIMS); gradients then come from the reference backward.
-FWD_ONLY_HEAD_DIMS = [
-    (d, dv) for d, dv in jaxflash.config.KERNEL_HEAD_DIM_PAIRS
-    if not jaxflash.config.kernel_support("bwd", "bfloat16", d, dv,
-                                          jaxflash.config.AttentionConfig(softmax_scale=1.0))[0]]
+# Forward-only head dims: the Hopper forward kernel covers them, the backward kernels do not;
+# gradients then come from the reference backward. Every forward pair has a backward kernel
+# now, so the tests take (192, 128) out of config.BWD_KERNEL_HEAD_DIM_PAIRS to keep that path
+# covered.
+FWD_ONLY_HEAD_DIMS = [(192, 128)]
 
 
-def test_forward_only_head_dims_include_head_dim_v_not_head_dim():
-  assert (192, 128) in FWD_ONLY_HEAD_DIMS  # the backward kernels need head_dim_v == head_dim
+@pytest.fixture
+def forward_only(monkeypatch):
+  cfg = jaxflash.config
+  monkeypatch.setattr(cfg, "BWD_KERNEL_HEAD_DIM_PAIRS", tuple(
+      p for p in cfg.BWD_KERNEL_HEAD_DIM_PAIRS if p not in FWD_ONLY_HEAD_DIMS))
+  jax.clear_caches()  # no trace made with the backward kernel may be reused
+  yield
+  jax.clear_caches()
+
+
+def test_forward_only_fixture_leaves_the_forward_and_takes_the_backward_kernel(forward_only):
+  cfg = jaxflash.config.AttentionConfig(softmax_scale=1.0)
+  for d, dv in FWD_ONLY_HEAD_DIMS:
+    assert jaxflash.config.kernel_support("fwd", "bfloat16", d, dv, cfg) == (True, "")
+    ok, reason = jaxflash.config.kernel_support("bwd", "bfloat16", d, dv, cfg)
+    assert not ok and f"head_dim_v {dv}" in reason
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v", FWD_ONLY_HEAD_DIMS)
 def test_auto_on_hopper_needs_only_the_forward_kernel_of_a_forward_only_head_dim(
-    monkeypatch, head_dim, head_dim_v):
+    monkeypatch, forward_only, head_dim, head_dim_v):
   import sys
   from jaxflash import _jax_internal, ffi
   from jaxflash.config import AttentionConfig, default_tile
@@ -168,8 +181,8 @@ def test_auto_on_hopper_needs_only_the_forward_kernel_of_a_forward_only_head_dim
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v", FWD_ONLY_HEAD_DIMS)
-def test_cute_grad_of_a_forward_only_head_dim_lowers_to_the_forward_kernel_only(head_dim,
-                                                                                 head_dim_v):
+def test_cute_grad_of_a_forward_only_head_dim_lowers_to_the_forward_kernel_only(
+    forward_only, head_dim, head_dim_v):
   from jaxflash.config import BWD_TARGET, FWD_TARGET
   q, k, v = make_qkv(8, 2, 100, 64, 4, 2, head_dim, head_dim_v=head_dim_v, dtype=jnp.bfloat16)
   loss = lambda q, k, v: jnp.sum(jaxflash.attention(q, k, v, causal=True, implementation="cute")

@@ -69,6 +69,9 @@ def test_sass_uses_wgmma_tma_and_bulk_reduction_without_spills(exported, variant
   # stage it with 128-bit shared stores and the postprocess reads it with 128-bit loads only.
   assert full["main"].count("STS.128") >= 8, full["main"].count("STS.128")
   assert "LDG.E.128" in full["post"] and "LDG.E" not in full["post"], full["post"]
+  # The postprocess writes dQ through shared memory (stmatrix) and TMA stores, not with
+  # per-element global stores.
+  assert "UTMASTG" in ops["post"] and "STSM" in ops["post"] and "STG" not in ops["post"]
   assert exp.cubin[:4] == b"\x7fELF" and all(c[:4] == b"\x7fELF" for c in exp.extra_cubins)
 
 
@@ -236,23 +239,25 @@ def test_swap_sdp_80_query_rows_compile_with_a_transposed_dq_gemm(exported):
                                      and v.dtype == "bfloat16"], ids=lambda v: v.key)
 def test_swap_sdp_128_query_rows_at_head_dim_64(exported, variant):
   """hdim 64, 128 x 128 swapped: S^T / dP^T 64 x 128 per warpgroup, dV / dK from registers,
-  dS^T stored into both 64-row blocks of the dS tile, the dQ GEMM as two 64-row blocks."""
+  dS^T stored into both 64-row blocks of the dS tile, the dQ GEMM split by rows (dq_split_m):
+  one 64-row block of all 64 columns per warpgroup."""
   kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
   assert variant.tile == config.TileConfig(128, 128, 2, swap_sdp=True)
   exp, ops, _ = exported(variant)
   sass = kernel_compile.disassemble(exp.cubin, exp.header_path.parent)
   # Per step and loop copy: S^T 4 + dP^T 4 (64x128x16), dV 8 + dK 8 (64x64x16, A from
-  # registers), dQ 2 blocks x 8 (64x32x16).
+  # registers), dQ 8 (64x64x16, A = dS from shared memory).
   assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, gdesc", sass)) == 16
   assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)) == 32
-  assert len(re.findall(r"HGMMA\.64x32x16\.F32\.BF16 R\d+, gdesc", sass)) == 32
-  assert ops["main"].count("HGMMA") == 80
+  assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 R\d+, gdesc", sass)) == 16
+  assert "HGMMA.64x32x16" not in sass and ops["main"].count("HGMMA") == 64
   # dS^T: 8 stmatrix.trans per step and loop copy; the dK / dV epilogue 8 plain ones.
   assert sass.count("STSM.16.MT88.4") == 16 and sass.count("STSM.16.M88.4") == 8
   _assert_ds_stored_from_dk_operand_registers(sass)
-  # Not serialized (5 GEMM groups per step, two loop copies); each 64-row dQ block reduced.
+  # Not serialized (5 GEMM groups per step, two loop copies); each warpgroup's dQ block
+  # reduced whole.
   assert sass.count("WARPGROUP.ARRIVE") == 10
-  assert ops["main"].count("UBLKRED") == 4 and ops["main"].count("UBLKCP") == 2
+  assert ops["main"].count("UBLKRED") == 2 and ops["main"].count("UBLKCP") == 2
   assert ops["main"].count("LDL") + ops["main"].count("STL") == 0
 
 
@@ -339,9 +344,10 @@ def test_shipped_variants_fit():
 
 
 def test_shipped_bwd_variants_cover_dtypes_head_dims_masks_and_determinism():
-  combos = {(v.dtype, v.head_dim, v.causal, v.deterministic) for v in VARIANTS}
-  assert len(combos) == len(VARIANTS) == 2 * len(config.BWD_KERNEL_HEAD_DIMS) * 2 * 2
-  assert {v.head_dim for v in VARIANTS} == {64, 96, 128, 192, 256}
+  combos = {(v.dtype, v.head_dim, v.head_dim_v, v.causal, v.deterministic) for v in VARIANTS}
+  assert len(combos) == len(VARIANTS) == 2 * len(config.BWD_KERNEL_HEAD_DIM_PAIRS) * 2 * 2
+  assert {(v.head_dim, v.head_dim_v) for v in VARIANTS} == {
+      (64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)}
   assert all(v.direction == "bwd" and v.key.startswith("bwd-") for v in VARIANTS)
   assert [v for v in VARIANTS if v.deterministic] and all(
       "-det" in v.key for v in VARIANTS if v.deterministic)
@@ -380,8 +386,9 @@ def test_kernel_support_for_the_backward():
   assert config.kernel_support("bwd", "bfloat16", 256, 256, cfg) == (True, "")
   ok, reason = config.kernel_support("bwd", "bfloat16", 160, 160, cfg)
   assert not ok and "head_dim 160" in reason
-  ok, reason = config.kernel_support("bwd", "bfloat16", 192, 128, cfg)
-  assert not ok and "head_dim_v 128" in reason
+  assert config.kernel_support("bwd", "bfloat16", 192, 128, cfg) == (True, "")
+  ok, reason = config.kernel_support("bwd", "bfloat16", 128, 96, cfg)
+  assert not ok and "head_dim_v 96" in reason and "(128,)" in reason
   ok, reason = config.kernel_support("bwd", "bfloat16", 128, 128, cfg.replace(softcap=5.0))
   assert not ok and "softcap" in reason
 
@@ -451,10 +458,10 @@ def test_early_dq_buffer_hand_back_is_deterministic_only(exported, tmp_path):
 
 
 @pytest.mark.cutlass
-def test_dq_split_m_is_validated_and_only_changes_the_dq_gemm_when_set(exported, tmp_path):
-  """dq_split_m (devtools A/B, tile_m 128): the default builds the shipped cubin; set, the dQ
-  GEMM runs 64 x 64 x 16 per warpgroup (8 per step instead of 16 64 x 32 x 16) and each
-  warpgroup's block leaves in one bulk reduction."""
+def test_dq_split_m_is_the_tile_m_128_default_and_only_changes_the_dq_gemm(exported, tmp_path):
+  """dq_split_m (on by default at tile_m 128, hdim 64): True builds the shipped cubin; False
+  (devtools A/B) splits the dQ GEMM by head_dim again: 16 64 x 32 x 16 per step instead of 8
+  64 x 64 x 16, and each warpgroup's two 64-row blocks leave in two bulk reductions."""
   kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
   bwd_sm90 = pytest.importorskip("jaxflash.kernels.bwd_sm90")
   import cutlass
@@ -471,14 +478,13 @@ def test_dq_split_m_is_validated_and_only_changes_the_dq_gemm_when_set(exported,
         variant, tmp_path / str(split), main_args={"dq_split_m": split},
         key=f"{variant.key}+dq_split_m={int(split)}")
 
-  assert build(False).cubin == exported(variant)[0].cubin
-  exp = build(True)
+  assert build(True).cubin == exported(variant)[0].cubin
+  exp = build(False)
   sass = kernel_compile.disassemble(exp.cubin, tmp_path)
   ops = _opcodes(sass)
   assert ops.count("LDL") + ops.count("STL") == 0
-  assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16 R\d+, gdesc", sass)) == 16
-  assert "HGMMA.64x32x16" not in sass and ops.count("HGMMA") == 64
-  assert ops.count("UBLKRED") == 2
+  assert len(re.findall(r"HGMMA\.64x32x16\.F32\.BF16 R\d+, gdesc", sass)) == 32
+  assert ops.count("HGMMA") == 80 and ops.count("UBLKRED") == 4
 
 
 @pytest.mark.cutlass
@@ -499,17 +505,15 @@ def test_dq_split_m_keeps_the_accumulator_layout():
                          ids=["plain", "causal-det"])
 def test_head_dim_192_with_head_dim_v_128_compiles(exported, causal, deterministic):
   """192 / 128 (MLA): built by the head-dim split like 192 / 192, with dV's and dP's GEMMs over
-  128 columns. Not shipped until its GPU check (config has no (192, 128) backward pair): the
-  devtools self-test builds it (build_bwd.py --head-dims 192x128)."""
+  128 columns."""
   kernel = pytest.importorskip("jaxflash.kernels.bwd_sm90").FlashAttentionBackwardSm90
   assert kernel.can_implement("bfloat16", 192, 128, causal, config.TileConfig(64, 64, 2)) == (
       True, "")
   ok, text = kernel.can_implement("bfloat16", 128, 96, causal, config.TileConfig(64, 128, 2))
   assert not ok and "head_dim_v 96 with head_dim 128" in text and "(192, 128)" in text
-  assert (192, 128) not in {(v.head_dim, v.head_dim_v) for v in VARIANTS}
-  base = next(v for v in VARIANTS if v.head_dim == 192 and v.dtype == "bfloat16"
-              and v.causal == causal and v.deterministic == deterministic)
-  variant = dataclasses.replace(base, head_dim_v=128)
+  variant = next(v for v in VARIANTS if (v.head_dim, v.head_dim_v) == (192, 128)
+                 and v.dtype == "bfloat16" and v.causal == causal
+                 and v.deterministic == deterministic)
   exp, ops, _ = exported(variant)
   sass = pytest.importorskip("jaxflash.kernels.compile").disassemble(
       exp.cubin, exp.header_path.parent)

@@ -9,7 +9,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_policies
 
 import jaxflash
-from jaxflash import primitives
+from jaxflash import config, primitives
 from jaxflash.config import (BWD_TARGET, FWD_TARGET, LSE_CHECKPOINT_NAME,
                              OUT_CHECKPOINT_NAME)
 from tests._cases import make_qkv, make_segments
@@ -175,8 +175,32 @@ def test_cuda_lowering_of_grad_emits_both_custom_calls(deterministic, causal):
                                                           if deterministic else [])
 
 
-def test_cuda_lowering_of_grad_without_a_bwd_kernel_keeps_the_reference_backward():
-  text = _grad_lowered_for_cuda(192, head_dim_v=128)  # a forward kernel, no backward kernel
+def test_cuda_lowering_of_grad_with_head_dim_v_not_head_dim_uses_the_bwd_kernel():
+  """192 / 128 (MLA): v, out, d_out and dv carry head_dim_v; q, k, dq, dk and dq_accum head_dim."""
+  text = _grad_lowered_for_cuda(192, head_dim_v=128, causal=True)
+  (call,) = [line for line in text.splitlines() if f"@{BWD_TARGET}(" in line]
+  assert 'variant = "bwd-sm90a-bf16-d192-dv128-causal-m64n64s2"' in call
+  assert "head_dim = 192" in call and "head_dim_v = 128" in call
+  operands, results = call.split(" -> ")
+  operands = operands[operands.rindex(": (") + 3:]
+  assert re.findall(r"tensor<[^>]+>", operands) == [
+      "tensor<2x100x4x192xbf16>", "tensor<2x64x2x192xbf16>", "tensor<2x64x2x128xbf16>",
+      "tensor<2x100x4x128xbf16>", "tensor<2x4x100xf32>", "tensor<2x100x4x128xbf16>",
+      "tensor<2x4x100xf32>"]
+  assert re.findall(r"tensor<[^>]+>", results) == [
+      "tensor<2x100x4x192xbf16>", "tensor<2x64x2x192xbf16>", "tensor<2x64x2x128xbf16>",
+      "tensor<2x4x128x192xf32>", "tensor<2x4x128xf32>", "tensor<2x4x128xf32>"]
+
+
+def test_cuda_lowering_of_grad_without_a_bwd_kernel_keeps_the_reference_backward(monkeypatch):
+  # Every forward pair has a backward kernel: take (192, 128)'s away to reach the fallback.
+  monkeypatch.setattr(config, "BWD_KERNEL_HEAD_DIM_PAIRS", tuple(
+      p for p in config.BWD_KERNEL_HEAD_DIM_PAIRS if p != (192, 128)))
+  jax.clear_caches()
+  try:
+    text = _grad_lowered_for_cuda(192, head_dim_v=128)  # a forward kernel, no backward kernel
+  finally:
+    jax.clear_caches()
   assert text.count(FWD_TARGET) >= 1
   assert BWD_TARGET not in text
 

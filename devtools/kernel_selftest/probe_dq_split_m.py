@@ -1,8 +1,9 @@
 """CPU coordinate probe of bwd_sm90's dq_split_m option (devtools; no GPU, ~30 s).
 
-With tile_m 128 (head_dim 64) the dQ GEMM normally splits head_dim between the two consumer
-warpgroups (each 128 rows x 32 columns, two 64-row WGMMA blocks); dq_split_m splits the rows
-instead (warpgroup w: 64-row block w, all 64 columns). Both stage their 32 accumulator values
+With tile_m 128 (head_dim 64) the dQ GEMM split head_dim between the two consumer warpgroups
+(each 128 rows x 32 columns, two 64-row WGMMA blocks; now dq_split_m=False); dq_split_m (the
+default there since the seventh session) splits the rows instead (warpgroup w: 64-row block w,
+all 64 columns). Both stage their 32 accumulator values
 per thread with the same code (stage_dq: value i of thread t at float (i // 4) * 512 + 4 t +
 i % 4 of its warpgroup's buffer) and differ only in where the writer adds each buffer:
   - head_dim split: buffer w float p -> block float (p // 2048) * 4096 + w * 2048 + p % 2048;
@@ -10,7 +11,7 @@ i % 4 of its warpgroup's buffer) and differ only in where the writer adds each b
 The postprocess reads the block back through bwd_common.dq_tiled_mma (64-row layout). For every
 thread and value this checks that the (query row, head_dim column) the postprocess assigns to
 the float the value lands in is the one the main kernel's tiled MMA computed there:
-  1. control: the head_dim split with its writer map (the shipped, GPU-tested path);
+  1. control: the head_dim split with its writer map (GPU-tested through the sixth session);
   2. the row split with its writer map;
   negative control: the row-split MMA with the head_dim split's writer map (must mismatch).
 Exits 1 on any mismatch (or a negative control without one).
@@ -93,7 +94,7 @@ def probe(head: cutlass.Constexpr, rows: cutlass.Constexpr):
 
 def main():
   tile = config.TileConfig(128, 128, 2, swap_sdp=True)
-  head = FlashAttentionBackwardSm90(cutlass.BFloat16, 64, 64, tile, False)
+  head = FlashAttentionBackwardSm90(cutlass.BFloat16, 64, 64, tile, False, dq_split_m=False)
   rows = FlashAttentionBackwardSm90(cutlass.BFloat16, 64, 64, tile, False, dq_split_m=True)
   cute.compile(probe, head, rows)
   failed = False

@@ -8,6 +8,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import cpasync
 
 from jaxflash.kernels import bwd_common
 from jaxflash.kernels import sm90_gemm
@@ -21,7 +22,10 @@ class FlashAttentionBackwardPostprocess:
   """One CTA per (query block, head, batch); thread t plays MMA thread t of the main kernel.
 
   Reading the accumulator in fragment order (bwd_common) is a coalesced stream; the tiled MMA's
-  coordinate partition then says where each value goes in dQ. Rows >= seqlen_q are dropped.
+  fragment layout then puts each scaled, converted value in a shared (tile_m, head_dim) tile
+  (stmatrix), which one TMA store writes to dQ (it drops rows >= seqlen_q). Storing from the
+  fragment straight to global memory took 2-byte stores with per-element addresses: 86 us
+  against FA-4's 46 us for one hdim 128 call of 16k tokens x 16 heads (H200, ncu).
   """
 
   def __init__(self, dtype, head_dim: int, tile_m: int = bwd_common.TILE_M,
@@ -57,25 +61,34 @@ class FlashAttentionBackwardPostprocess:
     mdQ = _select(mdQ, [1, 3, 2, 0])  # (seqlen_q, head_dim, heads, batch)
     tiled_mma = bwd_common.dq_tiled_mma(self.dtype, self.head_dim, rows=self.tile_m,
                                         transposed=self.transposed)
+    tile = (self.tile_m, self.head_dim)
+    # Each warpgroup's stmatrix stores cover whole swizzle atoms: its head_dim half (e.g. 48 or
+    # 96 columns) sets the swizzle width; the transposed fragment covers all columns.
+    sdQ_layout = sm90_gemm.smem_layout(
+        self.dtype, *tile,
+        major_size=None if const_expr(self.transposed)
+        else self.head_dim // bwd_common.NUM_MMA_WARPGROUPS)
+    tma_atom, tma_dq = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdQ,
+                                                   sdQ_layout, tile)
+    self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": dict(
+        sdQ=cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdQ_layout)],
+                              sm90_gemm.SMEM_ALIGN])}))
     grid = (cute.ceil_div(cute.size(mdQ.shape[0]), self.tile_m), cute.size(mdQ.shape[2]),
             cute.size(mdQ.shape[3]))
-    self.kernel(mdQaccum, mdQ, softmax_scale, tiled_mma).launch(
+    self.kernel(mdQaccum, tma_dq, tma_atom, softmax_scale, sdQ_layout, tiled_mma).launch(
         grid=grid, block=[_NUM_THREADS, 1, 1], stream=stream)
 
   @cute.kernel
-  def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
+  def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, tma_atom: cute.CopyAtom,
+             softmax_scale: Float32, sdQ_layout: cute.ComposedLayout,
              tiled_mma: cute.TiledMma):
     tidx, _, _ = cute.arch.thread_idx()
     m_block, head, batch = cute.arch.block_idx()
-    seqlen_q = mdQ.shape[0]
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    if warp_idx == 0:
+      cpasync.prefetch_descriptor(tma_atom)
     gdQaccum = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim),
                                (m_block, 0))
-    # tCcC[i] = (row, col) of value i of this thread in the main kernel's dQ accumulator
-    # ((col, row) of its dQ^T accumulator when transposed).
-    shape = (self.tile_m, self.head_dim)
-    tCcC = tiled_mma.get_slice(tidx).partition_C(
-        cute.make_identity_tensor(shape[::-1] if const_expr(self.transposed) else shape))
-    row_mode, col_mode = (1, 0) if const_expr(self.transposed) else (0, 1)
     half = self.tile_m * self.head_dim // bwd_common.NUM_MMA_WARPGROUPS
     halves = cute.make_tensor(gdQaccum.iterator,
                               cute.make_layout((half, bwd_common.NUM_MMA_WARPGROUPS)))
@@ -83,7 +96,32 @@ class FlashAttentionBackwardPostprocess:
                                      tidx % sm90_gemm.WARPGROUP_THREADS)
     values = cute.make_rmem_tensor(src.shape, Float32)
     cute.autovec_copy(src, values)  # 128-bit loads
-    for i in cutlass.range_constexpr(cute.size(tCcC)):
-      row = m_block * self.tile_m + tCcC[i][row_mode]
-      if row < seqlen_q:
-        mdQ[row, tCcC[i][col_mode], head, batch] = (values[i] * softmax_scale).to(self.dtype)
+    # Flat value i of the fragment order is flat value i of the MMA accumulator fragment
+    # ((col, row) of the dQ^T accumulator when transposed).
+    shape = (self.head_dim, self.tile_m) if const_expr(self.transposed) else (self.tile_m,
+                                                                               self.head_dim)
+    acc_shape = tiled_mma.get_slice(tidx).partition_shape_C(shape)
+    storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+    sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+    if const_expr(self.transposed):
+      frag = cute.make_rmem_tensor(acc_shape, self.dtype)
+      for i in cutlass.range_constexpr(cute.size(frag)):
+        frag[i] = (values[i] * softmax_scale).to(self.dtype)
+      sm90_gemm.store_frag_transposed(tiled_mma, tidx, frag, sm90_gemm.transpose_view(sdQ))
+    else:
+      acc = cute.make_rmem_tensor(acc_shape, Float32)
+      for i in cutlass.range_constexpr(cute.size(acc)):
+        acc[i] = values[i] * softmax_scale
+      sm90_gemm.store_acc_to_smem(tiled_mma, tidx, acc, sdQ, self.dtype)
+    # Generic-proxy smem writes must be visible to the TMA store (async proxy).
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.sync_threads()
+    if warp_idx == 0:
+      g = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.head_dim),
+                          (m_block, 0))
+      t_s, t_g = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1),
+                                       cute.group_modes(sdQ, 0, 2), cute.group_modes(g, 0, 2))
+      cute.copy(tma_atom, t_s, t_g)
+      cute.arch.cp_async_bulk_commit_group()
+      # Shared memory must stay valid until the store has read it.
+      cute.arch.cp_async_bulk_wait_group(0, read=True)

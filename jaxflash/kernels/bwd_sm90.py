@@ -155,7 +155,7 @@ class FlashAttentionBackwardSm90:
   def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
                causal: bool, deterministic: bool = False, swap_sdp: bool | None = None,
                det_sync: str = "ordered", rotate_m: bool | None = None,
-               early_dq_empty: bool = True, dq_split_m: bool = False):
+               early_dq_empty: bool = True, dq_split_m: bool | None = None):
     """swap_sdp: None takes the tile's choice (config.TileConfig.swap_sdp); devtools A/B builds
     pass True / False to override it.
 
@@ -168,11 +168,13 @@ class FlashAttentionBackwardSm90:
     False to force it (True: also the default mode, without a mask).
     early_dq_empty (deterministic; devtools A/B with False): the dQ writer hands the staging
     buffers back for the next step before it waits for this step's writes to land.
-    dq_split_m (devtools A/B, tile_m 128 only): the dQ GEMM splits the query rows between the
-    warpgroups (one 64-row block each, all of head_dim: 64 x 64 x 16 WGMMAs at hdim 64 instead
-    of twice as many 64 x 32 x 16) instead of head_dim; each warpgroup stages its block whole
-    and the writer adds it with one bulk reduction. The accumulator layout is unchanged
-    (bwd_common.dq_tiled_mma split_rows).
+    dq_split_m (tile_m 128; None: on there, devtools A/B pass False): the dQ GEMM splits the
+    query rows between the warpgroups (one 64-row block each, all of head_dim: 64 x 64 x 16
+    WGMMAs at hdim 64 instead of twice as many 64 x 32 x 16) instead of head_dim; each
+    warpgroup stages its block whole and the writer adds it with one bulk reduction. The
+    accumulator layout is unchanged (bwd_common.dq_tiled_mma split_rows). H200 self-test, hdim
+    64 bf16 backward TFLOP/s 4k / 16k / 1k: 506 / 523 / 379 vs 470 / 497 / 367 (deterministic
+    471 / 502 / 376 vs 459 / 490 / 363; causal 428 / 489 / 265 vs 426 / 482 / 263).
     """
     swap_sdp = tile.swap_sdp if swap_sdp is None else swap_sdp
     if det_sync not in _DET_SYNC:
@@ -217,7 +219,10 @@ class FlashAttentionBackwardSm90:
       raise ValueError(f"tile_m {_SWAP_TILE_M80} needs swap_sdp and head_dim 128 (the "
                        f"transposed dQ GEMM's M = 64 per warpgroup); got head_dim {head_dim}")
     self.ds_stages = self.num_stages if swap_sdp else 1
-    if dq_split_m and (self.dq_blocks != _NUM_WG or self.dq_transposed or self.split_head_dim):
+    split_m_ok = self.dq_blocks == _NUM_WG and not self.dq_transposed and not self.split_head_dim
+    if dq_split_m is None:
+      dq_split_m = split_m_ok
+    if dq_split_m and not split_m_ok:
       raise ValueError(f"dq_split_m: needs tile_m {_NUM_WG * bwd_common.TILE_M} (one 64-row "
                        f"block per warpgroup) and head_dim <= {_MAX_TILE_M128_HEAD_DIM}; got "
                        f"tile_m {self.tile_m}, head_dim {head_dim}")
@@ -983,7 +988,9 @@ class FlashAttentionBackwardSm90:
                                  self.tile_m, self.tile_n, self.causal)
     # Per-query statistics of this thread's columns come from the stage's copy of the
     # preprocess output (rows >= seqlen_q hold lse2 = +inf, delta = 0: P = 0 there), read
-    # where used: 16 columns per thread, too many to hold both in registers.
+    # where used: 16 columns per thread, too many to hold both in registers. (Read into
+    # registers before the GEMM wait instead, as FA-4 does: -1 to -6 % on the H200 at hdim 64,
+    # 96 and non-causal 128, +1-2 % causal 128; perf-notes, seventh session.)
     for j in cutlass.range_constexpr(num_cols):
       lse2 = sLSE2[tStS_mn[0, j][1], stage]
       for i in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
