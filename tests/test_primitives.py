@@ -146,6 +146,13 @@ def _grad_lowered_for_cuda(head_dim, head_dim_v=None, **kw):
   return grad.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _bwd_call_types(call):
+  """The operand and result tensor types of a lowered backward custom call line."""
+  operands, results = call.split(" -> ")
+  operands = operands[operands.rindex(": (") + 3:]
+  return (re.findall(r"tensor<[^>]+>", operands), re.findall(r"tensor<[^>]+>", results))
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
 def test_cuda_lowering_of_grad_emits_both_custom_calls(deterministic, causal):
@@ -162,17 +169,15 @@ def test_cuda_lowering_of_grad_emits_both_custom_calls(deterministic, causal):
     assert attr in call, f"{attr!r} missing from {call}"
   # q, k, v, out, lse, d_out, d_lse in; dq, dk, dv, then the scratch of bwd_scratch_shapes
   # (seq_q 100 rounded up to tile_m: 128 or 160; 2 query blocks for the semaphore either way).
-  operands, results = call.split(" -> ")
-  operands = operands[operands.rindex(": (") + 3:]
-  assert re.findall(r"tensor<[^>]+>", operands) == [
+  operands, results = _bwd_call_types(call)
+  assert operands == [
       "tensor<2x100x4x128xbf16>", "tensor<2x64x2x128xbf16>", "tensor<2x64x2x128xbf16>",
       "tensor<2x100x4x128xbf16>", "tensor<2x4x100xf32>", "tensor<2x100x4x128xbf16>",
       "tensor<2x4x100xf32>"]
   rows = -(-100 // tile_m) * tile_m
   want = ["tensor<2x100x4x128xbf16>", "tensor<2x64x2x128xbf16>", "tensor<2x64x2x128xbf16>",
           f"tensor<2x4x{rows}x128xf32>", f"tensor<2x4x{rows}xf32>", f"tensor<2x4x{rows}xf32>"]
-  assert re.findall(r"tensor<[^>]+>", results) == want + (["tensor<2x4x2xi32>"]
-                                                          if deterministic else [])
+  assert results == want + (["tensor<2x4x2xi32>"] if deterministic else [])
 
 
 def test_cuda_lowering_of_grad_with_head_dim_v_not_head_dim_uses_the_bwd_kernel():
@@ -181,13 +186,12 @@ def test_cuda_lowering_of_grad_with_head_dim_v_not_head_dim_uses_the_bwd_kernel(
   (call,) = [line for line in text.splitlines() if f"@{BWD_TARGET}(" in line]
   assert 'variant = "bwd-sm90a-bf16-d192-dv128-causal-m64n64s2"' in call
   assert "head_dim = 192" in call and "head_dim_v = 128" in call
-  operands, results = call.split(" -> ")
-  operands = operands[operands.rindex(": (") + 3:]
-  assert re.findall(r"tensor<[^>]+>", operands) == [
+  operands, results = _bwd_call_types(call)
+  assert operands == [
       "tensor<2x100x4x192xbf16>", "tensor<2x64x2x192xbf16>", "tensor<2x64x2x128xbf16>",
       "tensor<2x100x4x128xbf16>", "tensor<2x4x100xf32>", "tensor<2x100x4x128xbf16>",
       "tensor<2x4x100xf32>"]
-  assert re.findall(r"tensor<[^>]+>", results) == [
+  assert results == [
       "tensor<2x100x4x192xbf16>", "tensor<2x64x2x192xbf16>", "tensor<2x64x2x128xbf16>",
       "tensor<2x4x128x192xf32>", "tensor<2x4x128xf32>", "tensor<2x4x128xf32>"]
 
