@@ -5,9 +5,11 @@
 # selection) carried: run(command="bash devtools/kernel_selftest/ncu_bwd.sh KEY [KEY...]",
 # carry=[".kcache", ".selftest/bwd"]). A KEY may also be a library path, e.g. FA-4's
 # .selftest/fa4/fa4-sm90a-bf16-d128-dv128-m80n128.so (devtools/fa4_compare; carry .selftest/fa4).
-# About 40 s per key. Writes $OUT/ncu_KEY.ncu-rep, ncu_KEY_details.txt (every section of the
-# three kernels) and ncu_KEY_sass.csv (per-instruction samples), and prints the details'
-# headline metrics and ncu_stalls.py's breakdown of each kernel.
+# About 40 s per key. Writes $OUT/ncu_KEY_details.txt (every section of the three kernels) and
+# ncu_KEY_sass.csv (per-instruction samples), and prints the details' headline metrics and
+# ncu_stalls.py's breakdown of each kernel. The device tool returns at most 8 files per call,
+# so the report (.ncu-rep) and ncu's own output stay in /tmp unless NCU_KEEP_REP=1 (then up to
+# two keys per call).
 # Clocks are left alone (--clock-control none, as the device notes ask), so durations are at
 # whatever clock the GPU ran; compare kernels of one report, not reports of two calls.
 set -u
@@ -28,16 +30,18 @@ for key in "$@"; do
   esac
   if [ ! -f "$lib" ]; then echo "$key: no $lib" >&2; status=1; continue; fi
   rep=$out/ncu_$key
+  work=$rep
+  [ "${NCU_KEEP_REP:-0}" = 1 ] || work=/tmp/ncu_$key
   timeout 300 "$ncu" --clock-control none --kernel-name "$filter" --launch-skip 141 \
-    --launch-count 3 --set full --import-source no -f -o "$rep" \
-    "$selftest" --no-check "$(realpath "$lib")" >"${rep}_run.txt" 2>&1 || {
-    echo "$key: ncu failed (tail of ${rep}_run.txt):"; tail -5 "${rep}_run.txt"
+    --launch-count 3 --set full --import-source no -f -o "$work" \
+    "$selftest" --no-check "$(realpath "$lib")" >"${work}_run.txt" 2>&1 || {
+    echo "$key: ncu failed (tail of ${work}_run.txt):"; tail -5 "${work}_run.txt"
     status=1; continue; }
-  "$ncu" --import "$rep.ncu-rep" --page details >"${rep}_details.txt" 2>&1
+  "$ncu" --import "$work.ncu-rep" --page details >"${rep}_details.txt" 2>&1
   echo "== $key"
   headline="^  [a-z_]+kernel|Duration|SM Frequency|Compute \(SM\) Throughput|Issue Slots Busy"
   grep -E "$headline|DRAM Throughput" "${rep}_details.txt" | sed -E 's/_object_at_.*//'
-  "$ncu" --import "$rep.ncu-rep" --page source --print-source sass --csv >"${rep}_sass.csv" 2>&1
+  "$ncu" --import "$work.ncu-rep" --page source --print-source sass --csv >"${rep}_sass.csv" 2>&1
   python3 devtools/kernel_selftest/ncu_stalls.py "${rep}_sass.csv" --top 8 || status=1
 done
 exit $status
