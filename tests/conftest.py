@@ -1,4 +1,5 @@
-"""Test gating: `gpu` tests run only where a CUDA device exists (probed lazily, once)."""
+"""Test gating: `gpu` tests run only where a CUDA device exists (probed lazily, once); shared
+fixtures."""
 
 import functools
 
@@ -19,3 +20,19 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords and not _has_cuda():
       item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+# A forward pair without a backward kernel: every forward pair has one now, so the tests of the
+# forward-only path (forward kernel + reference backward) take 192 / 128's away.
+FWD_ONLY_PAIR = (192, 128)
+
+
+@pytest.fixture
+def without_192_128_backward(monkeypatch):
+  import jax
+  from jaxflash import config
+  monkeypatch.setattr(config, "BWD_KERNEL_HEAD_DIM_PAIRS", tuple(
+      p for p in config.BWD_KERNEL_HEAD_DIM_PAIRS if p != FWD_ONLY_PAIR))
+  jax.clear_caches()  # traces made with or without the backward kernel must not be reused
+  yield
+  jax.clear_caches()

@@ -9,6 +9,7 @@ import pytest
 
 import jaxflash
 from tests._cases import make_qkv
+from tests.conftest import FWD_ONLY_PAIR
 
 Q, K, V = make_qkv(0, 2, 8, 8, 4, 2, 16)
 
@@ -139,23 +140,12 @@ def test_auto_on_hopper_picks_the_kernels_when_they_can_be_had(monkeypatch):
 
 
 # Forward-only head dims: the Hopper forward kernel covers them, the backward kernels do not;
-# gradients then come from the reference backward. Every forward pair has a backward kernel
-# now, so the tests take (192, 128) out of config.BWD_KERNEL_HEAD_DIM_PAIRS to keep that path
-# covered.
-FWD_ONLY_HEAD_DIMS = [(192, 128)]
+# gradients then come from the reference backward (conftest.without_192_128_backward).
+FWD_ONLY_HEAD_DIMS = [FWD_ONLY_PAIR]
 
 
-@pytest.fixture
-def forward_only(monkeypatch):
-  cfg = jaxflash.config
-  monkeypatch.setattr(cfg, "BWD_KERNEL_HEAD_DIM_PAIRS", tuple(
-      p for p in cfg.BWD_KERNEL_HEAD_DIM_PAIRS if p not in FWD_ONLY_HEAD_DIMS))
-  jax.clear_caches()  # no trace made with the backward kernel may be reused
-  yield
-  jax.clear_caches()
-
-
-def test_forward_only_fixture_leaves_the_forward_and_takes_the_backward_kernel(forward_only):
+def test_forward_only_fixture_leaves_the_forward_and_takes_the_backward_kernel(
+    without_192_128_backward):
   cfg = jaxflash.config.AttentionConfig(softmax_scale=1.0)
   for d, dv in FWD_ONLY_HEAD_DIMS:
     assert jaxflash.config.kernel_support("fwd", "bfloat16", d, dv, cfg) == (True, "")
@@ -165,7 +155,7 @@ def test_forward_only_fixture_leaves_the_forward_and_takes_the_backward_kernel(f
 
 @pytest.mark.parametrize("head_dim,head_dim_v", FWD_ONLY_HEAD_DIMS)
 def test_auto_on_hopper_needs_only_the_forward_kernel_of_a_forward_only_head_dim(
-    monkeypatch, forward_only, head_dim, head_dim_v):
+    monkeypatch, without_192_128_backward, head_dim, head_dim_v):
   import sys
   from jaxflash import _jax_internal, ffi
   from jaxflash.config import AttentionConfig, default_tile
@@ -182,7 +172,7 @@ def test_auto_on_hopper_needs_only_the_forward_kernel_of_a_forward_only_head_dim
 
 @pytest.mark.parametrize("head_dim,head_dim_v", FWD_ONLY_HEAD_DIMS)
 def test_cute_grad_of_a_forward_only_head_dim_lowers_to_the_forward_kernel_only(
-    forward_only, head_dim, head_dim_v):
+    without_192_128_backward, head_dim, head_dim_v):
   from jaxflash.config import BWD_TARGET, FWD_TARGET
   q, k, v = make_qkv(8, 2, 100, 64, 4, 2, head_dim, head_dim_v=head_dim_v, dtype=jnp.bfloat16)
   loss = lambda q, k, v: jnp.sum(jaxflash.attention(q, k, v, causal=True, implementation="cute")

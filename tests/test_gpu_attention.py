@@ -19,6 +19,7 @@ from jaxflash import config, ffi, reference
 from jaxflash.config import FWD_TARGET, AttentionConfig, KernelVariant
 from tests._cases import make_qkv, x64
 from tests._oracle import assert_close_to_oracle
+from tests.conftest import FWD_ONLY_PAIR
 
 pytestmark = pytest.mark.gpu
 
@@ -213,18 +214,9 @@ def test_handler_checks_v_and_out_against_head_dim_v():
 
 # Forward variants without a backward kernel: jax.grad runs the forward kernel and the
 # reference backward (primitives._bwd_lower_cuda). Every forward pair has a backward kernel
-# now, so (192, 128)'s is taken out of config.BWD_KERNEL_HEAD_DIM_PAIRS for this test.
+# now: conftest.without_192_128_backward takes (192, 128)'s away for this test.
 _FWD_ONLY = [v for v in VARIANTS if v.dtype == "bfloat16" and (v.head_dim, v.head_dim_v)
-             == (192, 128)]
-
-
-@pytest.fixture
-def without_192_128_backward(monkeypatch):
-  monkeypatch.setattr(config, "BWD_KERNEL_HEAD_DIM_PAIRS", tuple(
-      p for p in config.BWD_KERNEL_HEAD_DIM_PAIRS if p != (192, 128)))
-  jax.clear_caches()  # traces made with or without the backward kernel must not be reused
-  yield
-  jax.clear_caches()
+             == FWD_ONLY_PAIR]
 
 
 @pytest.mark.parametrize("variant", _FWD_ONLY, ids=lambda v: v.key)

@@ -9,7 +9,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_policies
 
 import jaxflash
-from jaxflash import config, primitives
+from jaxflash import primitives
 from jaxflash.config import (BWD_TARGET, FWD_TARGET, LSE_CHECKPOINT_NAME,
                              OUT_CHECKPOINT_NAME)
 from tests._cases import make_qkv, make_segments
@@ -196,15 +196,9 @@ def test_cuda_lowering_of_grad_with_head_dim_v_not_head_dim_uses_the_bwd_kernel(
       "tensor<2x4x128x192xf32>", "tensor<2x4x128xf32>", "tensor<2x4x128xf32>"]
 
 
-def test_cuda_lowering_of_grad_without_a_bwd_kernel_keeps_the_reference_backward(monkeypatch):
-  # Every forward pair has a backward kernel: take (192, 128)'s away to reach the fallback.
-  monkeypatch.setattr(config, "BWD_KERNEL_HEAD_DIM_PAIRS", tuple(
-      p for p in config.BWD_KERNEL_HEAD_DIM_PAIRS if p != (192, 128)))
-  jax.clear_caches()
-  try:
-    text = _grad_lowered_for_cuda(192, head_dim_v=128)  # a forward kernel, no backward kernel
-  finally:
-    jax.clear_caches()
+def test_cuda_lowering_of_grad_without_a_bwd_kernel_keeps_the_reference_backward(
+    without_192_128_backward):
+  text = _grad_lowered_for_cuda(192, head_dim_v=128)  # a forward kernel, no backward kernel
   assert text.count(FWD_TARGET) >= 1
   assert BWD_TARGET not in text
 

@@ -24,13 +24,18 @@ HERE = pathlib.Path(__file__).resolve().parent
 SRC = pathlib.Path(os.environ.get("FA4_SRC", "/tmp/jaxflash_fa4_compare/src"))
 
 
+def _stub_class(owner, name):
+  """A dummy class for any non-dunder attribute `name` of a stub, cached on `owner`."""
+  if name.startswith("__"):
+    raise AttributeError(name)
+  cls = _DummyMeta(name, (_Dummy,), {})
+  setattr(owner, name, cls)
+  return cls
+
+
 class _DummyMeta(type):
   def __getattr__(cls, name):
-    if name.startswith("__"):
-      raise AttributeError(name)
-    sub = _DummyMeta(name, (_Dummy,), {})
-    setattr(cls, name, sub)
-    return sub
+    return _stub_class(cls, name)
 
 
 class _Dummy(metaclass=_DummyMeta):
@@ -46,11 +51,7 @@ class _Dummy(metaclass=_DummyMeta):
 
 class _StubModule(types.ModuleType):
   def __getattr__(self, name):
-    if name.startswith("__"):
-      raise AttributeError(name)
-    cls = _DummyMeta(name, (_Dummy,), {})
-    setattr(self, name, cls)
-    return cls
+    return _stub_class(self, name)
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
