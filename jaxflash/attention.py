@@ -167,7 +167,9 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
     softcap: if set, scores become softcap * tanh(scores / softcap) (after scaling).
     q_segment_ids: (batch, seq_q) integers; with kv_segment_ids (batch, seq_k), tokens attend
       only to keys with an equal id (packed sequences, padding).
-    deterministic: make the backward pass bitwise reproducible run to run.
+    deterministic: make the backward pass bitwise reproducible run to run. Without a causal
+      mask at head_dim > 128 the CuTe backward then keeps two fp32 dQ accumulators (scratch of
+      2 x batch x num_heads x seq_q x head_dim x 4 bytes instead of one).
     return_lse: also return the log-sum-exp (batch, num_heads, seq_q) float32, natural log of
       the softmax denominator in the scaled-score domain; -inf for rows that see no key.
       It is differentiable.

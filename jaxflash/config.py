@@ -285,9 +285,32 @@ def bwd_scratch_shapes(variant: KernelVariant, batch: int, seq_q: int,
   tile_m = variant.tile.tile_m
   seq_q_rounded = -(-seq_q // tile_m) * tile_m
   rows = (batch, num_heads, seq_q_rounded)
-  shapes = (("dq_accum", (batch, num_heads, seq_q_rounded, variant.head_dim), "float32"),
+  copies = dq_accum_copies(variant.deterministic, variant.causal, variant.head_dim)
+  shapes = (("dq_accum", (batch, num_heads, copies * seq_q_rounded, variant.head_dim),
+             "float32"),
             ("lse_log2", rows, "float32"),
             ("delta", rows, "float32"))
   if variant.deterministic:
-    shapes += (("dq_semaphore", (batch, num_heads, seq_q_rounded // tile_m), "int32"),)
+    shapes += (("dq_semaphore", (batch, num_heads, copies * seq_q_rounded // tile_m), "int32"),)
   return shapes
+
+
+# Deterministic backward at head_dim > 128 without a mask: DET_DQ_COPIES dQ accumulators per
+# (batch, head) (JAXFLASH_DET_DQ_COPIES in jaxflash/ffi/kernel_abi.h; a CPU test keeps the two
+# equal). Key block n adds into copy n % DET_DQ_COPIES, each copy in its own fixed order, and
+# the postprocess sums the copies in index order, so the result stays bitwise reproducible.
+# Each key block waits only for the previous one of its copy: a query block's chain of
+# hand-offs (dQ write, MEMBAR, semaphore poll per hop), which with the rotated order and 64 x 64
+# tiles bounded the step time, is half as long. H200 self-test, deterministic backward TFLOP/s
+# 4k / 16k / 1k, 2 copies vs 1: hdim 192 403 / 426 / 316 vs 344 / 428 / 286 (default mode
+# 424 / 440 / 350), hdim 256 387 / 402 / 308 vs 372 / 403 / 306. Elsewhere the chain was not
+# the bound and the second copy (zeroed, reduced into, read back) cost 3-15 %: hdim 128 530 /
+# 576 / 423 vs 588 / 572 / 463, causal 492 / 533 / 293 vs 524 / 565 / 346; hdim 256 causal
+# 349 / 353 / 232 vs 361 / 390 / 248 (eighth session, perf-notes.md).
+DET_DQ_COPIES = 2
+
+
+def dq_accum_copies(deterministic: bool, causal: bool, head_dim: int) -> int:
+  """dQ accumulator copies of a backward call: DET_DQ_COPIES for the deterministic variants
+  without a mask above head_dim 128 (tile 64 x 64), else 1."""
+  return DET_DQ_COPIES if deterministic and not causal and head_dim > 128 else 1

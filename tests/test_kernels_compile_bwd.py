@@ -359,11 +359,12 @@ def test_bwd_scratch_shapes_round_seq_q_to_the_tile(deterministic, head_dim):
   cfg = config.AttentionConfig(softmax_scale=0.1, causal=True, deterministic=deterministic)
   variant = config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", head_dim, head_dim, cfg)
   shapes = config.bwd_scratch_shapes(variant, batch=2, seq_q=130, num_heads=3)
-  expected = [("dq_accum", (2, 3, 192, head_dim), "float32"),
+  copies = 1  # causal: one dQ accumulator even when deterministic
+  expected = [("dq_accum", (2, 3, copies * 192, head_dim), "float32"),
               ("lse_log2", (2, 3, 192), "float32"),
               ("delta", (2, 3, 192), "float32")]
   if deterministic:
-    expected.append(("dq_semaphore", (2, 3, 3), "int32"))
+    expected.append(("dq_semaphore", (2, 3, copies * 3), "int32"))
   assert list(shapes) == expected
   with pytest.raises(ValueError, match="direction"):
     config.bwd_scratch_shapes(dataclasses.replace(variant, direction="fwd"), 1, 1, 1)
@@ -377,6 +378,43 @@ def test_bwd_scratch_rows_follow_the_80_or_64_row_tile_at_hdim_128(causal, seq_q
                 config.bwd_scratch_shapes(variant, batch=1, seq_q=100, num_heads=2))
   assert shapes["dq_accum"] == (1, 2, seq_q_rounded, 128)
   assert shapes["dq_semaphore"] == (1, 2, 2)
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 192), (192, 128), (256, 256)])
+def test_deterministic_scratch_holds_two_dq_copies_above_hdim_128_without_a_mask(head_dim,
+                                                                                   head_dim_v):
+  """Copy c of the accumulator and its semaphores follow copy c - 1 in each (batch, head)."""
+  for causal, deterministic, copies in ((False, True, 2), (True, True, 1), (False, False, 1)):
+    cfg = config.AttentionConfig(softmax_scale=0.1, causal=causal, deterministic=deterministic)
+    variant = config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", head_dim, head_dim_v,
+                                            cfg)
+    shapes = dict((name, shape) for name, shape, _ in
+                  config.bwd_scratch_shapes(variant, batch=2, seq_q=100, num_heads=3))
+    assert shapes["dq_accum"] == (2, 3, copies * 128, head_dim)
+    assert shapes["lse_log2"] == shapes["delta"] == (2, 3, 128)
+    assert shapes.get("dq_semaphore") == ((2, 3, copies * 2) if deterministic else None)
+
+
+def test_dq_copies_agree_between_config_and_the_kernel_abi():
+  """The handler takes the copies from the scratch shape (config) and accepts 1 or
+  JAXFLASH_DET_DQ_COPIES (kernel_abi.h)."""
+  header = (pathlib.Path(config.__file__).parent / "ffi" / "kernel_abi.h").read_text()
+  found = re.search(r"#define JAXFLASH_DET_DQ_COPIES (\d+)", header)
+  assert found and int(found.group(1)) == config.DET_DQ_COPIES == 2
+
+
+@pytest.mark.cutlass
+def test_each_backward_main_kernel_uses_configs_dq_copies():
+  """The variant library is built for config's count (the handler passes the scratch shape's
+  count and the library refuses another); only deterministic kernels take more than one."""
+  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
+  for v in VARIANTS:
+    main = kernel_compile.build_bwd_kernels(v)[1]
+    assert main.dq_copies == config.dq_accum_copies(v.deterministic, v.causal, v.head_dim)
+    assert main.dq_copies == (2 if v.deterministic and not v.causal and v.head_dim > 128 else 1)
+  with pytest.raises(ValueError, match="dq_copies: 2; accepted"):
+    kernel_compile.build_bwd_kernels(next(v for v in VARIANTS if not v.deterministic),
+                                     {"dq_copies": 2})
 
 
 def test_kernel_support_for_the_backward():
@@ -524,3 +562,32 @@ def test_head_dim_192_with_head_dim_v_128_compiles(exported, causal, determinist
   assert len(re.findall(r"HGMMA\.64x32x16\.F32\.BF16", sass)) == 40
   assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", sass)) == 8
   assert len(re.findall(r"HGMMA\.64x96x16\.F32\.BF16", sass)) == 16
+
+
+@pytest.mark.cutlass
+def test_deterministic_release_on_its_own_warp_and_two_dq_copies_above_hdim_128(exported,
+                                                                                 tmp_path):
+  """Shipped deterministic kernels hand each semaphore release to producer warp 2 (named
+  barriers 8 / 9 of 64 threads); release_warp=False puts it back on the writer. The hdim 192
+  variant without a mask keeps two dQ accumulators: its preprocess zeroes and its postprocess
+  reads twice what the one-copy build does."""
+  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
+  det = next(v for v in VARIANTS if v.deterministic and not v.causal and v.head_dim == 192
+             and v.head_dim_v == 192 and v.dtype == "bfloat16")
+  shipped, ops, _ = exported(det)
+  handoff = re.compile(r"BAR\.(?:SYNC\S*|ARV) 0x[89], 0x40")
+
+  def sass(exp):
+    return kernel_compile.disassemble(exp.cubin, tmp_path)
+
+  assert len(handoff.findall(sass(shipped))) >= 4  # sync + arrive on each side
+  own = kernel_compile.export_bwd_variant(det, tmp_path / "own", main_args={"release_warp": False},
+                                          key=f"{det.key}+release_warp=0")
+  assert "REDG" in _opcodes(sass(own)) and not handoff.search(sass(own))
+  one = kernel_compile.export_bwd_variant(det, tmp_path / "one", main_args={"dq_copies": 1},
+                                          key=f"{det.key}+dq_copies=1")
+  one_ops = {part: _opcodes(kernel_compile.disassemble(cubin, tmp_path))
+             for part, cubin in zip(("pre", "post"), one.extra_cubins)}
+  assert ops["post"].count("LDG") == 2 * one_ops["post"].count("LDG") > 0
+  assert ops["pre"].count("STG") > one_ops["pre"].count("STG")
+  assert "-DJAXFLASH_DQ_COPIES=2" in shipped.defines and "-DJAXFLASH_DQ_COPIES=1" in one.defines

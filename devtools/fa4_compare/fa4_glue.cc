@@ -111,7 +111,10 @@ bool GroupSupported(int32_t g) {
 }
 
 int32_t Validate(const JaxflashBwdArgs* a) {
-  if (a == nullptr || a->head_dim != kHeadDim || a->head_dim_v != kHeadDim) return kInvalid;
+  if (a == nullptr || a->head_dim != kHeadDim || a->head_dim_v != kHeadDim ||
+      a->dq_copies != 1) {
+    return kInvalid;
+  }
   if (a->batch <= 0 || a->seqlen_q <= 0 || a->seqlen_k <= 0 || a->num_heads <= 0 ||
       a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads != 0) {
     return kInvalid;

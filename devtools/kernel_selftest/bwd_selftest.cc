@@ -50,6 +50,7 @@ constexpr double kDeadline = 20.0;
 // tile_m of the library under test, from its key's tile token "m<tile_m>n...": the scratch rows
 // are seqlen_q rounded up to it (config.bwd_scratch_shapes).
 int g_tile_m = 64;
+int g_dq_copies = 1;  // the library's dQ accumulator copies (kernel_abi.h), probed in main
 
 struct Shape {
   int b, sq, sk, h, hk;
@@ -178,9 +179,12 @@ struct Device {
       : q(2ul * s.b * s.sq * s.h * d), k(2ul * s.b * s.sk * s.hk * d),
         v(2ul * s.b * s.sk * s.hk * dv_), o(2ul * s.b * s.sq * s.h * dv_), dout(o.bytes),
         lse(4ul * s.b * s.h * s.sq), dlse(lse.bytes), dq(q.bytes), dk(k.bytes),
-        dv(v.bytes), acc(4ul * s.b * s.h * RoundUp(s.sq, g_tile_m) * d),
+        dv(v.bytes), acc(4ul * s.b * s.h * kCopies * RoundUp(s.sq, g_tile_m) * d),
         lse2(4ul * s.b * s.h * RoundUp(s.sq, g_tile_m)), delta(lse2.bytes),
-        sem(4ul * s.b * s.h * (RoundUp(s.sq, g_tile_m) / g_tile_m)) {}
+        sem(4ul * s.b * s.h * kCopies * (RoundUp(s.sq, g_tile_m) / g_tile_m)) {}
+  // dq_accum / dq_semaphore sized for the ABI's deterministic copies (kernel_abi.h) for every
+  // library: one with fewer (non-deterministic, or a dq_copies=1 A/B build) indexes a prefix.
+  static constexpr unsigned long kCopies = JAXFLASH_DET_DQ_COPIES;
   JaxflashBwdArgs Args(const Shape& s, int d, int dv_, float scale, bool det) {
     JaxflashBwdArgs a = {};
     a.q = q.p; a.k = k.p; a.v = v.p; a.out = o.p; a.lse = static_cast<float*>(lse.p);
@@ -192,6 +196,7 @@ struct Device {
     a.batch = s.b; a.seqlen_q = s.sq; a.seqlen_k = s.sk; a.num_heads = s.h;
     a.num_kv_heads = s.hk; a.head_dim = d; a.head_dim_v = dv_; a.softmax_scale = scale;
     a.window_left = -1; a.window_right = -1;
+    a.dq_copies = g_dq_copies;
     return a;
   }
 };
@@ -507,6 +512,20 @@ int main(int argc, char** argv) {
     // Invalid arguments are refused before any launch.
     JaxflashBwdArgs bad = {};
     EXPECT(bwd(&bad, nullptr) != 0 && bwd(nullptr, nullptr) != 0, "invalid args accepted");
+    {  // The library takes exactly one dQ accumulator count (1 or the deterministic copies).
+      const Shape s{1, 128, 128, 1, 1};
+      Device dev(s, d, dv);
+      int accepted = 0, found = 1;
+      for (int copies : {1, JAXFLASH_DET_DQ_COPIES}) {
+        g_dq_copies = copies;
+        JaxflashBwdArgs a = dev.Args(s, d, dv, 0.125f, det);
+        if (bwd(&a, nullptr) == 0) { accepted++; found = copies; }
+      }
+      SyncOrDie("dq_copies probe", kDeadline);
+      EXPECT(accepted == 1, "the library accepted %d dQ accumulator counts", accepted);
+      g_dq_copies = found;
+      printf("  dq_copies %d\n", g_dq_copies);
+    }
     std::mt19937 rng(1234);
     if (check) {
       const Shape shapes[] = {{1, 128, 128, 1, 1},  {2, 257, 131, 4, 2}, {1, 1, 1, 2, 1},

@@ -20,6 +20,12 @@ selftest=.selftest/bwd/bwd_selftest
 [ $# -gt 0 ] || { echo "usage: $0 VARIANT_KEY..." >&2; exit 2; }
 # bwd_selftest --no-check times seq 4k, 16k, 1k, each 9 x 5 calls of pre + main + post:
 # skip the 4k calls (135 launches) and two 16k calls, take the third one's three kernels.
+# NCU_SEQ=4k or 1k profiles that sequence's third call instead (seq 4k: the rotated
+# deterministic order, which needs <= 64 key blocks).
+case "${NCU_SEQ:-16k}" in
+  4k) skip=6 ;; 16k) skip=141 ;; 1k) skip=276 ;;
+  *) echo "NCU_SEQ: ${NCU_SEQ}; accepted: 4k, 16k, 1k" >&2; exit 2 ;;
+esac
 filter='regex:FlashAttentionBackward(Preprocess|Sm90|Postprocess)'
 status=0
 for key in "$@"; do
@@ -29,10 +35,10 @@ for key in "$@"; do
     *) lib=.kcache/$key/libjaxflash_variant.so ;;
   esac
   if [ ! -f "$lib" ]; then echo "$key: no $lib" >&2; status=1; continue; fi
-  rep=$out/ncu_$key
+  rep=$out/ncu_$key${NCU_SEQ:+_$NCU_SEQ}
   work=$rep
-  [ "${NCU_KEEP_REP:-0}" = 1 ] || work=/tmp/ncu_$key
-  timeout 300 "$ncu" --clock-control none --kernel-name "$filter" --launch-skip 141 \
+  [ "${NCU_KEEP_REP:-0}" = 1 ] || work=/tmp/${rep##*/}
+  timeout 300 "$ncu" --clock-control none --kernel-name "$filter" --launch-skip $skip \
     --launch-count 3 --set full --import-source no -f -o "$work" \
     "$selftest" --no-check "$(realpath "$lib")" >"${work}_run.txt" 2>&1 || {
     echo "$key: ncu failed (tail of ${work}_run.txt):"; tail -5 "${work}_run.txt"

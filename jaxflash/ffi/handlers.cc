@@ -346,7 +346,8 @@ ffi::Error CheckBwdBuffers(const CallAttrs& a, const ffi::AnyBuffer& q, const ff
                            const ffi::AnyBuffer& d_lse, const ffi::AnyBuffer& dq,
                            const ffi::AnyBuffer& dk, const ffi::AnyBuffer& dv,
                            const ffi::AnyBuffer& dq_accum, const ffi::AnyBuffer& lse_log2,
-                           const ffi::AnyBuffer& delta, const ffi::AnyBuffer* dq_semaphore) {
+                           const ffi::AnyBuffer& delta, const ffi::AnyBuffer* dq_semaphore,
+                           int32_t* dq_copies) {
   auto same = [&](const char* name, const ffi::AnyBuffer& buffer, const ffi::AnyBuffer& like) {
     auto d = like.dimensions();
     return d.size() == 4 ? CheckExact(a, name, buffer, {d[0], d[1], d[2], d[3]},
@@ -363,8 +364,16 @@ ffi::Error CheckBwdBuffers(const CallAttrs& a, const ffi::AnyBuffer& q, const ff
   auto qd = q.dimensions();
   const int64_t b = qd[0], sq = qd[1], h = qd[2];
   const int64_t sqr = (sq + tile_m - 1) / tile_m * tile_m;
+  // Deterministic variants may keep JAXFLASH_DET_DQ_COPIES accumulators (config.py
+  // dq_accum_copies decides, the scratch shape carries it; the variant library checks it).
+  const auto acc_dims = dq_accum.dimensions();
+  const int64_t copies = a.deterministic && acc_dims.size() == 4 &&
+                                 acc_dims[2] == JAXFLASH_DET_DQ_COPIES * sqr
+                             ? JAXFLASH_DET_DQ_COPIES
+                             : 1;
+  *dq_copies = static_cast<int32_t>(copies);
   const ffi::DataType f32 = ffi::DataType::F32;
-  if (ffi::Error e = CheckExact(a, "dq_accum", dq_accum, {b, h, sqr, a.head_dim}, f32);
+  if (ffi::Error e = CheckExact(a, "dq_accum", dq_accum, {b, h, copies * sqr, a.head_dim}, f32);
       e.failure()) {
     return e;
   }
@@ -375,7 +384,7 @@ ffi::Error CheckBwdBuffers(const CallAttrs& a, const ffi::AnyBuffer& q, const ff
                                       : "dq_semaphore is a result of deterministic calls only");
   }
   if (dq_semaphore != nullptr) {
-    return CheckExact(a, "dq_semaphore", *dq_semaphore, {b, h, sqr / tile_m},
+    return CheckExact(a, "dq_semaphore", *dq_semaphore, {b, h, copies * sqr / tile_m},
                       ffi::DataType::S32);
   }
   return ffi::Error::Success();
@@ -413,8 +422,10 @@ ffi::Error AttentionBwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
     if (got.has_error()) return got.error();
     sem = got.value();
   }
+  int32_t dq_copies = 1;
   if (ffi::Error e = CheckBwdBuffers(attrs, q, k, v, out, lse, d_out, d_lse, *dq, *dk, *dv,
-                                     *dq_accum, *lse_log2, *delta, sem ? &**sem : nullptr);
+                                     *dq_accum, *lse_log2, *delta, sem ? &**sem : nullptr,
+                                     &dq_copies);
       e.failure()) {
     return e;
   }
@@ -459,6 +470,7 @@ ffi::Error AttentionBwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   args.window_left = window_left;
   args.window_right = window_right;
   args.softcap = softcap;
+  args.dq_copies = dq_copies;
   if (int32_t status = library->bwd(&args, stream); status != 0) {
     return LaunchError(Where(attrs), status, q, k);
   }

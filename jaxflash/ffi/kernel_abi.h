@@ -7,7 +7,12 @@
 
 #include <stdint.h>
 
-#define JAXFLASH_KERNEL_ABI_VERSION 1
+#define JAXFLASH_KERNEL_ABI_VERSION 2
+
+// Deterministic variants may keep this many dQ accumulators (jaxflash.config.dq_accum_copies
+// says which): key block n adds into copy n % copies in a fixed order per copy, and the
+// postprocess sums the copies in index order.
+#define JAXFLASH_DET_DQ_COPIES 2
 
 #ifdef __cplusplus
 extern "C" {
@@ -39,11 +44,14 @@ typedef struct {
 //   dq (like q), dk (like k), dv (like v); dk/dv summed over the query heads of a group (GQA)
 // and scratch, shapes from jaxflash.config.bwd_scratch_shapes (seqlen_q_rounded = seqlen_q
 // rounded up to the variant's tile_m; contents need no initialisation):
-//   dq_accum     (batch, num_heads, seqlen_q_rounded, head_dim)   float32
-//   lse_log2     (batch, num_heads, seqlen_q_rounded)             float32
-//   delta        (batch, num_heads, seqlen_q_rounded)             float32
-//   dq_semaphore (batch, num_heads, seqlen_q_rounded / tile_m)    int32, deterministic
+//   dq_accum     (batch, num_heads, copies * seqlen_q_rounded, head_dim)   float32
+//   lse_log2     (batch, num_heads, seqlen_q_rounded)                      float32
+//   delta        (batch, num_heads, seqlen_q_rounded)                      float32
+//   dq_semaphore (batch, num_heads, copies * seqlen_q_rounded / tile_m)    int32, deterministic
 //                variants only (NULL otherwise)
+// where copies = dq_copies below, 1 or JAXFLASH_DET_DQ_COPIES (copy c holds rows
+// [c * seqlen_q_rounded, (c + 1) * seqlen_q_rounded) of each (batch, head)); a library built
+// for the other count refuses the call.
 typedef struct {
   const void* q;
   const void* k;
@@ -63,6 +71,7 @@ typedef struct {
   float softmax_scale;
   int32_t window_left, window_right;  // -1: unbounded (only read by window variants)
   float softcap;                      // 0: off (only read by softcap variants)
+  int32_t dq_copies;                  // dQ accumulator copies in dq_accum / dq_semaphore
 } JaxflashBwdArgs;
 
 // Returns JAXFLASH_KERNEL_ABI_VERSION; the handler refuses a library with another version.

@@ -7,6 +7,7 @@
 //   -DJAXFLASH_HEADER_{PRE,MAIN,POST}="\"<out_dir>/<key>-{pre,main,post}.h\""
 //   -DJAXFLASH_VARIANT_KEY="\"<key>\""  -DJAXFLASH_HEAD_DIM=<d>  -DJAXFLASH_HEAD_DIM_V=<dv>
 //   -DJAXFLASH_TILE_M=<tile_m>  -DJAXFLASH_DETERMINISTIC=<0|1>
+//   -DJAXFLASH_DQ_COPIES=<dQ accumulator copies the kernels use>
 // Link like variant_fwd.cc with the three objects (jaxflash.build.link_variant does it). Exports the
 // kernel_abi.h functions abi_version, key, load and bwd.
 
@@ -23,7 +24,8 @@
 #if !defined(JAXFLASH_PREFIX_PRE) || !defined(JAXFLASH_PREFIX_MAIN) || \
     !defined(JAXFLASH_PREFIX_POST) || !defined(JAXFLASH_VARIANT_KEY) ||  \
     !defined(JAXFLASH_HEAD_DIM) || !defined(JAXFLASH_HEAD_DIM_V) ||      \
-    !defined(JAXFLASH_TILE_M) || !defined(JAXFLASH_DETERMINISTIC)
+    !defined(JAXFLASH_TILE_M) || !defined(JAXFLASH_DETERMINISTIC) || \
+    !defined(JAXFLASH_DQ_COPIES)
 #error "define the JAXFLASH_* macros listed at the top of variant_bwd.cc"
 #endif
 
@@ -98,7 +100,8 @@ void LoadOnce() {
 
 int32_t Validate(const JaxflashBwdArgs* a) {
   const int32_t kInvalid = static_cast<int32_t>(cudaErrorInvalidValue);
-  if (a == nullptr || a->head_dim != JAXFLASH_HEAD_DIM || a->head_dim_v != JAXFLASH_HEAD_DIM_V) {
+  if (a == nullptr || a->head_dim != JAXFLASH_HEAD_DIM || a->head_dim_v != JAXFLASH_HEAD_DIM_V ||
+      a->dq_copies != JAXFLASH_DQ_COPIES) {
     return kInvalid;
   }
   // Empty grids are not valid launches and TMA descriptors need extents >= 1: the caller
@@ -108,8 +111,9 @@ int32_t Validate(const JaxflashBwdArgs* a) {
     return kInvalid;
   }
   // Grids are (blocks, heads, batch): CUDA caps gridDim.y and gridDim.z at 65535; the rounded
-  // query length must fit int32.
-  if (a->num_heads > 65535 || a->batch > 65535 || a->seqlen_q > INT32_MAX - JAXFLASH_TILE_M) {
+  // query length (times the dQ accumulator copies) must fit int32.
+  if (a->num_heads > 65535 || a->batch > 65535 ||
+      a->seqlen_q > INT32_MAX / JAXFLASH_DQ_COPIES - JAXFLASH_TILE_M) {
     return kInvalid;
   }
   // TMA and the bulk reduction need 16-byte aligned global addresses.
@@ -148,6 +152,7 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
   const int32_t b = a.batch, sq = a.seqlen_q, sk = a.seqlen_k, h = a.num_heads;
   const int32_t hk = a.num_kv_heads, d = JAXFLASH_HEAD_DIM, dv = JAXFLASH_HEAD_DIM_V;
   const int32_t sqr = (sq + JAXFLASH_TILE_M - 1) / JAXFLASH_TILE_M * JAXFLASH_TILE_M;
+  const int32_t acc_rows = JAXFLASH_DQ_COPIES * sqr;  // the dQ accumulator copies (Validate)
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
 
   {  // delta, lse * log2(e), zeroed dQ accumulator (and semaphores)
@@ -157,9 +162,10 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
     auto dlse = Dense3<JF_PRE(_Tensor_mdLSE_t)>(a.d_lse, b, h, sq);
     auto lse2 = Dense3<JF_PRE(_Tensor_mLSE2_t)>(a.lse_log2, b, h, sqr);
     auto delta = Dense3<JF_PRE(_Tensor_mDelta_t)>(a.delta, b, h, sqr);
-    auto acc = Dense4<JF_PRE(_Tensor_mdQaccum_t)>(a.dq_accum, b, h, sqr, d);
+    auto acc = Dense4<JF_PRE(_Tensor_mdQaccum_t)>(a.dq_accum, b, h, acc_rows, d);
 #if JAXFLASH_DETERMINISTIC
-    auto sem = Dense3<JF_PRE(_Tensor_mSem_t)>(a.dq_semaphore, b, h, sqr / JAXFLASH_TILE_M);
+    auto sem =
+        Dense3<JF_PRE(_Tensor_mSem_t)>(a.dq_semaphore, b, h, acc_rows / JAXFLASH_TILE_M);
     status = JF_WRAPPER(JAXFLASH_PREFIX_PRE)(&g_pre, &o, &dout, &lse, &dlse, &lse2, &delta, &acc,
                                              &sem, stream);
 #else
@@ -175,11 +181,12 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
     auto dout = Dense4<JF_MAIN(_Tensor_mdO_t)>(a.d_out, b, sq, h, dv);
     auto lse2 = Dense3<JF_MAIN(_Tensor_mLSE2_t)>(a.lse_log2, b, h, sqr);
     auto delta = Dense3<JF_MAIN(_Tensor_mDelta_t)>(a.delta, b, h, sqr);
-    auto acc = Dense4<JF_MAIN(_Tensor_mdQaccum_t)>(a.dq_accum, b, h, sqr, d);
+    auto acc = Dense4<JF_MAIN(_Tensor_mdQaccum_t)>(a.dq_accum, b, h, acc_rows, d);
     auto dk = Dense4<JF_MAIN(_Tensor_mdK_t)>(a.dk, b, sk, hk, d);
     auto dvt = Dense4<JF_MAIN(_Tensor_mdV_t)>(a.dv, b, sk, hk, dv);
 #if JAXFLASH_DETERMINISTIC
-    auto sem = Dense3<JF_MAIN(_Tensor_mSem_t)>(a.dq_semaphore, b, h, sqr / JAXFLASH_TILE_M);
+    auto sem =
+        Dense3<JF_MAIN(_Tensor_mSem_t)>(a.dq_semaphore, b, h, acc_rows / JAXFLASH_TILE_M);
     status = JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &dout, &lse2, &delta, &acc,
                                               &dk, &dvt, &sem, a.softmax_scale, stream);
 #else
@@ -189,7 +196,7 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
     if (status != 0) return status;
   }
   {  // dQ = softmax_scale * accumulator, in the input dtype
-    auto acc = Dense4<JF_POST(_Tensor_mdQaccum_t)>(a.dq_accum, b, h, sqr, d);
+    auto acc = Dense4<JF_POST(_Tensor_mdQaccum_t)>(a.dq_accum, b, h, acc_rows, d);
     auto dq = Dense4<JF_POST(_Tensor_mdQ_t)>(a.dq, b, sq, h, d);
     status = JF_WRAPPER(JAXFLASH_PREFIX_POST)(&g_post, &acc, &dq, a.softmax_scale, stream);
   }

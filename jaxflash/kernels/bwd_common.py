@@ -130,7 +130,11 @@ def fresh_thread_idx(*, loc=None, ip=None) -> Int32:
 
 @cute.jit
 def wait_at_least(ptr: cute.Pointer, target: Int32):
-  """Spins until the int32 semaphore at ptr is >= target (one thread calls this)."""
+  """Spins until the int32 semaphore at ptr is >= target (one thread calls this).
+
+  Every poll is an acquire: polling with relaxed loads and acquiring once was 4-9 % slower on
+  the H200 (eighth session, perf-notes.md).
+  """
   seen = load_acquire(ptr)
   while seen < target:
     seen = load_acquire(ptr)

@@ -29,13 +29,15 @@ class FlashAttentionBackwardPostprocess:
   """
 
   def __init__(self, dtype, head_dim: int, tile_m: int = bwd_common.TILE_M,
-               transposed: bool = False):
+               transposed: bool = False, dq_copies: int = 1):
     """tile_m / transposed: the main kernel's dQ accumulator blocks (bwd_common.dq_tiled_mma's
-    rows / transposed; bwd_sm90 swap_sdp with 80-row tiles writes 80-row dQ^T blocks)."""
+    rows / transposed; bwd_sm90 swap_sdp with 80-row tiles writes 80-row dQ^T blocks).
+    dq_copies: accumulator copies (config.dq_accum_copies), summed in index order."""
     self.dtype = dtype
     self.head_dim = head_dim
     self.tile_m = tile_m
     self.transposed = transposed
+    self.dq_copies = dq_copies
 
   @staticmethod
   def can_implement(dtype: str, head_dim: int) -> tuple[bool, str]:
@@ -48,7 +50,7 @@ class FlashAttentionBackwardPostprocess:
   @cute.jit
   def __call__(
       self,
-      mdQaccum: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded, head_dim) float32
+      mdQaccum: cute.Tensor,  # (batch, num_heads, copies * seqlen_q_rounded, head_dim) f32
       mdQ: cute.Tensor,  # (batch, seqlen_q, num_heads, head_dim) out
       softmax_scale: Float32,
       stream: cuda.CUstream,
@@ -96,6 +98,13 @@ class FlashAttentionBackwardPostprocess:
                                      tidx % sm90_gemm.WARPGROUP_THREADS)
     values = cute.make_rmem_tensor(src.shape, Float32)
     cute.autovec_copy(src, values)  # 128-bit loads
+    if const_expr(self.dq_copies > 1):
+      # The other copies, added in index order (a fixed order: deterministic).
+      copy_floats = cutlass.Int64(mdQaccum.shape[0] // self.dq_copies) * self.head_dim
+      more = cute.make_rmem_tensor(src.shape, Float32)
+      for c in cutlass.range_constexpr(1, self.dq_copies):
+        cute.autovec_copy(cute.make_tensor(src.iterator + c * copy_floats, src.layout), more)
+        values.store(values.load() + more.load())
     # Flat value i of the fragment order is flat value i of the MMA accumulator fragment
     # ((col, row) of the dQ^T accumulator when transposed).
     shape = (self.head_dim, self.tile_m) if const_expr(self.transposed) else (self.tile_m,

@@ -28,17 +28,19 @@ class FlashAttentionBackwardPreprocess:
   Writes, for every row of the block (rows >= seqlen_q included, so the main kernel never needs
   a bounds check): lse2 = lse * log2(e), or +inf where lse = -inf or the row is padding (P = 0
   in the main kernel), and delta = sum_c dO * O - d_lse (0 for padding); zeroes the block's
-  dQ accumulator floats and, when deterministic, its dQ semaphore.
+  dQ accumulator floats and, when deterministic, its dQ semaphore, in each of the dq_copies
+  accumulator copies (config.dq_accum_copies).
   """
 
   def __init__(self, dtype, head_dim: int, head_dim_v: int, deterministic: bool = False,
-               tile_m: int = bwd_common.TILE_M):
+               tile_m: int = bwd_common.TILE_M, dq_copies: int = 1):
     self.dtype = dtype
     self.head_dim = head_dim
     self.head_dim_v = head_dim_v
     self.deterministic = deterministic
     # The main kernel's query block (a multiple of bwd_common.TILE_M): one dQ semaphore each.
     self.tile_m = tile_m
+    self.dq_copies = dq_copies
     # A row of dO / O is read by head_dim_v / 8 consecutive lanes, 16 bytes each; the lanes per
     # row are a power of two (the shuffle reduction's group), the extra ones idle (hdim 96, 192).
     self.chunks = head_dim_v // _VEC
@@ -65,8 +67,8 @@ class FlashAttentionBackwardPreprocess:
       mdLSE: cute.Tensor,  # (batch, num_heads, seqlen_q) float32
       mLSE2: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded) float32 out
       mDelta: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded) float32 out
-      mdQaccum: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded, head_dim) float32 out
-      mSem: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded / tile_m) int32 out, or None
+      mdQaccum: cute.Tensor,  # (batch, num_heads, copies * seqlen_q_rounded, head_dim) f32 out
+      mSem: cute.Tensor,  # (batch, num_heads, copies * seqlen_q_rounded / tile_m) int32, or None
       stream: cuda.CUstream,
   ):
     if const_expr(not (mO.element_type == mdO.element_type == self.dtype)):
@@ -113,14 +115,17 @@ class FlashAttentionBackwardPreprocess:
         mDelta[row, head, batch] = delta
 
     # The block's dQ accumulator floats are contiguous (bwd_common): coalesced zero stores.
-    gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim),
-                          (m_block, 0))
-    flat = cute.make_tensor(gdQ.iterator, cute.make_layout(self.tile_m * self.head_dim))
-    for i in cutlass.range_constexpr(self.tile_m * self.head_dim // _NUM_THREADS):
-      flat[i * _NUM_THREADS + tidx] = Float32(0.0)
-    if const_expr(self.deterministic):
-      if tidx == 0:
-        mSem[m_block, head, batch] = Int32(0)
+    # Copy c of the accumulator starts copy_blocks query blocks after copy c - 1.
+    copy_blocks = mdQaccum.shape[0] // (self.dq_copies * self.tile_m)
+    for c in cutlass.range_constexpr(self.dq_copies):
+      gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim),
+                            (m_block + c * copy_blocks, 0))
+      flat = cute.make_tensor(gdQ.iterator, cute.make_layout(self.tile_m * self.head_dim))
+      for i in cutlass.range_constexpr(self.tile_m * self.head_dim // _NUM_THREADS):
+        flat[i * _NUM_THREADS + tidx] = Float32(0.0)
+      if const_expr(self.deterministic):
+        if tidx == 0:
+          mSem[m_block + c * copy_blocks, head, batch] = Int32(0)
 
   @cute.jit
   def _chunk_dot(self, mO: cute.Tensor, mdO: cute.Tensor, row: Int32, chunk: Int32, head: Int32,

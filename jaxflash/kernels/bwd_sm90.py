@@ -35,6 +35,12 @@ _EPILOGUE_BARRIER = 3
 _DQ_FULL_BARRIER = 4
 _DQ_EMPTY_BARRIER = 4 + _NUM_WG
 _DQ_BARRIER_THREADS = _WG + sm90_gemm.WARP_THREADS
+# Deterministic: the dQ writer warp hands each step's semaphore release to the release warp
+# (full: this step's dQ writes have landed; empty: the previous release is issued), 2 warps.
+_DQ_RELEASE_FULL_BARRIER = 4 + 2 * _NUM_WG
+_DQ_RELEASE_EMPTY_BARRIER = _DQ_RELEASE_FULL_BARRIER + 1
+_DQ_RELEASE_BARRIER_THREADS = 2 * sm90_gemm.WARP_THREADS
+_DQ_WRITER_WARP, _DQ_RELEASE_WARP = 1, 2
 # Producer warpgroup keeps 24 registers (TMA only); the two consumers get 240 (FA-3's split).
 _PRODUCER_REGS, _MMA_REGS = 24, 240
 # Above this head_dim, dK + dV of 64 key rows per warpgroup (head_dim fp32 registers per
@@ -143,8 +149,9 @@ class FlashAttentionBackwardSm90:
   GQA: the group's query heads are looped inside the CTA, so dK/dV are written once, in the
   input dtype, by TMA.
   With `deterministic`, the dQ reductions into one (batch, head, m block) happen in a fixed
-  key-block order, gated by an int32 semaphore per (batch, head, m block). With the causal mask
-  descending, and CTAs launch the last key block first, so every CTA only waits for CTAs
+  key-block order, gated by an int32 semaphore per (batch, head, m block); key block n adds
+  into accumulator copy n % dq_copies, each copy with its own order and semaphores. With the
+  causal mask descending, and CTAs launch the last key block first, so every CTA only waits for CTAs
   launched before it (no deadlock) that reached the block earlier (no stall). Without a mask,
   key block n walks the query blocks from (M - n) mod M and the order at a query block is the
   arrival order, so no key block queues behind the others at the start (_m_rotation, _dq_rank);
@@ -155,7 +162,8 @@ class FlashAttentionBackwardSm90:
   def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
                causal: bool, deterministic: bool = False, swap_sdp: bool | None = None,
                det_sync: str = "ordered", rotate_m: bool | None = None,
-               early_dq_empty: bool = True, dq_split_m: bool | None = None):
+               early_dq_empty: bool = True, dq_split_m: bool | None = None,
+               release_warp: bool | None = None, dq_copies: int | None = None):
     """swap_sdp: None takes the tile's choice (config.TileConfig.swap_sdp); devtools A/B builds
     pass True / False to override it.
 
@@ -163,6 +171,19 @@ class FlashAttentionBackwardSm90:
     (shipped) waits for its turn on the semaphore and for its dQ reductions to be written before
     releasing the next key block; "no_wait" skips the turn wait, "no_flush" also the write wait.
     Both measure a kernel that is NOT deterministic (and "no_flush" publishes nothing).
+    release_warp (deterministic; None: on, devtools A/B pass False): a third producer warp
+    issues each semaphore release (red.release.gpu, whose MEMBAR.GPU took a quarter of the
+    writer warp's time at hdim 192 in ncu), so the dQ writer goes on to the next query block
+    once its writes have landed. H200 self-test, deterministic backward TFLOP/s 4k / 16k / 1k:
+    hdim 192 343 / 431 / 284 vs 343 / 356 / 286, causal 349 / 418 / 236 vs 313 / 350 / 230;
+    hdim 96 519 / 532 / 416 vs 491 / 504 / 388; hdim 128 causal 531 / 563 / 345 vs 489 / 548 /
+    313 (eighth session, perf-notes.md).
+    dq_copies (deterministic; None: config.dq_accum_copies, devtools A/B pass 1 / 2): dQ
+    accumulator copies; key block n adds into copy n % dq_copies, in a fixed order per copy
+    (_dq_rank), and the postprocess sums the copies. Without a mask at as many key blocks as
+    query blocks the rotated order makes each query block's hand-offs a ring around the key
+    blocks, and the ring (dQ write, MEMBAR, semaphore poll per hop) bounded the step time at
+    hdim 192 / 256: one ring per copy, each 1 / dq_copies as long.
     rotate_m: None walks the query blocks in the rotated order (_DET_ROTATE_MAX_KEY_BLOCKS)
     when deterministic without a mask, else in ascending order; devtools A/B builds pass True /
     False to force it (True: also the default mode, without a mask).
@@ -187,6 +208,13 @@ class FlashAttentionBackwardSm90:
       raise ValueError("rotate_m=True needs causal=False (the causal order is fixed)")
     self.rotate_m = (deterministic and not causal) if rotate_m is None else rotate_m
     self.early_dq_empty = early_dq_empty
+    self.release_warp = deterministic and (release_warp is None or release_warp)
+    if dq_copies is not None:
+      dq_copies = int(dq_copies)  # devtools --kernel-arg passes 0 / 1 as booleans
+    if dq_copies is not None and (dq_copies < 1 or (dq_copies > 1 and not deterministic)):
+      raise ValueError(f"dq_copies: {dq_copies}; accepted: None, 1, or more when deterministic")
+    self.dq_copies = (config.dq_accum_copies(deterministic, causal, head_dim) if dq_copies is None
+                      else dq_copies)
     self.dtype = dtype
     self.head_dim = head_dim
     self.head_dim_v = head_dim_v
@@ -394,10 +422,10 @@ class FlashAttentionBackwardSm90:
       mdO: cute.Tensor,  # (batch, seqlen_q, num_heads, head_dim_v)
       mLSE2: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded) float32, lse * log2(e)
       mDelta: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded) float32
-      mdQaccum: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded, head_dim) float32
+      mdQaccum: cute.Tensor,  # (batch, num_heads, copies * seqlen_q_rounded, head_dim) float32
       mdK: cute.Tensor,  # (batch, seqlen_k, num_kv_heads, head_dim)
       mdV: cute.Tensor,  # (batch, seqlen_k, num_kv_heads, head_dim_v)
-      mSem: cute.Tensor,  # (batch, num_heads, seqlen_q_rounded / tile_m) int32, or None
+      mSem: cute.Tensor,  # (batch, num_heads, copies * seqlen_q_rounded / tile_m) int32, or None
       softmax_scale: Float32,
       stream: cuda.CUstream,
   ):
@@ -414,9 +442,9 @@ class FlashAttentionBackwardSm90:
     # Kernel-side order puts the tile modes first: (seqlen, dim, heads, batch).
     mQ, mK, mV, mdO, mdK, mdV = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
     mLSE2, mDelta = [_select(t, [2, 1, 0]) for t in (mLSE2, mDelta)]
-    mdQaccum = _select(mdQaccum, [2, 3, 1, 0])  # (seqlen_q_rounded, head_dim, heads, batch)
+    mdQaccum = _select(mdQaccum, [2, 3, 1, 0])  # (copies * rows, head_dim, heads, batch)
     if const_expr(self.deterministic):
-      mSem = _select(mSem, [2, 1, 0])  # (m blocks, heads, batch)
+      mSem = _select(mSem, [2, 1, 0])  # (copies * m blocks, heads, batch)
 
     load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
     q_tile, do_tile = (self.tile_m, self.head_dim), (self.tile_m, self.head_dim_v)
@@ -452,8 +480,8 @@ class FlashAttentionBackwardSm90:
       mdV: cute.Tensor,  # TMA coordinates of (seqlen_k, head_dim_v, num_kv_heads, batch)
       mLSE2: cute.Tensor,  # (seqlen_q_rounded, num_heads, batch)
       mDelta: cute.Tensor,  # (seqlen_q_rounded, num_heads, batch)
-      mdQaccum: cute.Tensor,  # (seqlen_q_rounded, head_dim, num_heads, batch)
-      mSem: cute.Tensor,  # (m blocks, num_heads, batch) or None
+      mdQaccum: cute.Tensor,  # (copies * seqlen_q_rounded, head_dim, num_heads, batch)
+      mSem: cute.Tensor,  # (copies * m blocks, num_heads, batch) or None
       tma_atom_q: cute.CopyAtom,
       tma_atom_k: cute.CopyAtom,
       tma_atom_v: cute.CopyAtom,
@@ -519,9 +547,12 @@ class FlashAttentionBackwardSm90:
         self.load(mQ, mK, mV, mdO, tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do,
                   smem["sQ"], smem["sK"], smem["sV"], smem["sdO"], pipeline_kv, pipeline_qdo,
                   pipeline_do, n_block, head_kv, batch, group, m_min, m_max, m_rot, stats)
-      if warp_idx == 1:
+      if warp_idx == _DQ_WRITER_WARP:
         self.store_dq(mdQaccum, mSem, sdQ, n_block, head_kv, batch, group, m_min, m_max,
                       m_rot, seqlen_q, seqlen_k)
+      if const_expr(self.release_warp):
+        if warp_idx == _DQ_RELEASE_WARP:
+          self.release_dq(mdQaccum, mSem, n_block, head_kv, batch, group, m_min, m_max, m_rot)
     else:
       cute.arch.setmaxregister_increase(_MMA_REGS)
       n_block, head_kv, batch, m_min, m_max, m_rot = self._work_coords(seqlen_q, seqlen_k)
@@ -1101,10 +1132,11 @@ class FlashAttentionBackwardSm90:
           else:
             self._hand_back_dq_buffers(lane)
           if const_expr(p == 0):
+            acc_block = self._dq_accum_block(mdQaccum, m_block, n_block)
             gdQ = cute.local_tile(mdQaccum[None, None, head, batch],
-                                  (self.tile_m, self.head_dim), (m_block, 0))
+                                  (self.tile_m, self.head_dim), (acc_block, 0))
             if const_expr(self.deterministic):
-              sem = mSem[None, head, batch].iterator + m_block
+              sem = mSem[None, head, batch].iterator + acc_block
               if lane == 0:
                 if const_expr(self.det_sync == "ordered"):
                   bwd_common.wait_at_least(
@@ -1135,10 +1167,39 @@ class FlashAttentionBackwardSm90:
             if const_expr(self.det_sync != "no_flush"):
               cute.arch.cp_async_bulk_wait_group(0)
               cute.arch.fence_proxy("async.global")
-            bwd_common.add_release(sem, 1)
+            if const_expr(not self.release_warp):
+              bwd_common.add_release(sem, 1)
+          if const_expr(self.release_warp):
+            # The named barrier orders the landed writes before the release warp's red.release
+            # (a release is cumulative). Its previous release must be issued first: a thread
+            # may not arrive twice on a barrier before it completes.
+            if g > 0 or step > m_min:
+              cute.arch.barrier(barrier_id=_DQ_RELEASE_EMPTY_BARRIER,
+                                number_of_threads=_DQ_RELEASE_BARRIER_THREADS)
+            cute.arch.barrier_arrive(barrier_id=_DQ_RELEASE_FULL_BARRIER,
+                                     number_of_threads=_DQ_RELEASE_BARRIER_THREADS)
     # Shared memory must outlive every bulk read of it.
     if lane == 0:
       cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+  @cute.jit
+  def release_dq(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, n_block: Int32,
+                 head_kv: Int32, batch: Int32, group: Int32, m_min: Int32, m_max: Int32, m_rot):
+    """Release warp (release_warp): one semaphore increment per step of store_dq, in its order,
+    each once the writer has seen that step's dQ writes land."""
+    lane = cute.arch.lane_idx()
+    for g in cutlass.range(group, unroll=1):
+      head = head_kv * group + g
+      for step in cutlass.range(m_min, m_max, unroll=1):
+        m_block = self._m_block_at(step, m_rot, m_max)
+        cute.arch.barrier(barrier_id=_DQ_RELEASE_FULL_BARRIER,
+                          number_of_threads=_DQ_RELEASE_BARRIER_THREADS)
+        if lane == 0:
+          acc_block = self._dq_accum_block(mdQaccum, m_block, n_block)
+          bwd_common.add_release(mSem[None, head, batch].iterator + acc_block, 1)
+        if g < group - 1 or step < m_max - 1:
+          cute.arch.barrier_arrive(barrier_id=_DQ_RELEASE_EMPTY_BARRIER,
+                                   number_of_threads=_DQ_RELEASE_BARRIER_THREADS)
 
   @cute.jit
   def _hand_back_dq_buffers(self, lane: Int32):
@@ -1152,26 +1213,43 @@ class FlashAttentionBackwardSm90:
                                number_of_threads=_DQ_BARRIER_THREADS)
 
   @cute.jit
+  def _dq_accum_block(self, mdQaccum: cute.Tensor, m_block: Int32, n_block: Int32) -> Int32:
+    """Block of the dQ accumulator (and semaphore) that key block n_block adds query block
+    m_block into: m_block of copy n_block % dq_copies (copies follow each other by
+    seqlen_q_rounded rows, kernel_abi.h)."""
+    block = m_block
+    if const_expr(self.dq_copies > 1):
+      copy_blocks = mdQaccum.shape[0] // (self.dq_copies * self.tile_m)
+      block = m_block + (n_block % self.dq_copies) * copy_blocks
+    return block
+
+  @cute.jit
   def _dq_rank(self, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
-    """Position of this key block among those adding into query block m_block (deterministic).
+    """Position of this key block among those adding into query block m_block of its dQ
+    accumulator copy, c = n_block % dq_copies (deterministic).
 
     The key blocks seen by a query block are exactly [0, n_block_max): without a mask they add
-    in ascending order, with the causal mask in descending order (see the class docstring).
-    Rotated (_m_rotation): key block n reaches query block m at step (m + n) mod M, and they add
-    in that order: ascending n where m + N <= M (no step wraps), else the N - (M - m) blocks
-    n >= M - m (wrapped, steps m + n - M) first.
+    in ascending order, with the causal mask in descending order (see the class docstring);
+    the rank counts only the blocks of copy c before this one. Rotated (_m_rotation): key block
+    n reaches query block m at step (m + n) mod M, and they add in that order: ascending n
+    where m + N <= M (no step wraps), else the blocks n >= s = M - m (wrapped, steps
+    m + n - M) first. With count(x) = the copy-c blocks in [0, x) = (x + copies - 1 - c) //
+    copies (count(n_block) = n_block // copies), the rank is count(n) - count(s) for n >= s
+    and count(N) - count(s) + count(n) for n < s.
     """
-    rank = n_block
+    copies = self.dq_copies
+    rank = n_block // copies
     if const_expr(self.rotate_m and self.deterministic):
       num_m, rotates = self._rotates(seqlen_q, seqlen_k)
       num_n = cute.ceil_div(seqlen_k, self.tile_n)
       if rotates and m_block + num_n > num_m:
-        rank = n_block + m_block - num_m
+        skipped = copies - 1 - n_block % copies
+        rank = n_block // copies - (num_m - m_block + skipped) // copies
         if rank < 0:
-          rank = rank + num_n
+          rank = rank + (num_n + skipped) // copies
     if const_expr(self.causal):
       n_end = mask.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, True)
-      rank = n_end - 1 - n_block
+      rank = (n_end - 1 - n_block) // copies
     return rank
 
   @cute.jit

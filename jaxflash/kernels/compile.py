@@ -246,15 +246,16 @@ def bwd_signature(variant: config.KernelVariant) -> dict:
 
   q/k/v/out/d_out/dq/dk/dv are dense (batch, seq, heads, dim); lse/d_lse (batch, heads, seqlen_q);
   the scratch tensors follow config.bwd_scratch_shapes: lse_log2/delta (batch, heads,
-  seqlen_q_rounded), dq_accum (batch, heads, seqlen_q_rounded, head_dim), dq_semaphore (batch,
-  heads, seqlen_q_rounded / tile_m) or None. Dynamic strides are listed in mode order with a
-  unit last stride, as the C glue fills them.
+  seqlen_q_rounded), dq_accum (batch, heads, copies * seqlen_q_rounded, head_dim), dq_semaphore
+  (batch, heads, copies * seqlen_q_rounded / tile_m) or None. Dynamic strides are listed in
+  mode order with a unit last stride, as the C glue fills them.
   """
   dtype = DTYPES[variant.dtype]
   d, dv = variant.head_dim, variant.head_dim_v
   batch, seqlen_q, seqlen_k = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
   num_heads, num_kv_heads = cute.sym_int32(), cute.sym_int32()
   seqlen_q_rounded = cute.sym_int32(divisibility=variant.tile.tile_m)
+  accum_rows = cute.sym_int32(divisibility=variant.tile.tile_m)  # copies * seqlen_q_rounded
 
   def dense(shape, last_dim, dt=dtype):
     strides = tuple(cute.sym_int64(divisibility=last_dim) for _ in shape[:-2]) + (last_dim, 1)
@@ -277,7 +278,7 @@ def bwd_signature(variant: config.KernelVariant) -> dict:
       d_lse=rows((batch, num_heads, seqlen_q)),
       lse_log2=rows((batch, num_heads, seqlen_q_rounded)),
       delta=rows((batch, num_heads, seqlen_q_rounded)),
-      dq_accum=dense((batch, num_heads, seqlen_q_rounded, d), d, cutlass.Float32),
+      dq_accum=dense((batch, num_heads, accum_rows, d), d, cutlass.Float32),
       dq=dense((batch, seqlen_q, num_heads, d), d),
       dk=dense((batch, seqlen_k, num_kv_heads, d), d),
       dv=dense((batch, seqlen_k, num_kv_heads, dv), dv),
@@ -306,10 +307,12 @@ def build_bwd_kernels(variant: config.KernelVariant, main_args: dict | None = No
   # The postprocess reads the dQ accumulator blocks the main kernel writes (bwd_common).
   return (
       FlashAttentionBackwardPreprocess(dtype, variant.head_dim, variant.head_dim_v,
-                                       variant.deterministic, variant.tile.tile_m),
+                                       variant.deterministic, variant.tile.tile_m,
+                                       dq_copies=main.dq_copies),
       main,
       FlashAttentionBackwardPostprocess(dtype, variant.head_dim, tile_m=main.dq_rows,
-                                        transposed=main.dq_transposed),
+                                        transposed=main.dq_transposed,
+                                        dq_copies=main.dq_copies),
   )
 
 
@@ -349,6 +352,7 @@ def export_bwd_variant(variant: config.KernelVariant, out_dir, main_args: dict |
              f"-DJAXFLASH_HEAD_DIM_V={variant.head_dim_v}",
              f"-DJAXFLASH_TILE_M={variant.tile.tile_m}",
              f"-DJAXFLASH_DETERMINISTIC={int(variant.deterministic)}",
+             f"-DJAXFLASH_DQ_COPIES={main.dq_copies}",
              *(f"-DJAXFLASH_PREFIX_{part.upper()}={prefix}_{part}" for part in _BWD_PARTS),
              *(f'-DJAXFLASH_HEADER_{part.upper()}="{headers[part]}"' for part in _BWD_PARTS))
   return ExportedKernel(
