@@ -35,7 +35,8 @@ for key in "$@"; do
     *) lib=.kcache/$key/libjaxflash_variant.so ;;
   esac
   if [ ! -f "$lib" ]; then echo "$key: no $lib" >&2; status=1; continue; fi
-  rep=$out/ncu_$key${NCU_SEQ:+_$NCU_SEQ}
+  # The device tool returns files with plain names only: A/B keys' '+' and '=' become '_'.
+  rep=$out/ncu_$(printf %s "$key${NCU_SEQ:+_$NCU_SEQ}" | tr -c 'A-Za-z0-9._-' _)
   work=$rep
   [ "${NCU_KEEP_REP:-0}" = 1 ] || work=/tmp/${rep##*/}
   timeout 300 "$ncu" --clock-control none --kernel-name "$filter" --launch-skip $skip \

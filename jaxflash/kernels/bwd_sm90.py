@@ -151,8 +151,8 @@ class FlashAttentionBackwardSm90:
   With `deterministic`, the dQ reductions into one (batch, head, m block) happen in a fixed
   key-block order, gated by an int32 semaphore per (batch, head, m block); key block n adds
   into accumulator copy n % dq_copies, each copy with its own order and semaphores. With the
-  causal mask descending, and CTAs launch the last key block first, so every CTA only waits for CTAs
-  launched before it (no deadlock) that reached the block earlier (no stall). Without a mask,
+  causal mask descending, and CTAs launch the last key block first, so every CTA only waits for
+  CTAs launched before it (no deadlock) that reached the block earlier (no stall). Without a mask,
   key block n walks the query blocks from (M - n) mod M and the order at a query block is the
   arrival order, so no key block queues behind the others at the start (_m_rotation, _dq_rank);
   key block 0 then also waits for later CTAs, so this needs the head's key blocks resident
