@@ -45,9 +45,10 @@ REFERENCE_DTYPES = ("float16", "bfloat16", "float32")
 KERNEL_HEAD_DIM_PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
 # The q/k head dims among them.
 KERNEL_HEAD_DIMS = tuple(sorted({d for d, _ in KERNEL_HEAD_DIM_PAIRS}))
-# Hopper backward: the (head_dim, head_dim_v) pairs with a kernel (192 and 256 use the head-dim
-# split warpgroup mapping of kernels/bwd_sm90.py, which takes head_dim_v for V, dO, dP and dV).
-BWD_KERNEL_HEAD_DIM_PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
+# Hopper backward: the (head_dim, head_dim_v) pairs with a kernel, every forward pair (192 and
+# 256 use the head-dim split warpgroup mapping of kernels/bwd_sm90.py, which takes head_dim_v
+# for V, dO, dP and dV). A name of its own: tests take a pair out of the backward only.
+BWD_KERNEL_HEAD_DIM_PAIRS = KERNEL_HEAD_DIM_PAIRS
 BWD_KERNEL_HEAD_DIMS = tuple(sorted({d for d, _ in BWD_KERNEL_HEAD_DIM_PAIRS}))
 DIRECTIONS = ("fwd", "bwd")
 KERNEL_ARCHS = ("sm90a",)

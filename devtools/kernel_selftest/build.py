@@ -42,6 +42,11 @@ def _parse_head_dims(text):
   return pairs
 
 
+def _format_head_dims(pairs):
+  """[(64, 64), (192, 128)] -> '64,192x128' (the inverse of _parse_head_dims)."""
+  return ",".join(str(d) if d == dv else f"{d}x{dv}" for d, dv in pairs)
+
+
 def parse_tile_spec(spec: str) -> config.TileConfig:
   """'192x128x2' -> TileConfig(192, 128, 2); a 'swap' suffix sets swap_sdp (backward only)."""
   m, n, s = (int(x) for x in spec.removesuffix("swap").split("x"))
@@ -191,8 +196,7 @@ def main():
   p.add_argument("--work", default="/tmp/jaxflash_selftest_work")
   p.add_argument("--dtypes", default="f16,bf16")
   p.add_argument("--head-dims", help="comma-separated D or DxDV (head_dim x head_dim_v)",
-                 default=",".join(str(d) if d == dv else f"{d}x{dv}"
-                                  for d, dv in config.KERNEL_HEAD_DIM_PAIRS))
+                 default=_format_head_dims(config.KERNEL_HEAD_DIM_PAIRS))
   p.add_argument("--causal", default="both", choices=("both", "0", "1"))
   p.add_argument("--tile", action="append", default=[],
                  help="D=MxNxSTAGES or DxDV=MxNxSTAGES tile override")

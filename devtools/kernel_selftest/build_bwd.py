@@ -119,8 +119,8 @@ def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--work", default="/tmp/jaxflash_selftest_bwd_work")
   p.add_argument("--dtypes", default="bf16,f16")
-  p.add_argument("--head-dims", default=",".join(
-                     str(d) if d == dv else f"{d}x{dv}" for d, dv in config.BWD_KERNEL_HEAD_DIM_PAIRS),
+  p.add_argument("--head-dims",
+                 default=_forward_builder()._format_head_dims(config.BWD_KERNEL_HEAD_DIM_PAIRS),
                  help="D or DxDV items (head_dim x head_dim_v), e.g. 64,128,192x128")
   p.add_argument("--det", default="both", choices=("both", "0", "1"))
   p.add_argument("--causal", default="both", choices=("both", "0", "1"),

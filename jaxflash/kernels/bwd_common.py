@@ -128,6 +128,16 @@ def fresh_thread_idx(*, loc=None, ip=None) -> Int32:
                                is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+def dq_copy_blocks(mdQaccum: cute.Tensor, copies: int, block_rows: int):
+  """Blocks of block_rows rows in one copy of the dQ accumulator (kernel order: rows first).
+
+  The accumulator holds `copies` copies per (batch, head), copy c at rows [c * seqlen_q_rounded,
+  (c + 1) * seqlen_q_rounded) (kernel_abi.h, config.dq_accum_copies); block_rows = 1 gives the
+  rows of a copy.
+  """
+  return mdQaccum.shape[0] // (copies * block_rows)
+
+
 @cute.jit
 def wait_at_least(ptr: cute.Pointer, target: Int32):
   """Spins until the int32 semaphore at ptr is >= target (one thread calls this).

@@ -100,7 +100,8 @@ class FlashAttentionBackwardPostprocess:
     cute.autovec_copy(src, values)  # 128-bit loads
     if const_expr(self.dq_copies > 1):
       # The other copies, added in index order (a fixed order: deterministic).
-      copy_floats = cutlass.Int64(mdQaccum.shape[0] // self.dq_copies) * self.head_dim
+      copy_floats = (cutlass.Int64(bwd_common.dq_copy_blocks(mdQaccum, self.dq_copies, 1))
+                     * self.head_dim)
       more = cute.make_rmem_tensor(src.shape, Float32)
       for c in cutlass.range_constexpr(1, self.dq_copies):
         cute.autovec_copy(cute.make_tensor(src.iterator + c * copy_floats, src.layout), more)

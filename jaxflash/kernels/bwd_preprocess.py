@@ -115,8 +115,7 @@ class FlashAttentionBackwardPreprocess:
         mDelta[row, head, batch] = delta
 
     # The block's dQ accumulator floats are contiguous (bwd_common): coalesced zero stores.
-    # Copy c of the accumulator starts copy_blocks query blocks after copy c - 1.
-    copy_blocks = mdQaccum.shape[0] // (self.dq_copies * self.tile_m)
+    copy_blocks = bwd_common.dq_copy_blocks(mdQaccum, self.dq_copies, self.tile_m)
     for c in cutlass.range_constexpr(self.dq_copies):
       gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim),
                             (m_block + c * copy_blocks, 0))

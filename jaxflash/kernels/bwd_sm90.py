@@ -1215,11 +1215,10 @@ class FlashAttentionBackwardSm90:
   @cute.jit
   def _dq_accum_block(self, mdQaccum: cute.Tensor, m_block: Int32, n_block: Int32) -> Int32:
     """Block of the dQ accumulator (and semaphore) that key block n_block adds query block
-    m_block into: m_block of copy n_block % dq_copies (copies follow each other by
-    seqlen_q_rounded rows, kernel_abi.h)."""
+    m_block into: m_block of copy n_block % dq_copies (bwd_common.dq_copy_blocks)."""
     block = m_block
     if const_expr(self.dq_copies > 1):
-      copy_blocks = mdQaccum.shape[0] // (self.dq_copies * self.tile_m)
+      copy_blocks = bwd_common.dq_copy_blocks(mdQaccum, self.dq_copies, self.tile_m)
       block = m_block + (n_block % self.dq_copies) * copy_blocks
     return block
 
