@@ -278,8 +278,10 @@ def bwd_scratch_shapes(variant: KernelVariant, batch: int, seq_q: int,
   """Scratch buffers of one backward call, in custom-call result order after dq, dk, dv.
 
   Returns ((name, shape, dtype), ...). seq_q is rounded up to the variant's tile_m. The kernels
-  write every element they read (the preprocess zeroes dq_accum and dq_semaphore), so XLA may
-  hand over uninitialised memory. dq_semaphore exists only for deterministic variants.
+  never read what they have not written, so XLA may hand over uninitialised memory: the
+  preprocess zeroes dq_semaphore, and dq_accum in the default mode; deterministic variants
+  store each dq_accum block's first contribution and the postprocess skips blocks whose
+  semaphore counts none. dq_semaphore exists only for deterministic variants.
   """
   if variant.direction != "bwd":
     raise ValueError(f"variant.direction: {variant.direction!r}; scratch exists for 'bwd' only")

@@ -68,7 +68,10 @@ def test_sass_uses_wgmma_tma_and_bulk_reduction_without_spills(exported, variant
   # The dQ accumulator moves in 4-float chunks (bwd_common.fragment_chunks): the consumers
   # stage it with 128-bit shared stores and the postprocess reads it with 128-bit loads only.
   assert full["main"].count("STS.128") >= 8, full["main"].count("STS.128")
-  assert "LDG.E.128" in full["post"] and "LDG.E" not in full["post"], full["post"]
+  # Deterministic: besides, one 32-bit load of each accumulator copy's semaphore (first_store).
+  copies = config.dq_accum_copies(variant.deterministic, variant.causal, variant.head_dim)
+  assert "LDG.E.128" in full["post"], full["post"]
+  assert full["post"].count("LDG.E") == (copies if variant.deterministic else 0), full["post"]
   # The postprocess writes dQ through shared memory (stmatrix) and TMA stores, not with
   # per-element global stores.
   assert "UTMASTG" in ops["post"] and "STSM" in ops["post"] and "STG" not in ops["post"]
@@ -569,8 +572,8 @@ def test_deterministic_release_on_its_own_warp_and_two_dq_copies_above_hdim_128(
                                                                                  tmp_path):
   """Shipped deterministic kernels hand each semaphore release to producer warp 2 (named
   barriers 8 / 9 of 64 threads); release_warp=False puts it back on the writer. The hdim 192
-  variant without a mask keeps two dQ accumulators: its preprocess zeroes and its postprocess
-  reads twice what the one-copy build does."""
+  variant without a mask keeps two dQ accumulators: its preprocess zeroes two semaphores per
+  block and its postprocess reads twice what the one-copy build does."""
   kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
   det = next(v for v in VARIANTS if v.deterministic and not v.causal and v.head_dim == 192
              and v.head_dim_v == 192 and v.dtype == "bfloat16")
@@ -591,3 +594,41 @@ def test_deterministic_release_on_its_own_warp_and_two_dq_copies_above_hdim_128(
   assert ops["post"].count("LDG") == 2 * one_ops["post"].count("LDG") > 0
   assert ops["pre"].count("STG") > one_ops["pre"].count("STG")
   assert "-DJAXFLASH_DQ_COPIES=2" in shipped.defines and "-DJAXFLASH_DQ_COPIES=1" in one.defines
+
+
+@pytest.mark.cutlass
+@pytest.mark.parametrize("head_dim,causal", [(128, False), (192, False), (64, True)])
+def test_deterministic_first_contribution_is_a_store_and_nothing_zeroes_the_accumulator(
+    exported, tmp_path, head_dim, causal):
+  """first_store (deterministic default): the rank-0 key block of each dQ accumulator block
+  writes it with a bulk store (UBLKCP), the others add (UBLKRED); the preprocess then writes
+  lse2 / delta and the semaphores only, and the postprocess reads a block only where its
+  semaphore (one 32-bit load per copy) counts a contribution. first_store=0 is the
+  zero-then-reduce build; the default mode never stores."""
+  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
+  bwd_sm90 = pytest.importorskip("jaxflash.kernels.bwd_sm90")
+  import cutlass
+  det = next(v for v in VARIANTS if v.deterministic and v.causal == causal
+             and v.head_dim == v.head_dim_v == head_dim and v.dtype == "bfloat16")
+  plain = dataclasses.replace(det, deterministic=False)
+  copies = config.dq_accum_copies(True, causal, head_dim)
+  shipped, ops, full = exported(det)
+  zeroing = kernel_compile.export_bwd_variant(det, tmp_path / "zero",
+                                              main_args={"first_store": False},
+                                              key=f"{det.key}+first_store=0")
+  z_ops = {part: _opcodes(kernel_compile.disassemble(cubin, tmp_path))
+           for part, cubin in zip(("main", "pre", "post"), (zeroing.cubin, *zeroing.extra_cubins))}
+  assert "UBLKCP" in ops["main"] and "UBLKRED" in ops["main"]
+  assert "UBLKCP" not in z_ops["main"] and "UBLKCP" not in exported(plain)[1]["main"]
+  # Per CTA: one lse2 and one delta store per row pass, one semaphore per copy; the zeroing
+  # build adds tile_m * head_dim / 256 floats per copy (at least 32 stores).
+  assert ops["pre"].count("STG") + 32 * copies <= z_ops["pre"].count("STG")
+  assert ops["post"].count("LDG") == z_ops["post"].count("LDG") + copies
+  assert "-DJAXFLASH_FIRST_STORE=1" in shipped.defines
+  assert "-DJAXFLASH_FIRST_STORE=0" in zeroing.defines
+  assert "-DJAXFLASH_FIRST_STORE=0" in exported(plain)[0].defines
+  assert "_Tensor_mSem_t" in shipped.extra_object_paths[1].with_suffix(".h").read_text()
+  assert "_Tensor_mSem_t" not in zeroing.extra_object_paths[1].with_suffix(".h").read_text()
+  with pytest.raises(ValueError, match="first_store=True needs deterministic=True"):
+    bwd_sm90.FlashAttentionBackwardSm90(cutlass.BFloat16, head_dim, head_dim, det.tile, causal,
+                                        False, first_store=True)

@@ -8,6 +8,8 @@
 //   -DJAXFLASH_VARIANT_KEY="\"<key>\""  -DJAXFLASH_HEAD_DIM=<d>  -DJAXFLASH_HEAD_DIM_V=<dv>
 //   -DJAXFLASH_TILE_M=<tile_m>  -DJAXFLASH_DETERMINISTIC=<0|1>
 //   -DJAXFLASH_DQ_COPIES=<dQ accumulator copies the kernels use>
+//   -DJAXFLASH_FIRST_STORE=<0|1>  the main kernel stores each dQ block's first contribution
+//                                 (deterministic): the postprocess takes the semaphores
 // Link like variant_fwd.cc with the three objects (jaxflash.build.link_variant does it). Exports the
 // kernel_abi.h functions abi_version, key, load and bwd.
 
@@ -25,7 +27,7 @@
     !defined(JAXFLASH_PREFIX_POST) || !defined(JAXFLASH_VARIANT_KEY) ||  \
     !defined(JAXFLASH_HEAD_DIM) || !defined(JAXFLASH_HEAD_DIM_V) ||      \
     !defined(JAXFLASH_TILE_M) || !defined(JAXFLASH_DETERMINISTIC) || \
-    !defined(JAXFLASH_DQ_COPIES)
+    !defined(JAXFLASH_DQ_COPIES) || !defined(JAXFLASH_FIRST_STORE)
 #error "define the JAXFLASH_* macros listed at the top of variant_bwd.cc"
 #endif
 
@@ -155,7 +157,7 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
   const int32_t acc_rows = JAXFLASH_DQ_COPIES * sqr;  // the dQ accumulator copies (Validate)
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
 
-  {  // delta, lse * log2(e), zeroed dQ accumulator (and semaphores)
+  {  // delta, lse * log2(e), zeroed dQ semaphores (and accumulator, unless FIRST_STORE)
     auto o = Dense4<JF_PRE(_Tensor_mO_t)>(a.out, b, sq, h, dv);
     auto dout = Dense4<JF_PRE(_Tensor_mdO_t)>(a.d_out, b, sq, h, dv);
     auto lse = Dense3<JF_PRE(_Tensor_mLSE_t)>(a.lse, b, h, sq);
@@ -198,7 +200,14 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
   {  // dQ = softmax_scale * accumulator, in the input dtype
     auto acc = Dense4<JF_POST(_Tensor_mdQaccum_t)>(a.dq_accum, b, h, acc_rows, d);
     auto dq = Dense4<JF_POST(_Tensor_mdQ_t)>(a.dq, b, sq, h, d);
+#if JAXFLASH_FIRST_STORE
+    // The accumulator was not zeroed: blocks whose semaphore counts no contribution read as 0.
+    auto sem =
+        Dense3<JF_POST(_Tensor_mSem_t)>(a.dq_semaphore, b, h, acc_rows / JAXFLASH_TILE_M);
+    status = JF_WRAPPER(JAXFLASH_PREFIX_POST)(&g_post, &acc, &dq, &sem, a.softmax_scale, stream);
+#else
     status = JF_WRAPPER(JAXFLASH_PREFIX_POST)(&g_post, &acc, &dq, a.softmax_scale, stream);
+#endif
   }
   return status;
 }

@@ -14,7 +14,7 @@ into global memory with one bulk copy per warpgroup:
     identity (tile_m, head_dim))[i].
 The postprocess kernel inverts this mapping with the same tiled MMA. A main kernel with a larger
 query block (tile_m = 128 at head_dim 64) keeps this 64-row layout: its m block is tile_m / 64
-consecutive 64-row blocks (the preprocess zeroes and the dQ semaphores count whole m blocks).
+consecutive 64-row blocks (zeroing, first stores and the dQ semaphores cover whole m blocks).
 bwd_sm90's swap_sdp schedule with tile_m = 80 (hdim 128 non-causal) computes dQ^T: its blocks
 are 80 rows, the coordinates those of dq_tiled_mma(..., rows=80, transposed=True) over
 (head_dim, 80).
@@ -95,6 +95,26 @@ def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_byte
       None, [gaddr, saddr, Int32(num_bytes).ir_value(loc=loc, ip=ip)],
       "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
       "l,r,r", has_side_effects=True, is_align_stack=False,
+      asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def bulk_store_or_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_bytes: int,
+                          store, *, loc=None, ip=None) -> None:
+  """gmem[0:num_bytes] = smem[0:num_bytes] where `store` is true, else += (bulk_reduce_add_f32).
+
+  One predicated pair of bulk copies (no branch): the deterministic dQ writer stores the first
+  contribution to an accumulator block, so the block needs no zeroing first.
+  """
+  gaddr = gmem_ptr.toint(loc=loc, ip=ip).ir_value()
+  saddr = smem_ptr.toint(loc=loc, ip=ip).ir_value()
+  llvm.inline_asm(
+      None, [gaddr, saddr, Int32(num_bytes).ir_value(loc=loc, ip=ip),
+             Int32(store).ir_value(loc=loc, ip=ip)],
+      "{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n"
+      "@p cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;\n"
+      "@!p cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;\n}",
+      "l,r,r,r", has_side_effects=True, is_align_stack=False,
       asm_dialect=llvm.AsmDialect.AD_ATT)
 
 

@@ -29,15 +29,21 @@ class FlashAttentionBackwardPostprocess:
   """
 
   def __init__(self, dtype, head_dim: int, tile_m: int = bwd_common.TILE_M,
-               transposed: bool = False, dq_copies: int = 1):
+               transposed: bool = False, dq_copies: int = 1, sem_rows: int | None = None):
     """tile_m / transposed: the main kernel's dQ accumulator blocks (bwd_common.dq_tiled_mma's
     rows / transposed; bwd_sm90 swap_sdp with 80-row tiles writes 80-row dQ^T blocks).
-    dq_copies: accumulator copies (config.dq_accum_copies), summed in index order."""
+    dq_copies: accumulator copies (config.dq_accum_copies), summed in index order.
+    sem_rows: the main kernel's query block (rows per dQ semaphore) when it stores each
+    accumulator block's first contribution (bwd_sm90 first_store): the accumulator is not
+    zeroed, and a block whose semaphore counts no contribution reads as zero."""
     self.dtype = dtype
     self.head_dim = head_dim
     self.tile_m = tile_m
     self.transposed = transposed
     self.dq_copies = dq_copies
+    if sem_rows is not None and sem_rows % tile_m:
+      raise ValueError(f"sem_rows: {sem_rows}; accepted: a multiple of tile_m {tile_m}")
+    self.sem_rows = sem_rows
 
   @staticmethod
   def can_implement(dtype: str, head_dim: int) -> tuple[bool, str]:
@@ -52,11 +58,16 @@ class FlashAttentionBackwardPostprocess:
       self,
       mdQaccum: cute.Tensor,  # (batch, num_heads, copies * seqlen_q_rounded, head_dim) f32
       mdQ: cute.Tensor,  # (batch, seqlen_q, num_heads, head_dim) out
+      mSem: cute.Tensor,  # (batch, num_heads, copies * seqlen_q_rounded / sem_rows) int32 or None
       softmax_scale: Float32,
       stream: cuda.CUstream,
   ):
     if const_expr(mdQ.element_type != self.dtype):
       raise TypeError(f"dq must be {self.dtype}")
+    if const_expr((self.sem_rows is not None) != (mSem is not None)):
+      raise TypeError("the dQ semaphore is passed exactly when sem_rows is set")
+    if const_expr(mSem is not None):
+      mSem = _select(mSem, [2, 1, 0])  # (copies * m blocks, heads, batch)
     if const_expr(mdQaccum.element_type != Float32):
       raise TypeError("dq_accum must be Float32")
     mdQaccum = _select(mdQaccum, [2, 3, 1, 0])  # (seqlen_q_rounded, head_dim, heads, batch)
@@ -77,12 +88,12 @@ class FlashAttentionBackwardPostprocess:
                               sm90_gemm.SMEM_ALIGN])}))
     grid = (cute.ceil_div(cute.size(mdQ.shape[0]), self.tile_m), cute.size(mdQ.shape[2]),
             cute.size(mdQ.shape[3]))
-    self.kernel(mdQaccum, tma_dq, tma_atom, softmax_scale, sdQ_layout, tiled_mma).launch(
+    self.kernel(mdQaccum, mSem, tma_dq, tma_atom, softmax_scale, sdQ_layout, tiled_mma).launch(
         grid=grid, block=[_NUM_THREADS, 1, 1], stream=stream)
 
   @cute.kernel
-  def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, tma_atom: cute.CopyAtom,
-             softmax_scale: Float32, sdQ_layout: cute.ComposedLayout,
+  def kernel(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, mdQ: cute.Tensor,
+             tma_atom: cute.CopyAtom, softmax_scale: Float32, sdQ_layout: cute.ComposedLayout,
              tiled_mma: cute.TiledMma):
     tidx, _, _ = cute.arch.thread_idx()
     m_block, head, batch = cute.arch.block_idx()
@@ -97,15 +108,19 @@ class FlashAttentionBackwardPostprocess:
     src = bwd_common.fragment_chunks(halves[None, tidx // sm90_gemm.WARPGROUP_THREADS],
                                      tidx % sm90_gemm.WARPGROUP_THREADS)
     values = cute.make_rmem_tensor(src.shape, Float32)
-    cute.autovec_copy(src, values)  # 128-bit loads
-    if const_expr(self.dq_copies > 1):
-      # The other copies, added in index order (a fixed order: deterministic).
-      copy_floats = (cutlass.Int64(bwd_common.dq_copy_blocks(mdQaccum, self.dq_copies, 1))
-                     * self.head_dim)
-      more = cute.make_rmem_tensor(src.shape, Float32)
-      for c in cutlass.range_constexpr(1, self.dq_copies):
-        cute.autovec_copy(cute.make_tensor(src.iterator + c * copy_floats, src.layout), more)
-        values.store(values.load() + more.load())
+    more = cute.make_rmem_tensor(src.shape, Float32) if const_expr(self.dq_copies > 1) else None
+    if const_expr(self.sem_rows is not None):
+      values.fill(0.0)
+    # The copies, added in index order (a fixed order: deterministic).
+    copy_floats = (cutlass.Int64(bwd_common.dq_copy_blocks(mdQaccum, self.dq_copies, 1))
+                   * self.head_dim)
+    for c in cutlass.range_constexpr(self.dq_copies):
+      copy_src = src if c == 0 else cute.make_tensor(src.iterator + c * copy_floats, src.layout)
+      if const_expr(self.sem_rows is None):
+        self._accumulate(values, more, copy_src, c)
+      else:
+        if self._written(mSem, m_block, c, head, batch):
+          self._accumulate(values, more, copy_src, c)
     # Flat value i of the fragment order is flat value i of the MMA accumulator fragment
     # ((col, row) of the dQ^T accumulator when transposed).
     shape = (self.head_dim, self.tile_m) if const_expr(self.transposed) else (self.tile_m,
@@ -135,3 +150,20 @@ class FlashAttentionBackwardPostprocess:
       cute.arch.cp_async_bulk_commit_group()
       # Shared memory must stay valid until the store has read it.
       cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+  @cute.jit
+  def _accumulate(self, values: cute.Tensor, more, copy_src: cute.Tensor, copy: int):
+    """values = copy 0's floats (128-bit loads), or values += copy `copy`'s."""
+    if const_expr(copy == 0):
+      cute.autovec_copy(copy_src, values)
+    else:
+      cute.autovec_copy(copy_src, more)
+      values.store(values.load() + more.load())
+
+  @cute.jit
+  def _written(self, mSem: cute.Tensor, m_block, copy: int, head, batch):
+    """Whether some key block added into block m_block of accumulator copy `copy` (its
+    semaphore counts the contributions; the first one stored, so unwritten blocks hold
+    whatever the scratch held)."""
+    per_copy = mSem.shape[0] // self.dq_copies
+    return mSem[m_block * self.tile_m // self.sem_rows + copy * per_copy, head, batch] > 0

@@ -1,4 +1,5 @@
-"""Backward preprocess: delta = rowsum(dO * O) - d_lse, lse * log2(e), zeroed dQ accumulator.
+"""Backward preprocess: delta = rowsum(dO * O) - d_lse, lse * log2(e), zeroed dQ accumulator /
+semaphores.
 
 Imports cutlass, jaxflash.config and sibling helpers only (never jax).
 """
@@ -28,12 +29,14 @@ class FlashAttentionBackwardPreprocess:
   Writes, for every row of the block (rows >= seqlen_q included, so the main kernel never needs
   a bounds check): lse2 = lse * log2(e), or +inf where lse = -inf or the row is padding (P = 0
   in the main kernel), and delta = sum_c dO * O - d_lse (0 for padding); zeroes the block's
-  dQ accumulator floats and, when deterministic, its dQ semaphore, in each of the dq_copies
-  accumulator copies (config.dq_accum_copies).
+  dQ accumulator floats (unless zero_dq_accum is off) and, when deterministic, its dQ
+  semaphore, in each of the dq_copies accumulator copies (config.dq_accum_copies).
   """
 
   def __init__(self, dtype, head_dim: int, head_dim_v: int, deterministic: bool = False,
-               tile_m: int = bwd_common.TILE_M, dq_copies: int = 1):
+               tile_m: int = bwd_common.TILE_M, dq_copies: int = 1, zero_dq_accum: bool = True):
+    """zero_dq_accum: False when the main kernel stores each block's first contribution
+    (bwd_sm90 first_store); the semaphores are still zeroed."""
     self.dtype = dtype
     self.head_dim = head_dim
     self.head_dim_v = head_dim_v
@@ -41,6 +44,7 @@ class FlashAttentionBackwardPreprocess:
     # The main kernel's query block (a multiple of bwd_common.TILE_M): one dQ semaphore each.
     self.tile_m = tile_m
     self.dq_copies = dq_copies
+    self.zero_dq_accum = zero_dq_accum
     # A row of dO / O is read by head_dim_v / 8 consecutive lanes, 16 bytes each; the lanes per
     # row are a power of two (the shuffle reduction's group), the extra ones idle (hdim 96, 192).
     self.chunks = head_dim_v // _VEC
@@ -114,14 +118,15 @@ class FlashAttentionBackwardPreprocess:
         mLSE2[row, head, batch] = lse2
         mDelta[row, head, batch] = delta
 
-    # The block's dQ accumulator floats are contiguous (bwd_common): coalesced zero stores.
     copy_blocks = bwd_common.dq_copy_blocks(mdQaccum, self.dq_copies, self.tile_m)
     for c in cutlass.range_constexpr(self.dq_copies):
-      gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim),
-                            (m_block + c * copy_blocks, 0))
-      flat = cute.make_tensor(gdQ.iterator, cute.make_layout(self.tile_m * self.head_dim))
-      for i in cutlass.range_constexpr(self.tile_m * self.head_dim // _NUM_THREADS):
-        flat[i * _NUM_THREADS + tidx] = Float32(0.0)
+      if const_expr(self.zero_dq_accum):
+        # The block's dQ accumulator floats are contiguous (bwd_common): coalesced zero stores.
+        gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim),
+                              (m_block + c * copy_blocks, 0))
+        flat = cute.make_tensor(gdQ.iterator, cute.make_layout(self.tile_m * self.head_dim))
+        for i in cutlass.range_constexpr(self.tile_m * self.head_dim // _NUM_THREADS):
+          flat[i * _NUM_THREADS + tidx] = Float32(0.0)
       if const_expr(self.deterministic):
         if tidx == 0:
           mSem[m_block + c * copy_blocks, head, batch] = Int32(0)

@@ -163,7 +163,8 @@ class FlashAttentionBackwardSm90:
                causal: bool, deterministic: bool = False, swap_sdp: bool | None = None,
                det_sync: str = "ordered", rotate_m: bool | None = None,
                early_dq_empty: bool = True, dq_split_m: bool | None = None,
-               release_warp: bool | None = None, dq_copies: int | None = None):
+               release_warp: bool | None = None, dq_copies: int | None = None,
+               first_store: bool | None = None):
     """swap_sdp: None takes the tile's choice (config.TileConfig.swap_sdp); devtools A/B builds
     pass True / False to override it.
 
@@ -184,6 +185,12 @@ class FlashAttentionBackwardSm90:
     query blocks the rotated order makes each query block's hand-offs a ring around the key
     blocks, and the ring (dQ write, MEMBAR, semaphore poll per hop) bounded the step time at
     hdim 192 / 256: one ring per copy, each 1 / dq_copies as long.
+    first_store (deterministic with det_sync "ordered"; None: on, devtools A/B pass False):
+    the first contribution to each dQ accumulator block in the fixed order (rank 0) is a bulk
+    store instead of a bulk reduction, so the preprocess does not zero the accumulator (one
+    full write of it less) and the postprocess
+    reads a block only if its semaphore counts a contribution (else it is zero: no key block
+    sees that query block, or none of that copy's).
     rotate_m: None walks the query blocks in the rotated order (_DET_ROTATE_MAX_KEY_BLOCKS)
     when deterministic without a mask, else in ascending order; devtools A/B builds pass True /
     False to force it (True: also the default mode, without a mask).
@@ -209,6 +216,12 @@ class FlashAttentionBackwardSm90:
     self.rotate_m = (deterministic and not causal) if rotate_m is None else rotate_m
     self.early_dq_empty = early_dq_empty
     self.release_warp = deterministic and (release_warp is None or release_warp)
+    if first_store and not (deterministic and det_sync == "ordered"):
+      raise ValueError(f"first_store=True needs deterministic=True and det_sync 'ordered' (the "
+                       f"fixed order picks the storing key block); got deterministic="
+                       f"{deterministic}, det_sync {det_sync!r}")
+    self.first_store = (deterministic and det_sync == "ordered"
+                        and (first_store is None or bool(first_store)))
     if dq_copies is not None:
       dq_copies = int(dq_copies)  # devtools --kernel-arg passes 0 / 1 as booleans
     if dq_copies is not None and (dq_copies < 1 or (dq_copies > 1 and not deterministic)):
@@ -1133,14 +1146,15 @@ class FlashAttentionBackwardSm90:
             self._hand_back_dq_buffers(lane)
           if const_expr(p == 0):
             acc_block = self._dq_accum_block(mdQaccum, m_block, n_block)
+            rank = None
             gdQ = cute.local_tile(mdQaccum[None, None, head, batch],
                                   (self.tile_m, self.head_dim), (acc_block, 0))
             if const_expr(self.deterministic):
               sem = mSem[None, head, batch].iterator + acc_block
+              rank = self._dq_rank(m_block, n_block, seqlen_q, seqlen_k)
               if lane == 0:
                 if const_expr(self.det_sync == "ordered"):
-                  bwd_common.wait_at_least(
-                      sem, self._dq_rank(m_block, n_block, seqlen_q, seqlen_k))
+                  bwd_common.wait_at_least(sem, rank)
                 cute.arch.fence_proxy("async.global")
           for wg in cutlass.range_constexpr(_NUM_WG):
             cute.arch.barrier(barrier_id=_DQ_FULL_BARRIER + wg,
@@ -1148,15 +1162,14 @@ class FlashAttentionBackwardSm90:
             if lane == 0:
               if const_expr(self.dq_split_m):
                 # Warpgroup wg staged 64-row block wg whole (both halves, in order).
-                bwd_common.bulk_reduce_add_f32(gdQ.iterator + wg * _NUM_WG * half,
-                                               sdQ.iterator + wg * buf, buf * 4)
+                self._add_dq(gdQ.iterator + wg * _NUM_WG * half, sdQ.iterator + wg * buf,
+                             buf * 4, rank)
               else:
                 for s in cutlass.range_constexpr(self.dq_blocks):
                   # Piece p of warpgroup wg's half of 64-row block s: floats [p * piece,
                   # (p + 1) * piece) of that half.
-                  bwd_common.bulk_reduce_add_f32(
-                      gdQ.iterator + s * _NUM_WG * half + wg * half + p * piece,
-                      sdQ.iterator + wg * buf + s * half, piece * 4)
+                  self._add_dq(gdQ.iterator + s * _NUM_WG * half + wg * half + p * piece,
+                               sdQ.iterator + wg * buf + s * half, piece * 4, rank)
               cute.arch.cp_async_bulk_commit_group()
         if const_expr(early_empty):
           if g < group - 1 or step < m_max - 1:
@@ -1181,6 +1194,16 @@ class FlashAttentionBackwardSm90:
     # Shared memory must outlive every bulk read of it.
     if lane == 0:
       cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+  @cute.jit
+  def _add_dq(self, gmem: cute.Pointer, smem: cute.Pointer, num_bytes: int, rank):
+    """One bulk reduction of staged dQ floats into the accumulator; with first_store, the
+    block's first contribution in the deterministic order (rank 0) is a plain bulk store.
+    rank: _dq_rank of the block (None unless deterministic)."""
+    if const_expr(self.first_store):
+      bwd_common.bulk_store_or_add_f32(gmem, smem, num_bytes, Int32(rank == 0))
+    else:
+      bwd_common.bulk_reduce_add_f32(gmem, smem, num_bytes)
 
   @cute.jit
   def release_dq(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, n_block: Int32,

@@ -308,11 +308,13 @@ def build_bwd_kernels(variant: config.KernelVariant, main_args: dict | None = No
   return (
       FlashAttentionBackwardPreprocess(dtype, variant.head_dim, variant.head_dim_v,
                                        variant.deterministic, variant.tile.tile_m,
-                                       dq_copies=main.dq_copies),
+                                       dq_copies=main.dq_copies,
+                                       zero_dq_accum=not main.first_store),
       main,
       FlashAttentionBackwardPostprocess(dtype, variant.head_dim, tile_m=main.dq_rows,
                                         transposed=main.dq_transposed,
-                                        dq_copies=main.dq_copies),
+                                        dq_copies=main.dq_copies,
+                                        sem_rows=main.tile_m if main.first_store else None),
   )
 
 
@@ -336,7 +338,8 @@ def export_bwd_variant(variant: config.KernelVariant, out_dir, main_args: dict |
               sig["delta"], sig["dq_accum"], sig["dq_semaphore"], stream),
       "main": (main, sig["q"], sig["k"], sig["v"], sig["d_out"], sig["lse_log2"], sig["delta"],
                sig["dq_accum"], sig["dk"], sig["dv"], sig["dq_semaphore"], scale, stream),
-      "post": (post, sig["dq_accum"], sig["dq"], scale, stream),
+      "post": (post, sig["dq_accum"], sig["dq"],
+               sig["dq_semaphore"] if main.first_store else None, scale, stream),
   }
   start = time.perf_counter()
   headers, objects = {}, {}
@@ -353,6 +356,7 @@ def export_bwd_variant(variant: config.KernelVariant, out_dir, main_args: dict |
              f"-DJAXFLASH_TILE_M={variant.tile.tile_m}",
              f"-DJAXFLASH_DETERMINISTIC={int(variant.deterministic)}",
              f"-DJAXFLASH_DQ_COPIES={main.dq_copies}",
+             f"-DJAXFLASH_FIRST_STORE={int(main.first_store)}",
              *(f"-DJAXFLASH_PREFIX_{part.upper()}={prefix}_{part}" for part in _BWD_PARTS),
              *(f'-DJAXFLASH_HEADER_{part.upper()}="{headers[part]}"' for part in _BWD_PARTS))
   return ExportedKernel(
