@@ -616,10 +616,14 @@ def test_deterministic_first_contribution_is_a_store_and_nothing_zeroes_the_accu
   zeroing = kernel_compile.export_bwd_variant(det, tmp_path / "zero",
                                               main_args={"first_store": False},
                                               key=f"{det.key}+first_store=0")
-  z_ops = {part: _opcodes(kernel_compile.disassemble(cubin, tmp_path))
-           for part, cubin in zip(("main", "pre", "post"), (zeroing.cubin, *zeroing.extra_cubins))}
-  assert "UBLKCP" in ops["main"] and "UBLKRED" in ops["main"]
-  assert "UBLKCP" not in z_ops["main"] and "UBLKCP" not in exported(plain)[1]["main"]
+  sass = {part: kernel_compile.disassemble(cubin, tmp_path)
+          for part, cubin in zip(("main", "pre", "post"), (zeroing.cubin, *zeroing.extra_cubins))}
+  z_ops = {part: _opcodes(text) for part, text in sass.items()}
+  z_main = _opcodes(sass["main"], modifiers=True)
+  # UBLKCP.G.S: shared -> global bulk copy (UBLKCP.S.G loads the lse2 / delta rows).
+  assert "UBLKCP.G.S" in full["main"] and "UBLKRED.G.S.ADD.F32.RN" in full["main"]
+  assert "UBLKCP.G.S" not in z_main and "UBLKCP.G.S" not in exported(plain)[2]["main"]
+  assert "UBLKRED.G.S.ADD.F32.RN" in z_main
   # Per CTA: one lse2 and one delta store per row pass, one semaphore per copy; the zeroing
   # build adds tile_m * head_dim / 256 floats per copy (at least 32 stores).
   assert ops["pre"].count("STG") + 32 * copies <= z_ops["pre"].count("STG")

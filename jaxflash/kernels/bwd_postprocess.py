@@ -108,19 +108,17 @@ class FlashAttentionBackwardPostprocess:
     src = bwd_common.fragment_chunks(halves[None, tidx // sm90_gemm.WARPGROUP_THREADS],
                                      tidx % sm90_gemm.WARPGROUP_THREADS)
     values = cute.make_rmem_tensor(src.shape, Float32)
-    more = cute.make_rmem_tensor(src.shape, Float32) if const_expr(self.dq_copies > 1) else None
-    if const_expr(self.sem_rows is not None):
-      values.fill(0.0)
-    # The copies, added in index order (a fixed order: deterministic).
-    copy_floats = (cutlass.Int64(bwd_common.dq_copy_blocks(mdQaccum, self.dq_copies, 1))
-                   * self.head_dim)
-    for c in cutlass.range_constexpr(self.dq_copies):
-      copy_src = src if c == 0 else cute.make_tensor(src.iterator + c * copy_floats, src.layout)
-      if const_expr(self.sem_rows is None):
-        self._accumulate(values, more, copy_src, c)
-      else:
-        if self._written(mSem, m_block, c, head, batch):
-          self._accumulate(values, more, copy_src, c)
+    cute.autovec_copy(src, values)  # 128-bit loads
+    values.store(self._if_written(values.load(), mSem, m_block, 0, head, batch))
+    if const_expr(self.dq_copies > 1):
+      # The other copies, added in index order (a fixed order: deterministic).
+      copy_floats = (cutlass.Int64(bwd_common.dq_copy_blocks(mdQaccum, self.dq_copies, 1))
+                     * self.head_dim)
+      more = cute.make_rmem_tensor(src.shape, Float32)
+      for c in cutlass.range_constexpr(1, self.dq_copies):
+        cute.autovec_copy(cute.make_tensor(src.iterator + c * copy_floats, src.layout), more)
+        values.store(values.load()
+                     + self._if_written(more.load(), mSem, m_block, c, head, batch))
     # Flat value i of the fragment order is flat value i of the MMA accumulator fragment
     # ((col, row) of the dQ^T accumulator when transposed).
     shape = (self.head_dim, self.tile_m) if const_expr(self.transposed) else (self.tile_m,
@@ -152,18 +150,14 @@ class FlashAttentionBackwardPostprocess:
       cute.arch.cp_async_bulk_wait_group(0, read=True)
 
   @cute.jit
-  def _accumulate(self, values: cute.Tensor, more, copy_src: cute.Tensor, copy: int):
-    """values = copy 0's floats (128-bit loads), or values += copy `copy`'s."""
-    if const_expr(copy == 0):
-      cute.autovec_copy(copy_src, values)
-    else:
-      cute.autovec_copy(copy_src, more)
-      values.store(values.load() + more.load())
-
-  @cute.jit
-  def _written(self, mSem: cute.Tensor, m_block, copy: int, head, batch):
-    """Whether some key block added into block m_block of accumulator copy `copy` (its
-    semaphore counts the contributions; the first one stored, so unwritten blocks hold
-    whatever the scratch held)."""
+  def _if_written(self, copy_values, mSem, m_block, copy: int, head, batch):
+    """copy_values, or zeros where no key block added into block m_block of accumulator copy
+    `copy` (sem_rows set: the first contribution was stored, so an unwritten block holds
+    whatever the scratch held; its semaphore counts the contributions). The loads stay
+    unconditional: behind a branch they compiled to 32-bit loads."""
+    if const_expr(self.sem_rows is None):
+      return copy_values
     per_copy = mSem.shape[0] // self.dq_copies
-    return mSem[m_block * self.tile_m // self.sem_rows + copy * per_copy, head, batch] > 0
+    written = mSem[m_block * self.tile_m // self.sem_rows + copy * per_copy, head, batch] > 0
+    return cute.where(cute.full(copy_values.shape, written, cutlass.Boolean), copy_values,
+                      Float32(0.0))
