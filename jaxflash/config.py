@@ -246,12 +246,14 @@ def _default_bwd_tile(head_dim: int, causal: bool) -> TileConfig:
     # same call): 128 x 128 404 / 435 (causal 352 / 429; deterministic 350 / 433, causal
     # 348 / 412) against 64 x 128 369 / 402 (causal 326 / 395; deterministic 323 / 403, causal
     # 325 / 386).
-    # Swapped (swap_sdp, FA-4's SdP_swapAB at hdim 64; dS from the rounded P, so gradient rel.
-    # L2 vs float64 3.6e-3 instead of 2.5e-3, bf16), one call, seq 4k / 16k / 1k: 479 / 494 /
+    # Swapped (swap_sdp, FA-4's SdP_swapAB at hdim 64; then with dS from the rounded P,
+    # gradient rel. L2 vs float64 3.6e-3, bf16), one call, seq 4k / 16k / 1k: 479 / 494 /
     # 373 against 413 / 439 / 327; deterministic 465 / 493 / 368 vs 409 / 435 / 326; causal
     # 411 / 470 / 259 vs 366 / 434 / 239; causal deterministic 409 / 460 / 255 vs 362 / 420 /
     # 237. Shared memory: K + V 32 KiB, Q + dO 2 x 2 x 16, dS 2 x 32, dQ staging 32, lse2 /
     # delta rows 2 KiB: 195 KiB.
+    # The dV GEMM issued after dS (bwd_sm90 dv_after_ds; dS from the fp32 P: 2.5e-3), ninth
+    # session: 527 / 535 / 421 vs 526 / 526 / 408, causal 483 / 524 / 309 vs 449 / 497 / 294.
     return TileConfig(128, 128, 2, swap_sdp=True)
   # hdim 96 and 128: 64 or 80 query rows x 128 keys, each of the two consumer warpgroups owns
   # 64 key rows, so dK + dV stay in registers (2 x 64 fp32 per thread at hdim 128), and the
@@ -263,9 +265,11 @@ def _default_bwd_tile(head_dim: int, causal: bool) -> TileConfig:
   # hdim 96 468 / 510 vs 438 / 465, deterministic 434 / 497 vs 403 / 464, causal 411 / 487 vs
   # 379 / 452, causal deterministic 382 / 465 vs 377 / 446.
   # hdim 128 without the causal mask: 80 x 128 (FA-3 / FA-4's tile there): 534 / 582,
-  # deterministic 499 / 573. 80 rows need the transposed dQ GEMM (dQ^T = K^T dS^T) and compute
-  # dS from the P rounded to the input dtype (registers): gradient error vs float64 2.9e-3
-  # instead of 2.4e-3 (bf16). With the causal mask 80 rows spill (LDL / STL), so 64.
+  # deterministic 499 / 573. 80 rows need the transposed dQ GEMM (dQ^T = K^T dS^T), and the
+  # dV GEMM issued after dS (bwd_sm90 dv_after_ds, FA-4's order; with it issued before, dS had
+  # to take the rounded P: gradient error vs float64 2.9e-3 instead of 2.4e-3, bf16): ninth
+  # session 582 / 619 / 494 vs 561 / 586 / 469 (seq 4k / 16k / 1k). With the causal mask 80
+  # rows spill (LDL / STL), so 64.
   # Shared memory: hdim 128 64 x 128 194 KiB, 80 x 128 226 KiB; hdim 96 154 KiB (dQ split 48
   # columns per warpgroup).
   if head_dim == 128 and not causal:

@@ -191,14 +191,16 @@ def test_swap_sdp_compiles_to_register_operand_gemms_without_spills(tmp_path, ca
   variant = _swap_variant(causal, deterministic)
   exp = kernel_compile.export_bwd_variant(variant, tmp_path)
   sass = kernel_compile.disassemble(exp.cubin, tmp_path)
-  ops = _opcodes(sass)
+  ops, full = _opcodes(sass), _opcodes(sass, modifiers=True)
   assert f'-DJAXFLASH_VARIANT_KEY="{variant.key}"' in exp.defines
   assert ops.count("LDL") + ops.count("STL") == 0
   # dV and dK take A from registers: "HGMMA.64x128x16.F32.BF16 Rd, Ra, gdesc[..]".
   assert re.search(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
-  # Bulk copies of the lse2 / delta rows, the dQ reduction; only dS is stored by stmatrix
-  # in the loop (4 per step and loop copy) next to the 16 of the dK / dV epilogue.
-  assert ops.count("UBLKCP") == 2 and ops.count("UBLKRED") == 2
+  # Bulk copies of the lse2 / delta rows, the dQ reduction (deterministic: also the first
+  # contribution's bulk store, UBLKCP.G.S); only dS is stored by stmatrix in the loop (4 per
+  # step and loop copy) next to the 16 of the dK / dV epilogue.
+  assert full.count("UBLKCP.S.G") == 2 and ops.count("UBLKRED") == 2
+  assert full.count("UBLKCP.G.S") == (2 if deterministic else 0)
   assert ops.count("STSM") == 2 * 4 + 16
   _assert_ds_stored_from_dk_operand_registers(sass)
 
@@ -246,7 +248,7 @@ def test_swap_sdp_128_query_rows_at_head_dim_64(exported, variant):
   one 64-row block of all 64 columns per warpgroup."""
   kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
   assert variant.tile == config.TileConfig(128, 128, 2, swap_sdp=True)
-  exp, ops, _ = exported(variant)
+  exp, ops, full = exported(variant)
   sass = kernel_compile.disassemble(exp.cubin, exp.header_path.parent)
   # Per step and loop copy: S^T 4 + dP^T 4 (64x128x16), dV 8 + dK 8 (64x64x16, A from
   # registers), dQ 8 (64x64x16, A = dS from shared memory).
@@ -260,7 +262,8 @@ def test_swap_sdp_128_query_rows_at_head_dim_64(exported, variant):
   # Not serialized (5 GEMM groups per step, two loop copies); each warpgroup's dQ block
   # reduced whole.
   assert sass.count("WARPGROUP.ARRIVE") == 10
-  assert ops["main"].count("UBLKRED") == 2 and ops["main"].count("UBLKCP") == 2
+  assert ops["main"].count("UBLKRED") == 2 and full["main"].count("UBLKCP.S.G") == 2
+  assert full["main"].count("UBLKCP.G.S") == (2 if variant.deterministic else 0)
   assert ops["main"].count("LDL") + ops["main"].count("STL") == 0
 
 
@@ -636,3 +639,36 @@ def test_deterministic_first_contribution_is_a_store_and_nothing_zeroes_the_accu
   with pytest.raises(ValueError, match="first_store=True needs deterministic=True"):
     bwd_sm90.FlashAttentionBackwardSm90(cutlass.BFloat16, head_dim, head_dim, det.tile, causal,
                                         False, first_store=True)
+
+
+@pytest.mark.cutlass
+@pytest.mark.parametrize("head_dim,causal", [(128, False), (64, True)])
+def test_dv_gemm_after_ds_at_80_and_128_query_rows(exported, tmp_path, head_dim, causal):
+  """dv_after_ds (default at 80 / 128 query rows): the dV GEMM is issued after dS^T is stored,
+  so dS takes the fp32 P; the dv_after_ds=0 build computes dS from the rounded P, whose bf16
+  -> fp32 unpacking costs ~100-190 SASS instructions (PRMT / IMAD). Both keep 10 WGMMA
+  groups per loop copy and no spills (issued before the dS^T store, ptxas serialized every
+  WGMMA and spilled). 64-row tiles keep it off."""
+  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
+  bwd_sm90 = pytest.importorskip("jaxflash.kernels.bwd_sm90")
+  import cutlass
+  variant = next(v for v in VARIANTS if v.head_dim == v.head_dim_v == head_dim
+                 and v.causal == causal and not v.deterministic and v.dtype == "bfloat16")
+  assert variant.tile.tile_m in (80, 128)
+  _, ops, _ = exported(variant)
+  before = kernel_compile.export_bwd_variant(variant, tmp_path, main_args={"dv_after_ds": False},
+                                             key=f"{variant.key}+dv_after_ds=0")
+  before_ops = _opcodes(kernel_compile.disassemble(before.cubin, tmp_path))
+  for opcodes in (ops["main"], before_ops):
+    assert opcodes.count("LDL") + opcodes.count("STL") == 0
+    assert opcodes.count("WARPGROUP") == 18, opcodes.count("WARPGROUP")
+  assert ops["main"].count("HGMMA") == before_ops.count("HGMMA")
+  assert len(ops["main"]) + 100 <= len(before_ops), (len(ops["main"]), len(before_ops))
+  assert ops["main"].count("PRMT") + 40 <= before_ops.count("PRMT")
+  tile64 = next(v for v in VARIANTS if v.tile.tile_m == 64 and v.tile.swap_sdp)
+  assert not bwd_sm90.FlashAttentionBackwardSm90(cutlass.BFloat16, tile64.head_dim,
+                                                 tile64.head_dim_v, tile64.tile,
+                                                 tile64.causal).dv_after_ds
+  with pytest.raises(ValueError, match="dv_after_ds=True needs swap_sdp"):
+    bwd_sm90.FlashAttentionBackwardSm90(cutlass.BFloat16, 192, 192, config.TileConfig(64, 64, 2),
+                                        False, dv_after_ds=True)

@@ -142,10 +142,10 @@ class FlashAttentionBackwardSm90:
   also takes tile_m 80 (FA-3/FA-4's non-causal hdim-128 tile): S^T is 64 x 80 per warpgroup
   and dQ is computed transposed, dQ^T = K^T dS^T (80 is no multiple of WGMMA's M = 64), so
   the dQ accumulator holds 80-row dQ^T blocks (bwd_common.dq_tiled_mma transposed; the
-  postprocess reads them the same way); dS is then computed from the rounded P (registers).
-  At head_dim 64 it takes tile_m 128 (FA-3/FA-4's hdim-64 tile): S^T and dP^T are 64 x 128
-  per warpgroup, dS^T goes into the two 64-row blocks of the dS tile, the dQ GEMM is unchanged
-  from the unswapped 128-row step, and dS again takes the rounded P.
+  postprocess reads them the same way). At head_dim 64 it takes tile_m 128 (FA-3/FA-4's
+  hdim-64 tile): S^T and dP^T are 64 x 128 per warpgroup, dS^T goes into the two 64-row blocks
+  of the dS tile, the dQ GEMM is unchanged from the unswapped 128-row step. At 80 and 128 rows
+  the dV GEMM is issued once dS^T is stored (dv_after_ds), so dS takes the fp32 P.
   GQA: the group's query heads are looped inside the CTA, so dK/dV are written once, in the
   input dtype, by TMA.
   With `deterministic`, the dQ reductions into one (batch, head, m block) happen in a fixed
@@ -164,7 +164,7 @@ class FlashAttentionBackwardSm90:
                det_sync: str = "ordered", rotate_m: bool | None = None,
                early_dq_empty: bool = True, dq_split_m: bool | None = None,
                release_warp: bool | None = None, dq_copies: int | None = None,
-               first_store: bool | None = None):
+               first_store: bool | None = None, dv_after_ds: bool | None = None):
     """swap_sdp: None takes the tile's choice (config.TileConfig.swap_sdp); devtools A/B builds
     pass True / False to override it.
 
@@ -194,6 +194,15 @@ class FlashAttentionBackwardSm90:
     hdim 192 413 / 421 / 355 vs 399 / 419 / 317, causal 367 / 415 / 267 vs 351 / 411 / 239;
     hdim 128 causal 540 / 548 / 372 vs 527 / 553 / 346 (+3 to +14 % at 1k for every head dim,
     16k within 1 %; ninth session, perf-notes.md).
+    dv_after_ds (swap_sdp; None: on at 80 / 128 query rows, devtools A/B pass 0 / 1): the dV
+    GEMM is issued after dS^T is computed from the fp32 P and stored (FA-4's order), instead
+    of right after P: it no longer overlaps the dS arithmetic, but dS skips unpacking the
+    rounded P (-104 SASS instructions at hdim 128 x 80 rows, -192 at hdim 64 x 128; same
+    count at 64 rows, where it stays off) and is more accurate (bf16 dQ / dK rel. L2 vs
+    float64 2.4e-3 instead of 2.9e-3 at hdim 128, 2.5e-3 instead of 3.6e-3 at hdim 64). H200
+    self-test, backward TFLOP/s 4k / 16k / 1k, on vs off: hdim 128 582 / 619 / 494 vs 561 /
+    586 / 469 (deterministic 638 / 601 / 512 vs 571 / 579 / 489); hdim 64 527 / 535 / 421 vs
+    526 / 526 / 408, causal 483 / 524 / 309 vs 449 / 497 / 294 (ninth session).
     rotate_m: None walks the query blocks in the rotated order (_DET_ROTATE_MAX_KEY_BLOCKS)
     when deterministic without a mask, else in ascending order; devtools A/B builds pass True /
     False to force it (True: also the default mode, without a mask).
@@ -225,6 +234,11 @@ class FlashAttentionBackwardSm90:
                        f"{deterministic}, det_sync {det_sync!r}")
     self.first_store = (deterministic and det_sync == "ordered"
                         and (first_store is None or bool(first_store)))
+    if dv_after_ds and not swap_sdp:
+      raise ValueError("dv_after_ds=True needs swap_sdp (the dV GEMM of the swapped schedule)")
+    if dv_after_ds is None:
+      dv_after_ds = swap_sdp and tile.tile_m > bwd_common.TILE_M
+    self.dv_after_ds = bool(dv_after_ds) and swap_sdp
     if dq_copies is not None:
       dq_copies = int(dq_copies)  # devtools --kernel-arg passes 0 / 1 as booleans
     if dq_copies is not None and (dq_copies < 1 or (dq_copies > 1 and not deterministic)):
@@ -1009,9 +1023,9 @@ class FlashAttentionBackwardSm90:
     double buffered by the Q stage index: a warpgroup's dQ GEMM of step s has finished before
     it reaches the dS-full barrier of step s + 1, which the other warpgroup passes before it
     writes the same buffer at step s + 2, so the dS-empty barrier goes away.
-    tile_m 80: dS = P (dP - delta) takes P after its rounding to the input dtype (the fp32
-    copy dies at the conversion): with fp32 S^T, dP^T and P^T live at once ptxas serialized
-    every WGMMA and spilled. dQ^T = K^T dS^T instead of dQ = dS K.
+    dv_after_ds (80 / 128 rows): dV is issued after dS^T is stored instead (FA-4's order), so
+    dS takes the fp32 P; with dV in flight during the dS arithmetic, fp32 S^T, dP^T and P^T
+    did not fit and dS took the rounded P. tile_m 80: dQ^T = K^T dS^T instead of dQ = dS K.
     """
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WG
@@ -1042,20 +1056,24 @@ class FlashAttentionBackwardSm90:
       lse2 = sLSE2[tStS_mn[0, j][1], stage]
       for i in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
         acc_s_mn[i, j] = cute.math.exp2(acc_s_mn[i, j] * scale_log2 - lse2, fastmath=True)
-    # dV += P^T dO, A from registers: runs while dS is computed.
+    # dV += P^T dO, A from registers.
     t_p = cute.make_rmem_tensor(acc_shape, self.dtype)
     r_p = softmax.operand_a_view(t_p)
     softmax.convert_p(acc_s, r_p)
-    sm90_gemm.gemm(tiled_mma_dv, acc_dv, r_p, frags["tdVrdOt"][None, None, None, stage],
-                   zero_init=False)
+    if const_expr(not self.dv_after_ds):
+      # Issued now, it runs while dS is computed.
+      self._dv_gemm(tiled_mma_dv, acc_dv, r_p, frags, stage)
 
-    # dS^T = P^T (dP^T - delta); dP (the older group) is done once one group is pending.
-    warpgroup.wait_group(1)
+    # dS^T = P^T (dP^T - delta); dP (the older group) is done once at most the dV GEMM is
+    # pending.
+    warpgroup.wait_group(0 if const_expr(self.dv_after_ds) else 1)
     acc_dp_mn = softmax.make_acc_mn_view(acc_dp)
-    # 80 or 128 query columns: fp32 S^T, dP^T and P^T at once do not fit next to dK and dV
-    # (ptxas serialized every WGMMA and spilled at 80; 12 LDL / STL at 128, hdim 64), so dS uses
-    # the rounded P (its fp32 copy is dead).
-    p_mn = softmax.make_acc_mn_view(t_p if const_expr(self.tile_m > 64) else acc_s)
+    # With the dV GEMM in flight, fp32 S^T, dP^T and P^T at once do not fit next to dK and dV
+    # at 80 or 128 query columns (ptxas serialized every WGMMA and spilled at 80; 12 LDL / STL
+    # at 128, hdim 64), so dS uses the rounded P (its fp32 copy is dead); dv_after_ds keeps
+    # the fp32 P.
+    p_mn = softmax.make_acc_mn_view(
+        t_p if const_expr(self.tile_m > 64 and not self.dv_after_ds) else acc_s)
     for j in cutlass.range_constexpr(num_cols):
       delta = sDelta[tStS_mn[0, j][1], stage]
       for i in cutlass.range_constexpr(cute.size(acc_dp_mn, mode=[0])):
@@ -1068,6 +1086,9 @@ class FlashAttentionBackwardSm90:
       cute.arch.barrier(barrier_id=_DS_EMPTY_BARRIER, number_of_threads=self.num_mma_threads)
     sm90_gemm.store_frag_transposed(tiled_mma_sdp, mma_tidx, t_ds,
                                     sm90_gemm.transpose_view(sdS[None, None, ds_stage]))
+    if const_expr(self.dv_after_ds):
+      # FA-4's place: issued before the stmatrix, ptxas serialized every WGMMA and spilled.
+      self._dv_gemm(tiled_mma_dv, acc_dv, r_p, frags, stage)
     # Generic-proxy smem writes must be visible to the async proxy (WGMMA) of both warpgroups.
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier(barrier_id=_DS_FULL_BARRIER, number_of_threads=self.num_mma_threads)
@@ -1091,6 +1112,13 @@ class FlashAttentionBackwardSm90:
     self.stage_dq(acc_dq, sdQ, wg_idx)
     warpgroup.wait_group(0)
     pipeline_qdo.consumer_release(qdo_state)
+
+  @cute.jit
+  def _dv_gemm(self, tiled_mma_dv: cute.TiledMma, acc_dv: cute.Tensor, r_p: cute.Tensor, frags,
+               stage):
+    """dV += P^T dO (swap_sdp: P^T from registers, dO^T of the stage from shared memory)."""
+    sm90_gemm.gemm(tiled_mma_dv, acc_dv, r_p, frags["tdVrdOt"][None, None, None, stage],
+                   zero_init=False)
 
   @cute.jit
   def stage_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor, wg: Int32):
