@@ -29,6 +29,28 @@ _ABI = {"jaxflash_variant_abi_version", "jaxflash_variant_key", "jaxflash_varian
         "jaxflash_variant_bwd"}
 
 
+def _with_opcodes(exp, out_dir):
+  """(exp, {part: sass opcodes}, {part: sass opcodes with their modifiers}) of an exported
+  backward variant, parts main / pre / post."""
+  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
+  ops, full = {}, {}
+  for part, cubin in zip(("main", "pre", "post"), (exp.cubin, *exp.extra_cubins)):
+    sass = kernel_compile.disassemble(cubin, out_dir)
+    ops[part] = _opcodes(sass)
+    full[part] = _opcodes(sass, modifiers=True)
+  return exp, ops, full
+
+
+def _export_ab(variant, out_dir, **main_args):
+  """_with_opcodes of a devtools A/B build: FlashAttentionBackwardSm90 arguments main_args,
+  key variant.key + '+NAME=VALUE' per argument (build.py's rule)."""
+  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
+  key = variant.key + "".join(f"+{name}={int(value) if isinstance(value, bool) else value}"
+                              for name, value in main_args.items())
+  exp = kernel_compile.export_bwd_variant(variant, out_dir, main_args=main_args, key=key)
+  return _with_opcodes(exp, out_dir)
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
   """Compiles lazily, once per variant: {key: (ExportedKernel, {part: sass opcodes},
@@ -39,13 +61,7 @@ def exported(tmp_path_factory):
 
   def get(variant):
     if variant.key not in cache:
-      exp = kernel_compile.export_variant(variant, out_dir)
-      ops, full = {}, {}
-      for part, cubin in zip(("main", "pre", "post"), (exp.cubin, *exp.extra_cubins)):
-        sass = kernel_compile.disassemble(cubin, out_dir)
-        ops[part] = _opcodes(sass)
-        full[part] = _opcodes(sass, modifiers=True)
-      cache[variant.key] = (exp, ops, full)
+      cache[variant.key] = _with_opcodes(kernel_compile.export_variant(variant, out_dir), out_dir)
     return cache[variant.key]
 
   return get
@@ -590,10 +606,7 @@ def test_deterministic_release_on_its_own_warp_and_two_dq_copies_above_hdim_128(
   own = kernel_compile.export_bwd_variant(det, tmp_path / "own", main_args={"release_warp": False},
                                           key=f"{det.key}+release_warp=0")
   assert "REDG" in _opcodes(sass(own)) and not handoff.search(sass(own))
-  one = kernel_compile.export_bwd_variant(det, tmp_path / "one", main_args={"dq_copies": 1},
-                                          key=f"{det.key}+dq_copies=1")
-  one_ops = {part: _opcodes(kernel_compile.disassemble(cubin, tmp_path))
-             for part, cubin in zip(("pre", "post"), one.extra_cubins)}
+  one, one_ops, _ = _export_ab(det, tmp_path / "one", dq_copies=1)
   assert ops["post"].count("LDG") == 2 * one_ops["post"].count("LDG") > 0
   assert ops["pre"].count("STG") > one_ops["pre"].count("STG")
   assert "-DJAXFLASH_DQ_COPIES=2" in shipped.defines and "-DJAXFLASH_DQ_COPIES=1" in one.defines
@@ -608,7 +621,6 @@ def test_deterministic_first_contribution_is_a_store_and_nothing_zeroes_the_accu
   lse2 / delta and the semaphores only, and the postprocess reads a block only where its
   semaphore (one 32-bit load per copy) counts a contribution. first_store=0 is the
   zero-then-reduce build; the default mode never stores."""
-  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
   bwd_sm90 = pytest.importorskip("jaxflash.kernels.bwd_sm90")
   import cutlass
   det = next(v for v in VARIANTS if v.deterministic and v.causal == causal
@@ -616,13 +628,8 @@ def test_deterministic_first_contribution_is_a_store_and_nothing_zeroes_the_accu
   plain = dataclasses.replace(det, deterministic=False)
   copies = config.dq_accum_copies(True, causal, head_dim)
   shipped, ops, full = exported(det)
-  zeroing = kernel_compile.export_bwd_variant(det, tmp_path / "zero",
-                                              main_args={"first_store": False},
-                                              key=f"{det.key}+first_store=0")
-  sass = {part: kernel_compile.disassemble(cubin, tmp_path)
-          for part, cubin in zip(("main", "pre", "post"), (zeroing.cubin, *zeroing.extra_cubins))}
-  z_ops = {part: _opcodes(text) for part, text in sass.items()}
-  z_main = _opcodes(sass["main"], modifiers=True)
+  zeroing, z_ops, z_full = _export_ab(det, tmp_path / "zero", first_store=False)
+  z_main = z_full["main"]
   # UBLKCP.G.S: shared -> global bulk copy (UBLKCP.S.G loads the lse2 / delta rows).
   assert "UBLKCP.G.S" in full["main"] and "UBLKRED.G.S.ADD.F32.RN" in full["main"]
   assert "UBLKCP.G.S" not in z_main and "UBLKCP.G.S" not in exported(plain)[2]["main"]
@@ -649,16 +656,13 @@ def test_dv_gemm_after_ds_at_80_and_128_query_rows(exported, tmp_path, head_dim,
   -> fp32 unpacking costs ~100-190 SASS instructions (PRMT / IMAD). Both keep 10 WGMMA
   groups per loop copy and no spills (issued before the dS^T store, ptxas serialized every
   WGMMA and spilled). 64-row tiles keep it off."""
-  kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
   bwd_sm90 = pytest.importorskip("jaxflash.kernels.bwd_sm90")
   import cutlass
   variant = next(v for v in VARIANTS if v.head_dim == v.head_dim_v == head_dim
                  and v.causal == causal and not v.deterministic and v.dtype == "bfloat16")
   assert variant.tile.tile_m in (80, 128)
   _, ops, _ = exported(variant)
-  before = kernel_compile.export_bwd_variant(variant, tmp_path, main_args={"dv_after_ds": False},
-                                             key=f"{variant.key}+dv_after_ds=0")
-  before_ops = _opcodes(kernel_compile.disassemble(before.cubin, tmp_path))
+  before_ops = _export_ab(variant, tmp_path, dv_after_ds=False)[1]["main"]
   for opcodes in (ops["main"], before_ops):
     assert opcodes.count("LDL") + opcodes.count("STL") == 0
     assert opcodes.count("WARPGROUP") == 18, opcodes.count("WARPGROUP")

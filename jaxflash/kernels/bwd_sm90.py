@@ -238,7 +238,7 @@ class FlashAttentionBackwardSm90:
       raise ValueError("dv_after_ds=True needs swap_sdp (the dV GEMM of the swapped schedule)")
     if dv_after_ds is None:
       dv_after_ds = swap_sdp and tile.tile_m > bwd_common.TILE_M
-    self.dv_after_ds = bool(dv_after_ds) and swap_sdp
+    self.dv_after_ds = bool(dv_after_ds)
     if dq_copies is not None:
       dq_copies = int(dq_copies)  # devtools --kernel-arg passes 0 / 1 as booleans
     if dq_copies is not None and (dq_copies < 1 or (dq_copies > 1 and not deterministic)):
