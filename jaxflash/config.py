@@ -269,10 +269,12 @@ def _default_bwd_tile(head_dim: int, causal: bool) -> TileConfig:
   # dV GEMM issued after dS (bwd_sm90 dv_after_ds, FA-4's order; with it issued before, dS had
   # to take the rounded P: gradient error vs float64 2.9e-3 instead of 2.4e-3, bf16): ninth
   # session 582 / 619 / 494 vs 561 / 586 / 469 (seq 4k / 16k / 1k). With the causal mask 80
-  # rows spill (LDL / STL), so 64.
+  # rows spilled (LDL / STL) while dV came before dS; with dv_after_ds they compile clean, and
+  # (tenth session, seq 4k / 8k / 16k / 1k) 527 / 582 / 591 / 339 against 64 rows' 528 / 529 /
+  # 578 / 347, deterministic 533 / 563 / 564 / 361 against 523 / 518 / 547 / 369.
   # Shared memory: hdim 128 64 x 128 194 KiB, 80 x 128 226 KiB; hdim 96 154 KiB (dQ split 48
   # columns per warpgroup).
-  if head_dim == 128 and not causal:
+  if head_dim == 128:
     return TileConfig(80, 128, 2, swap_sdp=True)
   return TileConfig(64, 128, 2, swap_sdp=True)
 

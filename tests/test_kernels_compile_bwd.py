@@ -188,10 +188,10 @@ def _swap_variant(causal, deterministic, tile_m=64, head_dim=128):
 
 
 def test_hdim_64_to_128_ship_the_swapped_schedule():
-  """swap_sdp up to hdim 128 (128 query rows at hdim 64, 80 at hdim 128 without the mask)."""
+  """swap_sdp up to hdim 128 (128 query rows at hdim 64, 80 at hdim 128)."""
   for v in VARIANTS:
-    want = {64: (128, True), 96: (64, True),
-            128: (64 if v.causal else 80, True)}.get(v.head_dim, (v.tile.tile_m, False))
+    want = {64: (128, True), 96: (64, True), 128: (80, True)}.get(v.head_dim,
+                                                                  (v.tile.tile_m, False))
     assert (v.tile.tile_m, v.tile.swap_sdp) == want, v.key
     assert v.key.endswith("swap") == v.tile.swap_sdp
   assert config.TileConfig(80, 128, 2, swap_sdp=True).key == "m80n128s2swap"
@@ -375,30 +375,33 @@ def test_shipped_bwd_variants_cover_dtypes_head_dims_masks_and_determinism():
       "-det" in v.key for v in VARIANTS if v.deterministic)
 
 
-@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("head_dim,rows", [(128, 160), (256, 192)])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
-def test_bwd_scratch_shapes_round_seq_q_to_the_tile(deterministic, head_dim):
+def test_bwd_scratch_shapes_round_seq_q_to_the_tile(deterministic, head_dim, rows):
+  """seq_q 130 rounds up to 2 query blocks of 80 rows (hdim 128) or 3 of 64 (hdim 256)."""
   cfg = config.AttentionConfig(softmax_scale=0.1, causal=True, deterministic=deterministic)
   variant = config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", head_dim, head_dim, cfg)
   shapes = config.bwd_scratch_shapes(variant, batch=2, seq_q=130, num_heads=3)
-  copies = 1  # causal: one dQ accumulator even when deterministic
-  expected = [("dq_accum", (2, 3, copies * 192, head_dim), "float32"),
-              ("lse_log2", (2, 3, 192), "float32"),
-              ("delta", (2, 3, 192), "float32")]
+  # causal at these head dims: one dQ accumulator even when deterministic
+  expected = [("dq_accum", (2, 3, rows, head_dim), "float32"),
+              ("lse_log2", (2, 3, rows), "float32"),
+              ("delta", (2, 3, rows), "float32")]
   if deterministic:
-    expected.append(("dq_semaphore", (2, 3, copies * 3), "int32"))
+    expected.append(("dq_semaphore", (2, 3, rows // variant.tile.tile_m), "int32"))
   assert list(shapes) == expected
   with pytest.raises(ValueError, match="direction"):
     config.bwd_scratch_shapes(dataclasses.replace(variant, direction="fwd"), 1, 1, 1)
 
 
-@pytest.mark.parametrize("causal,seq_q_rounded", [(False, 160), (True, 128)])
-def test_bwd_scratch_rows_follow_the_80_or_64_row_tile_at_hdim_128(causal, seq_q_rounded):
+@pytest.mark.parametrize("head_dim,causal,seq_q_rounded",
+                         [(128, False, 160), (128, True, 160), (96, True, 128)])
+def test_bwd_scratch_rows_follow_the_80_or_64_row_tile(head_dim, causal, seq_q_rounded):
+  """seq_q 100 rounds up to 160 with hdim 128's 80-row tile, to 128 with hdim 96's 64 rows."""
   cfg = config.AttentionConfig(softmax_scale=0.1, causal=causal, deterministic=True)
-  variant = config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", 128, 128, cfg)
+  variant = config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", head_dim, head_dim, cfg)
   shapes = dict((name, shape) for name, shape, _ in
                 config.bwd_scratch_shapes(variant, batch=1, seq_q=100, num_heads=2))
-  assert shapes["dq_accum"] == (1, 2, seq_q_rounded, 128)
+  assert shapes["dq_accum"] == (1, 2, seq_q_rounded, head_dim)
   assert shapes["dq_semaphore"] == (1, 2, 2)
 
 

@@ -160,8 +160,8 @@ def test_cuda_lowering_of_grad_emits_both_custom_calls(deterministic, causal):
   assert text.count(FWD_TARGET) >= 1
   (call,) = [line for line in text.splitlines() if f"@{BWD_TARGET}(" in line]
   det = "-det" if deterministic else ""
-  # hdim 128: 64-row query tiles with the causal mask, 80 without (config._default_bwd_tile).
-  tile_m = 64 if causal else 80
+  # hdim 128: 80-row query tiles (config._default_bwd_tile).
+  tile_m = 80
   flags = ("-causal" if causal else "") + det
   assert f'variant = "bwd-sm90a-bf16-d128-dv128{flags}-m{tile_m}n128s2swap"' in call
   for attr in (f"causal = {str(causal).lower()}", f"deterministic = {str(deterministic).lower()}",

@@ -1,7 +1,8 @@
 // Standalone GPU self-test and benchmark of jaxflash backward variant libraries (no Python/JAX).
 //
 // Built by devtools/kernel_selftest/build_bwd.py (on the cutlass host) into .selftest/bwd/; run by
-// run_bwd.sh on the GPU host:  bwd_selftest [--no-check] [--no-bench] [--fwd-dir DIR] lib.so...
+// run_bwd.sh on the GPU host:
+//   bwd_selftest [--no-check] [--no-bench] [--fwd-dir DIR] [--seq N]... lib.so...
 // For each library (dtype / head_dim / causal / deterministic parsed from its key):
 //  - shapes with GQA/MQA, ragged lengths, seqlen_q != seqlen_k both ways, seqlen 1: out and lse
 //    come from a float64 forward (rounded as the forward kernel would hand them over), d_out and
@@ -383,9 +384,14 @@ double MedianMs(Fn launch) {
 
 // Returns {bwd TF/s 4k, bwd 16k, fwd+bwd 4k, fwd+bwd 16k, bwd 1k, fwd+bwd 1k} (0 where not
 // measured or failed).
+// --seq N adds seq N after those (its numbers are only in the log's bench lines).
+std::vector<int> g_extra_seqs;
+
 std::vector<double> Bench(BwdFn bwd, FwdFn fwd, int d, int dv, bool causal, bool det) {
   // seq 1k last: the RESULT line keeps its 4k / 16k columns and appends the 1k ones.
-  const int tokens = 16384, seqs[] = {4096, 16384, 1024}, heads = 2048 / d;
+  const int tokens = 16384, heads = 2048 / d;
+  std::vector<int> seqs = {4096, 16384, 1024};
+  seqs.insert(seqs.end(), g_extra_seqs.begin(), g_extra_seqs.end());
   const size_t nl = static_cast<size_t>(tokens) * heads, n = nl * std::max(d, dv);
   std::vector<double> bwd_tf, both_tf;
   for (int seq : seqs) {
@@ -473,10 +479,12 @@ int main(int argc, char** argv) {
     if (arg == "--no-check") check = false;
     else if (arg == "--no-bench") bench = false;
     else if (arg == "--fwd-dir" && i + 1 < argc) fwd_dir = argv[++i];
+    else if (arg == "--seq" && i + 1 < argc) g_extra_seqs.push_back(atoi(argv[++i]));
     else libs.push_back(arg);
   }
   if (libs.empty()) {
-    printf("usage: %s [--no-check] [--no-bench] [--fwd-dir DIR] bwd_variant.so...\n", argv[0]);
+    printf("usage: %s [--no-check] [--no-bench] [--fwd-dir DIR] [--seq N]... bwd_variant.so...\n",
+           argv[0]);
     return 2;
   }
   for (const std::string& path : libs) {

@@ -15,7 +15,7 @@ into global memory with one bulk copy per warpgroup:
 The postprocess kernel inverts this mapping with the same tiled MMA. A main kernel with a larger
 query block (tile_m = 128 at head_dim 64) keeps this 64-row layout: its m block is tile_m / 64
 consecutive 64-row blocks (zeroing, first stores and the dQ semaphores cover whole m blocks).
-bwd_sm90's swap_sdp schedule with tile_m = 80 (hdim 128 non-causal) computes dQ^T: its blocks
+bwd_sm90's swap_sdp schedule with tile_m = 80 (hdim 128) computes dQ^T: its blocks
 are 80 rows, the coordinates those of dq_tiled_mma(..., rows=80, transposed=True) over
 (head_dim, 80).
 """

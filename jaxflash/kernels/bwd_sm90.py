@@ -51,7 +51,7 @@ _HEAD_SPLIT_TILE_N = 64
 # S and dP then take 2 x 64 fp32 registers per thread next to dK + dV (2 x 32 at hdim 64); at
 # hdim 96 / 128 that would pass the 240-register limit.
 _MAX_TILE_M128_HEAD_DIM = 64
-# swap_sdp also runs 80 query rows per step (FA-3/FA-4's hdim-128 non-causal tile): S^T / dP^T
+# swap_sdp also runs 80 query rows per step (FA-3/FA-4's hdim-128 tile): S^T / dP^T
 # are 64 keys x 80 queries per warpgroup (WGMMA N = 80), and since 80 is no multiple of WGMMA's
 # M = 64, dQ is computed transposed (dQ^T = K^T dS^T, M = head_dim, N = 80).
 _SWAP_TILE_M80 = 80
@@ -139,7 +139,7 @@ class FlashAttentionBackwardSm90:
   unchanged dQ GEMM, double buffered by Q stage (one named barrier per step instead of two).
   The per-query lse2 / delta are now per fragment column (16 per thread): the producer copies
   the block's rows into shared memory with Q and dO (mma_step_swapped). At head_dim 128 it
-  also takes tile_m 80 (FA-3/FA-4's non-causal hdim-128 tile): S^T is 64 x 80 per warpgroup
+  also takes tile_m 80 (FA-3/FA-4's hdim-128 tile): S^T is 64 x 80 per warpgroup
   and dQ is computed transposed, dQ^T = K^T dS^T (80 is no multiple of WGMMA's M = 64), so
   the dQ accumulator holds 80-row dQ^T blocks (bwd_common.dq_tiled_mma transposed; the
   postprocess reads them the same way). At head_dim 64 it takes tile_m 128 (FA-3/FA-4's
@@ -202,7 +202,8 @@ class FlashAttentionBackwardSm90:
     float64 2.4e-3 instead of 2.9e-3 at hdim 128, 2.5e-3 instead of 3.6e-3 at hdim 64). H200
     self-test, backward TFLOP/s 4k / 16k / 1k, on vs off: hdim 128 582 / 619 / 494 vs 561 /
     586 / 469 (deterministic 638 / 601 / 512 vs 571 / 579 / 489); hdim 64 527 / 535 / 421 vs
-    526 / 526 / 408, causal 483 / 524 / 309 vs 449 / 497 / 294 (ninth session).
+    526 / 526 / 408, causal 483 / 524 / 309 vs 449 / 497 / 294 (ninth session). With the
+    causal mask at 80 rows only this order compiles without spills (tenth session).
     rotate_m: None walks the query blocks in the rotated order (_DET_ROTATE_MAX_KEY_BLOCKS)
     when deterministic without a mask, else in ascending order; devtools A/B builds pass True /
     False to force it (True: also the default mode, without a mask).
