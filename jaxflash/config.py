@@ -294,7 +294,7 @@ def bwd_scratch_shapes(variant: KernelVariant, batch: int, seq_q: int,
   tile_m = variant.tile.tile_m
   seq_q_rounded = -(-seq_q // tile_m) * tile_m
   rows = (batch, num_heads, seq_q_rounded)
-  copies = dq_accum_copies(variant.deterministic, variant.causal, variant.head_dim)
+  copies = dq_accum_copies(variant, seq_q)
   shapes = (("dq_accum", (batch, num_heads, copies * seq_q_rounded, variant.head_dim),
              "float32"),
             ("lse_log2", rows, "float32"),
@@ -304,22 +304,44 @@ def bwd_scratch_shapes(variant: KernelVariant, batch: int, seq_q: int,
   return shapes
 
 
-# Deterministic backward at head_dim > 128 without a mask: DET_DQ_COPIES dQ accumulators per
+# Deterministic backward at head_dim > 128: up to DET_DQ_COPIES dQ accumulators per
 # (batch, head) (JAXFLASH_DET_DQ_COPIES in jaxflash/ffi/kernel_abi.h; a CPU test keeps the two
-# equal). Key block n adds into copy n % DET_DQ_COPIES, each copy in its own fixed order, and
-# the postprocess sums the copies in index order, so the result stays bitwise reproducible.
+# equal). Key block n adds into copy n % copies, each copy in its own fixed order, and the
+# postprocess sums the copies in index order, so the result stays bitwise reproducible.
 # Each key block waits only for the previous one of its copy: a query block's chain of
-# hand-offs (dQ write, MEMBAR, semaphore poll per hop), which with the rotated order and 64 x 64
-# tiles bounded the step time, is half as long. H200 self-test, deterministic backward TFLOP/s
-# 4k / 16k / 1k, 2 copies vs 1: hdim 192 403 / 426 / 316 vs 344 / 428 / 286 (default mode
+# hand-offs (dQ write, MEMBAR, semaphore poll per hop), which with 64 x 64 tiles bounded the
+# step time, is half as long. H200 self-test, deterministic backward TFLOP/s 4k / 16k / 1k,
+# 2 copies vs 1 without a mask: hdim 192 403 / 426 / 316 vs 344 / 428 / 286 (default mode
 # 424 / 440 / 350), hdim 256 387 / 402 / 308 vs 372 / 403 / 306. Elsewhere the chain was not
-# the bound and the second copy (zeroed, reduced into, read back) cost 3-15 %: hdim 128 530 /
-# 576 / 423 vs 588 / 572 / 463, causal 492 / 533 / 293 vs 524 / 565 / 346; hdim 256 causal
-# 349 / 353 / 232 vs 361 / 390 / 248 (eighth session, perf-notes.md).
+# the bound and the second copy cost 3-15 %: hdim 128 530 / 576 / 423 vs 588 / 572 / 463,
+# causal 492 / 533 / 293 vs 524 / 565 / 346; hdim 256 causal 349 / 353 / 232 vs 361 / 390 /
+# 248 (eighth session, perf-notes.md).
 DET_DQ_COPIES = 2
+# hdim 192 with the causal mask: two copies up to this seq_q (by head_dim_v), one above. H200
+# self-test (tenth session, two calls), deterministic backward TFLOP/s at seq 1k / 4k / 8k /
+# 16k, two copies vs one (default mode in the same call): dv 192 279 / 397 / 389 / 403 vs
+# 266 / 366 / 400 / 415 (283 / 417 / 436 / 443), with the shipped kernels 276 / 391 / 394 /
+# 398 vs 267 / 368 / 392 / 412 (282 / 412 / 428 / 438); dv 128 264 / 369 / 393 / 383 vs 241 /
+# 332 / 378 / 396 (266 / 389 / 418 / 430), shipped 260 / 366 / 383 / 386 vs 243 / 336 / 377 /
+# 389 (266 / 389 / 414 / 424). Between 4k and 8k it was not measured.
+CAUSAL_TWO_DQ_COPIES_MAX_SEQ_Q = {192: 4096, 128: 8192}
 
 
-def dq_accum_copies(deterministic: bool, causal: bool, head_dim: int) -> int:
-  """dQ accumulator copies of a backward call: DET_DQ_COPIES for the deterministic variants
-  without a mask above head_dim 128 (tile 64 x 64), else 1."""
-  return DET_DQ_COPIES if deterministic and not causal and head_dim > 128 else 1
+def max_dq_accum_copies(deterministic: bool, causal: bool, head_dim: int) -> int:
+  """dQ accumulator copies a backward variant is built for: the most one call may use
+  (DET_DQ_COPIES for deterministic variants above head_dim 128, except hdim 256 with the
+  causal mask, where two were slower at every length; else 1)."""
+  if not deterministic or head_dim <= 128 or (causal and head_dim > 192):
+    return 1
+  return DET_DQ_COPIES
+
+
+def dq_accum_copies(variant: KernelVariant, seq_q: int) -> int:
+  """dQ accumulator copies of one backward call (the scratch shape carries it; a kernel built
+  for more reads the count from it): max_dq_accum_copies, or 1 for causal calls longer than
+  CAUSAL_TWO_DQ_COPIES_MAX_SEQ_Q."""
+  most = max_dq_accum_copies(variant.deterministic, variant.causal, variant.head_dim)
+  if most > 1 and variant.causal and seq_q > CAUSAL_TWO_DQ_COPIES_MAX_SEQ_Q.get(
+      variant.head_dim_v, 0):
+    return 1
+  return most

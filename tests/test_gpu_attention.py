@@ -363,6 +363,47 @@ def test_backward_through_lse_matches_float64_oracle(variant):
                with_lse=True)
 
 
+_COPY_CASES = [(v, c) for v in BWD_VARIANTS if v.deterministic and v.causal
+               and v.dtype == "bfloat16" and config.max_dq_accum_copies(True, True, v.head_dim) > 1
+               for c in (1, 2)]
+
+
+@pytest.mark.parametrize("variant,copies", _COPY_CASES,
+                         ids=[f"{v.key}-copies{c}" for v, c in _COPY_CASES])
+def test_causal_deterministic_backward_with_one_or_two_dq_copies(variant, copies, monkeypatch):
+  """hdim 192 with the causal mask keeps two dQ accumulators up to
+  config.CAUSAL_TWO_DQ_COPIES_MAX_SEQ_Q and one above, in the same kernels: both counts
+  against the oracle and bitwise over repeats (a lowered limit sends this short call down the
+  one-copy path; seq_q > seq_k leaves query blocks without a key block)."""
+  if copies == 1:
+    monkeypatch.setitem(config.CAUSAL_TWO_DQ_COPIES_MAX_SEQ_Q, variant.head_dim_v, 0)
+  # JAX caches the backward's trace, scratch shapes included, per input shape: the limit
+  # (a constant outside this test) is read anew only after this.
+  jax.clear_caches()
+  try:
+    _check_one_or_two_dq_copies(variant, copies)
+  finally:
+    jax.clear_caches()
+
+
+def _check_one_or_two_dq_copies(variant, copies):
+  shape = (1, 700, 640, 4, 2)
+  q, k, v, w_out, w_lse = _grad_inputs(variant, shape, f"dq copies {copies}")
+  attend = lambda q, k, v: jaxflash.attention(q, k, v, causal=True, return_lse=True,
+                                              deterministic=True, implementation="cute")
+  loss = _loss(attend, jnp.asarray(w_out, jnp.float32), jnp.asarray(w_lse, jnp.float32), True)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  rows = -(-shape[1] // variant.tile.tile_m) * variant.tile.tile_m
+  assert f"x{copies * rows}x{variant.head_dim}xf32>" in grads.lower(q, k, v).as_text()
+  got = [np.asarray(g) for g in grads(q, k, v)]
+  want, naive = _grad_oracle(q, k, v, w_out, w_lse, variant, with_lse=True)
+  for name, g, w, n in zip(("dq", "dk", "dv"), got, want, naive):
+    assert_close_to_oracle(g, w, n, name=name)
+  for _ in range(2):
+    for name, a, b in zip(("dq", "dk", "dv"), got, grads(q, k, v)):
+      np.testing.assert_array_equal(np.asarray(b), a, err_msg=name)
+
+
 # hdim 128 and 256: both warpgroup mappings of the backward kernel.
 @pytest.mark.parametrize("shape", _DET_SHAPES.values(), ids=_DET_SHAPES.keys())
 @pytest.mark.parametrize("variant", [v for v in BWD_VARIANTS if v.deterministic

@@ -85,7 +85,9 @@ def test_sass_uses_wgmma_tma_and_bulk_reduction_without_spills(exported, variant
   # stage it with 128-bit shared stores and the postprocess reads it with 128-bit loads only.
   assert full["main"].count("STS.128") >= 8, full["main"].count("STS.128")
   # Deterministic: besides, one 32-bit load of each accumulator copy's semaphore (first_store).
-  copies = config.dq_accum_copies(variant.deterministic, variant.causal, variant.head_dim)
+  # (The postprocess of a kernel built for two copies loads both; a one-copy call reads copy
+  # 0 twice and drops the second.)
+  copies = config.max_dq_accum_copies(variant.deterministic, variant.causal, variant.head_dim)
   assert "LDG.E.128" in full["post"], full["post"]
   assert full["post"].count("LDG.E") == (copies if variant.deterministic else 0), full["post"]
   # The postprocess writes dQ through shared memory (stmatrix) and TMA stores, not with
@@ -406,23 +408,36 @@ def test_bwd_scratch_rows_follow_the_80_or_64_row_tile(head_dim, causal, seq_q_r
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v", [(192, 192), (192, 128), (256, 256)])
-def test_deterministic_scratch_holds_two_dq_copies_above_hdim_128_without_a_mask(head_dim,
-                                                                                   head_dim_v):
-  """Copy c of the accumulator and its semaphores follow copy c - 1 in each (batch, head)."""
-  for causal, deterministic, copies in ((False, True, 2), (True, True, 1), (False, False, 1)):
+def test_deterministic_scratch_holds_two_dq_copies_above_hdim_128(head_dim, head_dim_v):
+  """Copy c of the accumulator and its semaphores follow copy c - 1 in each (batch, head).
+  Two copies without a mask; with the causal mask at hdim 192 up to
+  CAUSAL_TWO_DQ_COPIES_MAX_SEQ_Q (4096 at head_dim_v 192, 8192 at 128) and one above; hdim
+  256 causal and the default mode one."""
+  two_causal = 2 if head_dim == 192 else 1
+  limit = config.CAUSAL_TWO_DQ_COPIES_MAX_SEQ_Q.get(head_dim_v)
+  assert limit == {192: 4096, 128: 8192}.get(head_dim_v)
+  limit = limit or 4096  # hdim 256: a causal call holds one copy at any length
+  cases = ((False, True, 100, 2), (False, True, 3 * limit, 2), (True, True, 100, two_causal),
+           (True, True, limit, two_causal), (True, True, limit + 1, 1), (False, False, 100, 1),
+           (True, False, 100, 1))
+  for causal, deterministic, seq_q, copies in cases:
     cfg = config.AttentionConfig(softmax_scale=0.1, causal=causal, deterministic=deterministic)
     variant = config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", head_dim, head_dim_v,
                                             cfg)
+    assert config.max_dq_accum_copies(deterministic, causal, head_dim) == (
+        2 if deterministic and (not causal or head_dim == 192) else 1)
+    assert config.dq_accum_copies(variant, seq_q) == copies
+    rows = -(-seq_q // 64) * 64
     shapes = dict((name, shape) for name, shape, _ in
-                  config.bwd_scratch_shapes(variant, batch=2, seq_q=100, num_heads=3))
-    assert shapes["dq_accum"] == (2, 3, copies * 128, head_dim)
-    assert shapes["lse_log2"] == shapes["delta"] == (2, 3, 128)
-    assert shapes.get("dq_semaphore") == ((2, 3, copies * 2) if deterministic else None)
+                  config.bwd_scratch_shapes(variant, batch=2, seq_q=seq_q, num_heads=3))
+    assert shapes["dq_accum"] == (2, 3, copies * rows, head_dim)
+    assert shapes["lse_log2"] == shapes["delta"] == (2, 3, rows)
+    assert shapes.get("dq_semaphore") == ((2, 3, copies * rows // 64) if deterministic else None)
 
 
 def test_dq_copies_agree_between_config_and_the_kernel_abi():
-  """The handler takes the copies from the scratch shape (config) and accepts 1 or
-  JAXFLASH_DET_DQ_COPIES (kernel_abi.h)."""
+  """The handler takes the copies from the scratch shape (config) and accepts 1 to
+  JAXFLASH_DET_DQ_COPIES (kernel_abi.h); the library refuses more than it was built for."""
   header = (pathlib.Path(config.__file__).parent / "ffi" / "kernel_abi.h").read_text()
   found = re.search(r"#define JAXFLASH_DET_DQ_COPIES (\d+)", header)
   assert found and int(found.group(1)) == config.DET_DQ_COPIES == 2
@@ -430,13 +445,15 @@ def test_dq_copies_agree_between_config_and_the_kernel_abi():
 
 @pytest.mark.cutlass
 def test_each_backward_main_kernel_uses_configs_dq_copies():
-  """The variant library is built for config's count (the handler passes the scratch shape's
-  count and the library refuses another); only deterministic kernels take more than one."""
+  """The variant library is built for config's most copies (the handler passes the scratch
+  shape's count and the library refuses more); only deterministic kernels take more than one,
+  hdim 256 causal not."""
   kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
   for v in VARIANTS:
-    main = kernel_compile.build_bwd_kernels(v)[1]
-    assert main.dq_copies == config.dq_accum_copies(v.deterministic, v.causal, v.head_dim)
-    assert main.dq_copies == (2 if v.deterministic and not v.causal and v.head_dim > 128 else 1)
+    pre, main, post = kernel_compile.build_bwd_kernels(v)
+    assert main.dq_copies == config.max_dq_accum_copies(v.deterministic, v.causal, v.head_dim)
+    assert main.dq_copies == pre.dq_copies == post.dq_copies == (
+        2 if v.deterministic and v.head_dim > 128 and not (v.causal and v.head_dim > 192) else 1)
   with pytest.raises(ValueError, match="dq_copies: 2; accepted"):
     kernel_compile.build_bwd_kernels(next(v for v in VARIANTS if not v.deterministic),
                                      {"dq_copies": 2})
@@ -590,16 +607,19 @@ def test_head_dim_192_with_head_dim_v_128_compiles(exported, causal, determinist
 
 
 @pytest.mark.cutlass
+@pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_release_on_its_own_warp_and_two_dq_copies_above_hdim_128(exported,
-                                                                                 tmp_path):
+                                                                                 tmp_path,
+                                                                                 causal):
   """Shipped deterministic kernels hand each semaphore release to producer warp 2 (named
   barriers 8 / 9 of 64 threads); release_warp=False puts it back on the writer. The hdim 192
-  variant without a mask keeps two dQ accumulators: its preprocess zeroes two semaphores per
-  block and its postprocess reads twice what the one-copy build does."""
+  variants are built for two dQ accumulators (a call may hold one): the preprocess resets a
+  second semaphore per block, the postprocess loads twice what the one-copy build does, all
+  in 128-bit loads besides one semaphore load per copy."""
   kernel_compile = pytest.importorskip("jaxflash.kernels.compile")
-  det = next(v for v in VARIANTS if v.deterministic and not v.causal and v.head_dim == 192
+  det = next(v for v in VARIANTS if v.deterministic and v.causal == causal and v.head_dim == 192
              and v.head_dim_v == 192 and v.dtype == "bfloat16")
-  shipped, ops, _ = exported(det)
+  shipped, ops, full = exported(det)
   handoff = re.compile(r"BAR\.(?:SYNC\S*|ARV) 0x[89], 0x40")
 
   def sass(exp):
@@ -611,8 +631,10 @@ def test_deterministic_release_on_its_own_warp_and_two_dq_copies_above_hdim_128(
   assert "REDG" in _opcodes(sass(own)) and not handoff.search(sass(own))
   one, one_ops, _ = _export_ab(det, tmp_path / "one", dq_copies=1)
   assert ops["post"].count("LDG") == 2 * one_ops["post"].count("LDG") > 0
+  assert full["post"].count("LDG.E.128") == ops["post"].count("LDG") - 2 == 24
   assert ops["pre"].count("STG") > one_ops["pre"].count("STG")
-  assert "-DJAXFLASH_DQ_COPIES=2" in shipped.defines and "-DJAXFLASH_DQ_COPIES=1" in one.defines
+  assert "-DJAXFLASH_MAX_DQ_COPIES=2" in shipped.defines
+  assert "-DJAXFLASH_MAX_DQ_COPIES=1" in one.defines
 
 
 @pytest.mark.cutlass
@@ -629,7 +651,7 @@ def test_deterministic_first_contribution_is_a_store_and_nothing_zeroes_the_accu
   det = next(v for v in VARIANTS if v.deterministic and v.causal == causal
              and v.head_dim == v.head_dim_v == head_dim and v.dtype == "bfloat16")
   plain = dataclasses.replace(det, deterministic=False)
-  copies = config.dq_accum_copies(True, causal, head_dim)
+  copies = config.max_dq_accum_copies(True, causal, head_dim)
   shipped, ops, full = exported(det)
   zeroing, z_ops, z_full = _export_ab(det, tmp_path / "zero", first_store=False)
   z_main = z_full["main"]

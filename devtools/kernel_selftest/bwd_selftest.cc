@@ -520,49 +520,64 @@ int main(int argc, char** argv) {
     // Invalid arguments are refused before any launch.
     JaxflashBwdArgs bad = {};
     EXPECT(bwd(&bad, nullptr) != 0 && bwd(nullptr, nullptr) != 0, "invalid args accepted");
-    {  // The library takes exactly one dQ accumulator count (1 or the deterministic copies).
+    // The dQ accumulator counts the library takes: 1 up to the most it was built for (a
+    // deterministic library built for more reads the call's count from the scratch shape).
+    std::vector<int> counts;
+    {
       const Shape s{1, 128, 128, 1, 1};
       Device dev(s, d, dv);
-      int accepted = 0, found = 1;
-      for (int copies : {1, JAXFLASH_DET_DQ_COPIES}) {
+      for (int copies = 1; copies <= JAXFLASH_DET_DQ_COPIES; ++copies) {
         g_dq_copies = copies;
         JaxflashBwdArgs a = dev.Args(s, d, dv, 0.125f, det);
-        if (bwd(&a, nullptr) == 0) { accepted++; found = copies; }
+        if (bwd(&a, nullptr) == 0) counts.push_back(copies);
       }
       SyncOrDie("dq_copies probe", kDeadline);
-      EXPECT(accepted == 1, "the library accepted %d dQ accumulator counts", accepted);
-      g_dq_copies = found;
-      printf("  dq_copies %d\n", g_dq_copies);
+      const bool contiguous = !counts.empty() && counts.front() == 1 &&
+                              counts.back() == static_cast<int>(counts.size());
+      EXPECT(contiguous, "the library takes %zu dQ accumulator counts, not 1 to its most",
+             counts.size());
+      EXPECT(det || counts.size() == 1, "a non-deterministic library takes %zu dQ counts",
+             counts.size());
+      printf("  dq_copies 1 to %d\n", counts.empty() ? 0 : counts.back());
     }
-    std::mt19937 rng(1234);
-    if (check) {
-      const Shape shapes[] = {{1, 128, 128, 1, 1},  {2, 257, 131, 4, 2}, {1, 1, 1, 2, 1},
-                              {1, 1, 300, 2, 2},    {1, 300, 1, 2, 2},   {2, 200, 77, 3, 1},
-                              {1, 77, 200, 2, 2},   {1, 384, 384, 2, 2}, {1, 700, 650, 4, 4},
-                              {3, 129, 64, 2, 1},   {1, 64, 1000, 4, 2}, {1, 1000, 300, 2, 2}};
-      for (const Shape& s : shapes) {
-        CheckShape(bwd, d, dv, causal, det, s, rng);
-        fflush(stdout);
+    FwdFn fwd = nullptr;
+    std::string fwd_path = fwd_dir.empty() || !bench ? "" : FindForward(fwd_dir, key);
+    if (!fwd_path.empty()) {
+      void* flib = dlopen(fwd_path.c_str(), RTLD_NOW | RTLD_LOCAL);
+      auto fload = flib ? reinterpret_cast<LoadFn>(dlsym(flib, "jaxflash_variant_load")) : nullptr;
+      if (fload && fload() == 0) fwd = reinterpret_cast<FwdFn>(dlsym(flib, "jaxflash_variant_fwd"));
+      printf("  forward for timing: %s%s\n", fwd_path.c_str(), fwd ? "" : " (failed to load)");
+    }
+    // Every count is checked and timed; with more than one, each gets its own RESULT line.
+    for (int copies : counts) {
+      const int count_before = g_failures;
+      g_dq_copies = copies;
+      printf("  dq_copies %d\n", copies);
+      std::mt19937 rng(1234);
+      if (check) {
+        const Shape shapes[] = {{1, 128, 128, 1, 1},  {2, 257, 131, 4, 2}, {1, 1, 1, 2, 1},
+                                {1, 1, 300, 2, 2},    {1, 300, 1, 2, 2},   {2, 200, 77, 3, 1},
+                                {1, 77, 200, 2, 2},   {1, 384, 384, 2, 2}, {1, 700, 650, 4, 4},
+                                {3, 129, 64, 2, 1},   {1, 64, 1000, 4, 2}, {1, 1000, 300, 2, 2}};
+        for (const Shape& s : shapes) {
+          CheckShape(bwd, d, dv, causal, det, s, rng);
+          fflush(stdout);
+        }
+        CheckDeterminism(bwd, d, dv, det, rng);
       }
-      CheckDeterminism(bwd, d, dv, det, rng);
+      std::vector<double> tf = {0, 0, 0, 0, 0, 0};
+      if (bench) tf = Bench(bwd, fwd, d, dv, causal, det);
+      const std::string name =
+          key + (counts.size() > 1 ? "+copies=" + std::to_string(copies) : std::string());
+      const bool pass = g_failures == before && g_failures == count_before;
+      printf("RESULT %s %s %.0f %.0f %.0f %.0f %.0f %.0f\n", name.c_str(), pass ? "PASS" : "FAIL",
+             tf[0], tf[1], tf[2], tf[3], tf[4], tf[5]);
+      fflush(stdout);
     }
-    std::vector<double> tf = {0, 0, 0, 0, 0, 0};
-    if (bench) {
-      FwdFn fwd = nullptr;
-      std::string fwd_path = fwd_dir.empty() ? "" : FindForward(fwd_dir, key);
-      if (!fwd_path.empty()) {
-        void* flib = dlopen(fwd_path.c_str(), RTLD_NOW | RTLD_LOCAL);
-        auto fload =
-            flib ? reinterpret_cast<LoadFn>(dlsym(flib, "jaxflash_variant_load")) : nullptr;
-        if (fload && fload() == 0)
-          fwd = reinterpret_cast<FwdFn>(dlsym(flib, "jaxflash_variant_fwd"));
-        printf("  forward for timing: %s%s\n", fwd_path.c_str(), fwd ? "" : " (failed to load)");
-      }
-      tf = Bench(bwd, fwd, d, dv, causal, det);
+    if (counts.empty()) {
+      printf("RESULT %s FAIL 0 0 0 0 0 0\n", key.c_str());
+      fflush(stdout);
     }
-    printf("RESULT %s %s %.0f %.0f %.0f %.0f %.0f %.0f\n", key.c_str(),
-           g_failures == before ? "PASS" : "FAIL", tf[0], tf[1], tf[2], tf[3], tf[4], tf[5]);
-    fflush(stdout);
   }
   printf(g_failures ? "FAILED (%d)\n" : "ALL PASSED\n", g_failures);
   return g_failures ? 1 : 0;

@@ -365,7 +365,8 @@ ffi::Error CheckBwdBuffers(const CallAttrs& a, const ffi::AnyBuffer& q, const ff
   const int64_t b = qd[0], sq = qd[1], h = qd[2];
   const int64_t sqr = (sq + tile_m - 1) / tile_m * tile_m;
   // Deterministic variants may keep JAXFLASH_DET_DQ_COPIES accumulators (config.py
-  // dq_accum_copies decides, the scratch shape carries it; the variant library checks it).
+  // dq_accum_copies decides per call, the scratch shape carries it; the variant library
+  // refuses more than it was built for).
   const auto acc_dims = dq_accum.dimensions();
   const int64_t copies = a.deterministic && acc_dims.size() == 4 &&
                                  acc_dims[2] == JAXFLASH_DET_DQ_COPIES * sqr

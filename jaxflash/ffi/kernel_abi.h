@@ -9,9 +9,10 @@
 
 #define JAXFLASH_KERNEL_ABI_VERSION 2
 
-// Deterministic variants may keep this many dQ accumulators (jaxflash.config.dq_accum_copies
-// says which): key block n adds into copy n % copies in a fixed order per copy, and the
-// postprocess sums the copies in index order.
+// Deterministic variants may keep up to this many dQ accumulators (jaxflash.config: a variant
+// is built for max_dq_accum_copies, dq_accum_copies picks a call's count): key block n adds
+// into copy n % copies in a fixed order per copy, and the postprocess sums the copies in index
+// order.
 #define JAXFLASH_DET_DQ_COPIES 2
 
 #ifdef __cplusplus
@@ -49,9 +50,9 @@ typedef struct {
 //   delta        (batch, num_heads, seqlen_q_rounded)                      float32
 //   dq_semaphore (batch, num_heads, copies * seqlen_q_rounded / tile_m)    int32, deterministic
 //                variants only (NULL otherwise)
-// where copies = dq_copies below, 1 or JAXFLASH_DET_DQ_COPIES (copy c holds rows
+// where copies = dq_copies below, 1 to JAXFLASH_DET_DQ_COPIES (copy c holds rows
 // [c * seqlen_q_rounded, (c + 1) * seqlen_q_rounded) of each (batch, head)); a library built
-// for the other count refuses the call.
+// for fewer copies refuses the call.
 typedef struct {
   const void* q;
   const void* k;

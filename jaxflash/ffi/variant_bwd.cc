@@ -7,7 +7,8 @@
 //   -DJAXFLASH_HEADER_{PRE,MAIN,POST}="\"<out_dir>/<key>-{pre,main,post}.h\""
 //   -DJAXFLASH_VARIANT_KEY="\"<key>\""  -DJAXFLASH_HEAD_DIM=<d>  -DJAXFLASH_HEAD_DIM_V=<dv>
 //   -DJAXFLASH_TILE_M=<tile_m>  -DJAXFLASH_DETERMINISTIC=<0|1>
-//   -DJAXFLASH_DQ_COPIES=<dQ accumulator copies the kernels use>
+//   -DJAXFLASH_MAX_DQ_COPIES=<the most dQ accumulator copies a call may hold (the kernels
+//                             read the call's count, dq_copies, from the scratch shape)>
 //   -DJAXFLASH_FIRST_STORE=<0|1>  the main kernel stores each dQ block's first contribution
 //                                 (deterministic): the postprocess takes the semaphores
 // Link like variant_fwd.cc with the three objects (jaxflash.build.link_variant does it). Exports the
@@ -27,7 +28,7 @@
     !defined(JAXFLASH_PREFIX_POST) || !defined(JAXFLASH_VARIANT_KEY) ||  \
     !defined(JAXFLASH_HEAD_DIM) || !defined(JAXFLASH_HEAD_DIM_V) ||      \
     !defined(JAXFLASH_TILE_M) || !defined(JAXFLASH_DETERMINISTIC) || \
-    !defined(JAXFLASH_DQ_COPIES) || !defined(JAXFLASH_FIRST_STORE)
+    !defined(JAXFLASH_MAX_DQ_COPIES) || !defined(JAXFLASH_FIRST_STORE)
 #error "define the JAXFLASH_* macros listed at the top of variant_bwd.cc"
 #endif
 
@@ -103,7 +104,7 @@ void LoadOnce() {
 int32_t Validate(const JaxflashBwdArgs* a) {
   const int32_t kInvalid = static_cast<int32_t>(cudaErrorInvalidValue);
   if (a == nullptr || a->head_dim != JAXFLASH_HEAD_DIM || a->head_dim_v != JAXFLASH_HEAD_DIM_V ||
-      a->dq_copies != JAXFLASH_DQ_COPIES) {
+      a->dq_copies < 1 || a->dq_copies > JAXFLASH_MAX_DQ_COPIES) {
     return kInvalid;
   }
   // Empty grids are not valid launches and TMA descriptors need extents >= 1: the caller
@@ -115,7 +116,7 @@ int32_t Validate(const JaxflashBwdArgs* a) {
   // Grids are (blocks, heads, batch): CUDA caps gridDim.y and gridDim.z at 65535; the rounded
   // query length (times the dQ accumulator copies) must fit int32.
   if (a->num_heads > 65535 || a->batch > 65535 ||
-      a->seqlen_q > INT32_MAX / JAXFLASH_DQ_COPIES - JAXFLASH_TILE_M) {
+      a->seqlen_q > INT32_MAX / JAXFLASH_MAX_DQ_COPIES - JAXFLASH_TILE_M) {
     return kInvalid;
   }
   // TMA and the bulk reduction need 16-byte aligned global addresses.
@@ -154,7 +155,7 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
   const int32_t b = a.batch, sq = a.seqlen_q, sk = a.seqlen_k, h = a.num_heads;
   const int32_t hk = a.num_kv_heads, d = JAXFLASH_HEAD_DIM, dv = JAXFLASH_HEAD_DIM_V;
   const int32_t sqr = (sq + JAXFLASH_TILE_M - 1) / JAXFLASH_TILE_M * JAXFLASH_TILE_M;
-  const int32_t acc_rows = JAXFLASH_DQ_COPIES * sqr;  // the dQ accumulator copies (Validate)
+  const int32_t acc_rows = a.dq_copies * sqr;  // the dQ accumulator copies (Validate)
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
 
   {  // delta, lse * log2(e), zeroed dQ semaphores (and accumulator, unless FIRST_STORE)

@@ -148,14 +148,14 @@ def fresh_thread_idx(*, loc=None, ip=None) -> Int32:
                                is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
-def dq_copy_blocks(mdQaccum: cute.Tensor, copies: int, block_rows: int):
-  """Blocks of block_rows rows in one copy of the dQ accumulator (kernel order: rows first).
+def dq_copy_count(mdQaccum: cute.Tensor, copy_rows):
+  """Copies in this call's dQ accumulator (kernel order: rows first).
 
-  The accumulator holds `copies` copies per (batch, head), copy c at rows [c * seqlen_q_rounded,
-  (c + 1) * seqlen_q_rounded) (kernel_abi.h, config.dq_accum_copies); block_rows = 1 gives the
-  rows of a copy.
+  Copy c holds rows [c * copy_rows, (c + 1) * copy_rows), copy_rows = seqlen_q rounded up to
+  the main kernel's tile_m (kernel_abi.h, config.bwd_scratch_shapes). A kernel built for more
+  than one copy reads the count from the shape: config.dq_accum_copies picks it per call.
   """
-  return mdQaccum.shape[0] // (copies * block_rows)
+  return mdQaccum.shape[0] // copy_rows
 
 
 @cute.jit

@@ -7,7 +7,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from jaxflash.kernels import bwd_common
@@ -32,7 +32,10 @@ class FlashAttentionBackwardPostprocess:
                transposed: bool = False, dq_copies: int = 1, sem_rows: int | None = None):
     """tile_m / transposed: the main kernel's dQ accumulator blocks (bwd_common.dq_tiled_mma's
     rows / transposed; bwd_sm90 swap_sdp with 80-row tiles writes 80-row dQ^T blocks).
-    dq_copies: accumulator copies (config.dq_accum_copies), summed in index order.
+    dq_copies: the most accumulator copies a call holds (config.max_dq_accum_copies); the
+    count comes from the scratch shape (config.dq_accum_copies), the copies are summed in
+    index order. A copy is seqlen_q rounded up to the main kernel's query block: sem_rows,
+    or tile_m without it.
     sem_rows: the main kernel's query block (rows per dQ semaphore) when it stores each
     accumulator block's first contribution (bwd_sm90 first_store): the accumulator is not
     zeroed, and a block whose semaphore counts no contribution reads as zero."""
@@ -44,6 +47,8 @@ class FlashAttentionBackwardPostprocess:
     if sem_rows is not None and sem_rows % tile_m:
       raise ValueError(f"sem_rows: {sem_rows}; accepted: a multiple of tile_m {tile_m}")
     self.sem_rows = sem_rows
+    # The main kernel's query block: a copy holds seqlen_q rounded up to a multiple of it.
+    self.main_rows = tile_m if sem_rows is None else sem_rows
 
   @staticmethod
   def can_implement(dtype: str, head_dim: int) -> tuple[bool, str]:
@@ -109,16 +114,22 @@ class FlashAttentionBackwardPostprocess:
                                      tidx % sm90_gemm.WARPGROUP_THREADS)
     values = cute.make_rmem_tensor(src.shape, Float32)
     cute.autovec_copy(src, values)  # 128-bit loads
-    values.store(self._if_written(values.load(), mSem, m_block, 0, head, batch))
+    copy_blocks = cute.ceil_div(mdQ.shape[0], self.main_rows)  # main-kernel query blocks
+    values.store(self._kept(values.load(), mSem, m_block, 0, copy_blocks, head, batch))
     if const_expr(self.dq_copies > 1):
       # The other copies, added in index order (a fixed order: deterministic).
-      copy_floats = (cutlass.Int64(bwd_common.dq_copy_blocks(mdQaccum, self.dq_copies, 1))
-                     * self.head_dim)
+      copy_rows = copy_blocks * self.main_rows
+      copies = bwd_common.dq_copy_count(mdQaccum, copy_rows)
       more = cute.make_rmem_tensor(src.shape, Float32)
       for c in cutlass.range_constexpr(1, self.dq_copies):
-        cute.autovec_copy(cute.make_tensor(src.iterator + c * copy_floats, src.layout), more)
-        values.store(values.load()
-                     + self._if_written(more.load(), mSem, m_block, c, head, batch))
+        # A copy the call does not hold: copy 0 is read again and dropped (loads behind a
+        # branch compiled to 32-bit ones).
+        present = c < copies
+        copy = Int32(present) * c
+        offset = cutlass.Int64(copy * copy_rows) * self.head_dim
+        cute.autovec_copy(cute.make_tensor(src.iterator + offset, src.layout), more)
+        values.store(values.load() + self._kept(more.load(), mSem, m_block, copy, copy_blocks,
+                                                head, batch, present))
     # Flat value i of the fragment order is flat value i of the MMA accumulator fragment
     # ((col, row) of the dQ^T accumulator when transposed).
     shape = (self.head_dim, self.tile_m) if const_expr(self.transposed) else (self.tile_m,
@@ -150,14 +161,20 @@ class FlashAttentionBackwardPostprocess:
       cute.arch.cp_async_bulk_wait_group(0, read=True)
 
   @cute.jit
-  def _if_written(self, copy_values, mSem, m_block, copy: int, head, batch):
-    """copy_values, or zeros where no key block added into block m_block of accumulator copy
-    `copy` (sem_rows set: the first contribution was stored, so an unwritten block holds
-    whatever the scratch held; its semaphore counts the contributions). The loads stay
-    unconditional: behind a branch they compiled to 32-bit loads."""
-    if const_expr(self.sem_rows is None):
+  def _kept(self, copy_values, mSem, m_block, copy, copy_blocks, head, batch, present=None):
+    """copy_values, or zeros where the call holds no copy `copy` (present false) or no key
+    block added into block m_block of it (sem_rows set: the first contribution was stored, so
+    an unwritten block holds whatever the scratch held; its semaphore counts the
+    contributions). The loads stay unconditional: behind a branch they compiled to 32-bit
+    loads."""
+    keep = present
+    if const_expr(self.sem_rows is not None):
+      written = mSem[m_block * self.tile_m // self.sem_rows + copy * copy_blocks, head, batch] > 0
+      if const_expr(present is None):
+        keep = written
+      else:
+        keep = written & present
+    if const_expr(keep is None):
       return copy_values
-    per_copy = mSem.shape[0] // self.dq_copies
-    written = mSem[m_block * self.tile_m // self.sem_rows + copy * per_copy, head, batch] > 0
-    return cute.where(cute.full(copy_values.shape, written, cutlass.Boolean), copy_values,
+    return cute.where(cute.full(copy_values.shape, keep, cutlass.Boolean), copy_values,
                       Float32(0.0))

@@ -30,7 +30,8 @@ class FlashAttentionBackwardPreprocess:
   a bounds check): lse2 = lse * log2(e), or +inf where lse = -inf or the row is padding (P = 0
   in the main kernel), and delta = sum_c dO * O - d_lse (0 for padding); zeroes the block's
   dQ accumulator floats (unless zero_dq_accum is off) and, when deterministic, its dQ
-  semaphore, in each of the dq_copies accumulator copies (config.dq_accum_copies).
+  semaphore, in each accumulator copy the call holds (at most dq_copies,
+  config.max_dq_accum_copies; the count comes from the scratch shape, config.dq_accum_copies).
   """
 
   def __init__(self, dtype, head_dim: int, head_dim_v: int, deterministic: bool = False,
@@ -118,18 +119,30 @@ class FlashAttentionBackwardPreprocess:
         mLSE2[row, head, batch] = lse2
         mDelta[row, head, batch] = delta
 
-    copy_blocks = bwd_common.dq_copy_blocks(mdQaccum, self.dq_copies, self.tile_m)
-    for c in cutlass.range_constexpr(self.dq_copies):
-      if const_expr(self.zero_dq_accum):
-        # The block's dQ accumulator floats are contiguous (bwd_common): coalesced zero stores.
-        gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim),
-                              (m_block + c * copy_blocks, 0))
-        flat = cute.make_tensor(gdQ.iterator, cute.make_layout(self.tile_m * self.head_dim))
-        for i in cutlass.range_constexpr(self.tile_m * self.head_dim // _NUM_THREADS):
-          flat[i * _NUM_THREADS + tidx] = Float32(0.0)
-      if const_expr(self.deterministic):
-        if tidx == 0:
-          mSem[m_block + c * copy_blocks, head, batch] = Int32(0)
+    # Copy c starts a seqlen_q_rounded (= lse2 rows) after copy c - 1; a kernel built for more
+    # copies than the call holds skips the missing ones (bwd_common.dq_copy_count).
+    self._reset_copy(mdQaccum, mSem, m_block, head, batch, tidx)
+    if const_expr(self.dq_copies > 1):
+      copies = bwd_common.dq_copy_count(mdQaccum, mLSE2.shape[0])
+      for c in cutlass.range_constexpr(1, self.dq_copies):
+        if c < copies:
+          self._reset_copy(mdQaccum, mSem, m_block + c * (mLSE2.shape[0] // self.tile_m), head,
+                           batch, tidx)
+
+  @cute.jit
+  def _reset_copy(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, block: Int32, head: Int32,
+                  batch: Int32, tidx: Int32):
+    """Zeroes accumulator block `block` (unless zero_dq_accum is off) and its semaphore."""
+    if const_expr(self.zero_dq_accum):
+      # The block's dQ accumulator floats are contiguous (bwd_common): coalesced zero stores.
+      gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim),
+                            (block, 0))
+      flat = cute.make_tensor(gdQ.iterator, cute.make_layout(self.tile_m * self.head_dim))
+      for i in cutlass.range_constexpr(self.tile_m * self.head_dim // _NUM_THREADS):
+        flat[i * _NUM_THREADS + tidx] = Float32(0.0)
+    if const_expr(self.deterministic):
+      if tidx == 0:
+        mSem[block, head, batch] = Int32(0)
 
   @cute.jit
   def _chunk_dot(self, mO: cute.Tensor, mdO: cute.Tensor, row: Int32, chunk: Int32, head: Int32,

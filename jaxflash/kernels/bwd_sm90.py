@@ -150,8 +150,8 @@ class FlashAttentionBackwardSm90:
   input dtype, by TMA.
   With `deterministic`, the dQ reductions into one (batch, head, m block) happen in a fixed
   key-block order, gated by an int32 semaphore per (batch, head, m block); key block n adds
-  into accumulator copy n % dq_copies, each copy with its own order and semaphores. With the
-  causal mask descending, and CTAs launch the last key block first, so every CTA only waits for
+  into accumulator copy n % copies (the call's count, at most dq_copies), each copy with its
+  own order and semaphores. With the causal mask descending, and CTAs launch the last key block first, so every CTA only waits for
   CTAs launched before it (no deadlock) that reached the block earlier (no stall). Without a mask,
   key block n walks the query blocks from (M - n) mod M and the order at a query block is the
   arrival order, so no key block queues behind the others at the start (_m_rotation, _dq_rank);
@@ -179,12 +179,15 @@ class FlashAttentionBackwardSm90:
     hdim 192 343 / 431 / 284 vs 343 / 356 / 286, causal 349 / 418 / 236 vs 313 / 350 / 230;
     hdim 96 519 / 532 / 416 vs 491 / 504 / 388; hdim 128 causal 531 / 563 / 345 vs 489 / 548 /
     313 (eighth session, perf-notes.md).
-    dq_copies (deterministic; None: config.dq_accum_copies, devtools A/B pass 1 / 2): dQ
-    accumulator copies; key block n adds into copy n % dq_copies, in a fixed order per copy
-    (_dq_rank), and the postprocess sums the copies. Without a mask at as many key blocks as
-    query blocks the rotated order makes each query block's hand-offs a ring around the key
-    blocks, and the ring (dQ write, MEMBAR, semaphore poll per hop) bounded the step time at
-    hdim 192 / 256: one ring per copy, each 1 / dq_copies as long.
+    dq_copies (deterministic; None: config.max_dq_accum_copies, devtools A/B pass 1 / 2): the
+    most dQ accumulator copies a call may hold; with more than one the kernels read the
+    call's count from the scratch shape (config.dq_accum_copies: by seqlen_q with the causal
+    mask). Key block n adds into copy n % copies, in a fixed order per copy (_dq_rank), and
+    the postprocess sums the copies. Without a mask at as many key blocks as query blocks the
+    rotated order makes each query block's hand-offs a ring around the key blocks, and the
+    ring (dQ write, MEMBAR, semaphore poll per hop) bounded the step time at hdim 192 / 256:
+    one ring per copy, each 1 / copies as long; with the causal mask the chain of a query
+    block at hdim 192 is halved the same way (faster up to seq 4k / 8k, slower at 16k).
     first_store (deterministic with det_sync "ordered"; None: on, devtools A/B pass False):
     the first contribution to each dQ accumulator block in the fixed order (rank 0) is a bulk
     store instead of a bulk reduction, so the preprocess does not zero the accumulator (one
@@ -244,8 +247,8 @@ class FlashAttentionBackwardSm90:
       dq_copies = int(dq_copies)  # devtools --kernel-arg passes 0 / 1 as booleans
     if dq_copies is not None and (dq_copies < 1 or (dq_copies > 1 and not deterministic)):
       raise ValueError(f"dq_copies: {dq_copies}; accepted: None, 1, or more when deterministic")
-    self.dq_copies = (config.dq_accum_copies(deterministic, causal, head_dim) if dq_copies is None
-                      else dq_copies)
+    self.dq_copies = (config.max_dq_accum_copies(deterministic, causal, head_dim)
+                      if dq_copies is None else dq_copies)
     self.dtype = dtype
     self.head_dim = head_dim
     self.head_dim_v = head_dim_v
@@ -583,7 +586,8 @@ class FlashAttentionBackwardSm90:
                       m_rot, seqlen_q, seqlen_k)
       if const_expr(self.release_warp):
         if warp_idx == _DQ_RELEASE_WARP:
-          self.release_dq(mdQaccum, mSem, n_block, head_kv, batch, group, m_min, m_max, m_rot)
+          self.release_dq(mdQaccum, mSem, n_block, head_kv, batch, group, m_min, m_max, m_rot,
+                          seqlen_q)
     else:
       cute.arch.setmaxregister_increase(_MMA_REGS)
       n_block, head_kv, batch, m_min, m_max, m_rot = self._work_coords(seqlen_q, seqlen_k)
@@ -1166,6 +1170,7 @@ class FlashAttentionBackwardSm90:
     # Deterministic: the buffers are handed back for the next step before the wait for this
     # step's writes (the release), so the consumers stage the next dQ block meanwhile.
     early_empty = self.deterministic and self.det_sync != "no_flush" and self.early_dq_empty
+    copies, copy_blocks = self._dq_copy_layout(mdQaccum, seqlen_q)
     for g in cutlass.range(group, unroll=1):
       head = head_kv * group + g
       for step in cutlass.range(m_min, m_max, unroll=1):
@@ -1177,13 +1182,13 @@ class FlashAttentionBackwardSm90:
           else:
             self._hand_back_dq_buffers(lane)
           if const_expr(p == 0):
-            acc_block = self._dq_accum_block(mdQaccum, m_block, n_block)
+            acc_block = self._dq_accum_block(m_block, n_block, copies, copy_blocks)
             rank = None
             gdQ = cute.local_tile(mdQaccum[None, None, head, batch],
                                   (self.tile_m, self.head_dim), (acc_block, 0))
             if const_expr(self.deterministic):
               sem = mSem[None, head, batch].iterator + acc_block
-              rank = self._dq_rank(m_block, n_block, seqlen_q, seqlen_k)
+              rank = self._dq_rank(m_block, n_block, seqlen_q, seqlen_k, copies)
               if lane == 0:
                 if const_expr(self.det_sync == "ordered"):
                   bwd_common.wait_at_least(sem, rank)
@@ -1239,10 +1244,12 @@ class FlashAttentionBackwardSm90:
 
   @cute.jit
   def release_dq(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, n_block: Int32,
-                 head_kv: Int32, batch: Int32, group: Int32, m_min: Int32, m_max: Int32, m_rot):
+                 head_kv: Int32, batch: Int32, group: Int32, m_min: Int32, m_max: Int32, m_rot,
+                 seqlen_q: Int32):
     """Release warp (release_warp): one semaphore increment per step of store_dq, in its order,
     each once the writer has seen that step's dQ writes land."""
     lane = cute.arch.lane_idx()
+    copies, copy_blocks = self._dq_copy_layout(mdQaccum, seqlen_q)
     for g in cutlass.range(group, unroll=1):
       head = head_kv * group + g
       for step in cutlass.range(m_min, m_max, unroll=1):
@@ -1250,7 +1257,7 @@ class FlashAttentionBackwardSm90:
         cute.arch.barrier(barrier_id=_DQ_RELEASE_FULL_BARRIER,
                           number_of_threads=_DQ_RELEASE_BARRIER_THREADS)
         if lane == 0:
-          acc_block = self._dq_accum_block(mdQaccum, m_block, n_block)
+          acc_block = self._dq_accum_block(m_block, n_block, copies, copy_blocks)
           bwd_common.add_release(mSem[None, head, batch].iterator + acc_block, 1)
         if g < group - 1 or step < m_max - 1:
           cute.arch.barrier_arrive(barrier_id=_DQ_RELEASE_EMPTY_BARRIER,
@@ -1267,20 +1274,28 @@ class FlashAttentionBackwardSm90:
       cute.arch.barrier_arrive(barrier_id=_DQ_EMPTY_BARRIER + wg,
                                number_of_threads=_DQ_BARRIER_THREADS)
 
+  def _dq_copy_layout(self, mdQaccum: cute.Tensor, seqlen_q: Int32):
+    """(copies, query blocks per copy) of this call's dQ accumulator: (1, None) for a kernel
+    built for one copy, else the count the scratch shape holds (bwd_common.dq_copy_count)."""
+    if self.dq_copies == 1:
+      return 1, None
+    copy_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+    return bwd_common.dq_copy_count(mdQaccum, copy_blocks * self.tile_m), copy_blocks
+
   @cute.jit
-  def _dq_accum_block(self, mdQaccum: cute.Tensor, m_block: Int32, n_block: Int32) -> Int32:
+  def _dq_accum_block(self, m_block: Int32, n_block: Int32, copies, copy_blocks) -> Int32:
     """Block of the dQ accumulator (and semaphore) that key block n_block adds query block
-    m_block into: m_block of copy n_block % dq_copies (bwd_common.dq_copy_blocks)."""
+    m_block into: m_block of copy n_block % copies (_dq_copy_layout)."""
     block = m_block
     if const_expr(self.dq_copies > 1):
-      copy_blocks = bwd_common.dq_copy_blocks(mdQaccum, self.dq_copies, self.tile_m)
-      block = m_block + (n_block % self.dq_copies) * copy_blocks
+      block = m_block + (n_block % copies) * copy_blocks
     return block
 
   @cute.jit
-  def _dq_rank(self, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
+  def _dq_rank(self, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+               copies) -> Int32:
     """Position of this key block among those adding into query block m_block of its dQ
-    accumulator copy, c = n_block % dq_copies (deterministic).
+    accumulator copy, c = n_block % copies (deterministic; _dq_copy_layout).
 
     The key blocks seen by a query block are exactly [0, n_block_max): without a mask they add
     in ascending order, with the causal mask in descending order (see the class docstring);
@@ -1291,7 +1306,6 @@ class FlashAttentionBackwardSm90:
     copies (count(n_block) = n_block // copies), the rank is count(n) - count(s) for n >= s
     and count(N) - count(s) + count(n) for n < s.
     """
-    copies = self.dq_copies
     rank = n_block // copies
     if const_expr(self.rotate_m and self.deterministic):
       num_m, rotates = self._rotates(seqlen_q, seqlen_k)

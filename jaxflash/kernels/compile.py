@@ -355,7 +355,7 @@ def export_bwd_variant(variant: config.KernelVariant, out_dir, main_args: dict |
              f"-DJAXFLASH_HEAD_DIM_V={variant.head_dim_v}",
              f"-DJAXFLASH_TILE_M={variant.tile.tile_m}",
              f"-DJAXFLASH_DETERMINISTIC={int(variant.deterministic)}",
-             f"-DJAXFLASH_DQ_COPIES={main.dq_copies}",
+             f"-DJAXFLASH_MAX_DQ_COPIES={main.dq_copies}",
              f"-DJAXFLASH_FIRST_STORE={int(main.first_store)}",
              *(f"-DJAXFLASH_PREFIX_{part.upper()}={prefix}_{part}" for part in _BWD_PARTS),
              *(f'-DJAXFLASH_HEADER_{part.upper()}="{headers[part]}"' for part in _BWD_PARTS))
