@@ -79,8 +79,9 @@ def test_sass_uses_wgmma_tma_and_bulk_reduction_without_spills(exported, variant
     spills = opcodes.count("LDL") + opcodes.count("STL")
     assert spills == 0, f"{part}: {spills} local-memory instructions"
   # GEMM operand descriptors on the uniform datapath, not moved there before each HGMMA:
-  # 4-55 R2UR per kernel (88-204 with per-thread operand slices).
-  assert ops["main"].count("R2UR") <= 64, ops["main"].count("R2UR")
+  # 4-69 R2UR per kernel (88-204 with per-thread operand slices; 69: hdim 256 deterministic,
+  # whose dQ writer and release warps take the call's dQ copy count at run time).
+  assert ops["main"].count("R2UR") <= 72, ops["main"].count("R2UR")
   # The dQ accumulator moves in 4-float chunks (bwd_common.fragment_chunks): the consumers
   # stage it with 128-bit shared stores and the postprocess reads it with 128-bit loads only.
   assert full["main"].count("STS.128") >= 8, full["main"].count("STS.128")

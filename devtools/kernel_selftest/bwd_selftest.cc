@@ -550,7 +550,6 @@ int main(int argc, char** argv) {
     }
     // Every count is checked and timed; with more than one, each gets its own RESULT line.
     for (int copies : counts) {
-      const int count_before = g_failures;
       g_dq_copies = copies;
       printf("  dq_copies %d\n", copies);
       std::mt19937 rng(1234);
@@ -569,7 +568,7 @@ int main(int argc, char** argv) {
       if (bench) tf = Bench(bwd, fwd, d, dv, causal, det);
       const std::string name =
           key + (counts.size() > 1 ? "+copies=" + std::to_string(copies) : std::string());
-      const bool pass = g_failures == before && g_failures == count_before;
+      const bool pass = g_failures == before;  // a failure at an earlier count stays
       printf("RESULT %s %s %.0f %.0f %.0f %.0f %.0f %.0f\n", name.c_str(), pass ? "PASS" : "FAIL",
              tf[0], tf[1], tf[2], tf[3], tf[4], tf[5]);
       fflush(stdout);

@@ -151,8 +151,9 @@ class FlashAttentionBackwardSm90:
   With `deterministic`, the dQ reductions into one (batch, head, m block) happen in a fixed
   key-block order, gated by an int32 semaphore per (batch, head, m block); key block n adds
   into accumulator copy n % copies (the call's count, at most dq_copies), each copy with its
-  own order and semaphores. With the causal mask descending, and CTAs launch the last key block first, so every CTA only waits for
-  CTAs launched before it (no deadlock) that reached the block earlier (no stall). Without a mask,
+  own order and semaphores. With the causal mask descending, and CTAs launch the last key
+  block first, so every CTA only waits for CTAs launched before it (no deadlock) that reached
+  the block earlier (no stall). Without a mask,
   key block n walks the query blocks from (M - n) mod M and the order at a query block is the
   arrival order, so no key block queues behind the others at the start (_m_rotation, _dq_rank);
   key block 0 then also waits for later CTAs, so this needs the head's key blocks resident
@@ -245,8 +246,10 @@ class FlashAttentionBackwardSm90:
     self.dv_after_ds = bool(dv_after_ds)
     if dq_copies is not None:
       dq_copies = int(dq_copies)  # devtools --kernel-arg passes 0 / 1 as booleans
-    if dq_copies is not None and (dq_copies < 1 or (dq_copies > 1 and not deterministic)):
-      raise ValueError(f"dq_copies: {dq_copies}; accepted: None, 1, or more when deterministic")
+    # At most 2: the copy index is a shift and a mask (_dq_copy_layout).
+    if dq_copies is not None and (dq_copies not in (1, 2)
+                                  or (dq_copies > 1 and not deterministic)):
+      raise ValueError(f"dq_copies: {dq_copies}; accepted: None, 1, or 2 when deterministic")
     self.dq_copies = (config.max_dq_accum_copies(deterministic, causal, head_dim)
                       if dq_copies is None else dq_copies)
     self.dtype = dtype
@@ -1170,7 +1173,7 @@ class FlashAttentionBackwardSm90:
     # Deterministic: the buffers are handed back for the next step before the wait for this
     # step's writes (the release), so the consumers stage the next dQ block meanwhile.
     early_empty = self.deterministic and self.det_sync != "no_flush" and self.early_dq_empty
-    copies, copy_blocks = self._dq_copy_layout(mdQaccum, seqlen_q)
+    shift, copy_blocks = self._dq_copy_layout(mdQaccum, seqlen_q)
     for g in cutlass.range(group, unroll=1):
       head = head_kv * group + g
       for step in cutlass.range(m_min, m_max, unroll=1):
@@ -1182,13 +1185,13 @@ class FlashAttentionBackwardSm90:
           else:
             self._hand_back_dq_buffers(lane)
           if const_expr(p == 0):
-            acc_block = self._dq_accum_block(m_block, n_block, copies, copy_blocks)
+            acc_block = self._dq_accum_block(m_block, n_block, shift, copy_blocks)
             rank = None
             gdQ = cute.local_tile(mdQaccum[None, None, head, batch],
                                   (self.tile_m, self.head_dim), (acc_block, 0))
             if const_expr(self.deterministic):
               sem = mSem[None, head, batch].iterator + acc_block
-              rank = self._dq_rank(m_block, n_block, seqlen_q, seqlen_k, copies)
+              rank = self._dq_rank(m_block, n_block, seqlen_q, seqlen_k, shift)
               if lane == 0:
                 if const_expr(self.det_sync == "ordered"):
                   bwd_common.wait_at_least(sem, rank)
@@ -1249,7 +1252,7 @@ class FlashAttentionBackwardSm90:
     """Release warp (release_warp): one semaphore increment per step of store_dq, in its order,
     each once the writer has seen that step's dQ writes land."""
     lane = cute.arch.lane_idx()
-    copies, copy_blocks = self._dq_copy_layout(mdQaccum, seqlen_q)
+    shift, copy_blocks = self._dq_copy_layout(mdQaccum, seqlen_q)
     for g in cutlass.range(group, unroll=1):
       head = head_kv * group + g
       for step in cutlass.range(m_min, m_max, unroll=1):
@@ -1257,7 +1260,7 @@ class FlashAttentionBackwardSm90:
         cute.arch.barrier(barrier_id=_DQ_RELEASE_FULL_BARRIER,
                           number_of_threads=_DQ_RELEASE_BARRIER_THREADS)
         if lane == 0:
-          acc_block = self._dq_accum_block(m_block, n_block, copies, copy_blocks)
+          acc_block = self._dq_accum_block(m_block, n_block, shift, copy_blocks)
           bwd_common.add_release(mSem[None, head, batch].iterator + acc_block, 1)
         if g < group - 1 or step < m_max - 1:
           cute.arch.barrier_arrive(barrier_id=_DQ_RELEASE_EMPTY_BARRIER,
@@ -1275,27 +1278,39 @@ class FlashAttentionBackwardSm90:
                                number_of_threads=_DQ_BARRIER_THREADS)
 
   def _dq_copy_layout(self, mdQaccum: cute.Tensor, seqlen_q: Int32):
-    """(copies, query blocks per copy) of this call's dQ accumulator: (1, None) for a kernel
-    built for one copy, else the count the scratch shape holds (bwd_common.dq_copy_count)."""
+    """(shift, query blocks per copy) of this call's dQ accumulator, copies = 1 << shift: (0,
+    None) for a kernel built for one copy, else from the count the scratch shape holds
+    (1 or 2, __init__: 2 when the accumulator holds more rows than one copy). Shifts and a
+    compare, no division: runtime divisions cost the writer and release warps 96-152 SASS
+    instructions and up to 30 R2UR."""
     if self.dq_copies == 1:
-      return 1, None
+      return 0, None
     copy_blocks = cute.ceil_div(seqlen_q, self.tile_m)
-    return bwd_common.dq_copy_count(mdQaccum, copy_blocks * self.tile_m), copy_blocks
+    return Int32(mdQaccum.shape[0] > copy_blocks * self.tile_m), copy_blocks
+
+  def _copy_mask(self, shift):
+    """copies - 1 (copies = 1 << shift, _dq_copy_layout)."""
+    return 0 if self.dq_copies == 1 else (Int32(1) << shift) - 1
+
+  def _copy_div(self, x, shift):
+    """x // copies for x >= 0 (copies = 1 << shift, _dq_copy_layout)."""
+    return x if self.dq_copies == 1 else x >> shift
 
   @cute.jit
-  def _dq_accum_block(self, m_block: Int32, n_block: Int32, copies, copy_blocks) -> Int32:
+  def _dq_accum_block(self, m_block: Int32, n_block: Int32, shift, copy_blocks) -> Int32:
     """Block of the dQ accumulator (and semaphore) that key block n_block adds query block
     m_block into: m_block of copy n_block % copies (_dq_copy_layout)."""
     block = m_block
     if const_expr(self.dq_copies > 1):
-      block = m_block + (n_block % copies) * copy_blocks
+      block = m_block + (n_block & self._copy_mask(shift)) * copy_blocks
     return block
 
   @cute.jit
   def _dq_rank(self, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-               copies) -> Int32:
+               shift) -> Int32:
     """Position of this key block among those adding into query block m_block of its dQ
-    accumulator copy, c = n_block % copies (deterministic; _dq_copy_layout).
+    accumulator copy, c = n_block % copies (deterministic; copies = 1 << shift,
+    _dq_copy_layout).
 
     The key blocks seen by a query block are exactly [0, n_block_max): without a mask they add
     in ascending order, with the causal mask in descending order (see the class docstring);
@@ -1304,20 +1319,22 @@ class FlashAttentionBackwardSm90:
     where m + N <= M (no step wraps), else the blocks n >= s = M - m (wrapped, steps
     m + n - M) first. With count(x) = the copy-c blocks in [0, x) = (x + copies - 1 - c) //
     copies (count(n_block) = n_block // copies), the rank is count(n) - count(s) for n >= s
-    and count(N) - count(s) + count(n) for n < s.
+    and count(N) - count(s) + count(n) for n < s. Every divided value is >= 0.
     """
-    rank = n_block // copies
+    rank = self._copy_div(n_block, shift)
     if const_expr(self.rotate_m and self.deterministic):
       num_m, rotates = self._rotates(seqlen_q, seqlen_k)
       num_n = cute.ceil_div(seqlen_k, self.tile_n)
       if rotates and m_block + num_n > num_m:
-        skipped = copies - 1 - n_block % copies
-        rank = n_block // copies - (num_m - m_block + skipped) // copies
+        mask_bits = self._copy_mask(shift)
+        skipped = mask_bits - (n_block & mask_bits)
+        rank = (self._copy_div(n_block, shift)
+                - self._copy_div(num_m - m_block + skipped, shift))
         if rank < 0:
-          rank = rank + (num_n + skipped) // copies
+          rank = rank + self._copy_div(num_n + skipped, shift)
     if const_expr(self.causal):
       n_end = mask.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, True)
-      rank = (n_end - 1 - n_block) // copies
+      rank = self._copy_div(n_end - 1 - n_block, shift)
     return rank
 
   @cute.jit
