@@ -1282,7 +1282,7 @@ class FlashAttentionBackwardSm90:
     None) for a kernel built for one copy, else from the count the scratch shape holds
     (1 or 2, __init__: 2 when the accumulator holds more rows than one copy). Shifts and a
     compare, no division: runtime divisions cost the writer and release warps 96-152 SASS
-    instructions and up to 30 R2UR."""
+    instructions and up to 25 R2UR."""
     if self.dq_copies == 1:
       return 0, None
     copy_blocks = cute.ceil_div(seqlen_q, self.tile_m)
