@@ -37,6 +37,7 @@ _KERNELS_SRC = Path(__file__).resolve().parent / "kernels"
 _HANDLER_SOURCES = ("handlers.cc", "variant_registry.cc")
 _HANDLER_HEADERS = ("kernel_abi.h", "variant_registry.h")
 _VARIANT_SOURCES = ("variant_fwd.cc", "variant_bwd.cc")
+_VARIANT_HEADERS = ("kernel_abi.h", "tensor_args.h", "variant_common.h")
 _CXXFLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC")
 # Hide the static CUDA runtime's symbols: each library keeps its own copy, and nothing outside
 # it can bind to them. -s strips the static symbol table (the dynamic one stays).
@@ -45,7 +46,7 @@ _CUTLASS_DIST = "nvidia-cutlass-dsl"
 # The C ABI of kernel_abi.h that every variant library must export: the common functions plus
 # the entry of its direction.
 _COMMON_ABI_SYMBOLS = ("jaxflash_variant_abi_version", "jaxflash_variant_key",
-                       "jaxflash_variant_load")
+                       "jaxflash_variant_info", "jaxflash_variant_load")
 VARIANT_ABI_SYMBOLS = _COMMON_ABI_SYMBOLS + ("jaxflash_variant_fwd",)
 BWD_VARIANT_ABI_SYMBOLS = _COMMON_ABI_SYMBOLS + ("jaxflash_variant_bwd",)
 
@@ -250,8 +251,7 @@ def variant_spec(variant: KernelVariant) -> dict:
 def _variant_sources() -> list[Path]:
   """Everything a variant library is made from besides its spec: a change forces a rebuild."""
   return sorted(_KERNELS_SRC.rglob("*.py")) + [_FFI_SRC / n for n in (*_VARIANT_SOURCES,
-                                                                      "kernel_abi.h",
-                                                                      "tensor_args.h")]
+                                                                      *_VARIANT_HEADERS)]
 
 
 def _expected_manifest(variant: KernelVariant) -> dict:

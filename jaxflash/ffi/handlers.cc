@@ -29,18 +29,6 @@ std::string Where(std::string_view target, std::string_view variant) {
   return std::string(target) + "[variant=" + std::string(variant) + "]: ";
 }
 
-// KernelVariant.key is '-'-separated tokens: fwd-sm90a-bf16-d128-dv128[-causal...]-m128n128s2.
-bool HasToken(std::string_view key, std::string_view token) {
-  size_t start = 0;
-  while (start <= key.size()) {
-    size_t end = key.find('-', start);
-    if (end == std::string_view::npos) end = key.size();
-    if (key.substr(start, end - start) == token) return true;
-    start = end + 1;
-  }
-  return false;
-}
-
 std::string Shape(const ffi::AnyBuffer& buffer) {
   std::string out = "(";
   auto dims = buffer.dimensions();
@@ -86,41 +74,35 @@ ffi::Error Invalid(const CallAttrs& a, const std::string& what) {
   return ffi::Error::InvalidArgument(Where(a) + what);
 }
 
-// Attributes must describe the variant the key names (the key is KernelVariant.key).
-ffi::Error CheckAttrs(const CallAttrs& a, ffi::DataType dtype) {
-  const std::string_view v = a.variant;
-  const char* direction = a.target == kBwdTarget ? "bwd" : "fwd";
-  if (!HasToken(v, direction)) {
-    return Invalid(a, std::string("the variant key does not name a '") + direction +
-                          "' kernel, which this target runs");
+// The attributes and q's dtype must describe the variant the library was built for.
+ffi::Error CheckAttrs(const CallAttrs& a, const JaxflashVariantInfo& info, ffi::DataType dtype) {
+  const ffi::DataType built_for = info.dtype == 1 ? ffi::DataType::BF16 : ffi::DataType::F16;
+  if (dtype != built_for) {
+    return Invalid(a, std::string("q has dtype ") + DtypeName(dtype) + ", the variant was built for " +
+                          DtypeName(built_for));
   }
-  if (a.deterministic != HasToken(v, "det")) {
-    return Invalid(a, std::string("attribute deterministic=") +
-                          (a.deterministic ? "true" : "false") + " does not match the variant key");
-  }
-  const char* dtype_token = dtype == ffi::DataType::F16 ? "f16" : "bf16";
-  if (!HasToken(v, dtype_token)) {
-    return Invalid(a, std::string("q has dtype ") + DtypeName(dtype) +
-                          ", which this variant was not built for");
-  }
-  if (!HasToken(v, "d" + std::to_string(a.head_dim)) ||
-      !HasToken(v, "dv" + std::to_string(a.head_dim_v))) {
+  if (a.head_dim != info.head_dim || a.head_dim_v != info.head_dim_v) {
     return Invalid(a, "attributes head_dim=" + std::to_string(a.head_dim) + ", head_dim_v=" +
-                          std::to_string(a.head_dim_v) + " do not match the variant key");
+                          std::to_string(a.head_dim_v) + " do not match the variant's " +
+                          std::to_string(info.head_dim) + ", " + std::to_string(info.head_dim_v));
   }
-  if (a.causal != HasToken(v, "causal")) {
-    return Invalid(a, std::string("attribute causal=") + (a.causal ? "true" : "false") +
-                          " does not match the variant key");
+  auto flag = [](bool on) { return on ? std::string("true") : std::string("false"); };
+  if (a.causal != (info.causal != 0)) {
+    return Invalid(a, "attribute causal=" + flag(a.causal) + " does not match the variant's " +
+                          flag(info.causal != 0));
   }
-  bool window = a.window_left != -1 || a.window_right != -1;
-  if (a.window_left < -1 || a.window_right < -1 || (window && !HasToken(v, "window"))) {
+  if (a.deterministic != (info.deterministic != 0)) {
+    return Invalid(a, "attribute deterministic=" + flag(a.deterministic) +
+                          " does not match the variant's " + flag(info.deterministic != 0));
+  }
+  if (a.window_left != -1 || a.window_right != -1) {
     return Invalid(a, "window (" + std::to_string(a.window_left) + ", " +
                           std::to_string(a.window_right) +
-                          ") needs values >= -1 and a '-window' variant (-1 = unbounded)");
+                          "): the kernels run unbounded windows only (-1, -1)");
   }
-  if (!std::isfinite(a.softcap) || a.softcap < 0 || (a.softcap != 0 && !HasToken(v, "softcap"))) {
+  if (a.softcap != 0) {
     return Invalid(a, "softcap " + std::to_string(a.softcap) +
-                          " needs a finite value >= 0 and a '-softcap' variant (0 = off)");
+                          ": the kernels run without softcap only (0)");
   }
   if (!std::isfinite(a.softmax_scale)) {
     return Invalid(a, "softmax_scale " + std::to_string(a.softmax_scale) + " is not finite");
@@ -130,7 +112,8 @@ ffi::Error CheckAttrs(const CallAttrs& a, ffi::DataType dtype) {
 
 // Checks ranks, dtypes and dims of every buffer against the attributes and each other, then
 // fills the shape fields of `args`.
-ffi::Error CheckBuffers(const CallAttrs& a, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+ffi::Error CheckBuffers(const CallAttrs& a, const JaxflashVariantInfo& info,
+                        const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                         const ffi::AnyBuffer& v, const ffi::AnyBuffer& out,
                         const ffi::AnyBuffer& lse, JaxflashFwdArgs* args) {
   struct Named { const char* name; const ffi::AnyBuffer* buffer; size_t rank; };
@@ -156,7 +139,7 @@ ffi::Error CheckBuffers(const CallAttrs& a, const ffi::AnyBuffer& q, const ffi::
     return Invalid(a, std::string("lse has ") + DtypeName(lse.element_type()) +
                             ", expected float32");
   }
-  if (ffi::Error e = CheckAttrs(a, dtype); e.failure()) return e;
+  if (ffi::Error e = CheckAttrs(a, info, dtype); e.failure()) return e;
 
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const int64_t b = qd[0], sq = qd[1], h = qd[2], sk = kd[1], hk = kd[2];
@@ -286,11 +269,13 @@ ffi::Error AttentionFwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         int32_t head_dim, int32_t head_dim_v) {
   const CallAttrs attrs{variant, softmax_scale, causal, window_left, window_right,
                         softcap, head_dim, head_dim_v};
-  JaxflashFwdArgs args{};
-  if (ffi::Error e = CheckBuffers(attrs, q, k, v, *out, *lse, &args); e.failure()) return e;
-
   const VariantLibrary* library = nullptr;
   if (ffi::Error e = FindLibrary(attrs, &library); e.failure()) return e;
+  JaxflashFwdArgs args{};
+  if (ffi::Error e = CheckBuffers(attrs, library->info, q, k, v, *out, *lse, &args);
+      e.failure()) {
+    return e;
+  }
   if (out->element_count() == 0) return ffi::Error::Success();  // b, sq or h is 0
 
   ScopedStreamDevice device(stream);
@@ -311,19 +296,6 @@ ffi::Error AttentionFwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ffi::Error::Success();
 }
 
-// tile_m of a variant from the tile token of its key ("m64n128s2"): the scratch rows are the
-// query length rounded up to it. 0 if the key has no tile token.
-int64_t TileM(std::string_view key) {
-  const size_t dash = key.rfind('-');
-  const std::string_view tile = dash == std::string_view::npos ? key : key.substr(dash + 1);
-  if (tile.size() < 2 || tile[0] != 'm') return 0;
-  int64_t m = 0;
-  for (size_t i = 1; i < tile.size() && tile[i] >= '0' && tile[i] <= '9'; ++i) {
-    m = m * 10 + (tile[i] - '0');
-  }
-  return m;
-}
-
 // `buffer` must have exactly `dims` and `dtype`.
 ffi::Error CheckExact(const CallAttrs& a, const char* name, const ffi::AnyBuffer& buffer,
                       std::initializer_list<int64_t> dims, ffi::DataType dtype) {
@@ -340,7 +312,8 @@ ffi::Error CheckExact(const CallAttrs& a, const char* name, const ffi::AnyBuffer
 }
 
 // Backward outputs and scratch against the (already checked) forward tensors.
-ffi::Error CheckBwdBuffers(const CallAttrs& a, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+ffi::Error CheckBwdBuffers(const CallAttrs& a, const JaxflashVariantInfo& info,
+                           const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                            const ffi::AnyBuffer& v, const ffi::AnyBuffer& out,
                            const ffi::AnyBuffer& lse, const ffi::AnyBuffer& d_out,
                            const ffi::AnyBuffer& d_lse, const ffi::AnyBuffer& dq,
@@ -359,19 +332,18 @@ ffi::Error CheckBwdBuffers(const CallAttrs& a, const ffi::AnyBuffer& q, const ff
                         Pair{"dq", &dq, &q}, Pair{"dk", &dk, &k}, Pair{"dv", &dv, &v}}) {
     if (ffi::Error e = same(p.name, *p.buffer, *p.like); e.failure()) return e;
   }
-  const int64_t tile_m = TileM(a.variant);
-  if (tile_m <= 0) return Invalid(a, "the variant key has no tile token (m<tile_m>n...)");
+  const int64_t tile_m = info.tile_m;
   auto qd = q.dimensions();
   const int64_t b = qd[0], sq = qd[1], h = qd[2];
   const int64_t sqr = (sq + tile_m - 1) / tile_m * tile_m;
-  // Deterministic variants may keep JAXFLASH_DET_DQ_COPIES accumulators (config.py
-  // dq_accum_copies decides per call, the scratch shape carries it; the variant library
-  // refuses more than it was built for).
+  // The dQ accumulator holds 1 to max_dq_copies copies of sqr rows (config.dq_accum_copies
+  // decides per call, the scratch shape carries it).
   const auto acc_dims = dq_accum.dimensions();
-  const int64_t copies = a.deterministic && acc_dims.size() == 4 &&
-                                 acc_dims[2] == JAXFLASH_DET_DQ_COPIES * sqr
-                             ? JAXFLASH_DET_DQ_COPIES
-                             : 1;
+  int64_t copies = 1;
+  if (acc_dims.size() == 4 && sqr > 0 && acc_dims[2] % sqr == 0 && acc_dims[2] / sqr >= 1 &&
+      acc_dims[2] / sqr <= info.max_dq_copies) {
+    copies = acc_dims[2] / sqr;
+  }
   *dq_copies = static_cast<int32_t>(copies);
   const ffi::DataType f32 = ffi::DataType::F32;
   if (ffi::Error e = CheckExact(a, "dq_accum", dq_accum, {b, h, copies * sqr, a.head_dim}, f32);
@@ -410,8 +382,13 @@ ffi::Error AttentionBwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         int32_t head_dim, int32_t head_dim_v, bool deterministic) {
   const CallAttrs attrs{variant, softmax_scale, causal,     window_left,   window_right,
                         softcap, head_dim,      head_dim_v, kBwdTarget,    deterministic};
+  const VariantLibrary* library = nullptr;
+  if (ffi::Error e = FindLibrary(attrs, &library); e.failure()) return e;
   JaxflashFwdArgs shape{};
-  if (ffi::Error e = CheckBuffers(attrs, q, k, v, out, lse, &shape); e.failure()) return e;
+  if (ffi::Error e = CheckBuffers(attrs, library->info, q, k, v, out, lse, &shape);
+      e.failure()) {
+    return e;
+  }
   if (semaphore.size() > 1) {
     return Invalid(attrs, std::to_string(6 + semaphore.size()) +
                               " results, expected dq, dk, dv, dq_accum, lse_log2, delta and, "
@@ -424,14 +401,12 @@ ffi::Error AttentionBwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
     sem = got.value();
   }
   int32_t dq_copies = 1;
-  if (ffi::Error e = CheckBwdBuffers(attrs, q, k, v, out, lse, d_out, d_lse, *dq, *dk, *dv,
-                                     *dq_accum, *lse_log2, *delta, sem ? &**sem : nullptr,
-                                     &dq_copies);
+  if (ffi::Error e = CheckBwdBuffers(attrs, library->info, q, k, v, out, lse, d_out, d_lse, *dq,
+                                     *dk, *dv, *dq_accum, *lse_log2, *delta,
+                                     sem ? &**sem : nullptr, &dq_copies);
       e.failure()) {
     return e;
   }
-  const VariantLibrary* library = nullptr;
-  if (ffi::Error e = FindLibrary(attrs, &library); e.failure()) return e;
 
   ScopedStreamDevice device(stream);
   // Empty problems launch nothing (a TMA descriptor cannot describe a zero-length tensor): no

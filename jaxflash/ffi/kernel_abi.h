@@ -7,17 +7,24 @@
 
 #include <stdint.h>
 
-#define JAXFLASH_KERNEL_ABI_VERSION 2
-
-// Deterministic variants may keep up to this many dQ accumulators (jaxflash.config: a variant
-// is built for max_dq_accum_copies, dq_accum_copies picks a call's count): key block n adds
-// into copy n % copies in a fixed order per copy, and the postprocess sums the copies in index
-// order.
-#define JAXFLASH_DET_DQ_COPIES 2
+#define JAXFLASH_KERNEL_ABI_VERSION 3
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+// What a variant library was built for. The handler checks each call's attributes and buffers
+// against it; the variant key is only a name.
+typedef struct {
+  int32_t direction;      // 0: forward (exports jaxflash_variant_fwd), 1: backward (_bwd)
+  int32_t dtype;          // 0: float16, 1: bfloat16 (q, k, v, out and the gradients)
+  int32_t head_dim;       // of q and k
+  int32_t head_dim_v;     // of v and out
+  int32_t causal;         // 1: bottom-right aligned causal mask
+  int32_t deterministic;  // backward: 1 when dQ is accumulated in a fixed order
+  int32_t tile_m;         // backward: the scratch rows are seqlen_q rounded up to this
+  int32_t max_dq_copies;  // backward: most dQ accumulator copies a call may hold (1 or 2)
+} JaxflashVariantInfo;
 
 // Forward call. Tensors are dense row-major, exactly as XLA hands them over:
 //   q   (batch, seqlen_q, num_heads,    head_dim)    fp16/bf16
@@ -50,9 +57,10 @@ typedef struct {
 //   delta        (batch, num_heads, seqlen_q_rounded)                      float32
 //   dq_semaphore (batch, num_heads, copies * seqlen_q_rounded / tile_m)    int32, deterministic
 //                variants only (NULL otherwise)
-// where copies = dq_copies below, 1 to JAXFLASH_DET_DQ_COPIES (copy c holds rows
-// [c * seqlen_q_rounded, (c + 1) * seqlen_q_rounded) of each (batch, head)); a library built
-// for fewer copies refuses the call.
+// where copies = dq_copies below, 1 to JaxflashVariantInfo.max_dq_copies (copy c holds rows
+// [c * seqlen_q_rounded, (c + 1) * seqlen_q_rounded) of each (batch, head); key block n adds
+// into copy n % copies, and the postprocess sums the copies in index order); a library refuses
+// more than it was built for.
 typedef struct {
   const void* q;
   const void* k;
@@ -79,6 +87,8 @@ typedef struct {
 int32_t jaxflash_variant_abi_version(void);
 // The KernelVariant.key the library was built for (a NUL-terminated static string).
 const char* jaxflash_variant_key(void);
+// What the library was built for (a static struct).
+const JaxflashVariantInfo* jaxflash_variant_info(void);
 // Loads the cubin on every visible device. Idempotent and thread-safe; 0 on success.
 int32_t jaxflash_variant_load(void);
 // Launches on `stream` (a cudaStream_t). 0 on success, else the CuTe DSL / CUDA status.

@@ -8,6 +8,14 @@
 
 namespace jaxflash {
 
+// Every tensor of the kernels' fake signatures (jaxflash.kernels.compile) has 3 dynamic extents
+// and 2 dynamic strides; the glue checks each exported struct, so that a changed signature
+// fails to compile instead of at run time.
+template <typename T>
+constexpr bool kSignatureMatches =
+    sizeof(T::dynamic_shapes) == 3 * sizeof(int32_t) &&
+    sizeof(T::dynamic_strides) == 2 * sizeof(int64_t);
+
 // (d0, d1, d2, dim) dense row-major: dynamic extents (d0, d1, d2), dynamic strides of d0, d1;
 // the stride of d2 (dim) and the unit stride are static in the kernel signature.
 template <typename T>

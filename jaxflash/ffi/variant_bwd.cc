@@ -1,18 +1,6 @@
 // Per-variant glue of the backward kernels: implements kernel_abi.h's backward entry on top of
-// THREE exported objects (preprocess, main, postprocess), launched in order on one stream.
-//
-// Compiled once per backward KernelVariant; `jaxflash.kernels.compile.export_variant(...).defines`
-// lists the macros ready to pass:
-//   -DJAXFLASH_PREFIX_{PRE,MAIN,POST}=<prefix>_{pre,main,post}   export_to_c prefixes
-//   -DJAXFLASH_HEADER_{PRE,MAIN,POST}="\"<out_dir>/<key>-{pre,main,post}.h\""
-//   -DJAXFLASH_VARIANT_KEY="\"<key>\""  -DJAXFLASH_HEAD_DIM=<d>  -DJAXFLASH_HEAD_DIM_V=<dv>
-//   -DJAXFLASH_TILE_M=<tile_m>  -DJAXFLASH_DETERMINISTIC=<0|1>
-//   -DJAXFLASH_MAX_DQ_COPIES=<the most dQ accumulator copies a call may hold (the kernels
-//                             read the call's count, dq_copies, from the scratch shape)>
-//   -DJAXFLASH_FIRST_STORE=<0|1>  the main kernel stores each dQ block's first contribution
-//                                 (deterministic): the postprocess takes the semaphores
-// Link like variant_fwd.cc with the three objects (jaxflash.build.link_variant does it). Exports the
-// kernel_abi.h functions abi_version, key, load and bwd.
+// THREE exported objects (preprocess, main, postprocess), launched in order on one stream
+// (macros and link: variant_common.h).
 
 #include <stdint.h>
 
@@ -20,26 +8,19 @@
 
 #include "kernel_abi.h"
 #include "tensor_args.h"
+#include "variant_common.h"
 #include JAXFLASH_HEADER_PRE
 #include JAXFLASH_HEADER_MAIN
 #include JAXFLASH_HEADER_POST
 
-#if !defined(JAXFLASH_PREFIX_PRE) || !defined(JAXFLASH_PREFIX_MAIN) || \
-    !defined(JAXFLASH_PREFIX_POST) || !defined(JAXFLASH_VARIANT_KEY) ||  \
-    !defined(JAXFLASH_HEAD_DIM) || !defined(JAXFLASH_HEAD_DIM_V) ||      \
-    !defined(JAXFLASH_TILE_M) || !defined(JAXFLASH_DETERMINISTIC) || \
-    !defined(JAXFLASH_MAX_DQ_COPIES) || !defined(JAXFLASH_FIRST_STORE)
-#error "define the JAXFLASH_* macros listed at the top of variant_bwd.cc"
+#if !defined(JAXFLASH_PREFIX_PRE) || !defined(JAXFLASH_PREFIX_POST)
+#error "a backward variant needs JAXFLASH_PREFIX_PRE / _POST and their headers"
 #endif
+static_assert(JAXFLASH_DIRECTION == 1, "variant_bwd.cc builds backward variants");
 
-#define JF_CAT2(a, b) a##b
-#define JF_CAT(a, b) JF_CAT2(a, b)
 #define JF_PRE(suffix) JF_CAT(JAXFLASH_PREFIX_PRE, suffix)
 #define JF_MAIN(suffix) JF_CAT(JAXFLASH_PREFIX_MAIN, suffix)
 #define JF_POST(suffix) JF_CAT(JAXFLASH_PREFIX_POST, suffix)
-#define JF_WRAPPER(prefix) JF_CAT(JF_CAT(cute_dsl_, prefix), _wrapper)
-
-#define JF_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
 
@@ -47,12 +28,7 @@ using jaxflash::Aligned;
 using jaxflash::Dense3;
 using jaxflash::Dense4;
 
-// Every tensor of compile.bwd_signature has 3 dynamic extents and 2 dynamic strides: a changed
-// signature must fail here, not at run time.
-template <typename T>
-constexpr bool kSignatureMatches =
-    sizeof(T::dynamic_shapes) == 3 * sizeof(int32_t) &&
-    sizeof(T::dynamic_strides) == 2 * sizeof(int64_t);
+using jaxflash::kSignatureMatches;
 
 #define JF_CHECK_SIGNATURE(T) \
   static_assert(kSignatureMatches<T>, #T " does not match compile.bwd_signature")
@@ -84,22 +60,6 @@ JF_MAIN(_Kernel_Module_t) g_main = {};
 JF_POST(_Kernel_Module_t) g_post = {};
 std::once_flag g_load_once;
 int32_t g_load_status = -1;
-
-void LoadOnce() {
-  // Module_Load walks every device and may leave another one current; restore the caller's.
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    g_load_status = static_cast<int32_t>(cudaErrorNoDevice);
-    return;
-  }
-  JF_PRE(_Kernel_Module_Load)(&g_pre);
-  JF_MAIN(_Kernel_Module_Load)(&g_main);
-  JF_POST(_Kernel_Module_Load)(&g_post);
-  cudaSetDevice(device);
-  // The generated loaders only print their errors; a null library handle is how failure shows.
-  const bool ok = g_pre.module != nullptr && g_main.module != nullptr && g_post.module != nullptr;
-  g_load_status = ok ? 0 : static_cast<int32_t>(cudaErrorInvalidKernelImage);
-}
 
 int32_t Validate(const JaxflashBwdArgs* a) {
   const int32_t kInvalid = static_cast<int32_t>(cudaErrorInvalidValue);
@@ -136,12 +96,15 @@ int32_t Validate(const JaxflashBwdArgs* a) {
 
 }  // namespace
 
-JF_EXPORT int32_t jaxflash_variant_abi_version(void) { return JAXFLASH_KERNEL_ABI_VERSION; }
-
-JF_EXPORT const char* jaxflash_variant_key(void) { return JAXFLASH_VARIANT_KEY; }
-
 JF_EXPORT int32_t jaxflash_variant_load(void) {
-  std::call_once(g_load_once, LoadOnce);
+  std::call_once(g_load_once, [] {
+    g_load_status = jaxflash::LoadModules([] {
+      JF_PRE(_Kernel_Module_Load)(&g_pre);
+      JF_MAIN(_Kernel_Module_Load)(&g_main);
+      JF_POST(_Kernel_Module_Load)(&g_post);
+      return g_pre.module != nullptr && g_main.module != nullptr && g_post.module != nullptr;
+    });
+  });
   return g_load_status;
 }
 
@@ -158,7 +121,7 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
   const int32_t acc_rows = a.dq_copies * sqr;  // the dQ accumulator copies (Validate)
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
 
-  {  // delta, lse * log2(e), zeroed dQ semaphores (and accumulator, unless FIRST_STORE)
+  {  // delta, lse * log2(e), zeroed dQ semaphores (deterministic) or accumulator (default)
     auto o = Dense4<JF_PRE(_Tensor_mO_t)>(a.out, b, sq, h, dv);
     auto dout = Dense4<JF_PRE(_Tensor_mdO_t)>(a.d_out, b, sq, h, dv);
     auto lse = Dense3<JF_PRE(_Tensor_mLSE_t)>(a.lse, b, h, sq);
@@ -201,7 +164,7 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
   {  // dQ = softmax_scale * accumulator, in the input dtype
     auto acc = Dense4<JF_POST(_Tensor_mdQaccum_t)>(a.dq_accum, b, h, acc_rows, d);
     auto dq = Dense4<JF_POST(_Tensor_mdQ_t)>(a.dq, b, sq, h, d);
-#if JAXFLASH_FIRST_STORE
+#if JAXFLASH_DETERMINISTIC
     // The accumulator was not zeroed: blocks whose semaphore counts no contribution read as 0.
     auto sem =
         Dense3<JF_POST(_Tensor_mSem_t)>(a.dq_semaphore, b, h, acc_rows / JAXFLASH_TILE_M);

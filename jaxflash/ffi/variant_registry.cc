@@ -60,11 +60,13 @@ std::string RegisterVariant(std::string_view key, std::string_view path) {
 
   auto abi_version = LookUp<int32_t (*)()>(handle, "jaxflash_variant_abi_version");
   auto variant_key = LookUp<const char* (*)()>(handle, "jaxflash_variant_key");
+  auto variant_info = LookUp<const JaxflashVariantInfo* (*)()>(handle, "jaxflash_variant_info");
   auto load = LookUp<int32_t (*)()>(handle, "jaxflash_variant_load");
   auto fwd = LookUp<int32_t (*)(const JaxflashFwdArgs*, void*)>(handle, "jaxflash_variant_fwd");
   auto bwd = LookUp<int32_t (*)(const JaxflashBwdArgs*, void*)>(handle, "jaxflash_variant_bwd");
   // One direction per library: the forward or the backward entry, not both.
-  if (!abi_version || !variant_key || !load || (fwd == nullptr) == (bwd == nullptr)) {
+  if (!abi_version || !variant_key || !variant_info || !load ||
+      (fwd == nullptr) == (bwd == nullptr)) {
     return fail(where + " does not export the jaxflash kernel ABI (kernel_abi.h); rebuild it with "
                 "`python -m jaxflash.build --force --variants " + std::string(key) + "`");
   }
@@ -77,6 +79,12 @@ std::string RegisterVariant(std::string_view key, std::string_view path) {
   if (std::string_view built_for = variant_key(); built_for != key) {
     return fail(where + " was built for variant '" + std::string(built_for) + "'");
   }
+  const JaxflashVariantInfo* info = variant_info();
+  if (info == nullptr || info->direction != (bwd != nullptr ? 1 : 0)) {
+    return fail(where + " describes itself (jaxflash_variant_info) as another direction than "
+                "the entry point it exports; rebuild it with `python -m jaxflash.build --force "
+                "--variants " + std::string(key) + "`");
+  }
   // Loading here, at registration, keeps cudaLibraryLoadData out of CUDA-graph capture.
   if (int32_t status = load(); status != 0) {
     return fail(where + ": loading the kernel module failed with status " +
@@ -87,6 +95,7 @@ std::string RegisterVariant(std::string_view key, std::string_view path) {
   entry->key = std::string(key);
   entry->path = std::move(path_str);
   entry->handle = handle;
+  entry->info = *info;
   entry->fwd = fwd;
   entry->bwd = bwd;
   registry.emplace(entry->key, std::move(entry));

@@ -16,6 +16,7 @@ struct VariantLibrary {
   std::string key;
   std::string path;
   void* handle = nullptr;  // from dlopen; never closed (handlers may run until exit)
+  JaxflashVariantInfo info = {};  // what the library was built for
   // Exactly one is set: a library is either a forward or a backward variant.
   int32_t (*fwd)(const JaxflashFwdArgs* args, void* stream) = nullptr;
   int32_t (*bwd)(const JaxflashBwdArgs* args, void* stream) = nullptr;
@@ -24,7 +25,7 @@ struct VariantLibrary {
 // Returns the registered library for `key`, or nullptr. Entries live until process exit.
 const VariantLibrary* FindVariant(std::string_view key);
 
-// Opens `path`, checks its ABI version and key, loads its cubin on every visible device.
+// Opens `path`, checks its ABI version, key and info, loads its cubin on every visible device.
 // Returns "" on success (also when `key` is already registered), else a readable error.
 std::string RegisterVariant(std::string_view key, std::string_view path);
 

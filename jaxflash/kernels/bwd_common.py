@@ -59,14 +59,14 @@ def dq_tiled_mma(dtype, head_dim: int, rows: int = TILE_M, transposed: bool = Fa
                  split_rows: bool = False) -> cute.TiledMma:
   """dQ = dS K: both warpgroups cover the `rows` (64) query rows, each half of head_dim (N).
 
-  transposed (bwd_sm90 swap_sdp with 80-row tiles): dQ^T = K^T dS^T, warpgroup w computes
+  transposed (the backward schedule's dq_transposed, 80-row tiles): dQ^T = K^T dS^T, warpgroup w computes
   head_dim rows [w * head_dim / 2, (w + 1) * head_dim / 2) (M) for all `rows` queries (N):
   the same head_dim halves per warpgroup, coordinates (head_dim, query).
-  split_rows (bwd_sm90 option dq_split_m, rows = 128): warpgroup w computes 64-row block w for
+  split_rows (the backward schedule's dq_split_m, rows = 128): warpgroup w computes 64-row block w for
   all of head_dim (WGMMA N = head_dim instead of head_dim / 2; FA-4's AtomLayoutMdQ = 2). Its
   thread t holds, in value order, what thread t of warpgroups 0 and 1 hold in the 64-row layout
   above (values 0..15 the first head_dim half), so staged whole into one buffer it is block w
-  of the accumulator layout unchanged (devtools/kernel_selftest/probe_dq_split_m.py).
+  of the accumulator layout unchanged (tests/test_kernels_bwd_sm90.py checks it).
   """
   if split_rows:
     return sm90_utils.make_trivial_tiled_mma(
@@ -163,7 +163,7 @@ def wait_at_least(ptr: cute.Pointer, target: Int32):
   """Spins until the int32 semaphore at ptr is >= target (one thread calls this).
 
   Every poll is an acquire: polling with relaxed loads and acquiring once was 4-9 % slower on
-  the H200 (eighth session, perf-notes.md).
+  the H200.
   """
   seen = load_acquire(ptr)
   while seen < target:

@@ -10,6 +10,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
+from jaxflash import config
 from jaxflash.kernels import bwd_common
 from jaxflash.kernels import sm90_gemm
 
@@ -28,35 +29,23 @@ class FlashAttentionBackwardPostprocess:
   against FA-4's 46 us for one hdim 128 call of 16k tokens x 16 heads (H200, ncu).
   """
 
-  def __init__(self, dtype, head_dim: int, tile_m: int = bwd_common.TILE_M,
-               transposed: bool = False, dq_copies: int = 1, sem_rows: int | None = None):
-    """tile_m / transposed: the main kernel's dQ accumulator blocks (bwd_common.dq_tiled_mma's
-    rows / transposed; bwd_sm90 swap_sdp with 80-row tiles writes 80-row dQ^T blocks).
-    dq_copies: the most accumulator copies a call holds (config.max_dq_accum_copies); the
-    count comes from the scratch shape (config.dq_accum_copies), the copies are summed in
-    index order. A copy is seqlen_q rounded up to the main kernel's query block: sem_rows,
-    or tile_m without it.
-    sem_rows: the main kernel's query block (rows per dQ semaphore) when it stores each
-    accumulator block's first contribution (bwd_sm90 first_store): the accumulator is not
-    zeroed, and a block whose semaphore counts no contribution reads as zero."""
-    self.dtype = dtype
-    self.head_dim = head_dim
-    self.tile_m = tile_m
-    self.transposed = transposed
-    self.dq_copies = dq_copies
-    if sem_rows is not None and sem_rows % tile_m:
-      raise ValueError(f"sem_rows: {sem_rows}; accepted: a multiple of tile_m {tile_m}")
-    self.sem_rows = sem_rows
+  def __init__(self, variant: config.KernelVariant):
+    schedule = variant.schedule
+    self.dtype = sm90_gemm.DTYPES[variant.dtype]
+    self.head_dim = variant.head_dim
+    # The main kernel's dQ accumulator blocks (bwd_common.dq_tiled_mma's rows / transposed):
+    # 80-row dQ^T blocks at tile_m 80, else 64-row blocks.
+    self.transposed = schedule.dq_transposed
+    self.tile_m = schedule.tile_m if schedule.dq_transposed else bwd_common.TILE_M
+    # The most accumulator copies a call holds; the count comes from the scratch shape
+    # (config.dq_accum_copies), the copies are summed in index order.
+    self.dq_copies = schedule.dq_copies
     # The main kernel's query block: a copy holds seqlen_q rounded up to a multiple of it.
-    self.main_rows = tile_m if sem_rows is None else sem_rows
-
-  @staticmethod
-  def can_implement(dtype: str, head_dim: int) -> tuple[bool, str]:
-    """Whether this kernel can be built for the arguments; the reason text is user-facing."""
-    del dtype
-    if head_dim % (8 * bwd_common.NUM_MMA_WARPGROUPS):
-      return False, f"head_dim {head_dim} unsupported; accepted: multiples of 16"
-    return True, ""
+    self.main_rows = schedule.tile_m
+    # Deterministic: the main kernel stores each accumulator block's first contribution, so
+    # the accumulator is not zeroed, and a block whose semaphore (one per main_rows rows)
+    # counts no contribution reads as zero.
+    self.sem_rows = schedule.tile_m if variant.deterministic else None
 
   @cute.jit
   def __call__(

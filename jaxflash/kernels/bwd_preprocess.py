@@ -12,6 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from jaxflash import config
 from jaxflash.kernels import bwd_common
 from jaxflash.kernels import sm90_gemm
 
@@ -28,40 +29,30 @@ class FlashAttentionBackwardPreprocess:
 
   Writes, for every row of the block (rows >= seqlen_q included, so the main kernel never needs
   a bounds check): lse2 = lse * log2(e), or +inf where lse = -inf or the row is padding (P = 0
-  in the main kernel), and delta = sum_c dO * O - d_lse (0 for padding); zeroes the block's
-  dQ accumulator floats (unless zero_dq_accum is off) and, when deterministic, its dQ
-  semaphore, in each accumulator copy the call holds (at most dq_copies,
-  config.max_dq_accum_copies; the count comes from the scratch shape, config.dq_accum_copies).
+  in the main kernel), and delta = sum_c dO * O - d_lse (0 for padding). In the default mode it
+  zeroes the block's dQ accumulator floats; deterministic variants store each block's first
+  contribution instead (bwd_sm90), so it zeroes only the block's dQ semaphore, in each
+  accumulator copy the call holds (at most the schedule's dq_copies; the count comes from the
+  scratch shape, config.dq_accum_copies).
   """
 
-  def __init__(self, dtype, head_dim: int, head_dim_v: int, deterministic: bool = False,
-               tile_m: int = bwd_common.TILE_M, dq_copies: int = 1, zero_dq_accum: bool = True):
-    """zero_dq_accum: False when the main kernel stores each block's first contribution
-    (bwd_sm90 first_store); the semaphores are still zeroed."""
-    self.dtype = dtype
-    self.head_dim = head_dim
-    self.head_dim_v = head_dim_v
-    self.deterministic = deterministic
+  def __init__(self, variant: config.KernelVariant):
+    self.dtype = sm90_gemm.DTYPES[variant.dtype]
+    self.head_dim = variant.head_dim
+    self.head_dim_v = variant.head_dim_v
+    self.deterministic = variant.deterministic
     # The main kernel's query block (a multiple of bwd_common.TILE_M): one dQ semaphore each.
-    self.tile_m = tile_m
-    self.dq_copies = dq_copies
-    self.zero_dq_accum = zero_dq_accum
+    self.tile_m = variant.schedule.tile_m
+    self.dq_copies = variant.schedule.dq_copies
+    self.zero_dq_accum = not variant.deterministic
     # A row of dO / O is read by head_dim_v / 8 consecutive lanes, 16 bytes each; the lanes per
     # row are a power of two (the shuffle reduction's group), the extra ones idle (hdim 96, 192).
-    self.chunks = head_dim_v // _VEC
+    self.chunks = self.head_dim_v // _VEC
     self.threads_per_row = 1 << (self.chunks - 1).bit_length()
     self.rows_per_pass = _NUM_THREADS // self.threads_per_row
-
-  @staticmethod
-  def can_implement(dtype: str, head_dim: int, head_dim_v: int) -> tuple[bool, str]:
-    """Whether this kernel can be built for the arguments; the reason text is user-facing."""
-    del dtype
-    # One pass of the CTA's threads must cover at most tile_m rows: 32 columns or more.
-    if head_dim_v % _VEC or not 4 * _VEC <= head_dim_v <= 32 * _VEC:
-      return False, f"head_dim_v {head_dim_v} unsupported; accepted: multiples of 8, 32 to 256"
-    if head_dim * bwd_common.TILE_M % _NUM_THREADS:
-      return False, f"head_dim {head_dim} unsupported; accepted: multiples of 4"
-    return True, ""
+    # One pass of the CTA's threads covers at most tile_m rows (head_dim_v >= 32), and the
+    # block's dQ floats split evenly over the threads.
+    assert self.rows_per_pass <= self.tile_m and self.head_dim_v % _VEC == 0, variant
 
   @cute.jit
   def __call__(

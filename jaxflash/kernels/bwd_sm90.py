@@ -20,8 +20,8 @@ from jaxflash.kernels import sm90_gemm
 from jaxflash.kernels import softmax
 
 _select = sm90_gemm.select_modes
+DTYPES = sm90_gemm.DTYPES
 
-DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 LOG2_E = math.log2(math.e)
 _WG = sm90_gemm.WARPGROUP_THREADS
 _NUM_WG = bwd_common.NUM_MMA_WARPGROUPS
@@ -43,36 +43,6 @@ _DQ_RELEASE_BARRIER_THREADS = 2 * sm90_gemm.WARP_THREADS
 _DQ_WRITER_WARP, _DQ_RELEASE_WARP = 1, 2
 # Producer warpgroup keeps 24 registers (TMA only); the two consumers get 240 (FA-3's split).
 _PRODUCER_REGS, _MMA_REGS = 24, 240
-# Above this head_dim, dK + dV of 64 key rows per warpgroup (head_dim fp32 registers per
-# thread) do not fit: the head-dim split mapping (class docstring) takes over, tile_n 64.
-_MAX_KEY_SPLIT_HEAD_DIM = 128
-_HEAD_SPLIT_TILE_N = 64
-# Up to this head_dim the key split also runs 128 query rows per step (two 64-row WGMMA blocks):
-# S and dP then take 2 x 64 fp32 registers per thread next to dK + dV (2 x 32 at hdim 64); at
-# hdim 96 / 128 that would pass the 240-register limit.
-_MAX_TILE_M128_HEAD_DIM = 64
-# swap_sdp also runs 80 query rows per step (FA-3/FA-4's hdim-128 tile): S^T / dP^T
-# are 64 keys x 80 queries per warpgroup (WGMMA N = 80), and since 80 is no multiple of WGMMA's
-# M = 64, dQ is computed transposed (dQ^T = K^T dS^T, M = head_dim, N = 80).
-_SWAP_TILE_M80 = 80
-_SWAP_TILES_ACCEPTED = (f"accepted: head_dim <= {_MAX_KEY_SPLIT_HEAD_DIM} with tile_m 64, "
-                        f"{_SWAP_TILE_M80} at head_dim 128, 128 at head_dim <= "
-                        f"{_MAX_TILE_M128_HEAD_DIM}")
-
-
-def _swap_tile_ms(head_dim: int) -> tuple[int, ...]:
-  """Query rows per step that swap_sdp runs at head_dim (none above the key-split limit)."""
-  if head_dim > _MAX_KEY_SPLIT_HEAD_DIM:
-    return ()
-  return ((bwd_common.TILE_M,) + ((_SWAP_TILE_M80,) if head_dim == 2 * 64 else ())
-          + ((2 * bwd_common.TILE_M,) if head_dim <= _MAX_TILE_M128_HEAD_DIM else ()))
-
-
-_HEAD_DIMS = (64, 96, 128, 192, 256)
-# (head_dim, head_dim_v) pairs with head_dim_v != head_dim: 192 / 128 (DeepSeek's MLA shape) in
-# the head-dim split mapping (dK's columns split 96 / 96, dV's 64 / 64 between the warpgroups).
-_HEAD_DIM_V_PAIRS = ((192, 128),)
-_DET_SYNC = ("ordered", "no_wait", "no_flush")
 # Deterministic without a mask: key block n walks the query blocks starting at (M - n) mod M
 # (M query blocks), so the key blocks of a head start on different query blocks instead of
 # queueing on block 0 (one dQ write and semaphore hop each: the ascending order lost 13 % at
@@ -80,20 +50,8 @@ _DET_SYNC = ("ordered", "no_wait", "no_flush")
 # which key block 0 waits for blocks launched after it: every key block of a head must be
 # resident at once, so this runs only up to this many key blocks (every sm_90 part has more SMs,
 # and a backward CTA holds a whole SM's shared memory) and with no more key blocks than query
-# blocks; above, the ascending order stays. (The default mode keeps the ascending order: the
-# rotation measured -1 % at hdim 128 and +2 % at hdim 192 there, perf-notes.md.)
+# blocks; above, the ascending order stays.
 _DET_ROTATE_MAX_KEY_BLOCKS = 64
-
-
-def _ring_shape(head_dim: int, num_stages: int) -> tuple[int, int]:
-  """(dO stages, dQ staging pieces per warpgroup) for a head_dim and num_stages (Q stages).
-
-  hdim 256 fits 227 KiB only with one dO stage and half a dQ block staged at a time (two pieces
-  per warpgroup); below, dO gets as many stages as Q and the whole dQ block is staged.
-  """
-  if head_dim > 192:
-    return 1, 2
-  return num_stages, 1
 
 
 def _mma_slices(tiled_mmas, mma_tidx):
@@ -111,273 +69,107 @@ def _mma_slices(tiled_mmas, mma_tidx):
 class FlashAttentionBackwardSm90:
   """FA-3 style backward main kernel; one CTA per (key block, kv head, batch).
 
-  Warpgroup 0 produces: warp 0 loads K and V once, then Q and dO blocks (TMA, num_stages ring)
-  for every query head of the kv head's group and every query block that sees the key block;
-  warp 1 adds the staged dQ blocks into the fp32 accumulator (bulk reductions), so neither the
+  Warpgroup 0 produces: warp 0 loads K and V once, then Q and dO blocks (TMA) for every query
+  head of the kv head's group and every query block that sees the key block; warp 1 (the dQ
+  writer) adds the staged dQ blocks into the fp32 accumulator (bulk reductions), so neither the
   reduction nor the deterministic-mode semaphore wait sits on the consumers' path.
-  head_dim <= 128 (64, 96, 128): consumer warpgroup w owns key rows [64 w, 64 w + 64) of the
-  tile; the query block is 64 rows, or 128 at head_dim 64 (two WGMMA row blocks: S and dP take
-  2 x 64 registers, dV / dK run with K = 128, dQ is 128 x head_dim / 2 per warpgroup and is
-  staged as two 64-row accumulator blocks). Per query block: S = Q K^T and dP = dO V^T
-  (WGMMA), P = exp2(S * scale * log2 e - lse * log2 e), dS = P (dP - delta); P and dS go to
-  shared memory; dV += P^T dO, dK += dS^T Q (registers, whole loop); dQ = dS K (half of
-  head_dim per warpgroup) is staged in shared memory and added into the fp32 accumulator by
-  bulk reductions (bwd_common describes its layout).
-  head_dim > 128 (192, 256; the "head-dim split", after FA-3's Hopper hdim-256 layout): tile_n
-  = 64; S and dP are split along the key mode (64 x 32 per warpgroup) but dV, dK and dQ along
-  head_dim: each warpgroup accumulates dK and dV of all 64 key rows for its head_dim half (2 x
-  64 fp32 registers per thread at hdim 256), so both read all of P and dS, and P is written
-  only once both finished the previous step's dV GEMM. dO gets its own ring (num_stages counts
-  Q stages), released as soon as the dV GEMM is done; at hdim 256, to fit 227 KiB, that ring
-  has one stage and the dQ staging buffer holds half a block: each warpgroup hands its dQ over
-  in two pieces. The dQ accumulator layout is the same.
-  swap_sdp (config.TileConfig.swap_sdp; every shipped variant up to hdim 128 uses it; head_dim
-  <= 128 with tile_m 64, 80 or 128, below): each warpgroup computes S^T = K Q^T and dP^T =
-  V dO^T (64 keys x tile_m queries) instead, so P^T and dS^T are already in the layout of the A
-  operand of dV += P^T dO and dK += dS^T Q, which read it from registers (RS WGMMA); P never
-  goes to shared memory, dS^T is written transposed (stmatrix.trans) into the dS tile of the
-  unchanged dQ GEMM, double buffered by Q stage (one named barrier per step instead of two).
-  The per-query lse2 / delta are now per fragment column (16 per thread): the producer copies
-  the block's rows into shared memory with Q and dO (mma_step_swapped). At head_dim 128 it
-  also takes tile_m 80 (FA-3/FA-4's hdim-128 tile): S^T is 64 x 80 per warpgroup
-  and dQ is computed transposed, dQ^T = K^T dS^T (80 is no multiple of WGMMA's M = 64), so
-  the dQ accumulator holds 80-row dQ^T blocks (bwd_common.dq_tiled_mma transposed; the
-  postprocess reads them the same way). At head_dim 64 it takes tile_m 128 (FA-3/FA-4's
-  hdim-64 tile): S^T and dP^T are 64 x 128 per warpgroup, dS^T goes into the two 64-row blocks
-  of the dS tile, the dQ GEMM is unchanged from the unswapped 128-row step. At 80 and 128 rows
-  the dV GEMM is issued once dS^T is stored (dv_after_ds), so dS takes the fp32 P.
+  Per query block: S = Q K^T and dP = dO V^T (WGMMA), P = exp2(S * scale * log2 e - lse *
+  log2 e), dS = P (dP - delta); dV += P^T dO, dK += dS^T Q (registers, whole loop); dQ = dS K
+  is staged in shared memory and added into the fp32 accumulator (bwd_common describes its
+  layout). Two warpgroup mappings, from the schedule (config.BwdSchedule):
+  swap_sdp (head_dim <= 128, FA-4's "SdP swapAB"): consumer warpgroup w owns key rows
+  [64 w, 64 w + 64) of the tile and computes S^T = K Q^T and dP^T = V dO^T (64 keys x tile_m
+  queries), so P^T and dS^T are already in the layout of the A operand of dV += P^T dO and
+  dK += dS^T Q, which read it from registers (RS WGMMA); P never goes to shared memory, dS^T is
+  written transposed (stmatrix.trans) into the dS tile of the dQ GEMM, double buffered by Q
+  stage. The per-query lse2 / delta are per fragment column: the producer copies the block's
+  rows into shared memory with Q and dO. At tile_m 80 dQ is computed transposed, dQ^T = K^T
+  dS^T (80 is no multiple of WGMMA's M = 64), so the accumulator holds 80-row dQ^T blocks (the
+  postprocess reads them the same way); at tile_m 128 S^T and dP^T take two 64-row WGMMA blocks
+  of queries and the dQ GEMM splits its rows between the warpgroups (dq_split_m).
+  Head-dim split (head_dim > 128, after FA-3's Hopper hdim-256 layout): tile_n = 64; S and dP
+  are split along the key mode (64 x 32 per warpgroup) but dV, dK and dQ along head_dim: each
+  warpgroup accumulates dK and dV of all 64 key rows for its head_dim half, so both read all of
+  P and dS, and P is written only once both finished the previous step's dV GEMM. dO gets its
+  own ring, released as soon as the dV GEMM is done (at hdim 256 it has one stage and each
+  warpgroup hands its dQ over in two pieces, to fit 227 KiB).
   GQA: the group's query heads are looped inside the CTA, so dK/dV are written once, in the
   input dtype, by TMA.
   With `deterministic`, the dQ reductions into one (batch, head, m block) happen in a fixed
   key-block order, gated by an int32 semaphore per (batch, head, m block); key block n adds
-  into accumulator copy n % copies (the call's count, at most dq_copies), each copy with its
-  own order and semaphores. With the causal mask descending, and CTAs launch the last key
-  block first, so every CTA only waits for CTAs launched before it (no deadlock) that reached
-  the block earlier (no stall). Without a mask,
+  into accumulator copy n % copies (the call's count, at most the schedule's dq_copies), each
+  copy with its own order and semaphores. The first contribution in a block's order is a bulk
+  store, so nothing zeroes the accumulator, and producer warp 2 issues each semaphore release
+  (its MEMBAR.GPU took a quarter of the writer's time). With the causal mask the order is
+  descending, and CTAs launch the last key block first, so every CTA only waits for CTAs
+  launched before it (no deadlock) that reached the block earlier (no stall). Without a mask,
   key block n walks the query blocks from (M - n) mod M and the order at a query block is the
   arrival order, so no key block queues behind the others at the start (_m_rotation, _dq_rank);
   key block 0 then also waits for later CTAs, so this needs the head's key blocks resident
   together: up to _DET_ROTATE_MAX_KEY_BLOCKS of them, else the ascending order.
   """
 
-  def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
-               causal: bool, deterministic: bool = False, swap_sdp: bool | None = None,
-               det_sync: str = "ordered", rotate_m: bool | None = None,
-               early_dq_empty: bool = True, dq_split_m: bool | None = None,
-               release_warp: bool | None = None, dq_copies: int | None = None,
-               first_store: bool | None = None, dv_after_ds: bool | None = None):
-    """swap_sdp: None takes the tile's choice (config.TileConfig.swap_sdp); devtools A/B builds
-    pass True / False to override it.
-
-    det_sync (deterministic only; devtools measurements of what the ordering costs): "ordered"
-    (shipped) waits for its turn on the semaphore and for its dQ reductions to be written before
-    releasing the next key block; "no_wait" skips the turn wait, "no_flush" also the write wait.
-    Both measure a kernel that is NOT deterministic (and "no_flush" publishes nothing).
-    release_warp (deterministic; None: on, devtools A/B pass False): a third producer warp
-    issues each semaphore release (red.release.gpu, whose MEMBAR.GPU took a quarter of the
-    writer warp's time at hdim 192 in ncu), so the dQ writer goes on to the next query block
-    once its writes have landed. H200 self-test, deterministic backward TFLOP/s 4k / 16k / 1k:
-    hdim 192 343 / 431 / 284 vs 343 / 356 / 286, causal 349 / 418 / 236 vs 313 / 350 / 230;
-    hdim 96 519 / 532 / 416 vs 491 / 504 / 388; hdim 128 causal 531 / 563 / 345 vs 489 / 548 /
-    313 (eighth session, perf-notes.md).
-    dq_copies (deterministic; None: config.max_dq_accum_copies, devtools A/B pass 1 / 2): the
-    most dQ accumulator copies a call may hold; with more than one the kernels read the
-    call's count from the scratch shape (config.dq_accum_copies: by seqlen_q with the causal
-    mask). Key block n adds into copy n % copies, in a fixed order per copy (_dq_rank), and
-    the postprocess sums the copies. Without a mask at as many key blocks as query blocks the
-    rotated order makes each query block's hand-offs a ring around the key blocks, and the
-    ring (dQ write, MEMBAR, semaphore poll per hop) bounded the step time at hdim 192 / 256:
-    one ring per copy, each 1 / copies as long; with the causal mask the chain of a query
-    block at hdim 192 is halved the same way (faster up to seq 4k / 8k, slower at 16k).
-    first_store (deterministic with det_sync "ordered"; None: on, devtools A/B pass False):
-    the first contribution to each dQ accumulator block in the fixed order (rank 0) is a bulk
-    store instead of a bulk reduction, so the preprocess does not zero the accumulator (one
-    full write of it less) and the postprocess keeps a block only if its semaphore counts a
-    contribution (else it is zero: no key block sees that query block, or none of that copy's).
-    H200 self-test, deterministic backward TFLOP/s 4k / 16k / 1k against the zeroing build:
-    hdim 192 413 / 421 / 355 vs 399 / 419 / 317, causal 367 / 415 / 267 vs 351 / 411 / 239;
-    hdim 128 causal 540 / 548 / 372 vs 527 / 553 / 346 (+3 to +14 % at 1k for every head dim,
-    16k within 1 %; ninth session, perf-notes.md).
-    dv_after_ds (swap_sdp; None: on at 80 / 128 query rows, devtools A/B pass 0 / 1): the dV
-    GEMM is issued after dS^T is computed from the fp32 P and stored (FA-4's order), instead
-    of right after P: it no longer overlaps the dS arithmetic, but dS skips unpacking the
-    rounded P (-104 SASS instructions at hdim 128 x 80 rows, -192 at hdim 64 x 128; same
-    count at 64 rows, where it stays off) and is more accurate (bf16 dQ / dK rel. L2 vs
-    float64 2.4e-3 instead of 2.9e-3 at hdim 128, 2.5e-3 instead of 3.6e-3 at hdim 64). H200
-    self-test, backward TFLOP/s 4k / 16k / 1k, on vs off: hdim 128 582 / 619 / 494 vs 561 /
-    586 / 469 (deterministic 638 / 601 / 512 vs 571 / 579 / 489); hdim 64 527 / 535 / 421 vs
-    526 / 526 / 408, causal 483 / 524 / 309 vs 449 / 497 / 294 (ninth session). With the
-    causal mask at 80 rows only this order compiles without spills (tenth session).
-    rotate_m: None walks the query blocks in the rotated order (_DET_ROTATE_MAX_KEY_BLOCKS)
-    when deterministic without a mask, else in ascending order; devtools A/B builds pass True /
-    False to force it (True: also the default mode, without a mask).
-    early_dq_empty (deterministic; devtools A/B with False): the dQ writer hands the staging
-    buffers back for the next step before it waits for this step's writes to land.
-    dq_split_m (tile_m 128; None: on there, devtools A/B pass False): the dQ GEMM splits the
-    query rows between the warpgroups (one 64-row block each, all of head_dim: 64 x 64 x 16
-    WGMMAs at hdim 64 instead of twice as many 64 x 32 x 16) instead of head_dim; each
-    warpgroup stages its block whole and the writer adds it with one bulk reduction. The
-    accumulator layout is unchanged (bwd_common.dq_tiled_mma split_rows). H200 self-test, hdim
-    64 bf16 backward TFLOP/s 4k / 16k / 1k: 506 / 523 / 379 vs 470 / 497 / 367 (deterministic
-    471 / 502 / 376 vs 459 / 490 / 363; causal 428 / 489 / 265 vs 426 / 482 / 263).
-    """
-    swap_sdp = tile.swap_sdp if swap_sdp is None else swap_sdp
-    if det_sync not in _DET_SYNC:
-      raise ValueError(f"det_sync: {det_sync!r}; accepted: {_DET_SYNC}")
-    if det_sync != "ordered" and not deterministic:
-      raise ValueError(f"det_sync {det_sync!r} needs deterministic=True (it changes the "
-                       f"deterministic dQ ordering only)")
-    self.det_sync = det_sync
-    if rotate_m and causal:
-      raise ValueError("rotate_m=True needs causal=False (the causal order is fixed)")
-    self.rotate_m = (deterministic and not causal) if rotate_m is None else rotate_m
-    self.early_dq_empty = early_dq_empty
-    self.release_warp = deterministic and (release_warp is None or release_warp)
-    if first_store and not (deterministic and det_sync == "ordered"):
-      raise ValueError(f"first_store=True needs deterministic=True and det_sync 'ordered' (the "
-                       f"fixed order picks the storing key block); got deterministic="
-                       f"{deterministic}, det_sync {det_sync!r}")
-    self.first_store = (deterministic and det_sync == "ordered"
-                        and (first_store is None or bool(first_store)))
-    if dv_after_ds and not swap_sdp:
-      raise ValueError("dv_after_ds=True needs swap_sdp (the dV GEMM of the swapped schedule)")
-    if dv_after_ds is None:
-      dv_after_ds = swap_sdp and tile.tile_m > bwd_common.TILE_M
-    self.dv_after_ds = bool(dv_after_ds)
-    if dq_copies is not None:
-      dq_copies = int(dq_copies)  # devtools --kernel-arg passes 0 / 1 as booleans
-    # At most 2: the copy index is a shift and a mask (_dq_copy_layout).
-    if dq_copies is not None and (dq_copies not in (1, 2)
-                                  or (dq_copies > 1 and not deterministic)):
-      raise ValueError(f"dq_copies: {dq_copies}; accepted: None, 1, or 2 when deterministic")
-    self.dq_copies = (config.max_dq_accum_copies(deterministic, causal, head_dim)
-                      if dq_copies is None else dq_copies)
-    self.dtype = dtype
-    self.head_dim = head_dim
-    self.head_dim_v = head_dim_v
-    self.head_dim_padded = (head_dim + 15) // 16 * 16
-    self.tile_m = tile.tile_m
-    self.tile_n = tile.tile_n
-    self.num_stages = tile.num_stages
-    self.causal = causal
-    self.deterministic = deterministic
+  def __init__(self, variant: config.KernelVariant):
+    schedule = variant.schedule
+    self.dtype = DTYPES[variant.dtype]
+    self.head_dim = variant.head_dim
+    self.head_dim_v = variant.head_dim_v
+    self.head_dim_padded = (variant.head_dim + 15) // 16 * 16
+    self.causal = variant.causal
+    self.deterministic = variant.deterministic
+    self.tile_m = schedule.tile_m
+    self.tile_n = schedule.tile_n
+    self.num_stages = schedule.num_stages
+    self.swap_sdp = schedule.swap_sdp
+    self.do_stages = schedule.do_stages
+    self.dq_pieces = schedule.dq_pieces
+    self.dv_after_ds = schedule.dv_after_ds
+    self.dq_split_m = schedule.dq_split_m
+    self.dq_transposed = schedule.dq_transposed
+    self.dq_copies = schedule.dq_copies
+    # The dQ copy index is a shift and a mask (_dq_copy_layout); with more than 64 query rows,
+    # fp32 S^T, dP^T and P^T fit next to dK and dV only while no dV GEMM is in flight.
+    assert self.dq_copies in (1, 2) and (self.dv_after_ds or self.tile_m == 64), schedule
+    self.rotate_m = variant.deterministic and not variant.causal
     self.num_mma_threads = _NUM_WG * _WG
     self.num_threads = self.num_mma_threads + _WG
-    self.split_head_dim = head_dim > _MAX_KEY_SPLIT_HEAD_DIM
-    # Head-dim split: dO has its own ring (num_stages counts Q stages), released once the dV
-    # GEMM is done; at hdim 256 it has one stage and dQ is staged in two pieces per warpgroup.
-    self.do_stages, self.dq_pieces = _ring_shape(head_dim, tile.num_stages)
-    # 64-row blocks of the dQ accumulator layout (bwd_common) per query block: a tile_m = 128
-    # step stages two per warpgroup and the writer adds each with its own bulk reduction.
+    self.split_head_dim = not schedule.swap_sdp
     # Rows of one dQ accumulator block (bwd_common): 64, or the whole 80-row tile when dQ is
-    # computed transposed (swap_sdp, tile_m 80).
-    self.dq_transposed = swap_sdp and self.tile_m == _SWAP_TILE_M80
+    # computed transposed; a query block holds dq_blocks of them.
     self.dq_rows = self.tile_m if self.dq_transposed else bwd_common.TILE_M
     self.dq_blocks = self.tile_m // self.dq_rows
-    # swap_sdp (see mma_step_swapped): S^T and dP^T per warpgroup, P^T and dS^T
-    # fed to the dV / dK GEMMs from registers, no P buffer; dS gets one buffer per Q stage.
-    self.swap_sdp = swap_sdp
-    if swap_sdp and self.tile_m not in _swap_tile_ms(head_dim):
-      raise ValueError(f"swap_sdp: {_SWAP_TILES_ACCEPTED}; got head_dim {head_dim}, "
-                       f"tile_m {self.tile_m}")
-    if self.tile_m == _SWAP_TILE_M80 and not (swap_sdp and head_dim == 2 * 64):
-      raise ValueError(f"tile_m {_SWAP_TILE_M80} needs swap_sdp and head_dim 128 (the "
-                       f"transposed dQ GEMM's M = 64 per warpgroup); got head_dim {head_dim}")
-    self.ds_stages = self.num_stages if swap_sdp else 1
-    split_m_ok = self.dq_blocks == _NUM_WG and not self.dq_transposed and not self.split_head_dim
-    if dq_split_m is None:
-      dq_split_m = split_m_ok
-    if dq_split_m and not split_m_ok:
-      raise ValueError(f"dq_split_m: needs tile_m {_NUM_WG * bwd_common.TILE_M} (one 64-row "
-                       f"block per warpgroup) and head_dim <= {_MAX_TILE_M128_HEAD_DIM}; got "
-                       f"tile_m {self.tile_m}, head_dim {head_dim}")
-    self.dq_split_m = dq_split_m
+    # swap_sdp: one dS buffer per Q stage; the head-dim split has one P and one dS buffer.
+    self.ds_stages = self.num_stages if self.swap_sdp else 1
 
   @staticmethod
-  def smem_bytes(head_dim: int, head_dim_v: int, tile: config.TileConfig,
-                 elem_bytes: int = 2, swap_sdp: bool | None = None) -> int:
+  def smem_bytes(head_dim: int, head_dim_v: int, schedule: config.BwdSchedule,
+                 elem_bytes: int = 2) -> int:
     """K, V, the Q and dO rings, P, dS, the fp32 dQ staging buffer, mbarriers, alignment.
 
-    swap_sdp (None: the tile's): no P buffer, num_stages dS buffers, lse2 / delta rows per Q
-    stage.
+    swap_sdp: no P buffer, num_stages dS buffers, lse2 / delta rows per Q stage.
     """
-    swap_sdp = tile.swap_sdp if swap_sdp is None else swap_sdp
     def aligned(n):
       return (n + sm90_gemm.SMEM_ALIGN - 1) // sm90_gemm.SMEM_ALIGN * sm90_gemm.SMEM_ALIGN
-    m, n, s = tile.tile_m, tile.tile_n, tile.num_stages
-    do_stages, dq_pieces = _ring_shape(head_dim, s)
+    m, n, s = schedule.tile_m, schedule.tile_n, schedule.num_stages
+    swap = schedule.swap_sdp
     total = (aligned(n * head_dim * elem_bytes) + aligned(n * head_dim_v * elem_bytes)
              + aligned(s * m * head_dim * elem_bytes)
-             + aligned(do_stages * m * head_dim_v * elem_bytes)
-             + (s if swap_sdp else 2) * aligned(m * n * elem_bytes)
-             + aligned(m * head_dim * 4 // dq_pieces) + (2 * m * s * 4 if swap_sdp else 0))
+             + aligned(schedule.do_stages * m * head_dim_v * elem_bytes)
+             + (s if swap else 2) * aligned(m * n * elem_bytes)
+             + aligned(m * head_dim * 4 // schedule.dq_pieces) + (2 * m * s * 4 if swap else 0))
     return total + sm90_gemm.SMEM_ALIGN
 
   @staticmethod
-  def can_implement(dtype: str, head_dim: int, head_dim_v: int, causal: bool,
-                    tile: config.TileConfig, swap_sdp: bool | None = None) -> tuple[bool, str]:
-    """Whether this kernel can be built for the arguments; the reason text is user-facing.
-
-    swap_sdp (None: the tile's): head_dim <= 128 only (_swap_tile_ms).
-    """
-    swap_sdp = tile.swap_sdp if swap_sdp is None else swap_sdp
-    del causal  # both masks share one code path
-    if dtype not in DTYPES:
-      return False, f"dtype {dtype} has no backward kernel; accepted: {', '.join(DTYPES)}"
-    if head_dim not in _HEAD_DIMS:
-      return False, (f"head_dim {head_dim} has no backward kernel; accepted: "
-                     f"{', '.join(map(str, _HEAD_DIMS))}")
-    if head_dim_v != head_dim and (head_dim, head_dim_v) not in _HEAD_DIM_V_PAIRS:
-      return False, (f"head_dim_v {head_dim_v} with head_dim {head_dim} has no backward kernel; "
-                     f"accepted: head_dim_v = head_dim, or {_HEAD_DIM_V_PAIRS}")
-    tile_ms = (bwd_common.TILE_M,)
-    if head_dim <= _MAX_KEY_SPLIT_HEAD_DIM:
-      tile_n, why = bwd_common.TILE_N, "64 key rows per consumer warpgroup"
-      if head_dim <= _MAX_TILE_M128_HEAD_DIM:
-        tile_ms += (2 * bwd_common.TILE_M,)
-      if swap_sdp and head_dim == 2 * 64:
-        tile_ms += (_SWAP_TILE_M80,)
-    else:
-      tile_n, why = _HEAD_SPLIT_TILE_N, "head_dim split between the consumer warpgroups"
-    if tile.tile_n != tile_n or tile.tile_m not in tile_ms:
-      accepted = " or ".join(f"{m}x{tile_n}" for m in tile_ms)
-      return False, (f"tile {tile.tile_m}x{tile.tile_n} unsupported for head_dim {head_dim}; "
-                     f"accepted: {accepted} (64-row WGMMA blocks of queries, {why})")
-    if tile.num_stages not in (1, 2):
-      return False, f"num_stages {tile.num_stages} unsupported; accepted: 1, 2"
-    if swap_sdp and tile.tile_m not in _swap_tile_ms(head_dim):
-      return False, (f"swap_sdp with tile {tile.tile_m}x{tile.tile_n} at head_dim {head_dim}: "
-                     f"{_SWAP_TILES_ACCEPTED}")
-    smem = FlashAttentionBackwardSm90.smem_bytes(head_dim, head_dim_v, tile, swap_sdp=swap_sdp)
-    if smem > sm90_gemm.SMEM_CAPACITY:
-      return False, (f"tile {tile.key} needs {smem} bytes of shared memory for head_dim "
-                     f"{head_dim}; sm_90 has {sm90_gemm.SMEM_CAPACITY}")
-    return True, ""
+  def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:
+    """Whether this kernel runs the variant (config.kernel_support decides)."""
+    if variant.direction != "bwd":
+      return False, f"variant {variant.key} is not a backward variant"
+    return config.kernel_support("bwd", variant.dtype, variant.head_dim, variant.head_dim_v)
 
   def _setup_attributes(self):
     """Tiled MMAs, shared layouts, TMA byte counts and the shared storage struct."""
     k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
     half_n = self.tile_n // _NUM_WG
-    # S = Q K^T and dP = dO V^T: warpgroups side by side along the key (N) mode.
-    self.tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
-        self.dtype, self.dtype, k_major, k_major, Float32, (1, _NUM_WG, 1), (64, half_n))
-    # dK = dS^T Q and dV = P^T dO: both operands are the smem tiles read transposed (MN-major).
-    if self.split_head_dim:
-      # Both warpgroups cover all key rows (M = tile_n = 64), each half of head_dim (N).
-      self.tiled_mma_dk = sm90_utils.make_trivial_tiled_mma(
-          self.dtype, self.dtype, mn_major, mn_major, Float32, (1, _NUM_WG, 1),
-          (64, self.head_dim // _NUM_WG))
-      self.tiled_mma_dv = sm90_utils.make_trivial_tiled_mma(
-          self.dtype, self.dtype, mn_major, mn_major, Float32, (1, _NUM_WG, 1),
-          (64, self.head_dim_v // _NUM_WG))
-    else:
-      # Warpgroups stacked along the key (M) mode.
-      self.tiled_mma_dk = sm90_utils.make_trivial_tiled_mma(
-          self.dtype, self.dtype, mn_major, mn_major, Float32, (_NUM_WG, 1, 1),
-          (64, self.head_dim))
-      self.tiled_mma_dv = sm90_utils.make_trivial_tiled_mma(
-          self.dtype, self.dtype, mn_major, mn_major, Float32, (_NUM_WG, 1, 1),
-          (64, self.head_dim_v))
     if self.swap_sdp:
       # S^T = K Q^T and dP^T = V dO^T: warpgroups stacked along the key (M) mode, all tile_m
       # queries as N. The accumulators are P^T / dS^T in the A-operand register layout of
@@ -389,6 +181,18 @@ class FlashAttentionBackwardSm90:
               self.dtype, self.dtype, k_major, mn_major, Float32, (_NUM_WG, 1, 1), (64, dim),
               a_source=warpgroup.OperandSource.RMEM)
           for dim in (self.head_dim, self.head_dim_v)]
+    else:
+      # S = Q K^T and dP = dO V^T: warpgroups side by side along the key (N) mode.
+      self.tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
+          self.dtype, self.dtype, k_major, k_major, Float32, (1, _NUM_WG, 1), (64, half_n))
+      # dK = dS^T Q and dV = P^T dO, both operands the smem tiles read transposed (MN-major):
+      # both warpgroups cover all key rows (M = tile_n = 64), each half of head_dim (N).
+      self.tiled_mma_dk = sm90_utils.make_trivial_tiled_mma(
+          self.dtype, self.dtype, mn_major, mn_major, Float32, (1, _NUM_WG, 1),
+          (64, self.head_dim // _NUM_WG))
+      self.tiled_mma_dv = sm90_utils.make_trivial_tiled_mma(
+          self.dtype, self.dtype, mn_major, mn_major, Float32, (1, _NUM_WG, 1),
+          (64, self.head_dim_v // _NUM_WG))
     if const_expr(self.dq_split_m):
       self.tiled_mma_dq = bwd_common.dq_tiled_mma(self.dtype, self.head_dim, rows=self.tile_m,
                                                   split_rows=True)
@@ -551,15 +355,6 @@ class FlashAttentionBackwardSm90:
       buffers = tuple(b for b in buffers if b[0] != "sP")
     smem = {name: getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
             for name, layout in buffers}
-    # The P / dS stores (registers to smem) of several 64-row blocks want the swizzle in the
-    # layout (sm90_gemm.store_acc_to_smem): same bytes, fewer address registers. WGMMA and the
-    # 64-row tiles use the swizzled-pointer tensors above.
-    smem["sP_store"], smem["sdS_store"] = smem.get("sP"), smem["sdS"]
-    if const_expr(self.dq_blocks > 1):
-      store_layout = sm90_gemm.element_swizzled(sPdS_layout, self.dtype)
-      if const_expr(not self.swap_sdp):
-        smem["sP_store"] = storage.sP.get_tensor(store_layout)
-      smem["sdS_store"] = storage.sdS.get_tensor(store_layout)
     sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim // self.dq_pieces))
     stats = None
     if const_expr(self.swap_sdp):
@@ -587,7 +382,7 @@ class FlashAttentionBackwardSm90:
       if warp_idx == _DQ_WRITER_WARP:
         self.store_dq(mdQaccum, mSem, sdQ, n_block, head_kv, batch, group, m_min, m_max,
                       m_rot, seqlen_q, seqlen_k)
-      if const_expr(self.release_warp):
+      if const_expr(self.deterministic):
         if warp_idx == _DQ_RELEASE_WARP:
           self.release_dq(mdQaccum, mSem, n_block, head_kv, batch, group, m_min, m_max, m_rot,
                           seqlen_q)
@@ -672,15 +467,13 @@ class FlashAttentionBackwardSm90:
 
   @cute.jit
   def _m_rotation(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
-    """rotate_m (no mask): this key block's first query block, (M - n_block) mod M, or 0 where
-    the deterministic order stays ascending (_DET_ROTATE_MAX_KEY_BLOCKS); else None (a
+    """Deterministic without a mask: this key block's first query block, (M - n_block) mod M,
+    or 0 where the order stays ascending (_DET_ROTATE_MAX_KEY_BLOCKS); else None (a
     compile-time no-op)."""
     m_rot = None
     if const_expr(self.rotate_m):
       m_rot = Int32(0)
       num_m, rotates = self._rotates(seqlen_q, seqlen_k)
-      if const_expr(not self.deterministic):
-        rotates = num_m > 0  # no waits, so no limit
       n_mod = n_block % cutlass.max(num_m, 1)
       if rotates and n_mod > 0:
         m_rot = num_m - n_mod
@@ -794,12 +587,12 @@ class FlashAttentionBackwardSm90:
           tiled_mma_dq: cute.TiledMma, pipeline_kv, pipeline_qdo, pipeline_do,
           softmax_scale: Float32, n_block: Int32, head_kv: Int32, batch: Int32, group: Int32,
           m_min: Int32, m_max: Int32, m_rot, seqlen_q: Int32, seqlen_k: Int32):
-    """Consumer warpgroups: the five GEMMs per query block, then the dK/dV epilogue."""
+    """Consumer warpgroups of the head-dim split: the five GEMMs per query block, then the
+    dK/dV epilogue."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WG
     sQ, sK, sV, sdO = smem["sQ"], smem["sK"], smem["sV"], smem["sdO"]
     sP, sdS = smem["sP"], smem["sdS"]
-    sP_store, sdS_store = smem["sP_store"], smem["sdS_store"]
     wg_idx, (thr_sdp, thr_dk, thr_dv, thr_dq), (wg_sdp, wg_dk, wg_dv, wg_dq) = _mma_slices(
         (tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq), mma_tidx)
     frags = dict(
@@ -820,9 +613,7 @@ class FlashAttentionBackwardSm90:
     scale_log2 = softmax_scale * LOG2_E
 
     qdo_state = self._wait_for_k_v(pipeline_kv)
-    do_state = None
-    if const_expr(self.split_head_dim):
-      do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
+    do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
     # Query blocks [m_min, m_split) need the elementwise mask, [m_split, m_max) none: two loops,
     # so the unmasked (most common) steps carry no mask code or registers.
     m_split = self._first_unmasked_m_block(n_block, m_min, m_max, seqlen_q, seqlen_k)
@@ -833,21 +624,19 @@ class FlashAttentionBackwardSm90:
       for step in cutlass.range(m_min, m_split, unroll=1):
         m_block = self._m_block_at(step, m_rot, m_max)
         self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
-                      acc_dk, acc_dv, tScS_mn, sP_store, sdS_store, sdQ, lse2_head, delta_head,
+                      acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
                       pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
                       n_block, seqlen_q, seqlen_k, wg_idx, True)
         qdo_state.advance()
-        if const_expr(self.split_head_dim):
-          do_state.advance()
+        do_state.advance()
       for step in cutlass.range(m_split, m_max, unroll=1):
         m_block = self._m_block_at(step, m_rot, m_max)
         self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
-                      acc_dk, acc_dv, tScS_mn, sP_store, sdS_store, sdQ, lse2_head, delta_head,
+                      acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
                       pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
                       n_block, seqlen_q, seqlen_k, wg_idx, False)
         qdo_state.advance()
-        if const_expr(self.split_head_dim):
-          do_state.advance()
+        do_state.advance()
 
     self.epilogue(mdK, mdV, tma_atom_dk, tma_atom_dv, sK, sV, tiled_mma_dk, tiled_mma_dv,
                   acc_dk, acc_dv, softmax_scale, n_block, head_kv, batch)
@@ -864,9 +653,7 @@ class FlashAttentionBackwardSm90:
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WG
     stage = qdo_state.index
-    do_stage = stage
-    if const_expr(self.split_head_dim):
-      do_stage = do_state.index
+    do_stage = do_state.index
     num_rows = cute.size(tScS_mn, mode=[0])
     # Row statistics straight from global memory (L2-resident, written by the preprocess);
     # issued before the GEMMs so their latency hides behind them. Rows >= seqlen_q hold
@@ -884,8 +671,7 @@ class FlashAttentionBackwardSm90:
     pipeline_qdo.consumer_wait(qdo_state)
     sm90_gemm.gemm(tiled_mma_sdp, acc_s, frags["tSrQ"][None, None, None, stage], frags["tSrK"],
                    zero_init=True)
-    if const_expr(self.split_head_dim):
-      pipeline_do.consumer_wait(do_state)
+    pipeline_do.consumer_wait(do_state)
     sm90_gemm.gemm(tiled_mma_sdp, acc_dp, frags["tdPrdO"][None, None, None, do_stage],
                    frags["tdPrV"], zero_init=True)
     warpgroup.wait_group(1)
@@ -898,9 +684,6 @@ class FlashAttentionBackwardSm90:
     for i in cutlass.range_constexpr(num_rows):
       for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
         acc_s_mn[i, j] = cute.math.exp2(acc_s_mn[i, j] * scale_log2 - lse2[i], fastmath=True)
-    if const_expr(not self.split_head_dim):
-      # This warpgroup's P columns are read only by its own dV GEMM, which finished last step.
-      sm90_gemm.store_acc_to_smem(tiled_mma_sdp, mma_tidx, acc_s, sP, self.dtype)
 
     # dS = P * (dP - delta)
     warpgroup.wait_group(0)
@@ -910,9 +693,8 @@ class FlashAttentionBackwardSm90:
         acc_dp_mn[i, j] = acc_s_mn[i, j] * (acc_dp_mn[i, j] - delta[i])
     # The other warpgroup's dQ GEMM of the previous step reads all of dS.
     cute.arch.barrier(barrier_id=_DS_EMPTY_BARRIER, number_of_threads=self.num_mma_threads)
-    if const_expr(self.split_head_dim):
-      # Head-dim split: both warpgroups' dV GEMMs read all of P; both finished (barrier above).
-      sm90_gemm.store_acc_to_smem(tiled_mma_sdp, mma_tidx, acc_s, sP, self.dtype)
+    # Both warpgroups' dV GEMMs read all of P; both finished (barrier above).
+    sm90_gemm.store_acc_to_smem(tiled_mma_sdp, mma_tidx, acc_s, sP, self.dtype)
     sm90_gemm.store_acc_to_smem(tiled_mma_sdp, mma_tidx, acc_dp, sdS, self.dtype)
     # Generic-proxy smem writes must be visible to the async proxy (WGMMA) of both warpgroups.
     cute.arch.fence_proxy("async.shared", space="cta")
@@ -921,30 +703,18 @@ class FlashAttentionBackwardSm90:
     acc_dq = cute.make_rmem_tensor(
         tiled_mma_dq.get_slice(mma_tidx).partition_shape_C((self.tile_m, self.head_dim)),
         Float32)
-    if const_expr(not self.split_head_dim):
-      # dQ first: its result is written out while dV and dK still run.
-      sm90_gemm.gemm(tiled_mma_dq, acc_dq, frags["tdQrdS"], frags["tdQrKt"], zero_init=True)
-      sm90_gemm.gemm(tiled_mma_dv, acc_dv, frags["tdVrPt"],
-                     frags["tdVrdOt"][None, None, None, stage], zero_init=False)
-      sm90_gemm.gemm(tiled_mma_dk, acc_dk, frags["tdKrdSt"],
-                     frags["tdKrQt"][None, None, None, stage], zero_init=False)
-      warpgroup.wait_group(2)
-      self.stage_dq(acc_dq, sdQ, wg_idx)
-      warpgroup.wait_group(0)
-      pipeline_qdo.consumer_release(qdo_state)
-    else:
-      # dV first: once it is done, dO's slot goes back to the producer for the next block.
-      sm90_gemm.gemm(tiled_mma_dv, acc_dv, frags["tdVrPt"],
-                     frags["tdVrdOt"][None, None, None, do_stage], zero_init=False)
-      sm90_gemm.gemm(tiled_mma_dq, acc_dq, frags["tdQrdS"], frags["tdQrKt"], zero_init=True)
-      sm90_gemm.gemm(tiled_mma_dk, acc_dk, frags["tdKrdSt"],
-                     frags["tdKrQt"][None, None, None, stage], zero_init=False)
-      warpgroup.wait_group(2)
-      pipeline_do.consumer_release(do_state)
-      warpgroup.wait_group(1)
-      self.stage_dq(acc_dq, sdQ, wg_idx)
-      warpgroup.wait_group(0)
-      pipeline_qdo.consumer_release(qdo_state)
+    # dV first: once it is done, dO's slot goes back to the producer for the next block.
+    sm90_gemm.gemm(tiled_mma_dv, acc_dv, frags["tdVrPt"],
+                   frags["tdVrdOt"][None, None, None, do_stage], zero_init=False)
+    sm90_gemm.gemm(tiled_mma_dq, acc_dq, frags["tdQrdS"], frags["tdQrKt"], zero_init=True)
+    sm90_gemm.gemm(tiled_mma_dk, acc_dk, frags["tdKrdSt"],
+                   frags["tdKrQt"][None, None, None, stage], zero_init=False)
+    warpgroup.wait_group(2)
+    pipeline_do.consumer_release(do_state)
+    warpgroup.wait_group(1)
+    self.stage_dq(acc_dq, sdQ, wg_idx)
+    warpgroup.wait_group(0)
+    pipeline_qdo.consumer_release(qdo_state)
 
   @cute.jit
   def mma_swapped(self, mdK: cute.Tensor, mdV: cute.Tensor, sLSE2: cute.Tensor,
@@ -1025,15 +795,14 @@ class FlashAttentionBackwardSm90:
     Each warpgroup computes S^T = K Q^T and dP^T = V dO^T for its 64 keys (rows) x tile_m
     queries (columns), so the row statistics lse2 / delta belong to the fragment's columns.
     The fp32 accumulators are then P^T / dS^T in the register layout of an RS WGMMA A operand:
-    dV += P^T dO is issued as soon as P is converted (it runs while dS is computed),
-    dK += dS^T Q from registers too. Only dS goes to shared memory (stmatrix.trans into the
-    (tile_m, tile_n) dS tile the unchanged dQ = dS K GEMM reads). With two Q stages dS is
-    double buffered by the Q stage index: a warpgroup's dQ GEMM of step s has finished before
-    it reaches the dS-full barrier of step s + 1, which the other warpgroup passes before it
-    writes the same buffer at step s + 2, so the dS-empty barrier goes away.
-    dv_after_ds (80 / 128 rows): dV is issued after dS^T is stored instead (FA-4's order), so
-    dS takes the fp32 P; with dV in flight during the dS arithmetic, fp32 S^T, dP^T and P^T
-    did not fit and dS took the rounded P. tile_m 80: dQ^T = K^T dS^T instead of dQ = dS K.
+    dV += P^T dO is issued as soon as P is converted (it runs while dS is computed), or with
+    dv_after_ds once dS^T is stored (FA-4's order: at 80 / 128 query columns fp32 S^T, dP^T
+    and P^T fit next to dK and dV only while no dV GEMM is in flight); dK += dS^T Q from
+    registers too. Only dS goes to shared memory (stmatrix.trans into the (tile_m, tile_n) dS
+    tile the dQ = dS K GEMM reads). With two Q stages dS is double buffered by the Q stage
+    index: a warpgroup's dQ GEMM of step s has finished before it reaches the dS-full barrier
+    of step s + 1, which the other warpgroup passes before it writes the same buffer at step
+    s + 2, so the dS-empty barrier goes away. tile_m 80: dQ^T = K^T dS^T instead of dQ = dS K.
     """
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WG
@@ -1057,9 +826,8 @@ class FlashAttentionBackwardSm90:
                                  self.tile_m, self.tile_n, self.causal)
     # Per-query statistics of this thread's columns come from the stage's copy of the
     # preprocess output (rows >= seqlen_q hold lse2 = +inf, delta = 0: P = 0 there), read
-    # where used: 16 columns per thread, too many to hold both in registers. (Read into
-    # registers before the GEMM wait instead, as FA-4 does: -1 to -6 % on the H200 at hdim 64,
-    # 96 and non-causal 128, +1-2 % causal 128; perf-notes, seventh session.)
+    # where used: 16 columns per thread, too many to hold both in registers (read into
+    # registers before the GEMM wait, as FA-4 does, measured 1-6 % slower).
     for j in cutlass.range_constexpr(num_cols):
       lse2 = sLSE2[tStS_mn[0, j][1], stage]
       for i in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
@@ -1076,16 +844,10 @@ class FlashAttentionBackwardSm90:
     # pending.
     warpgroup.wait_group(0 if const_expr(self.dv_after_ds) else 1)
     acc_dp_mn = softmax.make_acc_mn_view(acc_dp)
-    # With the dV GEMM in flight, fp32 S^T, dP^T and P^T at once do not fit next to dK and dV
-    # at 80 or 128 query columns (ptxas serialized every WGMMA and spilled at 80; 12 LDL / STL
-    # at 128, hdim 64), so dS uses the rounded P (its fp32 copy is dead); dv_after_ds keeps
-    # the fp32 P.
-    p_mn = softmax.make_acc_mn_view(
-        t_p if const_expr(self.tile_m > 64 and not self.dv_after_ds) else acc_s)
     for j in cutlass.range_constexpr(num_cols):
       delta = sDelta[tStS_mn[0, j][1], stage]
       for i in cutlass.range_constexpr(cute.size(acc_dp_mn, mode=[0])):
-        acc_dp_mn[i, j] = p_mn[i, j].to(Float32) * (acc_dp_mn[i, j] - delta)
+        acc_dp_mn[i, j] = acc_s_mn[i, j] * (acc_dp_mn[i, j] - delta)
     t_ds = cute.make_rmem_tensor(acc_shape, self.dtype)
     r_ds = softmax.operand_a_view(t_ds)
     softmax.convert_p(acc_dp, r_ds)
@@ -1172,7 +934,7 @@ class FlashAttentionBackwardSm90:
     piece = half // self.dq_pieces  # floats per bulk reduction
     # Deterministic: the buffers are handed back for the next step before the wait for this
     # step's writes (the release), so the consumers stage the next dQ block meanwhile.
-    early_empty = self.deterministic and self.det_sync != "no_flush" and self.early_dq_empty
+    early_empty = self.deterministic
     shift, copy_blocks = self._dq_copy_layout(mdQaccum, seqlen_q)
     for g in cutlass.range(group, unroll=1):
       head = head_kv * group + g
@@ -1193,8 +955,7 @@ class FlashAttentionBackwardSm90:
               sem = mSem[None, head, batch].iterator + acc_block
               rank = self._dq_rank(m_block, n_block, seqlen_q, seqlen_k, shift)
               if lane == 0:
-                if const_expr(self.det_sync == "ordered"):
-                  bwd_common.wait_at_least(sem, rank)
+                bwd_common.wait_at_least(sem, rank)
                 cute.arch.fence_proxy("async.global")
           for wg in cutlass.range_constexpr(_NUM_WG):
             cute.arch.barrier(barrier_id=_DQ_FULL_BARRIER + wg,
@@ -1217,30 +978,26 @@ class FlashAttentionBackwardSm90:
         if const_expr(self.deterministic):
           if lane == 0:
             # Written (not only read) before the next key block may add to the same floats.
-            if const_expr(self.det_sync != "no_flush"):
-              cute.arch.cp_async_bulk_wait_group(0)
-              cute.arch.fence_proxy("async.global")
-            if const_expr(not self.release_warp):
-              bwd_common.add_release(sem, 1)
-          if const_expr(self.release_warp):
-            # The named barrier orders the landed writes before the release warp's red.release
-            # (a release is cumulative). Its previous release must be issued first: a thread
-            # may not arrive twice on a barrier before it completes.
-            if g > 0 or step > m_min:
-              cute.arch.barrier(barrier_id=_DQ_RELEASE_EMPTY_BARRIER,
-                                number_of_threads=_DQ_RELEASE_BARRIER_THREADS)
-            cute.arch.barrier_arrive(barrier_id=_DQ_RELEASE_FULL_BARRIER,
-                                     number_of_threads=_DQ_RELEASE_BARRIER_THREADS)
+            cute.arch.cp_async_bulk_wait_group(0)
+            cute.arch.fence_proxy("async.global")
+          # The named barrier orders the landed writes before the release warp's red.release
+          # (a release is cumulative). Its previous release must be issued first: a thread
+          # may not arrive twice on a barrier before it completes.
+          if g > 0 or step > m_min:
+            cute.arch.barrier(barrier_id=_DQ_RELEASE_EMPTY_BARRIER,
+                              number_of_threads=_DQ_RELEASE_BARRIER_THREADS)
+          cute.arch.barrier_arrive(barrier_id=_DQ_RELEASE_FULL_BARRIER,
+                                   number_of_threads=_DQ_RELEASE_BARRIER_THREADS)
     # Shared memory must outlive every bulk read of it.
     if lane == 0:
       cute.arch.cp_async_bulk_wait_group(0, read=True)
 
   @cute.jit
   def _add_dq(self, gmem: cute.Pointer, smem: cute.Pointer, num_bytes: int, rank):
-    """One bulk reduction of staged dQ floats into the accumulator; with first_store, the
-    block's first contribution in the deterministic order (rank 0) is a plain bulk store.
+    """One bulk reduction of staged dQ floats into the accumulator; deterministic, the block's
+    first contribution in the fixed order (rank 0) is a plain bulk store.
     rank: _dq_rank of the block (None unless deterministic)."""
-    if const_expr(self.first_store):
+    if const_expr(self.deterministic):
       bwd_common.bulk_store_or_add_f32(gmem, smem, num_bytes, Int32(rank == 0))
     else:
       bwd_common.bulk_reduce_add_f32(gmem, smem, num_bytes)
@@ -1249,7 +1006,7 @@ class FlashAttentionBackwardSm90:
   def release_dq(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, n_block: Int32,
                  head_kv: Int32, batch: Int32, group: Int32, m_min: Int32, m_max: Int32, m_rot,
                  seqlen_q: Int32):
-    """Release warp (release_warp): one semaphore increment per step of store_dq, in its order,
+    """Release warp (deterministic): one semaphore increment per step of store_dq, in its order,
     each once the writer has seen that step's dQ writes land."""
     lane = cute.arch.lane_idx()
     shift, copy_blocks = self._dq_copy_layout(mdQaccum, seqlen_q)
@@ -1322,7 +1079,7 @@ class FlashAttentionBackwardSm90:
     and count(N) - count(s) + count(n) for n < s. Every divided value is >= 0.
     """
     rank = self._copy_div(n_block, shift)
-    if const_expr(self.rotate_m and self.deterministic):
+    if const_expr(self.rotate_m):
       num_m, rotates = self._rotates(seqlen_q, seqlen_k)
       num_n = cute.ceil_div(seqlen_k, self.tile_n)
       if rotates and m_block + num_n > num_m:

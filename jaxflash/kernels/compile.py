@@ -1,7 +1,7 @@
 """KernelVariant -> fake-tensor signature -> cute.compile for sm_90a -> export_to_c (header + object).
 
 Imports cutlass, the stdlib, jaxflash.config and the kernel classes (never jax). Runs on a host
-without a GPU; see docs/aot-pipeline.md for the recipe this follows.
+without a GPU; docs/build.md describes the pipeline.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from jaxflash import config
 from jaxflash.kernels.bwd_postprocess import FlashAttentionBackwardPostprocess
 from jaxflash.kernels.bwd_preprocess import FlashAttentionBackwardPreprocess
 from jaxflash.kernels.bwd_sm90 import FlashAttentionBackwardSm90
-from jaxflash.kernels.fwd_sm90 import DTYPES, FlashAttentionForwardSm90
+from jaxflash.kernels.fwd_sm90 import FlashAttentionForwardSm90
+from jaxflash.kernels.sm90_gemm import DTYPES
 
 _GPU_ARCH = {"sm90a": "sm_90a"}
 # TMA needs 16-byte aligned base addresses; XLA buffers are at least that aligned.
@@ -39,7 +40,7 @@ class ExportedKernel:
   The header declares `<function_prefix>_Kernel_Module_Load/Unload` and
   `cute_dsl_<function_prefix>_wrapper(...)`; `cubin` is the embedded device code (for SASS
   inspection), `compile_seconds` the wall time of cute.compile + export. `defines` are the
-  -D flags that compile jaxflash/ffi/variant_fwd.cc for this variant (see the top of that file).
+  -D flags that compile the variant's glue (`glue_source`, see the top of that file).
   """
 
   variant: config.KernelVariant
@@ -62,7 +63,7 @@ def function_prefix(variant: config.KernelVariant) -> str:
 
 
 def load_dsl_runtime() -> None:
-  """Loads libcute_dsl_runtime.so with RTLD_GLOBAL once per process (aot-pipeline.md step 1).
+  """Loads libcute_dsl_runtime.so with RTLD_GLOBAL once per process (docs/build.md).
 
   Call it before the first cute.compile of the process (export_variant does).
 
@@ -112,28 +113,19 @@ def fwd_signature(variant: config.KernelVariant):
   return q, k, v, out, lse
 
 
-def _check_variant(variant: config.KernelVariant, direction: str) -> None:
-  """ValueError unless `variant` is a `direction` variant for a known arch with no unbuilt flags."""
-  if variant.direction != direction:
-    raise ValueError(f"variant.direction: {variant.direction!r}; accepted here: {direction!r}")
+def _checked(variant: config.KernelVariant, kernel_class) -> config.KernelVariant:
+  """`variant`, or ValueError when its arch has no compiler target or the kernel refuses it."""
   if variant.arch not in _GPU_ARCH:
     raise ValueError(f"variant.arch: {variant.arch!r} unsupported; accepted: {tuple(_GPU_ARCH)}")
-  if variant.has_window or variant.has_softcap or variant.has_segment_ids:
-    raise ValueError(f"variant {variant.key}: window/softcap/segment ids not supported yet")
-  if direction == "fwd" and variant.tile.swap_sdp:
-    raise ValueError(f"variant {variant.key}: tile.swap_sdp is a backward schedule; the forward "
-                     f"kernel accepts swap_sdp=False only")
+  ok, reason = kernel_class.can_implement(variant)
+  if not ok:
+    raise ValueError(f"variant {variant.key}: {reason}")
+  return variant
 
 
 def build_kernel(variant: config.KernelVariant) -> FlashAttentionForwardSm90:
-  """The kernel object of a variant, or ValueError with the kernel's reason."""
-  _check_variant(variant, "fwd")
-  ok, reason = FlashAttentionForwardSm90.can_implement(
-      variant.dtype, variant.head_dim, variant.head_dim_v, variant.causal, variant.tile)
-  if not ok:
-    raise ValueError(f"variant {variant.key}: {reason}")
-  return FlashAttentionForwardSm90(DTYPES[variant.dtype], variant.head_dim, variant.head_dim_v,
-                                   variant.tile, variant.causal)
+  """The forward kernel object of a variant, or ValueError with the reason."""
+  return FlashAttentionForwardSm90(_checked(variant, FlashAttentionForwardSm90))
 
 
 def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
@@ -158,16 +150,33 @@ def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
   return ExportedKernel(
       variant=variant, header_path=header_path, object_path=object_path.resolve(),
       function_prefix=prefix, cubin=extract_cubin(object_path), compile_seconds=seconds,
-      defines=glue_defines(variant, prefix, header_path))
+      defines=glue_defines(variant, {"main": (prefix, header_path)}))
 
 
-def glue_defines(variant: config.KernelVariant, prefix: str, header_path) -> tuple[str, ...]:
-  """The -D flags of jaxflash/ffi/variant_fwd.cc for one variant (argv items, no shell quoting)."""
-  return (f"-DJAXFLASH_PREFIX={prefix}",
-          f'-DJAXFLASH_HEADER="{header_path}"',
-          f'-DJAXFLASH_VARIANT_KEY="{variant.key}"',
-          f"-DJAXFLASH_HEAD_DIM={variant.head_dim}",
-          f"-DJAXFLASH_HEAD_DIM_V={variant.head_dim_v}")
+_DIRECTION_CODE = {"fwd": 0, "bwd": 1}
+_DTYPE_CODE = {"float16": 0, "bfloat16": 1}
+
+
+def glue_defines(variant: config.KernelVariant, parts: dict) -> tuple[str, ...]:
+  """The -D flags of a variant's glue (jaxflash/ffi/variant_{fwd,bwd}.cc; argv items, no shell
+  quoting): what the library reports through jaxflash_variant_info, and for each exported part
+  ("main", and "pre" / "post" of the backward) its function prefix and header:
+  parts = {part: (prefix, header_path)}."""
+  schedule = variant.schedule
+  defines = [f'-DJAXFLASH_VARIANT_KEY="{variant.key}"',
+             f"-DJAXFLASH_DIRECTION={_DIRECTION_CODE[variant.direction]}",
+             f"-DJAXFLASH_DTYPE={_DTYPE_CODE[variant.dtype]}",
+             f"-DJAXFLASH_HEAD_DIM={variant.head_dim}",
+             f"-DJAXFLASH_HEAD_DIM_V={variant.head_dim_v}",
+             f"-DJAXFLASH_CAUSAL={int(variant.causal)}",
+             f"-DJAXFLASH_DETERMINISTIC={int(variant.deterministic)}",
+             f"-DJAXFLASH_TILE_M={schedule.tile_m}",
+             f"-DJAXFLASH_MAX_DQ_COPIES="
+             f"{schedule.dq_copies if variant.direction == 'bwd' else 1}"]
+  for part, (prefix, header) in parts.items():
+    defines += [f"-DJAXFLASH_PREFIX_{part.upper()}={prefix}",
+                f'-DJAXFLASH_HEADER_{part.upper()}="{header}"']
+  return tuple(defines)
 
 
 def extract_cubin(object_path) -> bytes:
@@ -254,8 +263,8 @@ def bwd_signature(variant: config.KernelVariant) -> dict:
   d, dv = variant.head_dim, variant.head_dim_v
   batch, seqlen_q, seqlen_k = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
   num_heads, num_kv_heads = cute.sym_int32(), cute.sym_int32()
-  seqlen_q_rounded = cute.sym_int32(divisibility=variant.tile.tile_m)
-  accum_rows = cute.sym_int32(divisibility=variant.tile.tile_m)  # copies * seqlen_q_rounded
+  seqlen_q_rounded = cute.sym_int32(divisibility=variant.schedule.tile_m)
+  accum_rows = cute.sym_int32(divisibility=variant.schedule.tile_m)  # copies * seqlen_q_rounded
 
   def dense(shape, last_dim, dt=dtype):
     strides = tuple(cute.sym_int64(divisibility=last_dim) for _ in shape[:-2]) + (last_dim, 1)
@@ -286,47 +295,17 @@ def bwd_signature(variant: config.KernelVariant) -> dict:
   )
 
 
-def build_bwd_kernels(variant: config.KernelVariant, main_args: dict | None = None):
-  """(preprocess, main, postprocess) kernel objects of a backward variant, or ValueError.
-
-  main_args: extra FlashAttentionBackwardSm90 constructor arguments (devtools A/B builds).
-  """
-  _check_variant(variant, "bwd")
-  for ok, reason in (
-      FlashAttentionBackwardSm90.can_implement(variant.dtype, variant.head_dim,
-                                               variant.head_dim_v, variant.causal, variant.tile,
-                                               swap_sdp=(main_args or {}).get("swap_sdp")),
-      FlashAttentionBackwardPreprocess.can_implement(variant.dtype, variant.head_dim,
-                                                     variant.head_dim_v),
-      FlashAttentionBackwardPostprocess.can_implement(variant.dtype, variant.head_dim)):
-    if not ok:
-      raise ValueError(f"variant {variant.key}: {reason}")
-  dtype = DTYPES[variant.dtype]
-  main = FlashAttentionBackwardSm90(dtype, variant.head_dim, variant.head_dim_v, variant.tile,
-                                    variant.causal, variant.deterministic, **(main_args or {}))
-  # The postprocess reads the dQ accumulator blocks the main kernel writes (bwd_common).
-  return (
-      FlashAttentionBackwardPreprocess(dtype, variant.head_dim, variant.head_dim_v,
-                                       variant.deterministic, variant.tile.tile_m,
-                                       dq_copies=main.dq_copies,
-                                       zero_dq_accum=not main.first_store),
-      main,
-      FlashAttentionBackwardPostprocess(dtype, variant.head_dim, tile_m=main.dq_rows,
-                                        transposed=main.dq_transposed,
-                                        dq_copies=main.dq_copies,
-                                        sem_rows=main.tile_m if main.first_store else None),
-  )
+def build_bwd_kernels(variant: config.KernelVariant):
+  """(preprocess, main, postprocess) kernel objects of a backward variant, or ValueError."""
+  variant = _checked(variant, FlashAttentionBackwardSm90)
+  return (FlashAttentionBackwardPreprocess(variant), FlashAttentionBackwardSm90(variant),
+          FlashAttentionBackwardPostprocess(variant))
 
 
-def export_bwd_variant(variant: config.KernelVariant, out_dir, main_args: dict | None = None,
-                       key: str | None = None) -> ExportedKernel:
-  """Compiles the three backward kernels and writes `<key>-{pre,main,post}.{h,o}`.
-
-  main_args / key (default variant.key): devtools A/B builds, see build_bwd_kernels; the key
-  names the files and is what the library reports as its variant key.
-  """
-  pre, main, post = build_bwd_kernels(variant, main_args)
-  key = key or variant.key
+def export_bwd_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
+  """Compiles the three backward kernels and writes `<key>-{pre,main,post}.{h,o}`."""
+  pre, main, post = build_bwd_kernels(variant)
+  key = variant.key
   load_dsl_runtime()
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -338,30 +317,20 @@ def export_bwd_variant(variant: config.KernelVariant, out_dir, main_args: dict |
               sig["delta"], sig["dq_accum"], sig["dq_semaphore"], stream),
       "main": (main, sig["q"], sig["k"], sig["v"], sig["d_out"], sig["lse_log2"], sig["delta"],
                sig["dq_accum"], sig["dk"], sig["dv"], sig["dq_semaphore"], scale, stream),
-      "post": (post, sig["dq_accum"], sig["dq"],
-               sig["dq_semaphore"] if main.first_store else None, scale, stream),
+      "post": (post, sig["dq_accum"], sig["dq"], sig["dq_semaphore"], scale, stream),
   }
   start = time.perf_counter()
-  headers, objects = {}, {}
+  parts = {}
   for part in _BWD_PARTS:
     kernel, *args = arguments[part]
     compiled = cute.compile(kernel, *args, options=f"--gpu-arch {_GPU_ARCH[variant.arch]}")
     compiled.export_to_c(str(out_dir), f"{key}-{part}", f"{prefix}_{part}")
-    headers[part] = (out_dir / f"{key}-{part}.h").resolve()
-    objects[part] = (out_dir / f"{key}-{part}.o").resolve()
+    parts[part] = (f"{prefix}_{part}", (out_dir / f"{key}-{part}.h").resolve())
   seconds = time.perf_counter() - start
-  defines = (f'-DJAXFLASH_VARIANT_KEY="{key}"',
-             f"-DJAXFLASH_HEAD_DIM={variant.head_dim}",
-             f"-DJAXFLASH_HEAD_DIM_V={variant.head_dim_v}",
-             f"-DJAXFLASH_TILE_M={variant.tile.tile_m}",
-             f"-DJAXFLASH_DETERMINISTIC={int(variant.deterministic)}",
-             f"-DJAXFLASH_MAX_DQ_COPIES={main.dq_copies}",
-             f"-DJAXFLASH_FIRST_STORE={int(main.first_store)}",
-             *(f"-DJAXFLASH_PREFIX_{part.upper()}={prefix}_{part}" for part in _BWD_PARTS),
-             *(f'-DJAXFLASH_HEADER_{part.upper()}="{headers[part]}"' for part in _BWD_PARTS))
+  objects = {part: (out_dir / f"{key}-{part}.o").resolve() for part in _BWD_PARTS}
   return ExportedKernel(
-      variant=variant, header_path=headers["main"], object_path=objects["main"],
+      variant=variant, header_path=parts["main"][1], object_path=objects["main"],
       function_prefix=prefix, cubin=extract_cubin(objects["main"]), compile_seconds=seconds,
-      defines=defines, extra_object_paths=(objects["pre"], objects["post"]),
+      defines=glue_defines(variant, parts), extra_object_paths=(objects["pre"], objects["post"]),
       extra_cubins=(extract_cubin(objects["pre"]), extract_cubin(objects["post"])),
       glue_source="variant_bwd.cc")

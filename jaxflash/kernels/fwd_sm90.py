@@ -21,8 +21,8 @@ from jaxflash.kernels import softmax
 from jaxflash.kernels import tile_scheduler
 
 _select = sm90_gemm.select_modes
+DTYPES = sm90_gemm.DTYPES
 
-DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 _WARPGROUP_THREADS = sm90_gemm.WARPGROUP_THREADS
 _WARP_THREADS = sm90_gemm.WARP_THREADS
 _SMEM_ALIGN = sm90_gemm.SMEM_ALIGN
@@ -42,100 +42,51 @@ class FlashAttentionForwardSm90:
   operands in shared memory), online softmax in registers, O += P V (WGMMA, P from registers).
   K and V ride two mbarrier pipelines of num_stages slots each; Q has a one-slot pipeline that
   the epilogue releases once the O store has left shared memory (O reuses Q's buffer).
+  Key blocks overlap inside a warpgroup: S(j+1) = Q K(j+1)^T and O += P(j) V(j) are issued back
+  to back and the softmax of j+1 runs while the PV GEMM is in flight (overlap_step).
 
-  Schedule options (defaults are the measured best, see docs/perf-notes.md):
-  intra_wg_overlap: issue S(j+1) = Q K(j+1)^T and O += P(j) V(j) back to back, then run the
-    softmax of j+1 while the PV GEMM is in flight. (ptxas 13 hoists the PV wait to the first
-    idle slot of the softmax, so today this buys only ~2%; docs/perf-notes.md.)
-  pingpong: the consumer warpgroups take turns (named barriers) to issue their GEMMs, so one
-    warpgroup's softmax overlaps the other's GEMMs.
-  persistent: grid = #SMs, each CTA walks a static list of tiles (next tile's loads overlap the
-    epilogue); else one CTA per tile.
-  l2_sections: tile order of tile_scheduler.StaticTileScheduler: (batch, head) sections whose
-    K and V fit in L2, heads fastest, m-blocks from the last (LPT). None = causal (LPT is what
-    causal needs); non-causal with True measured slower (docs/perf-notes.md), kept for A/Bs.
-  rescale_threshold_log2: 0 rescales O whenever a row max grows (FA-3); t > 0 keeps a stale
-    row max until a block's max exceeds it by more than t in log2 units (FA-4's conditional
-    rescaling; P then reaches up to 2^t), and skips the O multiply for warps where no row moved.
-    Shipped: 8 (the skip branch also keeps ptxas from hoisting the PV wait above the softmax
-    exps; docs/perf-notes.md has the A/B against 0).
-  exp2_emulation_every: 0 takes every softmax exp2 on MUFU; n > 0 computes every n-th column's
-    on the FMA/integer pipes instead (softmax.exp2_fma), to balance MUFU against them. Off by
-    default: measured 2-7 % slower (docs/perf-notes.md).
+  The schedule (config.FwdSchedule) sets the tile, the ping-pong of the consumer warpgroups
+  (one's softmax overlaps the other's GEMMs), the persistent grid, the LPT tile order and where
+  O is rescaled.
   """
 
-  def __init__(self, dtype, head_dim: int, head_dim_v: int, tile: config.TileConfig,
-               causal: bool, *, intra_wg_overlap: bool = True, pingpong=None, persistent=None,
-               rescale_threshold_log2: float = 8.0, exp2_emulation_every: int = 0,
-               l2_sections=None):
-    self.dtype = dtype
-    self.head_dim = head_dim
-    self.head_dim_v = head_dim_v
+  def __init__(self, variant: config.KernelVariant):
+    schedule = variant.schedule
+    self.dtype = DTYPES[variant.dtype]
+    self.head_dim = variant.head_dim
+    self.head_dim_v = variant.head_dim_v
     # WGMMA's K step is 16 elements; the shipped head dims (64 to 256) are multiples of 32.
-    self.head_dim_padded = (head_dim + 15) // 16 * 16
-    self.tile_m = tile.tile_m
-    self.tile_n = tile.tile_n
-    self.num_stages = tile.num_stages
-    self.causal = causal
+    self.head_dim_padded = (variant.head_dim + 15) // 16 * 16
+    self.tile_m = schedule.tile_m
+    self.tile_n = schedule.tile_n
+    self.num_stages = schedule.num_stages
+    self.causal = variant.causal
     self.num_mma_warpgroups = self.tile_m // 64
     self.num_mma_threads = self.num_mma_warpgroups * _WARPGROUP_THREADS
     self.num_threads = self.num_mma_threads + _WARPGROUP_THREADS
     self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT[self.num_mma_warpgroups]
-    self.intra_wg_overlap = intra_wg_overlap
-    if pingpong is None:
-      # FA-3 / FA-4 turn ping-pong off above hdim 128 when the overlap is on; measured at hdim
-      # 256: on 646/770/725 TFLOP/s, off 648/771/721 (seq 1k/4k/16k), so off.
-      pingpong = head_dim <= 128 or not intra_wg_overlap
-    self.pingpong = pingpong and self.num_mma_warpgroups >= 2
-    if persistent is None:
-      # Measured (docs/perf-notes.md): persistent wins on uniform non-causal tiles (+3-7% at seq
-      # 1k, the next tile's loads overlap the epilogue); for causal the hardware's greedy
-      # dispatch of LPT-ordered CTAs beats a static per-CTA tile list by 10-30%.
-      persistent = not causal
-    self.persistent = persistent
-    if l2_sections is not None and not isinstance(l2_sections, bool):
-      raise TypeError(f"l2_sections: expected None or a bool, got {l2_sections!r}")
-    self.l2_sections = causal if l2_sections is None else l2_sections
-    # O of hdim_v > 128 is 128+ registers per thread: rescale it while Q K^T runs instead of
-    # after the PV GEMM, off the path between the PV wait and the next GEMMs.
-    self.rescale_o_before_pv = intra_wg_overlap and head_dim_v > 128
-    self.rescale_threshold_log2 = softmax.check_rescale_threshold(rescale_threshold_log2)
-    self.exp2_emulation_every = softmax.check_exp2_emulation_every(exp2_emulation_every)
+    self.pingpong = schedule.pingpong
+    self.persistent = schedule.persistent
+    self.lpt = schedule.lpt
+    self.rescale_o_before_pv = schedule.rescale_o_before_pv
 
   @staticmethod
-  def smem_bytes(head_dim: int, head_dim_v: int, tile: config.TileConfig,
+  def smem_bytes(head_dim: int, head_dim_v: int, schedule: config.FwdSchedule,
                  elem_bytes: int = 2) -> int:
     """Shared memory of one CTA: Q (reused for O), the K and V rings, mbarriers, alignment."""
     def aligned(n):
       return (n + _SMEM_ALIGN - 1) // _SMEM_ALIGN * _SMEM_ALIGN
-    q = aligned(tile.tile_m * max(head_dim, head_dim_v) * elem_bytes)
-    k = aligned(tile.num_stages * tile.tile_n * head_dim * elem_bytes)
-    v = aligned(tile.num_stages * tile.tile_n * head_dim_v * elem_bytes)
+    q = aligned(schedule.tile_m * max(head_dim, head_dim_v) * elem_bytes)
+    k = aligned(schedule.num_stages * schedule.tile_n * head_dim * elem_bytes)
+    v = aligned(schedule.num_stages * schedule.tile_n * head_dim_v * elem_bytes)
     return q + k + v + _SMEM_ALIGN
 
   @staticmethod
-  def can_implement(dtype: str, head_dim: int, head_dim_v: int, causal: bool,
-                    tile: config.TileConfig) -> tuple[bool, str]:
-    """Whether this kernel can be built for the arguments; the reason text is user-facing."""
-    cfg = config.AttentionConfig(softmax_scale=1.0, causal=causal)
-    ok, reason = config.kernel_support("fwd", dtype, head_dim, head_dim_v, cfg)
-    if not ok:
-      return ok, reason
-    if tile.tile_m not in (64, 128, 192):
-      return False, (f"tile_m {tile.tile_m} unsupported; accepted: 64, 128, 192 (64 rows per "
-                     f"consumer warpgroup)")
-    if tile.tile_m == 192 and max(head_dim, head_dim_v) > 64:
-      return False, (f"tile_m 192 needs head_dim <= 64 (3 consumer warpgroups get 160 registers "
-                     f"per thread); got {max(head_dim, head_dim_v)}")
-    if tile.tile_n % 16 != 0 or not 16 <= tile.tile_n <= 256:
-      return False, f"tile_n {tile.tile_n} unsupported; accepted: multiples of 16 in [16, 256]"
-    if tile.num_stages < 1:
-      return False, f"num_stages {tile.num_stages} unsupported; accepted: >= 1"
-    smem = FlashAttentionForwardSm90.smem_bytes(head_dim, head_dim_v, tile)
-    if smem > sm90_gemm.SMEM_CAPACITY:
-      return False, (f"tile {tile.key} needs {smem} bytes of shared memory for head_dim "
-                     f"{head_dim}; sm_90 has {sm90_gemm.SMEM_CAPACITY}")
-    return True, ""
+  def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:
+    """Whether this kernel runs the variant (config.kernel_support decides)."""
+    if variant.direction != "fwd":
+      return False, f"variant {variant.key} is not a forward variant"
+    return config.kernel_support("fwd", variant.dtype, variant.head_dim, variant.head_dim_v)
 
   def _setup_attributes(self):
     """Tiled MMAs, shared layouts, TMA byte counts and the shared storage struct."""
@@ -259,7 +210,7 @@ class FlashAttentionForwardSm90:
     scheduler = tile_scheduler.StaticTileScheduler(
         cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3], mK.shape[0],
         kv_bytes_per_key=(self.head_dim + self.head_dim_v) * self.dtype.width // 8,
-        lpt=self.l2_sections, persistent=self.persistent)
+        lpt=self.lpt, persistent=self.persistent)
     warpgroup_idx = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS)
     if warpgroup_idx == 0:
       cute.arch.setmaxregister_decrease(self.num_producer_regs)
@@ -297,8 +248,8 @@ class FlashAttentionForwardSm90:
            pipeline_q, pipeline_k, pipeline_v, scheduler):
     """Producer warp: per tile, Q once and the K/V blocks in the consumers' order.
 
-    With intra-warpgroup overlap the consumers need K(j+1) before V(j): K(n_max-1), Q, then
-    K(n-1), V(n) for n = n_max-1 .. 1, then V(0). Without it: Q, then K(n), V(n).
+    The overlapped consumers need K(j+1) before V(j): K(n_max-1), Q, then K(n-1), V(n) for
+    n = n_max-1 .. 1, then V(0).
     """
     seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
     q_per_kv = mQ.shape[2] // mK.shape[2]
@@ -322,42 +273,30 @@ class FlashAttentionForwardSm90:
       tVsV, tVgV = cpasync.tma_partition(
           tma_atom_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-      if const_expr(self.intra_wg_overlap):
-        if n_max > 0:
-          pipeline_k.producer_acquire(kv_state)
-          cute.copy(tma_atom_k, tKgK[None, n_max - 1], tKsK[None, kv_state.index],
-                    tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+      if n_max > 0:
+        pipeline_k.producer_acquire(kv_state)
+        cute.copy(tma_atom_k, tKgK[None, n_max - 1], tKsK[None, kv_state.index],
+                  tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
       # Q is loaded even when no key block is visible: the consumers always wait for it, so no
       # TMA write into sQ can still be in flight when the epilogue reuses sQ for O.
       pipeline_q.producer_acquire(q_state)
       cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
       q_state.advance()
-      if const_expr(self.intra_wg_overlap):
-        for i in cutlass.range(n_max - 1, unroll=1):
-          n_block = n_max - 1 - i
-          v_state = kv_state.clone()
-          kv_state.advance()
-          pipeline_k.producer_acquire(kv_state)
-          cute.copy(tma_atom_k, tKgK[None, n_block - 1], tKsK[None, kv_state.index],
-                    tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-          pipeline_v.producer_acquire(v_state)
-          cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, v_state.index],
-                    tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
-        if n_max > 0:
-          pipeline_v.producer_acquire(kv_state)
-          cute.copy(tma_atom_v, tVgV[None, 0], tVsV[None, kv_state.index],
-                    tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
-          kv_state.advance()
-      else:
-        for i in cutlass.range(n_max, unroll=1):
-          n_block = n_max - 1 - i
-          pipeline_k.producer_acquire(kv_state)
-          cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, kv_state.index],
-                    tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-          pipeline_v.producer_acquire(kv_state)
-          cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, kv_state.index],
-                    tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
-          kv_state.advance()
+      for i in cutlass.range(n_max - 1, unroll=1):
+        n_block = n_max - 1 - i
+        v_state = kv_state.clone()
+        kv_state.advance()
+        pipeline_k.producer_acquire(kv_state)
+        cute.copy(tma_atom_k, tKgK[None, n_block - 1], tKsK[None, kv_state.index],
+                  tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+        pipeline_v.producer_acquire(v_state)
+        cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, v_state.index],
+                  tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
+      if n_max > 0:
+        pipeline_v.producer_acquire(kv_state)
+        cute.copy(tma_atom_v, tVgV[None, 0], tVsV[None, kv_state.index],
+                  tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+        kv_state.advance()
       tile = scheduler.next_tile(tile)
 
   @cute.jit
@@ -380,8 +319,7 @@ class FlashAttentionForwardSm90:
     tScS_mn = softmax.make_acc_mn_view(
         thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
     num_rows = cute.size(tScS_mn, mode=[0])
-    online = softmax.OnlineSoftmax.create(softmax_scale * softmax.LOG2_E, num_rows,
-                                          self.rescale_threshold_log2, self.exp2_emulation_every)
+    online = softmax.OnlineSoftmax.create(softmax_scale * softmax.LOG2_E, num_rows)
     row_scale = cute.make_rmem_tensor(num_rows, Float32)
     # P of the previous key block: with intra-warpgroup overlap it lives across iterations.
     tOrP = softmax.make_p_fragment(acc_shape_s, self.dtype)
@@ -406,32 +344,22 @@ class FlashAttentionForwardSm90:
       acc_o.fill(0.0)
       pipeline_q.consumer_wait(q_state)
       # Key blocks run from n_max-1 down, so the blocks needing the elementwise mask come first.
-      if const_expr(self.intra_wg_overlap):
-        if n_max > 0:
-          self.first_block(c, kv_state, m_block, n_max - 1, seqlen_q, seqlen_k)
-          # kv_state advances here, in the loop bodies: the DSL carries a state rebound in the
-          # body, not one mutated inside a helper.
-          for i in cutlass.range(n_masked - 1, unroll=1):
-            v_state = kv_state.clone()
-            kv_state.advance()
-            self.overlap_step(c, kv_state, v_state, wg, m_block, n_max - 2 - i, seqlen_q,
-                              seqlen_k, True)
-          for i in cutlass.range(n_max - n_masked, unroll=1):
-            v_state = kv_state.clone()
-            kv_state.advance()
-            self.overlap_step(c, kv_state, v_state, wg, m_block, n_max - n_masked - 1 - i,
-                              seqlen_q, seqlen_k, False)
-          self.last_block(c, kv_state)
+      if n_max > 0:
+        self.first_block(c, kv_state, m_block, n_max - 1, seqlen_q, seqlen_k)
+        # kv_state advances here, in the loop bodies: the DSL carries a state rebound in the
+        # body, not one mutated inside a helper.
+        for i in cutlass.range(n_masked - 1, unroll=1):
+          v_state = kv_state.clone()
           kv_state.advance()
-      else:
-        self._scheduler_sync(wg)
-        for i in cutlass.range(n_masked, unroll=1):
-          self.mma_step(c, kv_state, wg, m_block, n_max - 1 - i, seqlen_q, seqlen_k, True)
+          self.overlap_step(c, kv_state, v_state, wg, m_block, n_max - 2 - i, seqlen_q,
+                            seqlen_k, True)
+        for i in cutlass.range(n_max - n_masked, unroll=1):
+          v_state = kv_state.clone()
           kv_state.advance()
-        for i in cutlass.range(n_masked, n_max, unroll=1):
-          self.mma_step(c, kv_state, wg, m_block, n_max - 1 - i, seqlen_q, seqlen_k, False)
-          kv_state.advance()
-        self._scheduler_arrive(wg)
+          self.overlap_step(c, kv_state, v_state, wg, m_block, n_max - n_masked - 1 - i,
+                            seqlen_q, seqlen_k, False)
+        self.last_block(c, kv_state)
+        kv_state.advance()
       self.epilogue(mO, mLSE, tma_atom_o, sO, tiled_mma_pv, thr_mma_pv, acc_o, online,
                     pipeline_q, q_state, m_block, head, batch, seqlen_q)
       q_state.advance()
@@ -464,8 +392,8 @@ class FlashAttentionForwardSm90:
                       self.tile_m, self.tile_n, self.causal)
     c.online.online_softmax(acc_s_mn, c.row_scale)
 
-  # The consumer GEMMs and O rescale, one place each (first_block, overlap_step, last_block and
-  # mma_step order them differently).
+  # The consumer GEMMs and O rescale, one place each (first_block, overlap_step and last_block
+  # order them differently).
   def _new_acc_s(self, c):
     return c.tiled_mma_qk.get_slice(0).make_fragment_C(c.acc_shape_s)
 
@@ -501,12 +429,10 @@ class FlashAttentionForwardSm90:
     """S(n_block) = Q K^T (K slot kv_state) and O += P V of the previous block (V slot v_state)
     in flight together; the softmax of n_block runs while the PV GEMM is still going.
 
-    SASS (ptxas 13): with rescale_threshold_log2 = 0 the WARPGROUP.DEPBAR of the wait_group(0)
-    below lands right after the first SHFL of the softmax (only the first row max overlaps the
-    PV GEMM); with the shipped threshold 8 the rescale's vote branch ends a basic block and the
-    wait lands after most of the exps. The H200 A/B measured no difference: ping-pong already
-    hides the softmax. Predicating the wait made ptxas serialise every WGMMA; two P buffers (no
-    wait at all here) spilled at 240 registers and serialised too.
+    SASS (ptxas 13): the rescale's vote branch (softmax.OnlineSoftmax) ends a basic block, so
+    the WARPGROUP.DEPBAR of the wait_group(0) below lands after most of the exps; without that
+    branch ptxas hoists it to the first SHFL of the softmax. Predicating the wait made ptxas
+    serialise every WGMMA; two P buffers (no wait here at all) spilled at 240 registers.
     """
     pipeline_k, pipeline_v = c.pipeline_k, c.pipeline_v
     acc_s = self._new_acc_s(c)
@@ -535,29 +461,6 @@ class FlashAttentionForwardSm90:
       self._rescale_o(c)
     pipeline_v = c.pipeline_v
     pipeline_v.consumer_wait(kv_state)
-    self._issue_pv(c, kv_state)
-    warpgroup.wait_group(0)
-    pipeline_v.consumer_release(kv_state)
-
-  @cute.jit
-  def mma_step(self, c, kv_state, wg: Int32, m_block: Int32, n_block: Int32, seqlen_q: Int32,
-               seqlen_k: Int32, is_masked: cutlass.Constexpr):
-    """One key block without overlap (intra_wg_overlap=False).
-
-    Ping-pong turn: from the PV GEMM of this block to the QK^T GEMM of the next one.
-    """
-    pipeline_k, pipeline_v = c.pipeline_k, c.pipeline_v
-    acc_s = self._new_acc_s(c)
-    pipeline_k.consumer_wait(kv_state)
-    self._issue_qk(c, acc_s, kv_state)
-    self._scheduler_arrive(wg)
-    warpgroup.wait_group(0)
-    pipeline_k.consumer_release(kv_state)
-    self._softmax(c, acc_s, m_block, n_block, seqlen_q, seqlen_k, is_masked)
-    self._rescale_o(c)
-    softmax.convert_p(acc_s, c.tOrP)
-    pipeline_v.consumer_wait(kv_state)
-    self._scheduler_sync(wg)
     self._issue_pv(c, kv_state)
     warpgroup.wait_group(0)
     pipeline_v.consumer_release(kv_state)

@@ -10,6 +10,8 @@ from cutlass import Float32
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
+# config.KERNEL_DTYPES -> the element types of the kernels.
+DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 # Each shared buffer starts on a 1 KiB boundary: the 128B swizzle pattern repeats every 1 KiB.
 SMEM_ALIGN = 1024
 # sm_90 opt-in shared memory per block: 227 KiB.
@@ -41,19 +43,6 @@ def smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None, col_m
   return cute.tile_to_shape(atom, (rows, cols, stages), order + (2,))
 
 
-def element_swizzled(layout: cute.ComposedLayout, dtype) -> cute.ComposedLayout:
-  """`layout` with its swizzle on element offsets instead of byte addresses.
-
-  smem_layout's swizzle is meant for a swizzled pointer (it acts on byte addresses); this one
-  gives the same bytes for a buffer that starts on a 1 KiB boundary (SMEM_ALIGN), for tensors
-  made from a plain pointer, where a constant element offset stays a constant address offset.
-  """
-  sw = layout.inner
-  elem_shift = (dtype.width // 8).bit_length() - 1  # log2(bytes per element)
-  return cute.make_composed_layout(
-      cute.make_swizzle(sw.num_bits, sw.num_base - elem_shift, sw.num_shift), 0, layout.outer)
-
-
 def transpose_view(t: cute.Tensor) -> cute.Tensor:
   """Swaps the first two modes of a shared tensor (same bytes): A^T for WGMMA operands."""
   shape = (t.shape[1], t.shape[0], *t.shape[2:])
@@ -83,29 +72,13 @@ def store_acc_to_smem(tiled_mma: cute.TiledMma, tidx, acc: cute.Tensor, dst: cut
   """Converts an fp32 WGMMA accumulator to `dtype` and writes it to a row-major smem tile.
 
   Uses stmatrix (16-byte rows per lane). `tidx` is the thread index among the MMA threads;
-  each thread writes exactly the tile positions its accumulator holds. Converts one stmatrix
-  worth of values at a time, so the converted copy never occupies more than a few registers
-  (the backward kernel runs at the 240-register limit). An accumulator of several row blocks
-  (MMA_M > 1) is stored one block at a time: the value order _store_block relies on holds
-  within one block only. Then `dst` must carry its swizzle in its layout (element_swizzled)
-  and each row block must start a whole number of swizzle periods after the previous one:
-  block m is block 0 moved by a constant, so the compiler keeps one swizzled address per
-  stmatrix of block 0 instead of one per block.
+  each thread writes exactly the tile positions its accumulator holds (one row block per
+  thread: MMA_M == 1). Converts one stmatrix worth of values at a time, so the converted copy
+  never occupies more than a few registers (the backward kernel runs at the 240-register
+  limit).
   """
-  blocks = cute.size(acc, mode=[1])
-  if cutlass.const_expr(blocks == 1):
-    _store_block(tiled_mma, tidx, acc, dst, dtype)
-  else:
-    rows, cols = cute.size(dst, mode=[0]) // blocks, cute.size(dst, mode=[1])
-    first = cute.local_tile(dst, (rows, cols), (0, 0))
-    step = cute.crd2idx((rows, 0), dst.layout)  # elements from block 0 to block 1
-    for m in cutlass.range_constexpr(blocks):
-      # Row block m as a one-block accumulator ((values), 1, MMA_N) and its rows of dst.
-      block = acc[None, m, None]
-      block = cute.make_tensor(block.iterator, cute.make_layout(
-          (block.shape[0], 1, block.shape[1]), stride=(block.stride[0], 0, block.stride[1])))
-      _store_block(tiled_mma, tidx, block,
-                   cute.make_tensor(first.iterator + m * step, first.layout), dtype)
+  assert cute.size(acc, mode=[1]) == 1, "one row block per thread"
+  _store_block(tiled_mma, tidx, acc, dst, dtype)
 
 
 @cute.jit
@@ -148,7 +121,7 @@ def _store_block(tiled_mma: cute.TiledMma, tidx, acc: cute.Tensor, dst: cute.Ten
       # chunk. A chunk shaped like the partition (((2, 2, 2), 1) for the .trans atom) is
       # packed into the stmatrix registers in another order (PTX: value pairs (0, 2), (1, 3),
       # ...), which puts key r + 8 of query q at query q + 1, key r; flat, pair k is values
-      # (2k, 2k + 1) as the copy's partition assumes (probe_ds_store_ptx.py checks the PTX).
+      # (2k, 2k + 1) as the copy's partition assumes (seen in the PTX).
       chunk = cute.make_rmem_tensor(per_copy, dtype)
       for v in cutlass.range_constexpr(per_copy):
         chunk[v] = retiled[c * per_copy + v]

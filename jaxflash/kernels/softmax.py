@@ -6,11 +6,10 @@ into one FFMA per element before ex2, so there is no separate scaling pass.
 
 import dataclasses
 import math
-import struct
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -80,70 +79,11 @@ def convert_p(acc_s: cute.Tensor, p: cute.Tensor):
     dst[i] = _cvt_pack(src[2 * i], src[2 * i + 1], to_bf16)
 
 
-# 2^f for f in [0, 1): 1 + c1 f + c2 f^2 + c3 f^3, a minimax fit of the relative error (8.6e-5,
-# about 2^-13.5, below the bf16 / fp16 rounding of P). c0 = 1 exactly makes x = -127 give +0.
-_EXP2_POLY = (0.69511684, 0.22764474, 0.07706727)
-# 1.5 * 2^23: adding it (rounding down) leaves floor(x) in the low mantissa bits.
-_ROUND_BIAS = 12582912.0
-
-
-def _ptx_f32(value: float) -> str:
-  return "0f%08X" % struct.unpack("<I", struct.pack("<f", value))[0]
-
-
-@dsl_user_op
-def exp2_fma(x: Float32, *, loc=None, ip=None) -> Float32:
-  """2^x on the FMA and integer pipes instead of MUFU.EX2, for x <= 127.
-
-  2^floor(x) goes into the exponent field by an integer add, the fraction through a cubic. x is
-  clamped at -127: x <= -127 (also -inf, and NaN) gives exactly +0, like ex2.approx.ftz for such
-  x. About 10 instructions against MUFU's one, on pipes with 8x MUFU's throughput.
-  """
-  bias = _ptx_f32(_ROUND_BIAS)
-  c1, c2, c3 = (_ptx_f32(c) for c in _EXP2_POLY)
-  return Float32(llvm.inline_asm(
-      T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)],
-      "{\n\t.reg .f32 xc, r, fl, fr, p;\n\t.reg .b32 ri, pi, e;\n\t"
-      "max.ftz.f32 xc, $1, 0fC2FE0000;\n\t"
-      f"add.rm.ftz.f32 r, xc, {bias};\n\t"
-      f"sub.rn.ftz.f32 fl, r, {bias};\n\t"
-      "sub.rn.ftz.f32 fr, xc, fl;\n\t"
-      f"fma.rn.ftz.f32 p, fr, {c3}, {c2};\n\t"
-      f"fma.rn.ftz.f32 p, p, fr, {c1};\n\t"
-      "fma.rn.ftz.f32 p, p, fr, 0f3F800000;\n\t"
-      "mov.b32 ri, r;\n\tmov.b32 pi, p;\n\t"
-      "shl.b32 e, ri, 23;\n\t"
-      "add.s32 e, e, pi;\n\t"
-      "mov.b32 $0, e;\n\t}",
-      "=f,f", has_side_effects=False, is_align_stack=False,
-      asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-def check_exp2_emulation_every(exp2_emulation_every) -> int:
-  """The emulation period as an int, or ValueError/TypeError naming the argument."""
-  if isinstance(exp2_emulation_every, bool) or not isinstance(exp2_emulation_every, int):
-    raise TypeError(f"exp2_emulation_every: expected an int, got {exp2_emulation_every!r}")
-  if exp2_emulation_every < 0:
-    raise ValueError(f"exp2_emulation_every: {exp2_emulation_every} out of range; accepted: 0 "
-                     f"(every exp2 on MUFU) or n >= 1 (one exp2 in n on the FMA pipe)")
-  return exp2_emulation_every
-
-
-# Largest accepted rescale threshold: P may reach 2^threshold, and an fp16 P must stay finite
-# (fp16 max 65504 < 2^16) with room for the fp32 row sums of long rows.
-MAX_RESCALE_THRESHOLD_LOG2 = 15.0
-
-
-def check_rescale_threshold(rescale_threshold_log2) -> float:
-  """The threshold as a float, or ValueError/TypeError naming the argument."""
-  if isinstance(rescale_threshold_log2, bool) or not isinstance(rescale_threshold_log2,
-                                                                (int, float)):
-    raise TypeError(f"rescale_threshold_log2: expected a float, got {rescale_threshold_log2!r}")
-  value = float(rescale_threshold_log2)
-  if not 0.0 <= value <= MAX_RESCALE_THRESHOLD_LOG2:
-    raise ValueError(f"rescale_threshold_log2: {rescale_threshold_log2!r} out of range; accepted: "
-                     f"0 (rescale on every max change) to {MAX_RESCALE_THRESHOLD_LOG2}")
-  return value
+# FA-4's conditional rescaling: a row's max moves only when a block's max exceeds it by more
+# than this (log2 units, after scaling), so P <= 2^8 and most blocks skip the O rescale. Its
+# vote branch also keeps ptxas from hoisting the PV wait above the softmax exps (fwd_sm90).
+# An fp16 P stays finite (fp16 max 65504) with room for the fp32 row sums of long rows.
+RESCALE_THRESHOLD_LOG2 = 8.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,38 +94,25 @@ class OnlineSoftmax:
   reduced over the quad once, in `finalize`. Frozen: the DSL passes a read-only frozen dataclass
   through run-time loops unchanged (the register tensors inside are updated in place).
 
-  rescale_threshold_log2 > 0 (FA-4's conditional rescaling): row_max is the max the row's
-  exponentials are taken against, and it only moves when a new block's max exceeds it by more
-  than the threshold (in log2 units, after scaling); otherwise P is exp2'd against the stale max
-  and may reach 2^threshold. Rows that keep their max get scale exactly 1, and `rescale` skips
-  the O multiply when no row of the warp moved (a warp-uniform branch). row_sum is accumulated
-  against the same max, so finalize's 1/rowsum and LSE stay exact.
+  Conditional rescaling (FA-4): row_max is the max the row's exponentials are taken against,
+  and it only moves when a new block's max exceeds it by more than RESCALE_THRESHOLD_LOG2;
+  otherwise P is exp2'd against the stale max and may reach 2^threshold. Rows that keep their
+  max get scale exactly 1, and `rescale` skips the O multiply when no row of the warp moved (a
+  warp-uniform branch). row_sum is accumulated against the same max, so finalize's 1/rowsum
+  and LSE stay exact.
   """
 
   scale_log2: Float32
   num_rows: int
   row_max: cute.Tensor
   row_sum: cute.Tensor
-  rescale_threshold_log2: float = 0.0
-  exp2_emulation_every: int = 0
 
   @staticmethod
-  def create(scale_log2: Float32, num_rows: int, rescale_threshold_log2: float = 0.0,
-             exp2_emulation_every: int = 0) -> "OnlineSoftmax":
+  def create(scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
     s = OnlineSoftmax(scale_log2, num_rows, cute.make_rmem_tensor(num_rows, Float32),
-                      cute.make_rmem_tensor(num_rows, Float32),
-                      check_rescale_threshold(rescale_threshold_log2),
-                      check_exp2_emulation_every(exp2_emulation_every))
+                      cute.make_rmem_tensor(num_rows, Float32))
     s.reset()
     return s
-
-  def _exp2(self, x: Float32, column: int) -> Float32:
-    """exp2 of one score: MUFU, or with exp2_emulation_every = n, the FMA-pipe version for
-    every n-th column of the thread's fragment (a trace-time choice: no branch)."""
-    n = self.exp2_emulation_every
-    if n > 0 and column % n == n - 1:
-      return exp2_fma(x)
-    return cute.math.exp2(x, fastmath=True)
 
   def reset(self):
     """Starts a new tile: max -inf, sum 0."""
@@ -196,23 +123,12 @@ class OnlineSoftmax:
   def online_softmax(self, acc_s_mn: cute.Tensor, row_scale: cute.Tensor):
     """Overwrites acc_s_mn with exp2 of the scaled, max-shifted scores.
 
-    Writes into row_scale the factor by which the O accumulator and row sums must shrink.
-    A row whose max is still -inf (fully masked so far) uses 0 as its shift, so it yields
-    p = 0 and scale = 0 instead of NaN.
-    """
-    if const_expr(self.rescale_threshold_log2 > 0.0):
-      self._online_softmax_lazy(acc_s_mn, row_scale)
-    else:
-      self._online_softmax_always(acc_s_mn, row_scale)
-
-  @cute.jit
-  def _online_softmax_lazy(self, acc_s_mn: cute.Tensor, row_scale: cute.Tensor):
-    """online_softmax with a stale max (rescale_threshold_log2 > 0).
-
-    Per row: the max moves only when the block's max exceeds it by more than the threshold.
-    The decision is per row (a select, no branch); rows that keep their max get scale 1.0
-    exactly. Only when some row of the warp moved does the warp take the branch (uniform: a
-    warp vote) that computes the scale exponentials and rescales the old row sums.
+    Writes into row_scale the factor by which the O accumulator and row sums must shrink. Per
+    row the max moves only when the block's max exceeds it by more than the threshold (a
+    select, no branch); rows that keep their max get scale 1.0 exactly. Only when some row of
+    the warp moved does the warp take the branch (uniform: a warp vote) that computes the
+    scale exponentials and rescales the old row sums. A row whose max is still -inf (fully
+    masked so far) uses 0 as its shift, so it yields p = 0 instead of NaN.
     """
     num_rows = cute.size(acc_s_mn, mode=[0])
     prev_max = cute.make_rmem_tensor(num_rows, Float32)
@@ -229,7 +145,7 @@ class OnlineSoftmax:
       # has none: the max stays -inf and the row's p stay 0 (shift 0 below).
       grow = (cur_max - prev) * self.scale_log2
       new_max = prev
-      if grow > self.rescale_threshold_log2:
+      if grow > RESCALE_THRESHOLD_LOG2:
         new_max = cur_max
         moved = Int32(1)
       self.row_max[i] = new_max
@@ -239,7 +155,7 @@ class OnlineSoftmax:
       shift = safe_max * self.scale_log2
       row_sum = Float32(0.0)
       for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
-        p = self._exp2(acc_s_mn[i, j] * self.scale_log2 - shift, j)
+        p = cute.math.exp2(acc_s_mn[i, j] * self.scale_log2 - shift, fastmath=True)
         acc_s_mn[i, j] = p
         row_sum += p
       block_sum[i] = row_sum
@@ -260,43 +176,17 @@ class OnlineSoftmax:
       self.row_sum[i] = self.row_sum[i] + block_sum[i]
 
   @cute.jit
-  def _online_softmax_always(self, acc_s_mn: cute.Tensor, row_scale: cute.Tensor):
-    """online_softmax that rescales whenever the row max changes (FA-3)."""
-    for i in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
-      prev_max = self.row_max[i]
-      cur_max = prev_max
-      for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
-        cur_max = cute.arch.fmax(cur_max, acc_s_mn[i, j])
-      cur_max = cute.arch.warp_reduction_max(cur_max, threads_in_group=_THREADS_PER_ROW)
-      self.row_max[i] = cur_max
-      safe_max = cur_max
-      if cur_max == -Float32.inf:
-        safe_max = Float32(0.0)
-      shift = safe_max * self.scale_log2
-      scale = cute.math.exp2(prev_max * self.scale_log2 - shift, fastmath=True)
-      row_scale[i] = scale
-      row_sum = Float32(0.0)
-      for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
-        p = self._exp2(acc_s_mn[i, j] * self.scale_log2 - shift, j)
-        acc_s_mn[i, j] = p
-        row_sum += p
-      self.row_sum[i] = self.row_sum[i] * scale + row_sum
-
-  @cute.jit
   def rescale(self, acc_mn: cute.Tensor, row_scale: cute.Tensor):
     """acc_mn[i, j] *= row_scale[i]: the O accumulator after an online_softmax step.
 
-    With a rescale threshold, skipped when no row of the warp moved its max (all scales are
-    exactly 1): a vote makes the branch warp-uniform, so no lane diverges near the WGMMAs.
+    Skipped when no row of the warp moved its max (all scales are exactly 1): a vote makes the
+    branch warp-uniform, so no lane diverges near the WGMMAs.
     """
-    if const_expr(self.rescale_threshold_log2 > 0.0):
-      moved = Int32(0)
-      for i in cutlass.range_constexpr(cute.size(row_scale)):
-        if row_scale[i] != 1.0:
-          moved = Int32(1)
-      if cute.arch.vote_any_sync(moved != 0):
-        scale_rows(acc_mn, row_scale)
-    else:
+    moved = Int32(0)
+    for i in cutlass.range_constexpr(cute.size(row_scale)):
+      if row_scale[i] != 1.0:
+        moved = Int32(1)
+    if cute.arch.vote_any_sync(moved != 0):
       scale_rows(acc_mn, row_scale)
 
   @cute.jit

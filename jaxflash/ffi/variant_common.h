@@ -1,0 +1,64 @@
+// What the forward and backward glue of a variant library share: the build macros, the exported
+// version / key / info functions, and the one-time module load.
+//
+// The glue sources (variant_fwd.cc, variant_bwd.cc) are compiled once per KernelVariant; the
+// variant comes in through macros that `jaxflash.kernels.compile.glue_defines` lists:
+//   -DJAXFLASH_VARIANT_KEY="\"<key>\""   KernelVariant.key, as a quoted string
+//   -DJAXFLASH_DIRECTION=<0 fwd | 1 bwd>  -DJAXFLASH_DTYPE=<0 float16 | 1 bfloat16>
+//   -DJAXFLASH_HEAD_DIM=<d>  -DJAXFLASH_HEAD_DIM_V=<dv>  -DJAXFLASH_CAUSAL=<0|1>
+//   -DJAXFLASH_DETERMINISTIC=<0|1>  -DJAXFLASH_TILE_M=<rows the backward scratch is rounded to>
+//   -DJAXFLASH_MAX_DQ_COPIES=<1|2>
+//   -DJAXFLASH_PREFIX_<PART>=<prefix>  -DJAXFLASH_HEADER_<PART>="\"<out_dir>/<file>.h\""
+//     for each exported object: MAIN (both directions), PRE and POST (backward)
+// Link: jaxflash.build.link_variant (docs/build.md). Only the kernel_abi.h functions are
+// exported.
+#ifndef JAXFLASH_FFI_VARIANT_COMMON_H_
+#define JAXFLASH_FFI_VARIANT_COMMON_H_
+
+#include <stdint.h>
+
+#include "cuda_runtime_api.h"
+#include "kernel_abi.h"
+
+#if !defined(JAXFLASH_VARIANT_KEY) || !defined(JAXFLASH_DIRECTION) || !defined(JAXFLASH_DTYPE) || \
+    !defined(JAXFLASH_HEAD_DIM) || !defined(JAXFLASH_HEAD_DIM_V) || !defined(JAXFLASH_CAUSAL) ||  \
+    !defined(JAXFLASH_DETERMINISTIC) || !defined(JAXFLASH_TILE_M) ||                               \
+    !defined(JAXFLASH_MAX_DQ_COPIES) || !defined(JAXFLASH_PREFIX_MAIN) ||                           \
+    !defined(JAXFLASH_HEADER_MAIN)
+#error "define the JAXFLASH_* macros listed at the top of variant_common.h"
+#endif
+
+#define JF_CAT2(a, b) a##b
+#define JF_CAT(a, b) JF_CAT2(a, b)
+// cute_dsl_<prefix>_wrapper: the launcher export_to_c generates for an exported object.
+#define JF_WRAPPER(prefix) JF_CAT(JF_CAT(cute_dsl_, prefix), _wrapper)
+#define JF_EXPORT extern "C" __attribute__((visibility("default")))
+
+JF_EXPORT int32_t jaxflash_variant_abi_version(void) { return JAXFLASH_KERNEL_ABI_VERSION; }
+
+JF_EXPORT const char* jaxflash_variant_key(void) { return JAXFLASH_VARIANT_KEY; }
+
+JF_EXPORT const JaxflashVariantInfo* jaxflash_variant_info(void) {
+  static const JaxflashVariantInfo info = {
+      JAXFLASH_DIRECTION, JAXFLASH_DTYPE,        JAXFLASH_HEAD_DIM, JAXFLASH_HEAD_DIM_V,
+      JAXFLASH_CAUSAL,    JAXFLASH_DETERMINISTIC, JAXFLASH_TILE_M,  JAXFLASH_MAX_DQ_COPIES};
+  return &info;
+}
+
+namespace jaxflash {
+
+// Runs `load` (the generated <prefix>_Kernel_Module_Load calls) and restores the caller's
+// device, which Module_Load may leave changed as it walks every device. The generated loaders
+// only print their errors: `load` returns whether every module handle is set. 0 on success.
+template <typename Load>
+int32_t LoadModules(Load load) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return static_cast<int32_t>(cudaErrorNoDevice);
+  const bool ok = load();
+  cudaSetDevice(device);
+  return ok ? 0 : static_cast<int32_t>(cudaErrorInvalidKernelImage);
+}
+
+}  // namespace jaxflash
+
+#endif  // JAXFLASH_FFI_VARIANT_COMMON_H_
