@@ -1,6 +1,6 @@
 """TFLOP/s of jaxflash (CuTe kernels) vs cuDNN vs XLA attention on one GPU; table, JSON, PNG.
 
-Timing (docs/perf-anchors.md): 2 warm-ups, then 7 repetitions of 5 calls dispatched back to back
+Timing: 2 warm-ups, then 7 repetitions of 5 calls dispatched back to back
 and blocked on the last; the median per-call time counts. Before the first cell, --spin-up
 seconds of matmuls bring the GPU clock up from idle. Shapes: batch * seq = 16384 tokens,
 heads = 2048 / head_dim. Needs the jaxflash kernels in JAXFLASH_CACHE_DIR (scripts/gpu_check.sh).
@@ -36,9 +36,8 @@ LABELS = {"jaxflash": "jaxflash", "jaxflash-det": "jaxflash det.", "cudnn": "cuD
 FWD_BWD_ONLY = ("jaxflash-det",)
 # Which head dims have a CuTe backward kernel decides what jaxflash's fwd+bwd column measures.
 _BWD_KERNEL_HDIMS = tuple(
-    (d, dv) for d, dv in jaxflash.config.KERNEL_HEAD_DIM_PAIRS
-    if jaxflash.config.kernel_support("bwd", "bfloat16", d, dv,
-                                      jaxflash.config.AttentionConfig(softmax_scale=1.0))[0])
+    (d, dv) for d, dv in jaxflash.config.KERNEL_HEAD_DIM_PAIRS["fwd"]
+    if jaxflash.config.kernel_support("bwd", "bfloat16", d, dv)[0])
 BWD_NOTE = (f"jaxflash fwd+bwd = CuTe forward + CuTe backward for head_dim "
             f"{tuple(d for d, _ in _BWD_KERNEL_HDIMS)} (= head_dim_v), pure-JAX reference "
             f"backward for other head dims")

@@ -31,8 +31,8 @@ FWD_ONLY_PAIR = (192, 128)
 def without_192_128_backward(monkeypatch):
   import jax
   from jaxflash import config
-  monkeypatch.setattr(config, "BWD_KERNEL_HEAD_DIM_PAIRS", tuple(
-      p for p in config.BWD_KERNEL_HEAD_DIM_PAIRS if p != FWD_ONLY_PAIR))
+  monkeypatch.setitem(config.KERNEL_HEAD_DIM_PAIRS, "bwd", tuple(
+      p for p in config.KERNEL_HEAD_DIM_PAIRS["bwd"] if p != FWD_ONLY_PAIR))
   jax.clear_caches()  # traces made with or without the backward kernel must not be reused
   yield
   jax.clear_caches()

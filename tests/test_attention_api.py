@@ -158,7 +158,7 @@ def test_auto_on_hopper_needs_only_the_forward_kernel_of_a_forward_only_head_dim
     monkeypatch, without_192_128_backward, head_dim, head_dim_v):
   import sys
   from jaxflash import _jax_internal, ffi
-  from jaxflash.config import AttentionConfig, default_tile
+  from jaxflash.config import AttentionConfig, fwd_schedule
   attention_module = sys.modules["jaxflash.attention"]
   asked = []
   monkeypatch.setattr(_jax_internal, "has_hopper_device", lambda: True)
@@ -166,8 +166,8 @@ def test_auto_on_hopper_needs_only_the_forward_kernel_of_a_forward_only_head_dim
   cfg = AttentionConfig(softmax_scale=0.1, causal=True)
   assert attention_module._resolve_implementation(None, "bfloat16", head_dim, head_dim_v,
                                                   cfg) == "cute"
-  tile = default_tile("fwd", "sm90a", head_dim, head_dim_v, True)
-  assert asked == [f"fwd-sm90a-bf16-d{head_dim}-dv{head_dim_v}-causal-{tile.key}"]
+  schedule = fwd_schedule(head_dim, head_dim_v, True)
+  assert asked == [f"fwd-sm90a-bf16-d{head_dim}-dv{head_dim_v}-causal-{schedule.key}"]
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v", FWD_ONLY_HEAD_DIMS)

@@ -364,19 +364,19 @@ def test_backward_through_lse_matches_float64_oracle(variant):
 
 
 _COPY_CASES = [(v, c) for v in BWD_VARIANTS if v.deterministic and v.causal
-               and v.dtype == "bfloat16" and config.max_dq_accum_copies(True, True, v.head_dim) > 1
+               and v.dtype == "bfloat16" and v.schedule.dq_copies > 1
                for c in (1, 2)]
 
 
 @pytest.mark.parametrize("variant,copies", _COPY_CASES,
                          ids=[f"{v.key}-copies{c}" for v, c in _COPY_CASES])
 def test_causal_deterministic_backward_with_one_or_two_dq_copies(variant, copies, monkeypatch):
-  """hdim 192 with the causal mask keeps two dQ accumulators up to
-  config.CAUSAL_TWO_DQ_COPIES_MAX_SEQ_Q and one above, in the same kernels: both counts
-  against the oracle and bitwise over repeats (a lowered limit sends this short call down the
+  """hdim 192 with the causal mask keeps two dQ accumulators up to the schedule's
+  two_dq_copies_max_seq_q and one above, in the same kernels: both counts against the oracle
+  and bitwise over repeats (config.dq_accum_copies patched to 1 sends this short call down the
   one-copy path; seq_q > seq_k leaves query blocks without a key block)."""
   if copies == 1:
-    monkeypatch.setitem(config.CAUSAL_TWO_DQ_COPIES_MAX_SEQ_Q, variant.head_dim_v, 0)
+    monkeypatch.setattr(config, "dq_accum_copies", lambda variant, seq_q: 1)
   # JAX caches the backward's trace, scratch shapes included, per input shape: the limit
   # (a constant outside this test) is read anew only after this.
   jax.clear_caches()
@@ -393,7 +393,7 @@ def _check_one_or_two_dq_copies(variant, copies):
                                               deterministic=True, implementation="cute")
   loss = _loss(attend, jnp.asarray(w_out, jnp.float32), jnp.asarray(w_lse, jnp.float32), True)
   grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-  rows = -(-shape[1] // variant.tile.tile_m) * variant.tile.tile_m
+  rows = -(-shape[1] // variant.schedule.tile_m) * variant.schedule.tile_m
   assert f"x{copies * rows}x{variant.head_dim}xf32>" in grads.lower(q, k, v).as_text()
   got = [np.asarray(g) for g in grads(q, k, v)]
   want, naive = _grad_oracle(q, k, v, w_out, w_lse, variant, with_lse=True)

@@ -160,7 +160,7 @@ def test_cuda_lowering_of_grad_emits_both_custom_calls(deterministic, causal):
   assert text.count(FWD_TARGET) >= 1
   (call,) = [line for line in text.splitlines() if f"@{BWD_TARGET}(" in line]
   det = "-det" if deterministic else ""
-  # hdim 128: 80-row query tiles (config._default_bwd_tile).
+  # hdim 128: 80-row query tiles (config.bwd_schedule).
   tile_m = 80
   flags = ("-causal" if causal else "") + det
   assert f'variant = "bwd-sm90a-bf16-d128-dv128{flags}-m{tile_m}n128s2swap"' in call

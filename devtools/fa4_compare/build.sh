@@ -1,53 +1,87 @@
 #!/usr/bin/env bash
 # Builds FlashAttention-4's own Hopper backward (bf16, hdim 128, non-causal, non-deterministic,
 # FA-4's sm90 config: 80 x 128, SdP / dQ swapAB) into a library with jaxflash's variant ABI
-# (jaxflash/ffi/kernel_abi.h), so the backward self-test (bwd_selftest, run_bwd.sh) and
+# (jaxflash/ffi/kernel_abi.h), so that the backward self-test (bwd_selftest, run_bwd.sh) and
 # devtools/kernel_selftest/ncu_bwd.sh run it next to jaxflash's kernels on the GPU host.
-# devtools only: FA-4 and quack sources come from git mirrors at pinned commits at build time;
-# nothing of theirs is kept in this repository. See README.md here.
+# The FA-4 and quack sources are taken from git clones at pinned commits at build time; nothing
+# of theirs is kept in this repository. See README.md here.
 #
-#   bash devtools/fa4_compare/build.sh      # from the repo root; about 15 s plus the checks
+#   bash devtools/fa4_compare/build.sh FLASH_ATTENTION_GIT_DIR QUACK_GIT_DIR   # from the repo root
+#   FA_GIT=... QUACK_GIT=... bash devtools/fa4_compare/build.sh                # the same
 #
-# Writes .selftest/fa4/fa4-sm90a-bf16-d128-dv128-m80n128.so and, when .selftest/bwd/libs.tar.xz
-# exists (build_bwd.py), adds the library to it under bwd/, so run_bwd.sh checks and times it.
+# A *_GIT_DIR is a clone (its work tree or .git folder, or a bare clone) holding the pinned
+# commit (FA_REV, QUACK_REV). PY: the Python with nvidia-cutlass-dsl and jaxflash's
+# dependencies (default: the repo's .venv/bin/python if present, else python3). WORK: scratch
+# folder (default /tmp/jaxflash_fa4_compare). Writes .selftest/fa4/fa4-sm90a-bf16-d128-dv128-m80n128.so and,
+# when .selftest/bwd/libs.tar.xz exists (build_bwd.py), adds the library to it under bwd/.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
-PY=${PY:-$REPO/.venv/bin/python}
-FA_GIT=${FA_GIT:-/work/.mirror/Dao-AILab+flash-attention/repo}
-QUACK_GIT=${QUACK_GIT:-/work/.mirror/Dao-AILab+quack/repo}
+usage="usage: bash devtools/fa4_compare/build.sh FLASH_ATTENTION_GIT_DIR QUACK_GIT_DIR
+       (or set FA_GIT and QUACK_GIT)"
+FA_GIT=${1:-${FA_GIT:-}}
+QUACK_GIT=${2:-${QUACK_GIT:-}}
+missing=()
+[ -n "$FA_GIT" ] || missing+=("the FlashAttention git directory (argument 1 or FA_GIT)")
+[ -n "$QUACK_GIT" ] || missing+=("the quack git directory (argument 2 or QUACK_GIT)")
+if [ ${#missing[@]} -gt 0 ]; then
+  printf 'build.sh: missing %s\n' "${missing[@]}" >&2
+  echo "$usage" >&2
+  exit 2
+fi
+# A clone's work tree stands for its .git folder.
+[ -d "$FA_GIT/.git" ] && FA_GIT=$FA_GIT/.git
+[ -d "$QUACK_GIT/.git" ] && QUACK_GIT=$QUACK_GIT/.git
+for git_dir in "$FA_GIT" "$QUACK_GIT"; do
+  git --git-dir="$git_dir" rev-parse --git-dir >/dev/null 2>&1 || {
+    echo "build.sh: $git_dir is not a git directory" >&2; echo "$usage" >&2; exit 2; }
+done
+if [ -z "${PY:-}" ]; then
+  if [ -x "$REPO/.venv/bin/python" ]; then PY=$REPO/.venv/bin/python; else PY=python3; fi
+fi
 FA_REV=${FA_REV:-0251105a2fb19d2957484b7f023cd8c115286ced}
 QUACK_REV=${QUACK_REV:-c8ec3170057987da0ec99883736f381ea1937cf3}
 WORK=${WORK:-/tmp/jaxflash_fa4_compare}
 KEY=fa4-sm90a-bf16-d128-dv128-m80n128
-SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-DSL_LIB="$SITE/nvidia_cutlass_dsl/cu13/lib"
-CUDA=${CUDA:-/usr/local/cuda}
-for git_dir in "$FA_GIT" "$QUACK_GIT"; do
-  [ -d "$git_dir" ] || { echo "no git mirror at $git_dir (set FA_GIT / QUACK_GIT)" >&2; exit 2; }
-done
+
+# The toolchain jaxflash links its variant libraries with (jaxflash.build.find_toolchain) and
+# the CuTe DSL runtime's folder (it holds libcuda_dialect_runtime_static.a).
+eval "$(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" - <<'PYEOF'
+import os, shlex
+from jaxflash.build import find_toolchain
+from jaxflash.kernels.compile import load_dsl_runtime_path
+tc = find_toolchain()
+for name, value in (("CXX", tc.cxx), ("CUDA_INCLUDE", tc.cuda_include),
+                    ("CUDART_STATIC", tc.cudart_static),
+                    ("DSL_LIB", os.path.dirname(load_dsl_runtime_path()))):
+  print(f"{name}={shlex.quote(str(value))}")
+PYEOF
+)"
 
 rm -rf "$WORK" && mkdir -p "$WORK/src" "$WORK/build"
-# (git archive of the flash-attention mirror may warn about an LFS pdf; the sources are whole.)
+# (git archive of a flash-attention clone without its LFS objects prints an error about a pdf
+# outside flash_attn/cute; the sources extracted are whole.)
 git --git-dir="$FA_GIT" archive "$FA_REV" flash_attn/cute | tar -x -C "$WORK/src"
 git --git-dir="$QUACK_GIT" archive "$QUACK_REV" quack | tar -x -C "$WORK/src"
 
 # 1. compile + export (FA4_GQA_GROUPS must match FA4_GROUPS in fa4_glue.cc)
-FA4_SRC="$WORK/src" FA4_GQA_GROUPS=1,2,3,4,8 "$PY" "$HERE/build_kernels.py" "$WORK/build"
+FA4_SRC="$WORK/src" FA4_GQA_GROUPS=1,2,3,4,8 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" \
+  "$PY" "$HERE/build_kernels.py" "$WORK/build"
 
-# 2. link: only the four ABI functions are exported
+# 2. link: only the kernel_abi.h functions are exported
 out="$REPO/.selftest/fa4"
 mkdir -p "$out"
-g++ -std=c++17 -O2 -shared -fPIC -fvisibility=hidden \
+"$CXX" -std=c++17 -O2 -shared -fPIC -fvisibility=hidden \
   -o "$out/$KEY.so" "$HERE/fa4_glue.cc" \
-  -I"$WORK/build" -I"$REPO/jaxflash/ffi" -I"$CUDA/include" \
+  -I"$WORK/build" -I"$REPO/jaxflash/ffi" -isystem "$CUDA_INCLUDE" \
   "$WORK"/build/fa4_bwd_*.o \
-  "$DSL_LIB/libcuda_dialect_runtime_static.a" "$CUDA/lib64/libcudart_static.a" \
+  "$DSL_LIB/libcuda_dialect_runtime_static.a" "$CUDART_STATIC" \
   -Wl,--version-script="$HERE/exports.map" -Wl,--exclude-libs,ALL -s -ldl -lrt -lpthread
 
 # 3. CPU checks: SASS counts per kernel, ABI smoke test (dlopen; no GPU needed)
-"$PY" "$HERE/inspect_sass.py" "$WORK/build" | tee "$out/sass_summary.txt"
-gcc -O1 -o "$WORK/build/abi_check" "$HERE/abi_check.c" -I"$REPO/jaxflash/ffi" -ldl
+PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$HERE/inspect_sass.py" "$WORK/build" \
+  | tee "$out/sass_summary.txt"
+"$CXX" -x c -O1 -o "$WORK/build/abi_check" "$HERE/abi_check.c" -I"$REPO/jaxflash/ffi" -ldl
 "$WORK/build/abi_check" "$out/$KEY.so"
 nm -D --defined-only "$out/$KEY.so"
 ls -l "$out/$KEY.so"

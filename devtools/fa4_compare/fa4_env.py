@@ -20,7 +20,7 @@ import sys
 import types
 
 HERE = pathlib.Path(__file__).resolve().parent
-# FA-4 and quack sources (build.sh extracts them from git mirrors there).
+# FA-4 and quack sources (build.sh extracts them from git clones there).
 SRC = pathlib.Path(os.environ.get("FA4_SRC", "/tmp/jaxflash_fa4_compare/src"))
 
 

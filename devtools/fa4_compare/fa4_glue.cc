@@ -225,6 +225,15 @@ FA4_EXPORT int32_t jaxflash_variant_abi_version(void) { return JAXFLASH_KERNEL_A
 
 FA4_EXPORT const char* jaxflash_variant_key(void) { return "fa4-sm90a-bf16-d128-dv128-m80n128"; }
 
+FA4_EXPORT const JaxflashVariantInfo* jaxflash_variant_info(void) {
+  // Backward, bf16, head_dim = head_dim_v = 128, non-causal, non-deterministic; the scratch rows
+  // are seqlen_q rounded up to tile_m 80; one dQ accumulator copy.
+  static const JaxflashVariantInfo info = {/*direction=*/1, /*dtype=*/1, kHeadDim, kHeadDim,
+                                           /*causal=*/0, /*deterministic=*/0, kTileM,
+                                           /*max_dq_copies=*/1};
+  return &info;
+}
+
 FA4_EXPORT int32_t jaxflash_variant_load(void) {
   std::call_once(g_load_once, LoadOnce);
   return g_load_status;

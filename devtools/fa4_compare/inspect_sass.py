@@ -11,10 +11,9 @@ import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-from jaxflash import build as _jaxflash_build  # noqa: E402  (its cuobjdump lookup)
-from jaxflash.kernels.compile import extract_cubin  # noqa: E402
+from jaxflash.kernels.compile import extract_cubin, find_tool  # noqa: E402
 
-CUOBJDUMP = _jaxflash_build._find_cuobjdump()
+CUOBJDUMP = find_tool("cuobjdump")
 
 
 def main():

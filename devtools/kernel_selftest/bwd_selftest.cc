@@ -1,9 +1,10 @@
 // Standalone GPU self-test and benchmark of jaxflash backward variant libraries (no Python/JAX).
 //
-// Built by devtools/kernel_selftest/build_bwd.py (on the cutlass host) into .selftest/bwd/; run by
-// run_bwd.sh on the GPU host:
+// Built by devtools/kernel_selftest/build_bwd.py (on the build host, no GPU needed) into
+// .selftest/bwd/; run by run_bwd.sh on the GPU host:
 //   bwd_selftest [--no-check] [--no-bench] [--fwd-dir DIR] [--seq N]... lib.so...
-// For each library (dtype / head_dim / causal / deterministic parsed from its key):
+// For each library (dtype, head dims, causal, deterministic, tile_m and the most dQ accumulator
+// copies it takes: its jaxflash_variant_info, kernel_abi.h):
 //  - shapes with GQA/MQA, ragged lengths, seqlen_q != seqlen_k both ways, seqlen 1: out and lse
 //    come from a float64 forward (rounded as the forward kernel would hand them over), d_out and
 //    d_lse are random; dq/dk/dv (and the scratch) are poisoned with NaN bytes first; dq/dk/dv are
@@ -11,14 +12,19 @@
 //    output must stay poisoned, NaN fails; the preprocess scratch (lse * log2 e, delta) is checked;
 //  - determinism: 5 calls on a shape with many CTAs per query block; deterministic variants must
 //    give bitwise identical dq/dk/dv, the others identical dk/dv (dq differences are counted);
-//  - benchmark at the perf-anchors shapes b=4 s=4096 and b=1 s=16384 (heads = 2048 / head_dim):
-//    5 launches back to back per repetition, median of 7 after 2 warm-ups. Backward TFLOP/s count
-//    2 b h sq sk (3 d + 2 dv) flops (2.5x the forward's 4 b h sq sk d when dv == d; halved when
-//    causal); with --fwd-dir the matching forward library is timed too and fwd+bwd TFLOP/s
-//    printed. head_dim_v (dv) comes from the key too (192 / 128: DeepSeek's MLA shape).
-// A kernel that does not finish within a deadline ends the process (exit 3). Prints one
-// "RESULT <key> <PASS|FAIL> <bwd tflops 4k> <bwd 16k> <fwd+bwd 4k> <fwd+bwd 16k> <bwd 1k>
-// <fwd+bwd 1k>" line per library.
+//  - every dQ accumulator count from 1 to the library's max_dq_copies is checked and timed (a
+//    count above it and a count of 0 must be refused before any launch);
+//  - benchmark: 16384 tokens per call, seqlen_q = seqlen_k = seq at seq 4096, 16384 and 1024
+//    (then any --seq N), batch = 16384 / seq, heads = 2048 / head_dim (no GQA) on random data;
+//    5 launches back to back per repetition, median of 7 after 2 warm-ups. Backward TFLOP/s
+//    count 2 b h sq sk (3 d + 2 dv) flops (2.5x the forward's 4 b h sq sk d when dv == d;
+//    halved when causal); with --fwd-dir the matching forward library (same dtype, head dims
+//    and mask, by its jaxflash_variant_info) is timed too and fwd+bwd TFLOP/s printed.
+// With --no-check the first launches are the benchmark's (devtools/kernel_selftest/ncu_bwd.sh
+// counts on that). A kernel that does not finish within a deadline ends the process (exit 3).
+// Prints one "RESULT <key> <PASS|FAIL> <bwd tflops 4k> <bwd 16k> <fwd+bwd 4k> <fwd+bwd 16k>
+// <bwd 1k> <fwd+bwd 1k>" line per library and dQ count ("<key>+copies=N" when it takes more
+// than one).
 #include <cuda_runtime.h>
 #include <dirent.h>
 #include <dlfcn.h>
@@ -45,13 +51,16 @@ namespace {
 
 typedef int32_t (*BwdFn)(const JaxflashBwdArgs*, void*);
 typedef int32_t (*FwdFn)(const JaxflashFwdArgs*, void*);
+typedef const JaxflashVariantInfo* (*InfoFn)(void);
 
 // A kernel that does not finish within this many seconds ends the process.
 constexpr double kDeadline = 20.0;
-// tile_m of the library under test, from its key's tile token "m<tile_m>n...": the scratch rows
-// are seqlen_q rounded up to it (config.bwd_scratch_shapes).
+// Of the library under test (jaxflash_variant_info): the scratch rows are seqlen_q rounded up
+// to tile_m (config.bwd_scratch_shapes); dq_accum / dq_semaphore are allocated for
+// max_dq_copies, and a call with fewer copies uses a prefix of them.
 int g_tile_m = 64;
-int g_dq_copies = 1;  // the library's dQ accumulator copies (kernel_abi.h), probed in main
+int g_max_dq_copies = 1;
+int g_dq_copies = 1;  // the count the calls pass (JaxflashBwdArgs.dq_copies)
 
 struct Shape {
   int b, sq, sk, h, hk;
@@ -180,12 +189,9 @@ struct Device {
       : q(2ul * s.b * s.sq * s.h * d), k(2ul * s.b * s.sk * s.hk * d),
         v(2ul * s.b * s.sk * s.hk * dv_), o(2ul * s.b * s.sq * s.h * dv_), dout(o.bytes),
         lse(4ul * s.b * s.h * s.sq), dlse(lse.bytes), dq(q.bytes), dk(k.bytes),
-        dv(v.bytes), acc(4ul * s.b * s.h * kCopies * RoundUp(s.sq, g_tile_m) * d),
+        dv(v.bytes), acc(4ul * s.b * s.h * g_max_dq_copies * RoundUp(s.sq, g_tile_m) * d),
         lse2(4ul * s.b * s.h * RoundUp(s.sq, g_tile_m)), delta(lse2.bytes),
-        sem(4ul * s.b * s.h * kCopies * (RoundUp(s.sq, g_tile_m) / g_tile_m)) {}
-  // dq_accum / dq_semaphore sized for the ABI's deterministic copies (kernel_abi.h) for every
-  // library: one with fewer (non-deterministic, or a dq_copies=1 A/B build) indexes a prefix.
-  static constexpr unsigned long kCopies = JAXFLASH_DET_DQ_COPIES;
+        sem(4ul * s.b * s.h * g_max_dq_copies * (RoundUp(s.sq, g_tile_m) / g_tile_m)) {}
   JaxflashBwdArgs Args(const Shape& s, int d, int dv_, float scale, bool det) {
     JaxflashBwdArgs a = {};
     a.q = q.p; a.k = k.p; a.v = v.p; a.out = o.p; a.lse = static_cast<float*>(lse.p);
@@ -448,23 +454,43 @@ std::vector<double> Bench(BwdFn bwd, FwdFn fwd, int d, int dv, bool causal, bool
   return {bwd_tf[0], bwd_tf[1], both_tf[0], both_tf[1], bwd_tf[2], both_tf[2]};
 }
 
-bool Has(const std::string& key, const char* tag) { return key.find(tag) != std::string::npos; }
+// The info of a library of this ABI version, or nullptr (with the reason printed).
+const JaxflashVariantInfo* Info(void* lib, const std::string& path) {
+  auto version = reinterpret_cast<VersionFn>(dlsym(lib, "jaxflash_variant_abi_version"));
+  auto info = reinterpret_cast<InfoFn>(dlsym(lib, "jaxflash_variant_info"));
+  if (!version || !info || version() != JAXFLASH_KERNEL_ABI_VERSION) {
+    printf("%s: not a kernel ABI %d library (abi %d)\n", path.c_str(), JAXFLASH_KERNEL_ABI_VERSION,
+           version ? version() : -1);
+    return nullptr;
+  }
+  return info();
+}
 
-// The forward library of the same dtype / head_dim / head_dim_v / causal in dir, or "" (192
-// has forward libraries for head_dim_v 128 and 192).
-std::string FindForward(const std::string& dir, const std::string& bwd_key) {
-  const size_t dv_end = bwd_key.find('-', bwd_key.find("-dv") + 1);
-  std::string want = "fwd" + bwd_key.substr(3, dv_end - 3);  // fwd-sm90a-bf16-d128-dv128
-  const bool causal = Has(bwd_key, "-causal");
+// The forward library in dir built for the same dtype, head dims and mask as `want`, or "";
+// one whose key has no A/B suffix ('+') wins over one that has.
+std::string FindForward(const std::string& dir, const JaxflashVariantInfo& want) {
   DIR* dp = opendir(dir.c_str());
   if (!dp) return "";
-  std::string found;
+  std::vector<std::string> names;
   while (dirent* e = readdir(dp)) {
-    std::string name = e->d_name;
-    if (name.rfind(want + "-", 0) == 0 && Has(name, ".so") && Has(name, "-causal") == causal)
-      found = dir + "/" + name;
+    const std::string name = e->d_name;
+    if (name.size() > 3 && name.compare(name.size() - 3, 3, ".so") == 0) names.push_back(name);
   }
   closedir(dp);
+  std::sort(names.begin(), names.end());
+  std::string found;
+  for (const std::string& name : names) {
+    const std::string path = dir + "/" + name;
+    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    const JaxflashVariantInfo* info = lib ? Info(lib, path) : nullptr;
+    auto key_fn = lib ? reinterpret_cast<KeyFn>(dlsym(lib, "jaxflash_variant_key")) : nullptr;
+    if (info && key_fn && info->direction == 0 && info->dtype == want.dtype &&
+        info->head_dim == want.head_dim && info->head_dim_v == want.head_dim_v &&
+        info->causal == want.causal) {
+      if (found.empty()) found = path;
+      if (strchr(key_fn(), '+') == nullptr) return path;
+    }
+  }
   return found;
 }
 
@@ -492,56 +518,59 @@ int main(int argc, char** argv) {
     void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
       printf("dlopen %s: %s\n", path.c_str(), dlerror());
+      printf("RESULT %s FAIL 0 0 0 0 0 0\n", path.c_str());
       g_failures++;
       continue;
     }
-    auto version = reinterpret_cast<VersionFn>(dlsym(lib, "jaxflash_variant_abi_version"));
     auto key_fn = reinterpret_cast<KeyFn>(dlsym(lib, "jaxflash_variant_key"));
     auto load = reinterpret_cast<LoadFn>(dlsym(lib, "jaxflash_variant_load"));
     auto bwd = reinterpret_cast<BwdFn>(dlsym(lib, "jaxflash_variant_bwd"));
-    if (!version || !key_fn || !load || !bwd) {
-      printf("%s: missing kernel_abi.h symbols\n", path.c_str());
+    const JaxflashVariantInfo* info = Info(lib, path);
+    if (!info || !key_fn || !load || !bwd || info->direction != 1) {
+      printf("%s: not a backward variant library (kernel_abi.h)\n", path.c_str());
+      printf("RESULT %s FAIL 0 0 0 0 0 0\n", path.c_str());
       g_failures++;
       continue;
     }
     const std::string key = key_fn();
-    printf("%s (abi %d)\n", key.c_str(), version());
+    printf("%s (abi %d): dtype %s head_dim %d head_dim_v %d causal %d deterministic %d tile_m %d "
+           "max_dq_copies %d\n", key.c_str(), JAXFLASH_KERNEL_ABI_VERSION,
+           info->dtype == 1 ? "bf16" : "f16", info->head_dim, info->head_dim_v, info->causal,
+           info->deterministic, info->tile_m, info->max_dq_copies);
     fflush(stdout);
-    g_bf16 = Has(key, "-bf16-");
-    const bool causal = Has(key, "-causal"), det = Has(key, "-det");
-    const int d = atoi(key.c_str() + key.find("-d") + 2);
-    const int dv = atoi(key.c_str() + key.find("-dv") + 3);
-    g_tile_m = atoi(key.c_str() + key.rfind("-m") + 2);
-    EXPECT(g_tile_m > 0, "no tile token in key %s", key.c_str());
-    if (g_tile_m <= 0) continue;
-    const int32_t ls = load();
+    g_bf16 = info->dtype == 1;
+    const bool causal = info->causal != 0, det = info->deterministic != 0;
+    const int d = info->head_dim, dv = info->head_dim_v;
+    g_tile_m = info->tile_m;
+    g_max_dq_copies = info->max_dq_copies;
+    const bool valid_info = g_tile_m > 0 && g_max_dq_copies >= 1 && d > 0 && dv > 0;
+    EXPECT(valid_info, "invalid jaxflash_variant_info");
+    EXPECT(det || g_max_dq_copies == 1, "a non-deterministic library takes %d dQ counts",
+           g_max_dq_copies);
+    const int32_t ls = valid_info ? load() : -1;
     EXPECT(ls == 0, "load status %d", ls);
-    if (ls != 0) continue;
-    // Invalid arguments are refused before any launch.
-    JaxflashBwdArgs bad = {};
-    EXPECT(bwd(&bad, nullptr) != 0 && bwd(nullptr, nullptr) != 0, "invalid args accepted");
-    // The dQ accumulator counts the library takes: 1 up to the most it was built for (a
-    // deterministic library built for more reads the call's count from the scratch shape).
-    std::vector<int> counts;
-    {
+    if (ls != 0) {
+      printf("RESULT %s FAIL 0 0 0 0 0 0\n", key.c_str());
+      continue;
+    }
+    {  // Invalid arguments, and dQ counts outside 1..max_dq_copies, are refused before any
+       // launch (so with --no-check the benchmark's launches are the first).
+      JaxflashBwdArgs bad = {};
+      EXPECT(bwd(&bad, nullptr) != 0 && bwd(nullptr, nullptr) != 0, "invalid args accepted");
       const Shape s{1, 128, 128, 1, 1};
       Device dev(s, d, dv);
-      for (int copies = 1; copies <= JAXFLASH_DET_DQ_COPIES; ++copies) {
+      for (int copies : {0, g_max_dq_copies + 1}) {
         g_dq_copies = copies;
         JaxflashBwdArgs a = dev.Args(s, d, dv, 0.125f, det);
-        if (bwd(&a, nullptr) == 0) counts.push_back(copies);
+        EXPECT(bwd(&a, nullptr) != 0, "dq_copies %d accepted (max_dq_copies %d)", copies,
+               g_max_dq_copies);
       }
-      SyncOrDie("dq_copies probe", kDeadline);
-      const bool contiguous = !counts.empty() && counts.front() == 1 &&
-                              counts.back() == static_cast<int>(counts.size());
-      EXPECT(contiguous, "the library takes %zu dQ accumulator counts, not 1 to its most",
-             counts.size());
-      EXPECT(det || counts.size() == 1, "a non-deterministic library takes %zu dQ counts",
-             counts.size());
-      printf("  dq_copies 1 to %d\n", counts.empty() ? 0 : counts.back());
+      SyncOrDie("dq_copies refusal", kDeadline);
     }
+    std::vector<int> counts;
+    for (int copies = 1; copies <= g_max_dq_copies; ++copies) counts.push_back(copies);
     FwdFn fwd = nullptr;
-    std::string fwd_path = fwd_dir.empty() || !bench ? "" : FindForward(fwd_dir, key);
+    std::string fwd_path = fwd_dir.empty() || !bench ? "" : FindForward(fwd_dir, *info);
     if (!fwd_path.empty()) {
       void* flib = dlopen(fwd_path.c_str(), RTLD_NOW | RTLD_LOCAL);
       auto fload = flib ? reinterpret_cast<LoadFn>(dlsym(flib, "jaxflash_variant_load")) : nullptr;
@@ -566,15 +595,13 @@ int main(int argc, char** argv) {
       }
       std::vector<double> tf = {0, 0, 0, 0, 0, 0};
       if (bench) tf = Bench(bwd, fwd, d, dv, causal, det);
+      // An A/B key already has a '+field=value' suffix: the count joins it.
+      const std::string sep = key.find('+') == std::string::npos ? "+" : ",";
       const std::string name =
-          key + (counts.size() > 1 ? "+copies=" + std::to_string(copies) : std::string());
+          key + (counts.size() > 1 ? sep + "copies=" + std::to_string(copies) : std::string());
       const bool pass = g_failures == before;  // a failure at an earlier count stays
       printf("RESULT %s %s %.0f %.0f %.0f %.0f %.0f %.0f\n", name.c_str(), pass ? "PASS" : "FAIL",
              tf[0], tf[1], tf[2], tf[3], tf[4], tf[5]);
-      fflush(stdout);
-    }
-    if (counts.empty()) {
-      printf("RESULT %s FAIL 0 0 0 0 0 0\n", key.c_str());
       fflush(stdout);
     }
   }

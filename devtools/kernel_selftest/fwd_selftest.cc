@@ -1,15 +1,18 @@
 // Standalone GPU self-test and benchmark of jaxflash forward variant libraries (no Python, no JAX).
 //
-// Built by devtools/kernel_selftest/build.py (on the cutlass host); run by run.sh on the GPU host:
+// Built by devtools/kernel_selftest/build.py (on the build host, no GPU needed); run by run.sh on
+// the GPU host:
 //   fwd_selftest [--no-check] [--no-bench] lib1.so [lib2.so ...]
-// For each library: parses dtype / head_dim / head_dim_v / causal from its key; runs a list of
-// small shapes (GQA/MQA, ragged lengths, seqlen 1, seqlen_q > seqlen_k, more tiles than SMs)
-// against a float64 reference, checks that guard regions after out/lse stay poisoned, that empty
-// rows give 0 / -inf and that reruns are bitwise identical. Then times the perf-anchors shapes
-// (16k tokens, seq 1k/4k/16k, heads = 2048 / head_dim; 2 * (head_dim + head_dim_v) flops per
-// score) on random data: 5 launches back to back per repetition, median of 7 repetitions after
-// 2 warm-up repetitions; each timed output is checked for unwritten (NaN-poisoned) elements and
-// sampled rows are compared with the float64 reference.
+// For each library: reads dtype / head_dim / head_dim_v / causal from its jaxflash_variant_info
+// (kernel_abi.h); runs a list of small shapes (GQA/MQA, ragged lengths, seqlen 1,
+// seqlen_q > seqlen_k, more tiles than SMs) against a float64 reference, checks that guard
+// regions after out/lse stay poisoned, that empty rows give 0 / -inf and that reruns are bitwise
+// identical. Then times 16384 tokens per call: seqlen_q = seqlen_k = seq at seq 1024, 4096 and
+// 16384, batch = 16384 / seq, heads = 2048 / head_dim (no GQA), random data, counting
+// 2 * (head_dim + head_dim_v) flops per score (half the scores when causal): 5 launches back to
+// back per repetition, median of 7 repetitions after 2 warm-up repetitions; each timed output is
+// checked for unwritten (NaN-poisoned) elements and sampled rows are compared with the float64
+// reference.
 // A kernel that does not finish within a deadline ends the process (exit 3). Prints one
 // "RESULT <key> <PASS|FAIL> <tflops 1k> <4k> <16k>" line per library; exit code 0 iff all passed.
 #include <cuda_runtime.h>
@@ -36,6 +39,7 @@
 namespace {
 
 typedef int32_t (*FwdFn)(const JaxflashFwdArgs*, void*);
+typedef const JaxflashVariantInfo* (*InfoFn)(void);
 
 // A kernel that does not finish within this many seconds ends the process.
 constexpr double kDeadline = 5.0;
@@ -228,7 +232,8 @@ void FillRandom(std::vector<uint16_t>& x, uint64_t seed) {
   }
 }
 
-// Times the perf-anchors shapes; returns TFLOP/s per sequence length (0 where it failed).
+// Times the benchmark shapes (top of the file); returns TFLOP/s per sequence length (0 where
+// it failed).
 std::vector<double> Bench(FwdFn fwd, int d, int dv, bool causal, bool check) {
   const int tokens = 16384, seqs[] = {1024, 4096, 16384};
   const int heads = 2048 / d;  // q/k and v/out share tokens and heads; dv may differ from d
@@ -308,11 +313,6 @@ std::vector<double> Bench(FwdFn fwd, int d, int dv, bool causal, bool check) {
   return out;
 }
 
-int KeyInt(const std::string& key, const char* tag) {
-  size_t at = key.find(tag);
-  return at == std::string::npos ? -1 : atoi(key.c_str() + at + strlen(tag));
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -332,18 +332,31 @@ int main(int argc, char** argv) {
     void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
       printf("dlopen %s: %s\n", path.c_str(), dlerror());
+      printf("RESULT %s FAIL 0 0 0\n", path.c_str());
       g_failures++;
       continue;
     }
     auto version = reinterpret_cast<VersionFn>(dlsym(lib, "jaxflash_variant_abi_version"));
     auto key_fn = reinterpret_cast<KeyFn>(dlsym(lib, "jaxflash_variant_key"));
+    auto info_fn = reinterpret_cast<InfoFn>(dlsym(lib, "jaxflash_variant_info"));
     auto load = reinterpret_cast<LoadFn>(dlsym(lib, "jaxflash_variant_load"));
     auto fwd = reinterpret_cast<FwdFn>(dlsym(lib, "jaxflash_variant_fwd"));
+    const int abi = version ? version() : -1;
+    const JaxflashVariantInfo* info =
+        abi == JAXFLASH_KERNEL_ABI_VERSION && info_fn ? info_fn() : nullptr;
+    if (!info || !key_fn || !load || !fwd || info->direction != 0) {
+      printf("%s (abi %d): not a forward variant library of kernel ABI %d\n", path.c_str(), abi,
+             JAXFLASH_KERNEL_ABI_VERSION);
+      printf("RESULT %s FAIL 0 0 0\n", path.c_str());
+      g_failures++;
+      continue;
+    }
     std::string key = key_fn();
-    printf("%s (abi %d)\n", key.c_str(), version());
-    g_bf16 = key.find("-bf16-") != std::string::npos;
-    bool causal = key.find("-causal") != std::string::npos;
-    int d = KeyInt(key, "-d"), dv = KeyInt(key, "-dv");
+    printf("%s (abi %d): dtype %s head_dim %d head_dim_v %d causal %d\n", key.c_str(), abi,
+           info->dtype == 1 ? "bf16" : "f16", info->head_dim, info->head_dim_v, info->causal);
+    g_bf16 = info->dtype == 1;
+    const bool causal = info->causal != 0;
+    const int d = info->head_dim, dv = info->head_dim_v;
     int32_t ls = load();
     EXPECT(ls == 0, "load status %d", ls);
     if (ls != 0) {
@@ -361,9 +374,9 @@ int main(int argc, char** argv) {
                               {3, 200, 330, 64, 8}};
       for (const Shape& s : shapes) CheckShape(fwd, d, dv, causal, s, scale, rng);
       // Scores 8x larger: a row max then jumps by more than 8 log2 units between key blocks
-      // (ragged first blocks hold a few keys), the case where a kernel built with
-      // rescale_threshold_log2 > 0 rescales against a finite stale max; at 1/sqrt(d) random
-      // data never gets there.
+      // (ragged first blocks hold a few keys), past the conditional rescaling's threshold
+      // (jaxflash/kernels/softmax.py, RESCALE_THRESHOLD_LOG2); at 1/sqrt(d) random data never
+      // gets there.
       const Shape spiky[] = {{2, 257, 131, 4, 2}, {1, 700, 650, 4, 4}, {1, 77, 200, 2, 2}};
       for (const Shape& s : spiky) CheckShape(fwd, d, dv, causal, s, 8 * scale, rng);
     }

@@ -1,9 +1,10 @@
 #!/bin/bash
 # GPU host side of the kernel self-test: unpacks .selftest/libs.tar.xz (made by build.py --pack),
 # runs fwd_selftest on each library in its own process (a hang or crash costs one library, not
-# the call; after a hang the rest of that tag is skipped, a deadlock usually hits every variant
-# of a build), writes the full log to $OUT/selftest.log and prints a TFLOP/s table, then an
-# A/B view (each variant's tags side by side, ratios to the first tag, worst errors) last.
+# the run; after a hang the rest of that tag is skipped, a deadlock usually hits every variant
+# of a build), writes the full log to $OUT/selftest.log ($OUT defaults to /tmp) and prints a
+# TFLOP/s table, then an A/B view (each variant's tags side by side, ratios to the first tag,
+# worst errors) last.
 # Usage, from the repo root: bash devtools/kernel_selftest/run.sh [seconds budget, default 200]
 set -u
 out=${OUT:-/tmp}
@@ -47,14 +48,15 @@ while read -r line; do
     RESULT*) set -- $line; echo "| $tag | $2 | $3 | $4 | $5 | $6 |" ;;
   esac
 done <"$log"
-# A/B view (several tags): per variant (key without its '+kernel-arg' suffix), each tag's
-# TFLOP/s as a ratio to the first tag's, and the worst rel_l2 / LSE error of its checks.
+# A/B view (several tags): per variant (dtype, head dims, mask: the key without its schedule
+# token and '+field=value' suffix, so tags built with other tiles line up), each tag's TFLOP/s
+# as a ratio to the first tag's, and the worst rel_l2 / LSE error of its checks.
 awk '
   /^== / { split($2, p, "/"); tag = p[1]; next }
   /rel_l2=/ { for (i = 1; i <= NF; i++) {
       if ($i ~ /^rel_l2=/) { v = substr($i, 8) + 0; if (v > rel[tag]) rel[tag] = v }
       if ($i ~ /^lse_maxerr=/) { v = substr($i, 12) + 0; if (v > lse[tag]) lse[tag] = v } } }
-  /^RESULT / { key = $2; sub(/\+.*/, "", key)
+  /^RESULT / { key = $2; sub(/\+.*/, "", key); sub(/-m[0-9]+n[0-9]+s[0-9]+$/, "", key)
     if (!(key in t1)) { order[++n] = key; t1[key] = $4; t4[key] = $5; t16[key] = $6 }
     line[key] = line[key] sprintf(" | %s %s %s/%s/%s (x%.3f/%.3f/%.3f) rel_l2 %.1e lse %.1e",
       tag, $3, $4, $5, $6, t1[key] > 0 ? $4 / t1[key] : 0, t4[key] > 0 ? $5 / t4[key] : 0,

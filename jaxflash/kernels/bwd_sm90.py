@@ -135,9 +135,10 @@ class FlashAttentionBackwardSm90:
     self.num_threads = self.num_mma_threads + _WG
     self.split_head_dim = not schedule.swap_sdp
     # Rows of one dQ accumulator block (bwd_common): 64, or the whole 80-row tile when dQ is
-    # computed transposed; a query block holds dq_blocks of them.
+    # computed transposed. A 128-row query block holds two, one per warpgroup (dq_split_m).
     self.dq_rows = self.tile_m if self.dq_transposed else bwd_common.TILE_M
-    self.dq_blocks = self.tile_m // self.dq_rows
+    assert self.tile_m in (self.dq_rows, _NUM_WG * self.dq_rows) and (
+        self.dq_split_m == (self.tile_m == _NUM_WG * bwd_common.TILE_M)), schedule
     # swap_sdp: one dS buffer per Q stage; the head-dim split has one P and one dS buffer.
     self.ds_stages = self.num_stages if self.swap_sdp else 1
 
@@ -925,10 +926,8 @@ class FlashAttentionBackwardSm90:
     the named barriers.
     """
     lane = cute.arch.lane_idx()
-    # Floats of one warpgroup's half of a 64-row accumulator block (bwd_common); a query block
-    # holds dq_blocks of them. The staging buffer of warpgroup wg keeps 64-row block s at floats
-    # [s * half, (s + 1) * half), in fragment order: one bulk reduction per block (dq_pieces is
-    # 1 whenever dq_blocks > 1).
+    # Floats of one warpgroup's half of an accumulator block (bwd_common; dq_split_m: a query
+    # block holds two 64-row blocks, each staged whole by one warpgroup).
     half = self.dq_rows * self.head_dim // _NUM_WG
     buf = self.tile_m * self.head_dim // _NUM_WG // self.dq_pieces  # floats per staging buffer
     piece = half // self.dq_pieces  # floats per bulk reduction
@@ -966,11 +965,10 @@ class FlashAttentionBackwardSm90:
                 self._add_dq(gdQ.iterator + wg * _NUM_WG * half, sdQ.iterator + wg * buf,
                              buf * 4, rank)
               else:
-                for s in cutlass.range_constexpr(self.dq_blocks):
-                  # Piece p of warpgroup wg's half of 64-row block s: floats [p * piece,
-                  # (p + 1) * piece) of that half.
-                  self._add_dq(gdQ.iterator + s * _NUM_WG * half + wg * half + p * piece,
-                               sdQ.iterator + wg * buf + s * half, piece * 4, rank)
+                # Piece p of warpgroup wg's half of the block: floats [p * piece,
+                # (p + 1) * piece) of that half.
+                self._add_dq(gdQ.iterator + wg * half + p * piece, sdQ.iterator + wg * buf,
+                             piece * 4, rank)
               cute.arch.cp_async_bulk_commit_group()
         if const_expr(early_empty):
           if g < group - 1 or step < m_max - 1:

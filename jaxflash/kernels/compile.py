@@ -206,7 +206,7 @@ def extract_cubin(object_path) -> bytes:
   raise ValueError(f"{object_path}: no kernels_binary symbol")
 
 
-def _tool(name: str) -> str:
+def find_tool(name: str) -> str:
   """Path of cuobjdump / nvdisasm from the PyPI nvidia-cuda-* wheels, else from PATH."""
   try:
     import nvidia  # namespace package of the CUDA wheels
@@ -230,7 +230,7 @@ def disassemble(cubin: bytes, work_dir) -> str:
   import subprocess
   path = pathlib.Path(work_dir) / "kernel.cubin"
   path.write_bytes(cubin)
-  return subprocess.run([_tool("nvdisasm"), "-c", str(path)], check=True,
+  return subprocess.run([find_tool("nvdisasm"), "-c", str(path)], check=True,
                         capture_output=True, text=True).stdout
 
 
@@ -239,7 +239,7 @@ def resource_usage(cubin: bytes, work_dir) -> str:
   import subprocess
   path = pathlib.Path(work_dir) / "kernel.cubin"
   path.write_bytes(cubin)
-  return subprocess.run([_tool("cuobjdump"), "-res-usage", str(path)], check=True,
+  return subprocess.run([find_tool("cuobjdump"), "-res-usage", str(path)], check=True,
                         capture_output=True, text=True).stdout
 
 

@@ -429,10 +429,11 @@ class FlashAttentionForwardSm90:
     """S(n_block) = Q K^T (K slot kv_state) and O += P V of the previous block (V slot v_state)
     in flight together; the softmax of n_block runs while the PV GEMM is still going.
 
-    SASS (ptxas 13): the rescale's vote branch (softmax.OnlineSoftmax) ends a basic block, so
-    the WARPGROUP.DEPBAR of the wait_group(0) below lands after most of the exps; without that
-    branch ptxas hoists it to the first SHFL of the softmax. Predicating the wait made ptxas
-    serialise every WGMMA; two P buffers (no wait here at all) spilled at 240 registers.
+    SASS (ptxas 13): ptxas places the WARPGROUP.DEPBAR of the wait_group(0) below after the
+    block's exps at every shipped tile but hdim 128's 128 x 176, where it lands after the first
+    two (the other warpgroup's GEMMs still hide that softmax: ping-pong). Predicating the wait
+    made ptxas serialise every WGMMA; two P buffers (no wait here at all) spilled at 240
+    registers.
     """
     pipeline_k, pipeline_v = c.pipeline_k, c.pipeline_v
     acc_s = self._new_acc_s(c)

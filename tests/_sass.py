@@ -1,0 +1,79 @@
+"""SASS helpers of the kernel compile tests: export once per variant, opcodes, structure checks.
+
+Import only after pytest.importorskip("cutlass"): the exporter needs the DSL.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+from jaxflash.kernels import compile as kernel_compile
+
+_SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
+KERNEL_ABI_H = pathlib.Path(kernel_compile.__file__).parents[1] / "ffi" / "kernel_abi.h"
+
+
+def opcodes(sass: str, modifiers: bool = False) -> list[str]:
+  """The opcodes of a disassembly, in order; predicates dropped, modifiers (STS.128) kept only
+  with `modifiers`."""
+  return [m.group(1) if modifiers else m.group(1).split(".")[0] for m in _SASS_OP.finditer(sass)]
+
+
+def abi_version() -> int:
+  return int(re.search(r"#define JAXFLASH_KERNEL_ABI_VERSION (\d+)",
+                       KERNEL_ABI_H.read_text()).group(1))
+
+
+class Exported:
+  """One variant exported for sm_90a: the ExportedKernel and the SASS of each of its parts
+  ("main", and the backward's "pre" / "post")."""
+
+  def __init__(self, exported: kernel_compile.ExportedKernel, work_dir):
+    self.exp = exported
+    parts = ("main", "pre", "post")[:1 + len(exported.extra_cubins)]
+    self.sass = {part: kernel_compile.disassemble(cubin, work_dir)
+                 for part, cubin in zip(parts, (exported.cubin, *exported.extra_cubins))}
+
+  def ops(self, part: str = "main", modifiers: bool = False) -> list[str]:
+    return opcodes(self.sass[part], modifiers)
+
+
+def exporter(tmp_path_factory, name: str):
+  """A function variant -> Exported that compiles each variant once per test session."""
+  out_dir = tmp_path_factory.mktemp(name)
+  cache = {}
+
+  def get(variant):
+    if variant not in cache:
+      folder = out_dir / str(len(cache))
+      cache[variant] = Exported(kernel_compile.export_variant(variant, folder), folder)
+    return cache[variant]
+
+  return get
+
+
+def assert_no_spills(ops: list[str], where: str = ""):
+  spills = ops.count("LDL") + ops.count("STL")
+  assert spills == 0, f"{where}: {spills} local-memory instructions (LDL/STL)"
+
+
+def assert_wgmma_not_serialized(sass: str):
+  """ptxas serializes WGMMAs it cannot prove safe (one arrive and wait per HGMMA instead of
+  one per GEMM group of several k steps): a kernel keeps fewer arrives than half its HGMMAs."""
+  ops = opcodes(sass, modifiers=True)
+  hgmma = sum(op.startswith("HGMMA") for op in ops)
+  assert 0 < ops.count("WARPGROUP.ARRIVE") <= hgmma // 2, (ops.count("WARPGROUP.ARRIVE"), hgmma)
+
+
+def assert_operand_descriptors_uniform(sass: str, window: int = 8):
+  """GEMM operand descriptors stay on the uniform datapath: no R2UR among the `window`
+  instructions before any HGMMA (per-thread operand slices move 88-204 there)."""
+  ops = opcodes(sass)
+  for i, op in enumerate(ops):
+    if op == "HGMMA":
+      assert "R2UR" not in ops[max(0, i - window):i], f"R2UR right before HGMMA #{i}"
+
+
+def wgmma_shapes(sass: str) -> set[str]:
+  return set(re.findall(r"\bHGMMA\.(\d+x\d+x\d+)\.", sass))

@@ -1,0 +1,174 @@
+"""The variant / schedule table of jaxflash.config: what ships, the schedules, support, scratch.
+
+CPU only, no cutlass: config is a leaf module (the kernels' compile tests check that each
+schedule builds).
+"""
+
+import dataclasses
+import pathlib
+import re
+
+import pytest
+
+from jaxflash import config
+
+FWD = config.shipped_variants("sm90a", "fwd")
+BWD = config.shipped_variants("sm90a", "bwd")
+PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
+
+
+def _cfg(**options):
+  return config.AttentionConfig(softmax_scale=0.1, **options)
+
+
+def _bwd(head_dim, head_dim_v=None, causal=False, deterministic=False):
+  return config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", head_dim,
+                                       head_dim_v or head_dim,
+                                       _cfg(causal=causal, deterministic=deterministic))
+
+
+def test_shipped_variants_cover_dtypes_head_dims_masks_and_determinism():
+  assert config.KERNEL_HEAD_DIM_PAIRS == {"fwd": PAIRS, "bwd": PAIRS}
+  assert len(FWD) == 2 * len(PAIRS) * 2 and len(BWD) == 2 * len(PAIRS) * 2 * 2
+  for variants, direction in ((FWD, "fwd"), (BWD, "bwd")):
+    combos = {(v.dtype, v.head_dim, v.head_dim_v, v.causal, v.deterministic) for v in variants}
+    assert len(combos) == len(variants)
+    assert {(v.head_dim, v.head_dim_v) for v in variants} == set(PAIRS)
+    assert all(v.direction == direction and v.key.startswith(direction + "-") for v in variants)
+  assert not any(v.deterministic for v in FWD)
+  assert {v.deterministic for v in BWD} == {False, True}
+
+
+def test_keys_are_unique_names_of_flags_and_tile():
+  keys = [v.key for v in FWD + BWD]
+  assert len(set(keys)) == len(keys)
+  assert "fwd-sm90a-bf16-d128-dv128-causal-m128n128s2" in keys
+  assert "fwd-sm90a-f16-d128-dv128-m128n176s2" in keys
+  assert "bwd-sm90a-bf16-d128-dv128-causal-det-m80n128s2swap" in keys
+  assert "bwd-sm90a-f16-d256-dv256-det-m64n64s2" in keys
+  for v in FWD + BWD:
+    assert ("-causal" in v.key) == v.causal and ("-det" in v.key) == v.deterministic
+    assert v.key.endswith("-" + v.schedule.key)
+
+
+def test_forward_schedule_table():
+  by_pair = {(v.head_dim, v.head_dim_v, v.causal): v.schedule for v in FWD}
+  tiles = {pair: (s.tile_m, s.tile_n, s.num_stages) for pair, s in by_pair.items()}
+  assert tiles == {
+      (64, 64, False): (192, 128, 2), (64, 64, True): (192, 128, 2),
+      (96, 96, False): (128, 128, 2), (96, 96, True): (128, 128, 2),
+      (128, 128, False): (128, 176, 2), (128, 128, True): (128, 128, 2),
+      (192, 128, False): (128, 128, 2), (192, 128, True): (128, 128, 2),
+      (192, 192, False): (128, 112, 2), (192, 192, True): (128, 112, 2),
+      (256, 256, False): (128, 80, 2), (256, 256, True): (128, 80, 2)}
+  for (head_dim, head_dim_v, causal), s in by_pair.items():
+    assert s.tile_m % 64 == 0 and s.tile_n % 16 == 0
+    # 192 query rows (3 consumer warpgroups at 160 registers) only at head_dim 64.
+    assert s.tile_m == 128 or head_dim == 64
+    assert s.pingpong == (head_dim <= 128)
+    assert (s.persistent, s.lpt) == (not causal, causal)
+    assert s.rescale_o_before_pv == (head_dim_v > 128)
+
+
+def test_backward_schedule_table():
+  for v in BWD:
+    s, d = v.schedule, v.head_dim
+    # Key split with S^T / dP^T up to hdim 128, head-dim split above it.
+    assert s.swap_sdp == (d <= 128)
+    assert (s.tile_m, s.tile_n) == {64: (128, 128), 96: (64, 128), 128: (80, 128)}.get(d, (64, 64))
+    assert s.num_stages == 2
+    assert s.dq_transposed == (s.tile_m % 64 != 0)  # 80 rows: dQ^T = K^T dS^T
+    assert s.dq_split_m == (s.tile_m == 128)  # one 64-row dQ block per warpgroup
+    assert s.dv_after_ds == (s.tile_m > 64)  # fp32 S^T, dP^T, P^T fit only without dV in flight
+    assert (s.do_stages, s.dq_pieces) == ((1, 2) if d == 256 else (2, 1))
+    two = v.deterministic and d > 128 and not (v.causal and d > 192)
+    assert s.dq_copies == (2 if two else 1), v.key
+    limit = {192: 4096, 128: 8192}[v.head_dim_v] if two and v.causal else None
+    assert s.two_dq_copies_max_seq_q == limit, v.key
+
+
+def test_kernel_support_accepts_the_table_and_names_what_it_refuses():
+  for direction in config.DIRECTIONS:
+    for d, dv in PAIRS:
+      assert config.kernel_support(direction, "float16", d, dv) == (True, "")
+      assert config.kernel_support(direction, "bfloat16", d, dv, _cfg(causal=True)) == (True, "")
+  refused = [
+      (("fwd", "float32", 128, 128), "dtype float32"),
+      (("bwd", "bfloat16", 160, 160), "head_dim 160"),
+      (("fwd", "bfloat16", 128, 96), "head_dim_v 96 with head_dim 128"),
+      (("sideways", "bfloat16", 128, 128), "direction 'sideways'"),
+  ]
+  for args, reason in refused:
+    ok, text = config.kernel_support(*args)
+    assert not ok and reason in text, text
+  ok, text = config.kernel_support("fwd", "bfloat16", 192, 64)
+  assert not ok and "accepted head_dim_v: (128, 192)" in text
+  for options, name in (({"window_left": 4}, "window_size"), ({"softcap": 5.0}, "softcap"),
+                        ({"has_segment_ids": True}, "q_segment_ids/kv_segment_ids")):
+    ok, text = config.kernel_support("bwd", "bfloat16", 128, 128, _cfg(**options))
+    assert not ok and name in text
+
+
+def test_a_direction_without_a_kernel_is_refused(monkeypatch):
+  """The table may give a head-dim pair a forward kernel only (the lowering then runs the
+  reference backward)."""
+  monkeypatch.setitem(config.KERNEL_HEAD_DIM_PAIRS, "bwd", PAIRS[:3])
+  assert config.kernel_support("fwd", "bfloat16", 256, 256) == (True, "")
+  ok, text = config.kernel_support("bwd", "bfloat16", 256, 256)
+  assert not ok and "head_dim 256 has no bwd kernel" in text
+  assert len(config.shipped_variants("sm90a", "bwd")) == 2 * 3 * 2 * 2
+
+
+@pytest.mark.parametrize("head_dim,rows", [(128, 160), (256, 192)])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+def test_bwd_scratch_shapes_round_seq_q_to_the_tile(deterministic, head_dim, rows):
+  """seq_q 130 rounds up to 2 query blocks of 80 rows (hdim 128) or 3 of 64 (hdim 256)."""
+  variant = _bwd(head_dim, causal=True, deterministic=deterministic)
+  shapes = config.bwd_scratch_shapes(variant, batch=2, seq_q=130, num_heads=3)
+  # causal at these head dims: one dQ accumulator even when deterministic
+  expected = [("dq_accum", (2, 3, rows, head_dim), "float32"),
+              ("lse_log2", (2, 3, rows), "float32"),
+              ("delta", (2, 3, rows), "float32")]
+  if deterministic:
+    expected.append(("dq_semaphore", (2, 3, rows // variant.schedule.tile_m), "int32"))
+  assert list(shapes) == expected
+  with pytest.raises(ValueError, match="direction"):
+    config.bwd_scratch_shapes(dataclasses.replace(variant, direction="fwd"), 1, 1, 1)
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 192), (192, 128), (256, 256)])
+def test_deterministic_scratch_holds_two_dq_copies_above_hdim_128(head_dim, head_dim_v):
+  """Copy c of the accumulator and its semaphores follow copy c - 1 in each (batch, head): two
+  copies without a mask; with the causal mask at hdim 192 up to two_dq_copies_max_seq_q (4096
+  at head_dim_v 192, 8192 at 128), one above; hdim 256 causal and the default mode one."""
+  limit = {192: 4096, 128: 8192}.get(head_dim_v) if head_dim == 192 else None
+  two_causal = 2 if limit else 1
+  limit = limit or 4096
+  cases = ((False, True, 100, 2), (False, True, 3 * limit, 2), (True, True, 100, two_causal),
+           (True, True, limit, two_causal), (True, True, limit + 1, 1), (False, False, 100, 1),
+           (True, False, 100, 1))
+  for causal, deterministic, seq_q, copies in cases:
+    variant = _bwd(head_dim, head_dim_v, causal, deterministic)
+    assert config.dq_accum_copies(variant, seq_q) == copies
+    rows = -(-seq_q // 64) * 64
+    shapes = {name: shape for name, shape, _ in
+              config.bwd_scratch_shapes(variant, batch=2, seq_q=seq_q, num_heads=3)}
+    assert shapes["dq_accum"] == (2, 3, copies * rows, head_dim)
+    assert shapes["lse_log2"] == shapes["delta"] == (2, 3, rows)
+    assert shapes.get("dq_semaphore") == ((2, 3, copies * rows // 64) if deterministic else None)
+
+
+def test_the_kernel_abi_takes_the_dq_copies_from_the_library():
+  """The handler learns a variant's tile_m and most dQ copies from the library
+  (jaxflash_variant_info), not from the key or a constant of its own."""
+  ffi = pathlib.Path(config.__file__).parent / "ffi"
+  abi = (ffi / "kernel_abi.h").read_text()
+  fields = re.search(r"typedef struct \{(.*?)\} JaxflashVariantInfo;", abi, re.S).group(1)
+  assert re.findall(r"int32_t (\w+);", fields) == [
+      "direction", "dtype", "head_dim", "head_dim_v", "causal", "deterministic", "tile_m",
+      "max_dq_copies"]
+  handlers = (ffi / "handlers.cc").read_text()
+  assert "info.tile_m" in handlers and "info.max_dq_copies" in handlers
+  assert "DQ_COPIES" not in abi + handlers
+  assert not re.search(r"\bfind\('-'|rfind\('-'\)|HasToken", handlers)
+  assert max(v.schedule.dq_copies for v in BWD) == 2  # the kernels index a copy by one bit

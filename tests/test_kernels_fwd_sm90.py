@@ -1,0 +1,144 @@
+"""The Hopper forward kernel (kernels/fwd_sm90.py) compiled for sm_90a on a GPU-less host.
+
+Every shipped variant is exported once per session; the SASS checks assert structure (WGMMA,
+TMA, no local-memory spills, the overlap and rescale branches the schedule relies on), not
+instruction counts. Needs nvidia-cutlass-dsl (marker `cutlass`, skipped elsewhere).
+"""
+
+import ctypes
+import dataclasses
+import re
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from jaxflash import build, config  # noqa: E402
+from jaxflash.kernels import compile as kernel_compile  # noqa: E402
+from jaxflash.kernels import sm90_gemm  # noqa: E402
+from jaxflash.kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
+from tests import _sass  # noqa: E402
+
+pytestmark = pytest.mark.cutlass
+
+VARIANTS = config.shipped_variants("sm90a", "fwd")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+  return _sass.exporter(tmp_path_factory, "fwd")
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.key)
+def test_sass_uses_wgmma_and_tma_without_spills(exported, variant):
+  e = exported(variant)
+  ops = e.ops()
+  assert e.exp.cubin[:4] == b"\x7fELF"
+  assert {"HGMMA", "UTMALDG", "UTMASTG"} <= set(ops), "WGMMA, TMA loads and the O TMA store"
+  _sass.assert_no_spills(ops, variant.key)
+  _sass.assert_wgmma_not_serialized(e.sass["main"])
+  # S = Q K^T is 64 x tile_n per warpgroup, O += P V is 64 x head_dim_v.
+  assert _sass.wgmma_shapes(e.sass["main"]) == {f"64x{variant.schedule.tile_n}x16",
+                                                f"64x{variant.head_dim_v}x16"}
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.key)
+def test_overlapped_step_and_warp_uniform_rescale(exported, variant):
+  """The steady step issues S(j+1) = Q K^T and O += P(j) V back to back and waits for the first
+  alone (wait_group 1) before the softmax; each conditional-rescale skip branches on a VOTE.ANY
+  predicate (warp-uniform), with no reconvergence barrier."""
+  sass = exported(variant).sass["main"]
+  assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
+  lines = sass.splitlines()
+  votes = 0
+  for i, line in enumerate(lines):
+    m = re.search(r"VOTE\.ANY (U?P\d), ", line)
+    if not m:
+      continue
+    votes += 1
+    pred = m.group(1)
+    # The vote's predicate is next read (or overwritten) by the branch that skips the work,
+    # with no reconvergence barrier set up in between.
+    j = next((j for j in range(i + 1, len(lines)) if re.search(rf"\b{pred}\b", lines[j])),
+             len(lines) - 1)
+    assert re.search(rf"@!?{pred}\s+BRA\b", lines[j]), (line, lines[j])
+    assert not any("BSSY" in l for l in lines[i:j]), lines[i:j + 1]
+  # First block's softmax, then per steady step a softmax and an O vote.
+  assert votes >= 3, votes
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.dtype == "bfloat16"],
+                         ids=lambda v: v.key)
+def test_pingpong_turns_are_named_barriers(exported, variant):
+  """Ping-pong (up to hdim 128): each consumer warpgroup waits for its GEMM turn on named
+  barrier 2 + w and hands it on with an arrive."""
+  sass = exported(variant).sass["main"]
+  turns = re.findall(r"BAR\.(SYNC\S*|ARV) (?:R\d+|0x[23]), 0x100", sass)
+  assert bool(turns) == variant.schedule.pingpong, turns
+
+
+def test_causal_variant_differs_from_non_causal(exported):
+  causal = next(v for v in VARIANTS if v.causal)
+  plain = dataclasses.replace(causal, causal=False)
+  assert exported(causal).exp.cubin != exported(plain).exp.cubin
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:2], ids=lambda v: v.key)
+def test_header_declares_wrapper_and_tensor_structs(exported, variant):
+  exp = exported(variant).exp
+  header = exp.header_path.read_text()
+  prefix = exp.function_prefix
+  assert f"int32_t cute_dsl_{prefix}_wrapper(" in header
+  assert f"{prefix}_Kernel_Module_Load" in header
+  for name in ("mQ", "mK", "mV", "mO", "mLSE"):
+    assert re.search(rf"int32_t dynamic_shapes\[3\];\s*int64_t dynamic_strides\[2\];\s*\}}"
+                     rf" {prefix}_Tensor_{name}_t;", header), name
+
+
+class _Info(ctypes.Structure):
+  _fields_ = [(name, ctypes.c_int32) for name in (
+      "direction", "dtype", "head_dim", "head_dim_v", "causal", "deterministic", "tile_m",
+      "max_dq_copies")]
+
+
+def library_info(path):
+  """(ctypes library, JaxflashVariantInfo as a dict) of a linked variant library."""
+  lib = ctypes.CDLL(str(path))
+  lib.jaxflash_variant_info.restype = ctypes.POINTER(_Info)
+  lib.jaxflash_variant_key.restype = ctypes.c_char_p
+  info = lib.jaxflash_variant_info().contents
+  return lib, {name: getattr(info, name) for name, _ in _Info._fields_}
+
+
+def test_linked_library_exports_the_kernel_abi_and_describes_its_variant(exported, tmp_path):
+  variant = next(v for v in VARIANTS if v.causal and v.head_dim == 128
+                 and v.dtype == "bfloat16")
+  lib_path = tmp_path / "fwd.so"
+  build.link_variant(exported(variant).exp, variant, lib_path)
+  assert build.exported_symbols(lib_path) == set(build.variant_abi_symbols("fwd"))
+  # Key, version, info and argument validation need no GPU.
+  lib, info = library_info(lib_path)
+  assert lib.jaxflash_variant_key().decode() == variant.key
+  assert lib.jaxflash_variant_abi_version() == _sass.abi_version()
+  assert info == dict(direction=0, dtype=1, head_dim=128, head_dim_v=128, causal=1,
+                      deterministic=0, tile_m=variant.schedule.tile_m, max_dq_copies=1)
+  assert lib.jaxflash_variant_fwd(None, None) == 1  # cudaErrorInvalidValue
+
+
+def test_every_forward_schedule_fits_in_shared_memory():
+  for v in VARIANTS:
+    smem = FlashAttentionForwardSm90.smem_bytes(v.head_dim, v.head_dim_v, v.schedule)
+    assert smem <= sm90_gemm.SMEM_CAPACITY, (v.key, smem)
+
+
+def test_can_implement_is_kernel_support():
+  variant = VARIANTS[0]
+  assert FlashAttentionForwardSm90.can_implement(variant) == (True, "")
+  odd = dataclasses.replace(variant, head_dim=80, head_dim_v=80)
+  ok, reason = FlashAttentionForwardSm90.can_implement(odd)
+  assert (ok, reason) == config.kernel_support("fwd", variant.dtype, 80, 80)
+  with pytest.raises(ValueError, match="head_dim 80 has no fwd kernel"):
+    kernel_compile.build_kernel(odd)
+  bwd = config.shipped_variants("sm90a", "bwd")[0]
+  with pytest.raises(ValueError, match="not a forward variant"):
+    kernel_compile.build_kernel(bwd)
