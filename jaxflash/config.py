@@ -22,6 +22,14 @@ FWD_ATTRIBUTE_NAMES = ("variant", "softmax_scale", "causal", "window_left", "win
                        "softcap", "head_dim", "head_dim_v")
 # Typed attributes of the backward custom call (same checks; "deterministic" picks the variant).
 BWD_ATTRIBUTE_NAMES = FWD_ATTRIBUTE_NAMES + ("deterministic",)
+# The window_left / window_right attribute of a side without a bound. Large enough that no
+# sequence reaches it, small enough that the kernels' int32 arithmetic (row + offset +- window)
+# cannot overflow.
+WINDOW_UNBOUNDED = 1 << 30
+
+# Bytes of L2 (50 MB on H100, 60 MB on H200) that the tiles running at once may fill with the
+# K and V (or Q and dO) they share: the kernels' tile orders keep such groups together.
+L2_BYTES_FOR_REUSE = 40 * 1024 * 1024
 
 # Kernel cache layout: `python -m jaxflash.build` writes it, jaxflash.ffi reads it.
 CACHE_DIR_ENV = "JAXFLASH_CACHE_DIR"
@@ -127,8 +135,15 @@ class BwdSchedule:
 Schedule = Union[FwdSchedule, BwdSchedule]
 
 
-def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool) -> FwdSchedule:
-  """The forward schedule table (H200 measurements in docs/kernels.md, "Forward tiles")."""
+def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
+                 masked: bool = False) -> FwdSchedule:
+  """The forward schedule table (H200 measurements in docs/kernels.md, "Forward tiles").
+
+  masked: the variant for windows and segment ids, causal or not (the mask is run-time data);
+  it takes the causal tiles and launches its tiles in the longest-first order the call's block
+  ranges give (jaxflash/block_ranges.py), one CTA each.
+  """
+  causal = causal or masked
   if head_dim <= 64:
     # 192 x 128, 3 consumer warpgroups (FA-4's tile): +11 % at 4k over 128 x 128.
     tile_m, tile_n = 192, 128
@@ -151,14 +166,18 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool) -> FwdSchedule:
       pingpong=head_dim <= 128,
       # Persistent wins on uniform tiles (+3-10 % at seq 1k); causal tiles in LPT order on a
       # one-CTA-per-tile grid beat a static persistent list by 10-30 % (greedy dispatch).
-      persistent=not causal, lpt=causal,
+      persistent=not causal, lpt=causal and not masked,
       # O of head_dim_v > 128 is 128+ registers: its rescale runs under the Q K^T GEMM.
       rescale_o_before_pv=head_dim_v > 128)
 
 
-def bwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
-                 deterministic: bool) -> BwdSchedule:
-  """The backward schedule table (H200 measurements in docs/kernels.md, "Backward tiles")."""
+def bwd_schedule(head_dim: int, head_dim_v: int, causal: bool, deterministic: bool,
+                 masked: bool = False) -> BwdSchedule:
+  """The backward schedule table (H200 measurements in docs/kernels.md, "Backward tiles").
+
+  masked: the variant for windows and segment ids takes the causal tiles and one dQ accumulator.
+  """
+  causal = causal or masked
   if head_dim <= 64:
     # 128 x 128 (FA-4's), two 64-row WGMMA blocks of queries per step, dQ split by rows
     # (FA-4's AtomLayoutMdQ = 2); dV after dS: +0-8 %, dS from the fp32 P.
@@ -180,7 +199,7 @@ def bwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
   # the chain of semaphore hand-offs per query block (+15-18 % at hdim 192 4k); at hdim 256
   # causal two were slower at every length, at hdim 192 causal only up to seq_q 4096 (dv 192)
   # or 8192 (dv 128).
-  two_copies = deterministic and not (causal and head_dim > 192)
+  two_copies = deterministic and not masked and not (causal and head_dim > 192)
   if head_dim <= 192:
     # Two Q and two dO stages, the whole dQ block staged: 209 KiB.
     return BwdSchedule(tile_m=64, tile_n=64, num_stages=2, swap_sdp=False, do_stages=2,
@@ -203,14 +222,18 @@ class KernelVariant:
   dtype: str  # "float16" | "bfloat16"
   head_dim: int
   head_dim_v: int
-  causal: bool
+  causal: bool  # the compile-time causal mask (masked variants take it at run time)
   schedule: Schedule
   deterministic: bool = False  # backward only
+  # Windows and segment ids: run-time operands (block ranges, ids, window sizes) that the
+  # kernel masks and skips by; causal or not is then run-time data too.
+  masked: bool = False
 
   @property
   def key(self) -> str:
     """Readable, unique name: folder in the kernel cache and the FFI `variant` attribute."""
-    flags = "".join(f for f, on in (("-causal", self.causal), ("-det", self.deterministic)) if on)
+    flags = "".join(f for f, on in (("-causal", self.causal), ("-masked", self.masked),
+                                    ("-det", self.deterministic)) if on)
     return (f"{self.direction}-{self.arch}-{_DTYPE_SHORT[self.dtype]}-d{self.head_dim}"
             f"-dv{self.head_dim_v}{flags}-{self.schedule.key}")
 
@@ -219,13 +242,15 @@ class KernelVariant:
                config: AttentionConfig) -> "KernelVariant":
     """The variant that runs one call (kernel_support must have accepted it)."""
     deterministic = config.deterministic and direction == "bwd"
+    masked = config.has_window or config.has_segment_ids
+    causal = config.causal and not masked
     if direction == "fwd":
-      schedule = fwd_schedule(head_dim, head_dim_v, config.causal)
+      schedule = fwd_schedule(head_dim, head_dim_v, causal, masked)
     else:
-      schedule = bwd_schedule(head_dim, head_dim_v, config.causal, deterministic)
+      schedule = bwd_schedule(head_dim, head_dim_v, causal, deterministic, masked)
     return cls(direction=direction, arch=arch, dtype=dtype, head_dim=head_dim,
-               head_dim_v=head_dim_v, causal=config.causal, schedule=schedule,
-               deterministic=deterministic)
+               head_dim_v=head_dim_v, causal=causal, schedule=schedule,
+               deterministic=deterministic, masked=masked)
 
 
 def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
@@ -245,13 +270,8 @@ def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
     accepted = tuple(dv for d, dv in pairs if d == head_dim)
     return False, (f"head_dim_v {head_dim_v} with head_dim {head_dim} has no {direction} "
                    f"kernel; accepted head_dim_v: {accepted}")
-  if config is not None:
-    unsupported = [name for name, on in (("window_size", config.has_window),
-                                         ("softcap", config.softcap is not None),
-                                         ("q_segment_ids/kv_segment_ids",
-                                          config.has_segment_ids)) if on]
-    if unsupported:
-      return False, f"{', '.join(unsupported)} not supported by the CuTe kernel yet"
+  if config is not None and config.softcap is not None:
+    return False, "softcap not supported by the CuTe kernel yet"
   return True, ""
 
 
@@ -263,11 +283,13 @@ def shipped_variants(arch: str = "sm90a", direction: str = "fwd") -> list[Kernel
   if direction not in DIRECTIONS:
     raise ValueError(f"direction: {direction!r} unknown; accepted: {DIRECTIONS}")
   out = []
+  # Dense (causal or not), then masked (windows, segment ids: causal at run time).
+  masks = ({"causal": False}, {"causal": True}, {"window_left": 0})
   for dtype in KERNEL_DTYPES:
     for head_dim, head_dim_v in KERNEL_HEAD_DIM_PAIRS[direction]:
-      for causal in (False, True):
+      for mask in masks:
         for deterministic in (False, True) if direction == "bwd" else (False,):
-          cfg = AttentionConfig(softmax_scale=1.0, causal=causal, deterministic=deterministic)
+          cfg = AttentionConfig(softmax_scale=1.0, deterministic=deterministic, **mask)
           out.append(KernelVariant.for_call(direction, arch, dtype, head_dim, head_dim_v, cfg))
   return out
 

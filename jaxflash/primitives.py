@@ -2,7 +2,7 @@
 
 Two primitives per direction (DESIGN.md): the inner one lowers to the FFI custom call on CUDA
 (reference elsewhere); the outer one carries the batching rule and the sharding wiring.
-Imports ffi, reference, sharding and config; never Flax.
+Imports ffi, reference, block_ranges, sharding and config; never Flax.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.interpreters import batching, mlir
 
-from jaxflash import _jax_internal, reference
+from jaxflash import _jax_internal, block_ranges, reference
 from jaxflash.config import (AttentionConfig, BWD_TARGET, FWD_TARGET, KernelVariant,
                              LSE_CHECKPOINT_NAME, OUT_CHECKPOINT_NAME, bwd_scratch_shapes,
                              kernel_support)
@@ -110,7 +110,9 @@ def _dtype_name(aval) -> str:
 
 
 def _fwd_lower_cuda(ctx, q, k, v, *segment_ids, config):
-  """CUDA: the stable FFI custom call when the kernel exists, the reference otherwise."""
+  """CUDA: the stable FFI custom call when the kernel exists, the reference otherwise.
+  Masked variants (windows, segment ids) get their block ranges computed here, on the device,
+  as XLA ops in front of the custom call (block_ranges.py)."""
   if config.implementation != "cute":
     return _fwd_lower_reference(ctx, q, k, v, *segment_ids, config=config)
   q_aval, _, v_aval = ctx.avals_in[:3]
@@ -123,14 +125,28 @@ def _fwd_lower_cuda(ctx, q, k, v, *segment_ids, config):
   if _jax_internal.has_cuda_device():
     ffi.ensure_variant(variant)  # cross-lowering on a CPU host needs no library
   attrs = ffi.fwd_attributes(variant, config)
-  return jax.ffi.ffi_lowering(FWD_TARGET)(ctx, q, k, v, **attrs)
+  if not variant.masked:
+    return jax.ffi.ffi_lowering(FWD_TARGET)(ctx, q, k, v, **attrs)
+  (b, seq_q), seq_k = q_aval.shape[:2], ctx.avals_in[1].shape[1]
+
+  def call(q, k, v, *segment_ids):
+    operands = block_ranges.forward_operands(variant, config, b, seq_q, seq_k,
+                                             ctx.avals_in[1].shape[2], segment_ids)
+    return jax.ffi.ffi_call(FWD_TARGET, _result_types(ctx))(q, k, v, *operands, **attrs)
+
+  return mlir.lower_fun(call, multiple_results=True)(ctx, q, k, v, *segment_ids)
+
+
+def _result_types(ctx):
+  return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_out)
 
 
 def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
   """CUDA: the backward custom call when a backward kernel exists, the reference otherwise.
 
-  The forward decides implementation='cute'; a backward the kernels lack (head_dim 256,
-  windows, softcap, segment ids) falls back to the reference here.
+  The forward decides implementation='cute'; a backward the kernels lack (a head-dim pair
+  without one, softcap) falls back to the reference here. Masked variants get their block
+  ranges computed here, on the device (block_ranges.py).
   """
   q_aval, _, v_aval = ctx.avals_in[:3]
   variant = _bwd_variant(q_aval, v_aval, config)
@@ -141,7 +157,18 @@ def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
   if _jax_internal.has_cuda_device():
     ffi.ensure_variant(variant)  # cross-lowering on a CPU host needs no library
   attrs = ffi.bwd_attributes(variant, config)
-  return jax.ffi.ffi_lowering(BWD_TARGET)(ctx, q, k, v, out, lse, d_out, d_lse, **attrs)
+  if not variant.masked:
+    return jax.ffi.ffi_lowering(BWD_TARGET)(ctx, q, k, v, out, lse, d_out, d_lse, **attrs)
+  (b, seq_q), seq_k = q_aval.shape[:2], ctx.avals_in[1].shape[1]
+
+  def call(q, k, v, out, lse, d_out, d_lse, *segment_ids):
+    operands = block_ranges.backward_operands(variant, config, b, seq_q, seq_k,
+                                              q_aval.shape[2], segment_ids)
+    return jax.ffi.ffi_call(BWD_TARGET, _result_types(ctx))(
+        q, k, v, out, lse, d_out, d_lse, *operands, **attrs)
+
+  return mlir.lower_fun(call, multiple_results=True)(ctx, q, k, v, out, lse, d_out, d_lse,
+                                                     *segment_ids)
 
 
 def _reject_cute_off_gpu(lower_reference, platform):

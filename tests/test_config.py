@@ -14,6 +14,8 @@ from jaxflash import config
 
 FWD = config.shipped_variants("sm90a", "fwd")
 BWD = config.shipped_variants("sm90a", "bwd")
+DENSE_FWD = [v for v in FWD if not v.masked]
+DENSE_BWD = [v for v in BWD if not v.masked]
 PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
 
 
@@ -28,11 +30,17 @@ def _bwd(head_dim, head_dim_v=None, causal=False, deterministic=False):
 
 
 def test_shipped_variants_cover_dtypes_head_dims_masks_and_determinism():
+  """Dense (causal or not) and masked variants (windows, segment ids, causal at run time):
+  3 x 2 dtypes x 6 head-dim pairs forward, twice that backward (deterministic or not)."""
   assert config.KERNEL_HEAD_DIM_PAIRS == {"fwd": PAIRS, "bwd": PAIRS}
-  assert len(FWD) == 2 * len(PAIRS) * 2 and len(BWD) == 2 * len(PAIRS) * 2 * 2
+  assert len(FWD) == 2 * len(PAIRS) * 3 and len(BWD) == 2 * len(PAIRS) * 3 * 2
+  # The budget of the masked-attention and score-modifier work: at most 160 variants.
+  assert len(FWD) + len(BWD) <= 160
   for variants, direction in ((FWD, "fwd"), (BWD, "bwd")):
-    combos = {(v.dtype, v.head_dim, v.head_dim_v, v.causal, v.deterministic) for v in variants}
+    combos = {(v.dtype, v.head_dim, v.head_dim_v, v.causal, v.masked, v.deterministic)
+              for v in variants}
     assert len(combos) == len(variants)
+    assert not any(v.causal and v.masked for v in variants)
     assert {(v.head_dim, v.head_dim_v) for v in variants} == set(PAIRS)
     assert all(v.direction == direction and v.key.startswith(direction + "-") for v in variants)
   assert not any(v.deterministic for v in FWD)
@@ -48,11 +56,12 @@ def test_keys_are_unique_names_of_flags_and_tile():
   assert "bwd-sm90a-f16-d256-dv256-det-m64n64s2" in keys
   for v in FWD + BWD:
     assert ("-causal" in v.key) == v.causal and ("-det" in v.key) == v.deterministic
+    assert ("-masked" in v.key) == v.masked
     assert v.key.endswith("-" + v.schedule.key)
 
 
 def test_forward_schedule_table():
-  by_pair = {(v.head_dim, v.head_dim_v, v.causal): v.schedule for v in FWD}
+  by_pair = {(v.head_dim, v.head_dim_v, v.causal): v.schedule for v in DENSE_FWD}
   tiles = {pair: (s.tile_m, s.tile_n, s.num_stages) for pair, s in by_pair.items()}
   assert tiles == {
       (64, 64, False): (192, 128, 2), (64, 64, True): (192, 128, 2),
@@ -68,10 +77,15 @@ def test_forward_schedule_table():
     assert s.pingpong == (head_dim <= 128)
     assert (s.persistent, s.lpt) == (not causal, causal)
     assert s.rescale_o_before_pv == (head_dim_v > 128)
+  # Masked variants take the causal tiles, one CTA per tile in the order of their block ranges.
+  for v in FWD:
+    if v.masked:
+      causal = config.fwd_schedule(v.head_dim, v.head_dim_v, True)
+      assert v.schedule == dataclasses.replace(causal, lpt=False)
 
 
 def test_backward_schedule_table():
-  for v in BWD:
+  for v in DENSE_BWD:
     s, d = v.schedule, v.head_dim
     # Key split with S^T / dP^T up to hdim 128, head-dim split above it.
     assert s.swap_sdp == (d <= 128)
@@ -85,6 +99,11 @@ def test_backward_schedule_table():
     assert s.dq_copies == (2 if two else 1), v.key
     limit = {192: 4096, 128: 8192}[v.head_dim_v] if two and v.causal else None
     assert s.two_dq_copies_max_seq_q == limit, v.key
+  # Masked variants take the causal tiles and one dQ accumulator.
+  for v in BWD:
+    if v.masked:
+      causal = config.bwd_schedule(v.head_dim, v.head_dim_v, True, False)
+      assert v.schedule == causal, v.key
 
 
 def test_kernel_support_accepts_the_table_and_names_what_it_refuses():
@@ -103,10 +122,20 @@ def test_kernel_support_accepts_the_table_and_names_what_it_refuses():
     assert not ok and reason in text, text
   ok, text = config.kernel_support("fwd", "bfloat16", 192, 64)
   assert not ok and "accepted head_dim_v: (128, 192)" in text
-  for options, name in (({"window_left": 4}, "window_size"), ({"softcap": 5.0}, "softcap"),
-                        ({"has_segment_ids": True}, "q_segment_ids/kv_segment_ids")):
-    ok, text = config.kernel_support("bwd", "bfloat16", 128, 128, _cfg(**options))
-    assert not ok and name in text
+  ok, text = config.kernel_support("bwd", "bfloat16", 128, 128, _cfg(softcap=5.0))
+  assert not ok and "softcap" in text
+  for options in ({"window_left": 4}, {"has_segment_ids": True, "causal": True}):
+    assert config.kernel_support("bwd", "bfloat16", 128, 128, _cfg(**options)) == (True, "")
+
+
+def test_windows_and_segment_ids_take_the_masked_variant():
+  for options in ({"window_left": 4}, {"window_right": 0}, {"has_segment_ids": True},
+                  {"has_segment_ids": True, "causal": True, "window_left": 100}):
+    for direction in config.DIRECTIONS:
+      v = config.KernelVariant.for_call(direction, "sm90a", "bfloat16", 128, 128, _cfg(**options))
+      assert v.masked and not v.causal and v in (FWD if direction == "fwd" else BWD)
+  assert not config.KernelVariant.for_call("fwd", "sm90a", "bfloat16", 128, 128,
+                                           _cfg(causal=True)).masked
 
 
 def test_a_direction_without_a_kernel_is_refused(monkeypatch):
@@ -116,7 +145,7 @@ def test_a_direction_without_a_kernel_is_refused(monkeypatch):
   assert config.kernel_support("fwd", "bfloat16", 256, 256) == (True, "")
   ok, text = config.kernel_support("bwd", "bfloat16", 256, 256)
   assert not ok and "head_dim 256 has no bwd kernel" in text
-  assert len(config.shipped_variants("sm90a", "bwd")) == 2 * 3 * 2 * 2
+  assert len(config.shipped_variants("sm90a", "bwd")) == 2 * 3 * 3 * 2
 
 
 @pytest.mark.parametrize("head_dim,rows", [(128, 160), (256, 192)])
@@ -166,7 +195,7 @@ def test_the_kernel_abi_takes_the_dq_copies_from_the_library():
   fields = re.search(r"typedef struct \{(.*?)\} JaxflashVariantInfo;", abi, re.S).group(1)
   assert re.findall(r"int32_t (\w+);", fields) == [
       "direction", "dtype", "head_dim", "head_dim_v", "causal", "deterministic", "tile_m",
-      "max_dq_copies"]
+      "max_dq_copies", "masked", "tile_n"]
   handlers = (ffi / "handlers.cc").read_text()
   assert "info.tile_m" in handlers and "info.max_dq_copies" in handlers
   assert "DQ_COPIES" not in abi + handlers

@@ -48,7 +48,7 @@ def test_fwd_attributes_are_typed_and_complete():
   assert attrs["softmax_scale"].dtype == np.float32 and attrs["softmax_scale"] == np.float32(0.3)
   assert attrs["causal"] is True
   assert attrs["window_left"].dtype == np.int32 and attrs["window_left"] == 5
-  assert attrs["window_right"] == -1  # None means unbounded
+  assert attrs["window_right"] == config.WINDOW_UNBOUNDED  # None means unbounded
   assert attrs["softcap"].dtype == np.float32 and attrs["softcap"] == np.float32(2.5)
   assert attrs["head_dim"] == 128 and attrs["head_dim_v"].dtype == np.int32
 
@@ -80,7 +80,13 @@ def test_bwd_attributes_add_deterministic_to_the_forward_ones():
 
 def test_unset_softcap_is_zero():
   attrs = ffi.fwd_attributes(_variant(), AttentionConfig(softmax_scale=1.0))
-  assert attrs["softcap"] == 0.0 and attrs["window_left"] == -1
+  assert attrs["softcap"] == 0.0 and attrs["window_left"] == config.WINDOW_UNBOUNDED
+
+
+def test_window_attributes_clip_to_the_unbounded_value():
+  cfg = AttentionConfig(softmax_scale=1.0, window_left=-2 ** 40, window_right=-7)
+  attrs = ffi.fwd_attributes(_variant(), cfg)
+  assert attrs["window_left"] == -config.WINDOW_UNBOUNDED and attrs["window_right"] == -7
 
 
 def test_cache_dir_env_override(monkeypatch, tmp_path):

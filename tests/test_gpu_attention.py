@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import config, ffi, reference
+from jaxflash import block_ranges, config, ffi, reference
 from jaxflash.config import FWD_TARGET, AttentionConfig, KernelVariant
 from tests._cases import make_qkv, x64
 from tests._oracle import assert_close_to_oracle
@@ -23,7 +23,7 @@ from tests.conftest import FWD_ONLY_PAIR
 
 pytestmark = pytest.mark.gpu
 
-VARIANTS = config.shipped_variants()
+VARIANTS = [v for v in config.shipped_variants() if not v.masked]  # dense; masked: below
 SHAPES = {  # name -> (batch, seq_q, seq_k, heads, kv_heads)
     "s1": (3, 1, 1, 4, 4),
     "s17_gqa": (2, 17, 17, 8, 2),
@@ -39,51 +39,59 @@ def _config(variant: KernelVariant) -> AttentionConfig:
                          implementation="cute")
 
 
-def _ffi_call(q, k, v, variant, cfg):
+def _ffi_call(q, k, v, variant, cfg, segment_ids=()):
+  """The raw forward custom call; a masked variant gets its operands from the segment ids."""
   b, seq_q, h, _ = q.shape
   result = (jax.ShapeDtypeStruct((b, seq_q, h, variant.head_dim_v), q.dtype),
             jax.ShapeDtypeStruct((b, h, seq_q), jnp.float32))
-  return jax.ffi.ffi_call(FWD_TARGET, result)(q, k, v, **ffi.fwd_attributes(variant, cfg))
+  operands = ()
+  if variant.masked:
+    operands = block_ranges.forward_operands(variant, cfg, b, seq_q, k.shape[1], k.shape[2],
+                                             segment_ids)
+  return jax.ffi.ffi_call(FWD_TARGET, result)(q, k, v, *operands,
+                                              **ffi.fwd_attributes(variant, cfg))
 
 
 # keep_unused: jit would otherwise drop the unread buffers, and their donation with them.
 @functools.partial(jax.jit, static_argnames=("variant", "cfg"), donate_argnums=(3, 4),
                    keep_unused=True)
-def _fwd_into(q, k, v, out_buffer, lse_buffer, *, variant, cfg):
+def _fwd_into(q, k, v, out_buffer, lse_buffer, *segment_ids, variant, cfg):
   del out_buffer, lse_buffer  # donated: XLA writes the results into their memory
-  return _ffi_call(q, k, v, variant, cfg)
+  return _ffi_call(q, k, v, variant, cfg, segment_ids)
 
 
-def poisoned_fwd(q, k, v, variant, cfg):
+def poisoned_fwd(q, k, v, variant, cfg, segment_ids=()):
   """The raw custom call, writing into NaN-filled buffers; fails if XLA did not reuse them."""
   b, seq_q, h, _ = q.shape
   out_buffer = jnp.full((b, seq_q, h, variant.head_dim_v), jnp.nan, q.dtype)
   lse_buffer = jnp.full((b, h, seq_q), jnp.nan, jnp.float32)
   pointers = (out_buffer.unsafe_buffer_pointer(), lse_buffer.unsafe_buffer_pointer())
-  out, lse = _fwd_into(q, k, v, out_buffer, lse_buffer, variant=variant, cfg=cfg)
+  out, lse = _fwd_into(q, k, v, out_buffer, lse_buffer, *segment_ids, variant=variant, cfg=cfg)
   if out.size and lse.size:
     assert (out.unsafe_buffer_pointer(), lse.unsafe_buffer_pointer()) == pointers, (
         "XLA did not write into the poisoned buffers: the test would miss unwritten elements")
   return out, lse
 
 
-_naive = jax.jit(reference.naive_attention, static_argnames=("config", "compute_dtype"))
+_naive = jax.jit(reference.naive_attention, static_argnums=(3,),
+                 static_argnames=("compute_dtype",))
 
 
-def _oracle(q, k, v, cfg):
+def _oracle(q, k, v, cfg, segment_ids=(None, None)):
   """(float64 out, lse) of the rounded inputs, and the naive in-dtype (out, lse)."""
   cfg = cfg.replace(implementation="reference")
-  naive = _naive(q, k, v, config=cfg, compute_dtype=np.dtype(q.dtype))
+  naive = _naive(q, k, v, cfg, *segment_ids, compute_dtype=np.dtype(q.dtype))
   with x64():
     q64, k64, v64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v))
-    exact = tuple(np.asarray(x) for x in _naive(q64, k64, v64, config=cfg))
+    exact = tuple(np.asarray(x) for x in _naive(q64, k64, v64, cfg, *segment_ids))
   return exact, tuple(np.asarray(x, np.float64) for x in naive)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-  for variant in VARIANTS:
-    ffi.ensure_variant(variant)  # fails with the build command if the cache lacks one
+  for direction in config.DIRECTIONS:
+    for variant in config.shipped_variants(direction=direction):
+      ffi.ensure_variant(variant)  # fails with the build command if the cache lacks one
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
@@ -245,7 +253,7 @@ def test_grad_of_a_forward_only_variant_runs_the_reference_backward(variant,
 # ---------------------------------------------------------------------------------------------
 # Backward kernels: gradients through jax.grad(jaxflash.attention(..., implementation="cute")).
 
-BWD_VARIANTS = config.shipped_variants(direction="bwd")
+BWD_VARIANTS = [v for v in config.shipped_variants(direction="bwd") if not v.masked]
 BWD_SHAPES = {  # name -> (batch, seq_q, seq_k, heads, kv_heads); none a multiple of a tile
     "s200_gqa": (2, 200, 200, 8, 2),
     "q70_k300_mqa": (1, 70, 300, 4, 1),
@@ -294,20 +302,22 @@ def _cute_grads(q, k, v, w_out, w_lse, *, causal, deterministic, with_lse):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "with_lse", "compute_dtype"))
-def _naive_grads(q, k, v, w_out, w_lse, *, cfg, with_lse, compute_dtype):
-  attend = lambda q, k, v: reference.naive_attention(q, k, v, cfg, compute_dtype=compute_dtype)
+def _naive_grads(q, k, v, w_out, w_lse, q_ids=None, kv_ids=None, *, cfg, with_lse,
+                 compute_dtype):
+  attend = lambda q, k, v: reference.naive_attention(q, k, v, cfg, q_ids, kv_ids,
+                                                     compute_dtype=compute_dtype)
   return jax.grad(_loss(attend, w_out, w_lse, with_lse), argnums=(0, 1, 2))(q, k, v)
 
 
-def _grad_oracle(q, k, v, w_out, w_lse, variant, with_lse):
+def _grad_oracle(q, k, v, w_out, w_lse, variant, with_lse, cfg=None, segment_ids=(None, None)):
   """(float64 dq, dk, dv of the rounded inputs, naive in-dtype dq, dk, dv)."""
-  cfg = _config(variant).replace(implementation="reference")
+  cfg = (cfg or _config(variant)).replace(implementation="reference")
   dtype = np.dtype(q.dtype)
   naive = _naive_grads(q, k, v, jnp.asarray(w_out, jnp.float32), jnp.asarray(w_lse, jnp.float32),
-                       cfg=cfg, with_lse=with_lse, compute_dtype=dtype)
+                       *segment_ids, cfg=cfg, with_lse=with_lse, compute_dtype=dtype)
   with x64():
     args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v)]
-    exact = _naive_grads(*args, jnp.asarray(w_out), jnp.asarray(w_lse), cfg=cfg,
+    exact = _naive_grads(*args, jnp.asarray(w_out), jnp.asarray(w_lse), *segment_ids, cfg=cfg,
                          with_lse=with_lse, compute_dtype=None)
     exact = tuple(np.asarray(g) for g in exact)
   return exact, tuple(np.asarray(g, np.float64) for g in naive)
@@ -418,3 +428,126 @@ def test_deterministic_backward_is_bitwise_reproducible(variant, shape):
   for _ in range(4):
     for name, a, b in zip(("dq", "dk", "dv"), first, _cute_grads(*args, **kw)):
       np.testing.assert_array_equal(np.asarray(b), a, err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked variants: windows and segment ids, causal at run time; block ranges on the device.
+
+MASKED = [v for v in config.shipped_variants() if v.masked]
+MASKED_BWD = [v for v in config.shipped_variants(direction="bwd") if v.masked]
+MASK_CASES = {  # name -> ((batch, seq_q, seq_k, heads, kv_heads), options, segment ids kind)
+    "packed_causal": ((2, 1000, 1000, 4, 2), {"causal": True}, "packed"),
+    "packed_gqa8": ((1, 777, 777, 8, 1), {}, "packed"),
+    "window_q700_k1000": ((1, 700, 1000, 4, 2), {"window_size": (100, 20)}, None),
+    "causal_window_4097": ((1, 4097, 4097, 2, 2), {"causal": True, "window_size": (300, None)},
+                           None),
+    "padding_causal_q300_k500": ((2, 300, 500, 4, 4), {"causal": True}, "padding"),
+    "arbitrary_shifted_window": ((2, 257, 300, 4, 2), {"window_size": (-3, 64)}, "arbitrary"),
+    "s1": ((3, 1, 1, 4, 4), {"window_size": (0, 0)}, None),
+}
+
+
+def _segment_ids(kind, batch, seq_q, seq_k, seed):
+  """(q_ids, kv_ids) int32 or (None, None): packed documents of random lengths (the same
+  packing for queries and keys), trailing padding (padding queries and keys see nothing of
+  each other: empty rows), or arbitrary ids (not contiguous)."""
+  rng = np.random.default_rng(seed)
+  if kind is None:
+    return None, None
+  if kind == "packed":
+    assert seq_q == seq_k
+    ids = np.stack([np.searchsorted(np.sort(rng.choice(np.arange(1, seq_q), 6, replace=False)),
+                                    np.arange(seq_q), side="right") for _ in range(batch)])
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(ids, jnp.int32)
+  if kind == "padding":
+    real_q = np.arange(seq_q)[None] < rng.integers(1, seq_q, batch)[:, None]
+    real_k = np.arange(seq_k)[None] < rng.integers(1, seq_k, batch)[:, None]
+    return (jnp.asarray(np.where(real_q, 1, 0), jnp.int32),
+            jnp.asarray(np.where(real_k, 1, 2), jnp.int32))
+  return (jnp.asarray(rng.integers(0, 3, (batch, seq_q)), jnp.int32),
+          jnp.asarray(rng.integers(0, 3, (batch, seq_k)), jnp.int32))
+
+
+def _mask_config(variant, options, segment_ids, deterministic=False):
+  left, right = options.get("window_size", (None, None))
+  return AttentionConfig(softmax_scale=variant.head_dim ** -0.5,
+                         causal=options.get("causal", False), window_left=left,
+                         window_right=right, has_segment_ids=segment_ids[0] is not None,
+                         deterministic=deterministic, implementation="cute")
+
+
+def _attend(cfg, segment_ids):
+  return lambda q, k, v: jaxflash.attention(
+      q, k, v, causal=cfg.causal, window_size=(cfg.window_left, cfg.window_right),
+      q_segment_ids=segment_ids[0], kv_segment_ids=segment_ids[1],
+      deterministic=cfg.deterministic, return_lse=True, implementation="cute")
+
+
+
+def _rotated(variants, per_variant):
+  """(variant, case) pairs: each variant on `per_variant` cases, the cases rotating over the
+  variants so that every case meets several head dims and both dtypes (each case compiles its
+  own programs: the full product would take too long)."""
+  names = list(MASK_CASES)
+  return [(v, names[(i * per_variant + j) % len(names)]) for i, v in enumerate(variants)
+          for j in range(per_variant)]
+
+
+_MASK_FWD_CASES = _rotated(MASKED, 2)
+
+
+@pytest.mark.parametrize("variant,case", _MASK_FWD_CASES,
+                         ids=[f"{v.key}-{c}" for v, c in _MASK_FWD_CASES])
+def test_masked_forward_matches_float64_oracle(variant, case):
+  (b, seq_q, seq_k, h, h_kv), options, kind = MASK_CASES[case]
+  seed = zlib.crc32(f"{variant.key}{case}".encode())
+  q, k, v = make_qkv(seed, b, seq_q, seq_k, h, h_kv, variant.head_dim,
+                     head_dim_v=variant.head_dim_v, dtype=jnp.dtype(variant.dtype))
+  segment_ids = _segment_ids(kind, b, seq_q, seq_k, seed)
+  cfg = _mask_config(variant, options, segment_ids)
+  assert KernelVariant.for_call("fwd", "sm90a", variant.dtype, variant.head_dim,
+                                variant.head_dim_v, cfg) == variant
+  attend = jax.jit(_attend(cfg, segment_ids))
+  assert variant.key in attend.lower(q, k, v).as_text()
+  out, lse = attend(q, k, v)
+  passed = () if segment_ids[0] is None else segment_ids
+  raw_out, raw_lse = poisoned_fwd(q, k, v, variant, cfg, passed)
+  (want_out, want_lse), (naive_out, naive_lse) = _oracle(q, k, v, cfg, segment_ids)
+  assert_close_to_oracle(raw_out, want_out, naive_out, name="out")
+  assert_close_to_oracle(raw_lse, want_lse, naive_lse, name="lse")
+  np.testing.assert_array_equal(out, raw_out)
+  np.testing.assert_array_equal(lse, raw_lse)
+  empty = np.isinf(want_lse)  # rows that see no key: exactly zero
+  assert not np.asarray(raw_out, np.float32)[np.moveaxis(empty, 1, 2)].any()
+
+
+def _masked_grads(q, k, v, w_out, w_lse, segment_ids, cfg):
+  loss = _loss(_attend(cfg, segment_ids), jnp.asarray(w_out, jnp.float32),
+               jnp.asarray(w_lse, jnp.float32), True)
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+# Deterministic variants are also checked bitwise over repeats.
+_MASK_BWD_CASES = _rotated(MASKED_BWD, 1)
+
+
+@pytest.mark.parametrize("variant,case", _MASK_BWD_CASES,
+                         ids=[f"{v.key}-{c}" for v, c in _MASK_BWD_CASES])
+def test_masked_backward_matches_float64_oracle(variant, case):
+  shape, options, kind = MASK_CASES[case]
+  b, seq_q, seq_k, _, _ = shape
+  q, k, v, w_out, w_lse = _grad_inputs(variant, shape, f"masked-bwd{variant.key}{case}")
+  segment_ids = _segment_ids(kind, b, seq_q, seq_k, zlib.crc32(case.encode()))
+  cfg = _mask_config(variant, options, segment_ids, variant.deterministic)
+  assert KernelVariant.for_call("bwd", "sm90a", variant.dtype, variant.head_dim,
+                                variant.head_dim_v, cfg) == variant
+  grads = _masked_grads(q, k, v, w_out, w_lse, segment_ids, cfg)
+  assert variant.key in grads.lower(q, k, v).as_text()
+  got = [np.asarray(g) for g in grads(q, k, v)]
+  want, naive = _grad_oracle(q, k, v, w_out, w_lse, variant, True, cfg, segment_ids)
+  for name, g, w, n in zip(("dq", "dk", "dv"), got, want, naive):
+    assert_close_to_oracle(g, w, n, name=name)
+  if variant.deterministic:
+    for _ in range(2):
+      for name, a, again in zip(("dq", "dk", "dv"), got, grads(q, k, v)):
+        np.testing.assert_array_equal(np.asarray(again), a, err_msg=name)

@@ -176,12 +176,12 @@ def test_linked_library_exports_the_bwd_abi_and_describes_its_variant(exported, 
 
 def test_every_backward_schedule_fits_in_shared_memory():
   for v in VARIANTS:
-    smem = FlashAttentionBackwardSm90.smem_bytes(v.head_dim, v.head_dim_v, v.schedule)
+    smem = FlashAttentionBackwardSm90.smem_bytes(v)
     assert smem <= sm90_gemm.SMEM_CAPACITY, (v.key, smem)
   # hdim 128 at 80 rows: K + V 64 KiB, Q + dO 2 x 2 x 20, dS 2 x 20, dQ staging 40, lse2 /
   # delta 1.25, + 1 KiB alignment: the largest schedule.
   v = _find(head_dim=128, causal=False, deterministic=False)
-  assert FlashAttentionBackwardSm90.smem_bytes(128, 128, v.schedule) == 231680
+  assert FlashAttentionBackwardSm90.smem_bytes(v) == 231680
 
 
 def test_can_implement_is_kernel_support():
@@ -249,3 +249,18 @@ def test_dq_split_m_lands_every_value_where_the_postprocess_reads_it():
   cute.compile(probe, options="--gpu-arch sm_90a")
   assert results["row split"] == (0, 128 * d)
   assert results["head_dim split writer"][0] > 0
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.masked and v.dtype == "bfloat16"],
+                         ids=lambda v: v.key)
+def test_masked_backward_takes_the_query_ids_with_each_stage(exported, variant):
+  """Masked variants: the swapped schedule's Q/dO stage carries one more bulk copy (the query
+  block's ids, next to its lse2 / delta rows); deterministic ones keep the semaphore hand-off
+  and the first-contribution store of the dense kernels."""
+  e = exported(variant)
+  masked = e.ops(modifiers=True)
+  dense = exported(_find(head_dim=variant.head_dim, head_dim_v=variant.head_dim_v, causal=True,
+                         deterministic=variant.deterministic)).ops(modifiers=True)
+  if variant.schedule.swap_sdp:
+    assert masked.count("UBLKCP.S.G") > dense.count("UBLKCP.S.G") > 0
+  assert ("REDG" in e.ops()) == ("UBLKCP.G.S" in masked) == variant.deterministic

@@ -127,7 +127,7 @@ def test_linked_library_exports_the_kernel_abi_and_describes_its_variant(exporte
 
 def test_every_forward_schedule_fits_in_shared_memory():
   for v in VARIANTS:
-    smem = FlashAttentionForwardSm90.smem_bytes(v.head_dim, v.head_dim_v, v.schedule)
+    smem = FlashAttentionForwardSm90.smem_bytes(v)
     assert smem <= sm90_gemm.SMEM_CAPACITY, (v.key, smem)
 
 
@@ -142,3 +142,16 @@ def test_can_implement_is_kernel_support():
   bwd = config.shipped_variants("sm90a", "bwd")[0]
   with pytest.raises(ValueError, match="not a forward variant"):
     kernel_compile.build_kernel(bwd)
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.masked and v.dtype == "bfloat16"],
+                         ids=lambda v: v.key)
+def test_masked_forward_copies_key_ids_with_each_k_stage(exported, variant):
+  """Masked variants: each K stage also carries its key block's segment ids (a bulk copy,
+  UBLKCP.S.G, on the K stage's barrier); the dense variants copy none."""
+  assert not variant.causal and not variant.schedule.persistent
+  assert "UBLKCP.S.G" in exported(variant).ops(modifiers=True)
+  dense = next(v for v in VARIANTS if not v.masked and v.causal and v.dtype == variant.dtype
+               and (v.head_dim, v.head_dim_v) == (variant.head_dim, variant.head_dim_v))
+  assert dense.schedule.tile_n == variant.schedule.tile_n
+  assert "UBLKCP.S.G" not in exported(dense).ops(modifiers=True)

@@ -165,7 +165,7 @@ def test_cuda_lowering_of_grad_emits_both_custom_calls(deterministic, causal):
   flags = ("-causal" if causal else "") + det
   assert f'variant = "bwd-sm90a-bf16-d128-dv128{flags}-m{tile_m}n128s2swap"' in call
   for attr in (f"causal = {str(causal).lower()}", f"deterministic = {str(deterministic).lower()}",
-               "head_dim = 128", "head_dim_v = 128", "window_left = -1", "softcap = 0.0"):
+               "head_dim = 128", "head_dim_v = 128", "window_left = 1073741824", "softcap = 0.0"):
     assert attr in call, f"{attr!r} missing from {call}"
   # q, k, v, out, lse, d_out, d_lse in; dq, dk, dv, then the scratch of bwd_scratch_shapes
   # (seq_q 100 rounded up to tile_m: 128 or 160; 2 query blocks for the semaphore either way).
@@ -230,3 +230,43 @@ def test_primitive_binds_directly_with_a_config():
   want, want_lse = jaxflash.attention(q, k, v, softmax_scale=0.5, return_lse=True)
   np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+@pytest.mark.parametrize("options", [
+    {"causal": True, "segments": True},
+    {"window_size": (32, 8)},
+    {"causal": True, "window_size": (16, None), "segments": True},
+], ids=["packed_causal", "window", "causal_window_segments"])
+def test_cuda_lowering_of_masked_calls_runs_the_masked_variants(options, deterministic):
+  """Windows and segment ids take the masked variants: their block ranges are XLA ops in front
+  of each custom call (no reference path), passed as the extra operands of kernel_abi.h's
+  JaxflashMask: ids, ranges, order (and, deterministic backward, the ranks)."""
+  options = dict(options)
+  kw = {}
+  if options.pop("segments", False):
+    ids = jnp.asarray(np.repeat(np.arange(4), 25)[None].repeat(2, 0), jnp.int32)
+    kw = dict(q_segment_ids=ids, kv_segment_ids=ids[:, :64])
+  text = _grad_lowered_for_cuda(128, deterministic=deterministic, **options, **kw)
+  (fwd,) = [line for line in text.splitlines() if f"@{FWD_TARGET}(" in line]
+  (bwd,) = [line for line in text.splitlines() if f"@{BWD_TARGET}(" in line]
+  det = "-det" if deterministic else ""
+  assert 'variant = "fwd-sm90a-bf16-d128-dv128-masked-m128n128s2"' in fwd
+  assert f'variant = "bwd-sm90a-bf16-d128-dv128-masked{det}-m80n128s2swap"' in bwd
+  assert f"causal = {str(options.get('causal', False)).lower()}" in fwd
+  left, right = options.get("window_size", (None, None))
+  unbounded = jaxflash.config.WINDOW_UNBOUNDED
+  assert f"window_left = {unbounded if left is None else left} : i32" in fwd
+  assert f"window_right = {unbounded if right is None else right} : i32" in fwd
+  fwd_operands = fwd.split(" -> ")[0]
+  fwd_operands = re.findall(r"tensor<[^>]+>", fwd_operands[fwd_operands.rindex(": (") + 3:])
+  # q, k, v; query ids (100 -> one 128-row tile), key ids (64 -> one 128-key block), ranges,
+  # order.
+  assert fwd_operands[3:] == ["tensor<2x128xi32>", "tensor<2x128xi32>", "tensor<2x1x4xi32>",
+                              "tensor<2xi32>"]
+  operands, _ = _bwd_call_types(bwd)
+  # 7 tensors; key ids (one 128-key tile), query ids (100 -> two 80-row blocks), ranges,
+  # order, and for the deterministic variant the ranks (2, key tiles, query blocks).
+  want = ["tensor<2x128xi32>", "tensor<2x160xi32>", "tensor<2x1x4xi32>", "tensor<2xi32>"]
+  assert operands[7:] == want + (["tensor<2x1x2xi32>"] if deterministic else [])
+  assert "stablehlo.sort" in text  # the ranges are computed on the device

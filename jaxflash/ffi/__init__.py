@@ -188,14 +188,21 @@ def registered_variants() -> dict[str, Path]:
     return dict(_variants)
 
 
+def _window(side) -> int:
+  """A window side as its attribute: config.WINDOW_UNBOUNDED for None, clipped to +-it."""
+  if side is None:
+    return config.WINDOW_UNBOUNDED
+  return max(-config.WINDOW_UNBOUNDED, min(side, config.WINDOW_UNBOUNDED))
+
+
 def fwd_attributes(variant: KernelVariant, cfg: AttentionConfig) -> dict:
   """Typed attributes of the forward custom call (names: config.FWD_ATTRIBUTE_NAMES)."""
   attrs = {
       "variant": variant.key,
       "softmax_scale": np.float32(cfg.softmax_scale),
       "causal": bool(cfg.causal),
-      "window_left": np.int32(-1 if cfg.window_left is None else cfg.window_left),
-      "window_right": np.int32(-1 if cfg.window_right is None else cfg.window_right),
+      "window_left": np.int32(_window(cfg.window_left)),
+      "window_right": np.int32(_window(cfg.window_right)),
       "softcap": np.float32(0.0 if cfg.softcap is None else cfg.softcap),
       "head_dim": np.int32(variant.head_dim),
       "head_dim_v": np.int32(variant.head_dim_v),

@@ -1,7 +1,9 @@
 // XLA FFI handlers of jaxflash, one per stable custom-call target (names in jaxflash/config.py).
 // Kernels live in per-variant libraries behind kernel_abi.h, registered by key from Python; this
 // file never includes an exported kernel header.
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -23,6 +25,9 @@ namespace {
 
 constexpr std::string_view kFwdTarget = "jaxflash_attention_fwd";
 constexpr std::string_view kBwdTarget = "jaxflash_attention_bwd";
+// A window side without a bound (config.WINDOW_UNBOUNDED); -1 also reads as unbounded for the
+// dense variants (programs serialized before the masked variants existed).
+constexpr int32_t kUnbounded = 1 << 30;
 
 // "jaxflash_attention_fwd[variant=<key>]: ": every error names the target and the variant.
 std::string Where(std::string_view target, std::string_view variant) {
@@ -87,7 +92,8 @@ ffi::Error CheckAttrs(const CallAttrs& a, const JaxflashVariantInfo& info, ffi::
                           std::to_string(info.head_dim) + ", " + std::to_string(info.head_dim_v));
   }
   auto flag = [](bool on) { return on ? std::string("true") : std::string("false"); };
-  if (a.causal != (info.causal != 0)) {
+  // Masked variants take causal, like the window, at run time.
+  if (!info.masked && a.causal != (info.causal != 0)) {
     return Invalid(a, "attribute causal=" + flag(a.causal) + " does not match the variant's " +
                           flag(info.causal != 0));
   }
@@ -95,10 +101,18 @@ ffi::Error CheckAttrs(const CallAttrs& a, const JaxflashVariantInfo& info, ffi::
     return Invalid(a, "attribute deterministic=" + flag(a.deterministic) +
                           " does not match the variant's " + flag(info.deterministic != 0));
   }
-  if (a.window_left != -1 || a.window_right != -1) {
+  auto unbounded = [](int32_t w) { return w == kUnbounded || w == -1; };
+  if (!info.masked && !(unbounded(a.window_left) && unbounded(a.window_right))) {
     return Invalid(a, "window (" + std::to_string(a.window_left) + ", " +
-                          std::to_string(a.window_right) +
-                          "): the kernels run unbounded windows only (-1, -1)");
+                          std::to_string(a.window_right) + "): this variant runs unbounded "
+                          "windows only (" + std::to_string(kUnbounded) + "); windows take a "
+                          "masked variant");
+  }
+  if (info.masked && (std::abs(static_cast<int64_t>(a.window_left)) > kUnbounded ||
+                      std::abs(static_cast<int64_t>(a.window_right)) > kUnbounded)) {
+    return Invalid(a, "window (" + std::to_string(a.window_left) + ", " +
+                          std::to_string(a.window_right) + "): each side needs |w| <= " +
+                          std::to_string(kUnbounded) + " (the unbounded value)");
   }
   if (a.softcap != 0) {
     return Invalid(a, "softcap " + std::to_string(a.softcap) +
@@ -262,8 +276,68 @@ ffi::Error FindLibrary(const CallAttrs& a, const VariantLibrary** library) {
   return ffi::Error::Success();
 }
 
+// `buffer` must have exactly `dims` and `dtype`.
+ffi::Error CheckExact(const CallAttrs& a, const char* name, const ffi::AnyBuffer& buffer,
+                      std::initializer_list<int64_t> dims, ffi::DataType dtype) {
+  auto have = buffer.dimensions();
+  bool ok = have.size() == dims.size() && buffer.element_type() == dtype;
+  size_t i = 0;
+  for (int64_t d : dims) ok = ok && have[i++] == d;
+  if (ok) return ffi::Error::Success();
+  std::string want = "(";
+  i = 0;
+  for (int64_t d : dims) want += (i++ ? ", " : "") + std::to_string(d);
+  return Invalid(a, std::string(name) + " is " + DtypeName(buffer.element_type()) + " " +
+                        Shape(buffer) + ", expected " + DtypeName(dtype) + " " + want + ")");
+}
+
+// The masked variants' operands (kernel_abi.h JaxflashMask) after the tensors: their number,
+// dtypes and shapes against the variant and the call; fills `mask` and the band (causal folded
+// into window_right, as block_ranges.window_bounds does).
+ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
+                     const ffi::RemainingArgs& extra, int64_t b, int64_t sq, int64_t sk,
+                     JaxflashMask* mask, int32_t* window_left, int32_t* window_right) {
+  const bool bwd = a.target == kBwdTarget;
+  const size_t want = info.masked ? (bwd && info.deterministic ? 5 : 4) : 0;
+  if (extra.size() != want) {
+    return Invalid(a, std::to_string(extra.size()) + " mask operands after the tensors, "
+                          "expected " + std::to_string(want) + " for this variant "
+                          "(row_ids, col_ids, ranges, order, and ranks when deterministic)");
+  }
+  *mask = JaxflashMask{};
+  *window_left = a.window_left;
+  *window_right = a.causal ? std::min(a.window_right, 0) : a.window_right;
+  if (!info.masked) return ffi::Error::Success();
+  const int64_t m_blocks = (sq + info.tile_m - 1) / info.tile_m;
+  const int64_t n_blocks = (sk + info.tile_n - 1) / info.tile_n;
+  // The backward tiles the keys (rows) against query blocks (columns).
+  const int64_t row_tiles = bwd ? n_blocks : m_blocks, row_tile = bwd ? info.tile_n : info.tile_m;
+  const int64_t col_blocks = bwd ? m_blocks : n_blocks, col_tile = bwd ? info.tile_m : info.tile_n;
+  const ffi::DataType s32 = ffi::DataType::S32;
+  const char* names[] = {"row_ids", "col_ids", "ranges", "order", "ranks"};
+  const int32_t* pointers[5] = {};
+  for (size_t i = 0; i < want; ++i) {
+    auto got = extra.get<ffi::AnyBuffer>(i);
+    if (got.has_error()) return got.error();
+    const ffi::AnyBuffer& buffer = got.value();
+    ffi::Error e = ffi::Error::Success();
+    switch (i) {
+      case 0: e = CheckExact(a, names[i], buffer, {b, row_tiles * row_tile}, s32); break;
+      case 1: e = CheckExact(a, names[i], buffer, {b, col_blocks * col_tile}, s32); break;
+      case 2: e = CheckExact(a, names[i], buffer, {b, row_tiles, 4}, s32); break;
+      case 3: e = CheckExact(a, names[i], buffer, {b * row_tiles}, s32); break;
+      default: e = CheckExact(a, names[i], buffer, {b, row_tiles, col_blocks}, s32); break;
+    }
+    if (e.failure()) return e;
+    pointers[i] = static_cast<const int32_t*>(buffer.untyped_data());
+  }
+  *mask = JaxflashMask{pointers[0], pointers[1], pointers[2], pointers[3], pointers[4]};
+  return ffi::Error::Success();
+}
+
 ffi::Error AttentionFwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                        ffi::RemainingArgs mask_operands, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> lse,
                         std::string_view variant, float softmax_scale, bool causal,
                         int32_t window_left, int32_t window_right, float softcap,
                         int32_t head_dim, int32_t head_dim_v) {
@@ -273,6 +347,12 @@ ffi::Error AttentionFwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (ffi::Error e = FindLibrary(attrs, &library); e.failure()) return e;
   JaxflashFwdArgs args{};
   if (ffi::Error e = CheckBuffers(attrs, library->info, q, k, v, *out, *lse, &args);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckMask(attrs, library->info, mask_operands, args.batch, args.seqlen_q,
+                               args.seqlen_k, &args.mask, &args.window_left,
+                               &args.window_right);
       e.failure()) {
     return e;
   }
@@ -287,28 +367,11 @@ ffi::Error AttentionFwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   args.out = out->untyped_data();
   args.lse = static_cast<float*>(lse->untyped_data());
   args.softmax_scale = softmax_scale;
-  args.window_left = window_left;
-  args.window_right = window_right;
   args.softcap = softcap;
   if (int32_t status = library->fwd(&args, stream); status != 0) {
     return LaunchError(Where(attrs), status, q, k);
   }
   return ffi::Error::Success();
-}
-
-// `buffer` must have exactly `dims` and `dtype`.
-ffi::Error CheckExact(const CallAttrs& a, const char* name, const ffi::AnyBuffer& buffer,
-                      std::initializer_list<int64_t> dims, ffi::DataType dtype) {
-  auto have = buffer.dimensions();
-  bool ok = have.size() == dims.size() && buffer.element_type() == dtype;
-  size_t i = 0;
-  for (int64_t d : dims) ok = ok && have[i++] == d;
-  if (ok) return ffi::Error::Success();
-  std::string want = "(";
-  i = 0;
-  for (int64_t d : dims) want += (i++ ? ", " : "") + std::to_string(d);
-  return Invalid(a, std::string(name) + " is " + DtypeName(buffer.element_type()) + " " +
-                        Shape(buffer) + ", expected " + DtypeName(dtype) + " " + want + ")");
 }
 
 // Backward outputs and scratch against the (already checked) forward tensors.
@@ -373,7 +436,8 @@ ffi::Error Zero(const CallAttrs& a, cudaStream_t stream, const char* name, ffi::
 
 ffi::Error AttentionBwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer d_out,
-                        ffi::AnyBuffer d_lse, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::AnyBuffer d_lse, ffi::RemainingArgs mask_operands,
+                        ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                         ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> lse_log2,
                         ffi::Result<ffi::AnyBuffer> delta, ffi::RemainingRets semaphore,
@@ -407,6 +471,13 @@ ffi::Error AttentionBwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
       e.failure()) {
     return e;
   }
+  JaxflashBwdArgs args{};
+  if (ffi::Error e = CheckMask(attrs, library->info, mask_operands, shape.batch, shape.seqlen_q,
+                               shape.seqlen_k, &args.mask, &args.window_left,
+                               &args.window_right);
+      e.failure()) {
+    return e;
+  }
 
   ScopedStreamDevice device(stream);
   // Empty problems launch nothing (a TMA descriptor cannot describe a zero-length tensor): no
@@ -420,7 +491,6 @@ ffi::Error AttentionBwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
     return ffi::Error::Success();
   }
 
-  JaxflashBwdArgs args{};
   args.q = q.untyped_data();
   args.k = k.untyped_data();
   args.v = v.untyped_data();
@@ -443,8 +513,6 @@ ffi::Error AttentionBwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   args.head_dim = shape.head_dim;
   args.head_dim_v = shape.head_dim_v;
   args.softmax_scale = softmax_scale;
-  args.window_left = window_left;
-  args.window_right = window_right;
   args.softcap = softcap;
   args.dq_copies = dq_copies;
   if (int32_t status = library->bwd(&args, stream); status != 0) {
@@ -481,13 +549,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // q   (batch, seqlen_q, num_heads, head_dim)
         .Arg<ffi::AnyBuffer>()                     // k   (batch, seqlen_k, num_kv_heads, head_dim)
         .Arg<ffi::AnyBuffer>()                     // v   (batch, seqlen_k, num_kv_heads, dv)
+        .RemainingArgs()                           // masked variants: JaxflashMask operands
         .Ret<ffi::AnyBuffer>()                     // out (batch, seqlen_q, num_heads, head_dim_v)
         .Ret<ffi::AnyBuffer>()                     // lse (batch, num_heads, seqlen_q) float32
         .Attr<std::string_view>("variant")         // KernelVariant.key of the kernel to run
         .Attr<float>("softmax_scale")              // multiplies q.k before the softmax
         .Attr<bool>("causal")                      // bottom-right aligned causal mask
-        .Attr<int32_t>("window_left")              // keys visible left of the diagonal, -1: all
-        .Attr<int32_t>("window_right")             // keys visible right of the diagonal, -1: all
+        .Attr<int32_t>("window_left")              // keys visible left of the diagonal, 2^30: all
+        .Attr<int32_t>("window_right")             // keys visible right of the diagonal, 2^30: all
         .Attr<float>("softcap")                    // softcap * tanh(s / softcap); 0: off
         .Attr<int32_t>("head_dim")                 // q/k head dim the variant was built for
         .Attr<int32_t>("head_dim_v"));             // v/out head dim the variant was built for
@@ -504,6 +573,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // lse   (batch, num_heads, seqlen_q) float32
         .Arg<ffi::AnyBuffer>()                     // d_out (like out)
         .Arg<ffi::AnyBuffer>()                     // d_lse (like lse)
+        .RemainingArgs()                           // masked variants: JaxflashMask operands
         .Ret<ffi::AnyBuffer>()                     // dq    (like q)
         .Ret<ffi::AnyBuffer>()                     // dk    (like k), summed over a GQA group
         .Ret<ffi::AnyBuffer>()                     // dv    (like v)
@@ -514,8 +584,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<std::string_view>("variant")         // KernelVariant.key of the kernel to run
         .Attr<float>("softmax_scale")              // multiplies q.k before the softmax
         .Attr<bool>("causal")                      // bottom-right aligned causal mask
-        .Attr<int32_t>("window_left")              // keys visible left of the diagonal, -1: all
-        .Attr<int32_t>("window_right")             // keys visible right of the diagonal, -1: all
+        .Attr<int32_t>("window_left")              // keys visible left of the diagonal, 2^30: all
+        .Attr<int32_t>("window_right")             // keys visible right of the diagonal, 2^30: all
         .Attr<float>("softcap")                    // softcap * tanh(s / softcap); 0: off
         .Attr<int32_t>("head_dim")                 // q/k head dim the variant was built for
         .Attr<int32_t>("head_dim_v")               // v/out head dim the variant was built for

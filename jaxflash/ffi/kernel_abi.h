@@ -22,9 +22,33 @@ typedef struct {
   int32_t head_dim_v;     // of v and out
   int32_t causal;         // 1: bottom-right aligned causal mask
   int32_t deterministic;  // backward: 1 when dQ is accumulated in a fixed order
-  int32_t tile_m;         // backward: the scratch rows are seqlen_q rounded up to this
+  int32_t tile_m;         // query rows per tile (the backward's scratch rows round up to it)
   int32_t max_dq_copies;  // backward: most dQ accumulator copies a call may hold (1 or 2)
+  int32_t masked;         // 1: takes a JaxflashMask (windows, segment ids; causal at run time)
+  int32_t tile_n;         // key rows per block (the masked operands' column / row padding)
 } JaxflashVariantInfo;
+
+// The run-time operands of a masked variant (jaxflash/block_ranges.py computes them on the
+// device). The kernel tiles one side ("rows": queries in the forward, keys in the backward)
+// and visits blocks of the other ("columns"); row_tile / col_tile are tile_m / tile_n in the
+// forward and tile_n / tile_m in the backward, row_tiles / col_blocks the lengths over them
+// rounded up:
+//   row_ids (batch, row_tiles * row_tile)    int32 segment ids of the rows, zero-padded
+//   col_ids (batch, col_blocks * col_tile)   int32 segment ids of the columns, zero-padded
+//   ranges  (batch, row_tiles, 4)            int32 per row tile: [start, end) of the column
+//           blocks it visits, and [full_lo, full_hi) within them that need no elementwise mask
+//   order   (batch * row_tiles)              int32 launch order: entry b * row_tiles + t
+//   ranks   (batch, row_tiles, col_blocks)   int32, deterministic backward only: how many key
+//           tiles add into a query block before this one (the fixed order), NULL otherwise
+// Query i then sees key j iff i' - window_left <= j <= i' + window_right (i' = i + seqlen_k -
+// seqlen_q; the call's band, causal folded in by the handler) and their ids are equal.
+typedef struct {
+  const int32_t* row_ids;
+  const int32_t* col_ids;
+  const int32_t* ranges;
+  const int32_t* order;
+  const int32_t* ranks;
+} JaxflashMask;
 
 // Forward call. Tensors are dense row-major, exactly as XLA hands them over:
 //   q   (batch, seqlen_q, num_heads,    head_dim)    fp16/bf16
@@ -40,8 +64,9 @@ typedef struct {
   float* lse;
   int32_t batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, head_dim, head_dim_v;
   float softmax_scale;
-  int32_t window_left, window_right;  // -1: unbounded (only read by window variants)
-  float softcap;                      // 0: off (only read by softcap variants)
+  int32_t window_left, window_right;  // masked variants: the band (JaxflashMask)
+  float softcap;                      // 0: off (no variant reads it yet)
+  JaxflashMask mask;                  // masked variants; all NULL otherwise
 } JaxflashFwdArgs;
 
 // Backward call (jaxflash/ffi/variant_bwd.cc): preprocess, main kernel, postprocess, in order on
@@ -78,9 +103,10 @@ typedef struct {
   int32_t* dq_semaphore;
   int32_t batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, head_dim, head_dim_v;
   float softmax_scale;
-  int32_t window_left, window_right;  // -1: unbounded (only read by window variants)
-  float softcap;                      // 0: off (only read by softcap variants)
+  int32_t window_left, window_right;  // masked variants: the band (JaxflashMask)
+  float softcap;                      // 0: off (no variant reads it yet)
   int32_t dq_copies;                  // dQ accumulator copies in dq_accum / dq_semaphore
+  JaxflashMask mask;                  // masked variants; all NULL otherwise
 } JaxflashBwdArgs;
 
 // Returns JAXFLASH_KERNEL_ABI_VERSION; the handler refuses a library with another version.

@@ -43,6 +43,38 @@ T Dense3(const void* data, int32_t d0, int32_t d1, int32_t d2) {
   return t;
 }
 
+// (d0, d1) dense row-major: both extents dynamic, the stride of d0 dynamic.
+template <typename T>
+T Dense2(const void* data, int32_t d0, int32_t d1) {
+  T t = {};
+  t.data = const_cast<void*>(data);
+  t.dynamic_shapes[0] = d0;
+  t.dynamic_shapes[1] = d1;
+  t.dynamic_strides[0] = d1;
+  return t;
+}
+
+// (d0, d1, dim) dense row-major with a static last extent: extents d0, d1 and the stride of d0
+// dynamic (the masked variants' block ranges, dim = 4).
+template <typename T>
+T Dense2Static(const void* data, int32_t d0, int32_t d1, int32_t dim) {
+  T t = {};
+  t.data = const_cast<void*>(data);
+  t.dynamic_shapes[0] = d0;
+  t.dynamic_shapes[1] = d1;
+  t.dynamic_strides[0] = static_cast<int64_t>(d1) * dim;
+  return t;
+}
+
+// (n,) contiguous: the extent dynamic.
+template <typename T>
+T Vector(const void* data, int32_t n) {
+  T t = {};
+  t.data = const_cast<void*>(data);
+  t.dynamic_shapes[0] = n;
+  return t;
+}
+
 // TMA needs 16-byte aligned global addresses; fp32 scratch needs 4.
 inline bool Aligned(const void* p, uintptr_t bytes) {
   return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;

@@ -25,8 +25,11 @@ static_assert(JAXFLASH_DIRECTION == 1, "variant_bwd.cc builds backward variants"
 namespace {
 
 using jaxflash::Aligned;
+using jaxflash::Dense2;
+using jaxflash::Dense2Static;
 using jaxflash::Dense3;
 using jaxflash::Dense4;
+using jaxflash::Vector;
 
 using jaxflash::kSignatureMatches;
 
@@ -91,6 +94,12 @@ int32_t Validate(const JaxflashBwdArgs* a) {
   }
   const bool has_sem = a->dq_semaphore != nullptr && Aligned(a->dq_semaphore, 4);
   if (JAXFLASH_DETERMINISTIC && !has_sem) return kInvalid;
+  // Masked: every mask operand, 16-byte aligned (the query ids leave by bulk copies).
+  const JaxflashMask& m = a->mask;
+  if (!jaxflash::MaskOperandsMatch(m) || !Aligned(m.row_ids, 16) || !Aligned(m.col_ids, 16) ||
+      !Aligned(m.ranges, 16) || !Aligned(m.order, 16) || !Aligned(m.ranks, 16)) {
+    return kInvalid;
+  }
   return 0;
 }
 
@@ -153,11 +162,32 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
 #if JAXFLASH_DETERMINISTIC
     auto sem =
         Dense3<JF_MAIN(_Tensor_mSem_t)>(a.dq_semaphore, b, h, acc_rows / JAXFLASH_TILE_M);
+#define JF_SEM &sem,
+#else
+#define JF_SEM
+#endif
+#if JAXFLASH_MASKED
+    // The backward tiles the keys (rows) against query blocks (columns).
+    const int32_t m_blocks = sqr / JAXFLASH_TILE_M;
+    const int32_t n_blocks = (sk + JAXFLASH_TILE_N - 1) / JAXFLASH_TILE_N;
+    const JaxflashMask& m = a.mask;
+    auto q_ids = Dense2<JF_MAIN(_Tensor_mQIds_t)>(m.col_ids, b, sqr);
+    auto k_ids = Dense2<JF_MAIN(_Tensor_mKIds_t)>(m.row_ids, b, n_blocks * JAXFLASH_TILE_N);
+    auto ranges = Dense2Static<JF_MAIN(_Tensor_mRanges_t)>(m.ranges, b, n_blocks, 4);
+    auto order = Vector<JF_MAIN(_Tensor_mOrder_t)>(m.order, b * n_blocks);
+#if JAXFLASH_DETERMINISTIC
+    auto ranks = Dense3<JF_MAIN(_Tensor_mRanks_t)>(m.ranks, b, n_blocks, m_blocks);
+#define JF_RANKS &ranks,
+#else
+#define JF_RANKS
+#endif
     status = JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &dout, &lse2, &delta, &acc,
-                                              &dk, &dvt, &sem, a.softmax_scale, stream);
+                                              &dk, &dvt, JF_SEM &q_ids, &k_ids, &ranges,
+                                              &order, JF_RANKS a.softmax_scale, a.window_left,
+                                              a.window_right, stream);
 #else
     status = JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &dout, &lse2, &delta, &acc,
-                                              &dk, &dvt, a.softmax_scale, stream);
+                                              &dk, &dvt, JF_SEM a.softmax_scale, stream);
 #endif
     if (status != 0) return status;
   }

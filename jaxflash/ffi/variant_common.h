@@ -6,8 +6,9 @@
 //   -DJAXFLASH_VARIANT_KEY="\"<key>\""   KernelVariant.key, as a quoted string
 //   -DJAXFLASH_DIRECTION=<0 fwd | 1 bwd>  -DJAXFLASH_DTYPE=<0 float16 | 1 bfloat16>
 //   -DJAXFLASH_HEAD_DIM=<d>  -DJAXFLASH_HEAD_DIM_V=<dv>  -DJAXFLASH_CAUSAL=<0|1>
-//   -DJAXFLASH_DETERMINISTIC=<0|1>  -DJAXFLASH_TILE_M=<rows the backward scratch is rounded to>
-//   -DJAXFLASH_MAX_DQ_COPIES=<1|2>
+//   -DJAXFLASH_DETERMINISTIC=<0|1>  -DJAXFLASH_TILE_M=<query rows per tile>
+//   -DJAXFLASH_TILE_N=<key rows per block>  -DJAXFLASH_MAX_DQ_COPIES=<1|2>
+//   -DJAXFLASH_MASKED=<0|1>
 //   -DJAXFLASH_PREFIX_<PART>=<prefix>  -DJAXFLASH_HEADER_<PART>="\"<out_dir>/<file>.h\""
 //     for each exported object: MAIN (both directions), PRE and POST (backward)
 // Link: jaxflash.build.link_variant (docs/build.md). Only the kernel_abi.h functions are
@@ -23,8 +24,8 @@
 #if !defined(JAXFLASH_VARIANT_KEY) || !defined(JAXFLASH_DIRECTION) || !defined(JAXFLASH_DTYPE) || \
     !defined(JAXFLASH_HEAD_DIM) || !defined(JAXFLASH_HEAD_DIM_V) || !defined(JAXFLASH_CAUSAL) ||  \
     !defined(JAXFLASH_DETERMINISTIC) || !defined(JAXFLASH_TILE_M) ||                               \
-    !defined(JAXFLASH_MAX_DQ_COPIES) || !defined(JAXFLASH_PREFIX_MAIN) ||                           \
-    !defined(JAXFLASH_HEADER_MAIN)
+    !defined(JAXFLASH_TILE_N) || !defined(JAXFLASH_MAX_DQ_COPIES) ||                                \
+    !defined(JAXFLASH_MASKED) || !defined(JAXFLASH_PREFIX_MAIN) || !defined(JAXFLASH_HEADER_MAIN)
 #error "define the JAXFLASH_* macros listed at the top of variant_common.h"
 #endif
 
@@ -40,8 +41,9 @@ JF_EXPORT const char* jaxflash_variant_key(void) { return JAXFLASH_VARIANT_KEY; 
 
 JF_EXPORT const JaxflashVariantInfo* jaxflash_variant_info(void) {
   static const JaxflashVariantInfo info = {
-      JAXFLASH_DIRECTION, JAXFLASH_DTYPE,        JAXFLASH_HEAD_DIM, JAXFLASH_HEAD_DIM_V,
-      JAXFLASH_CAUSAL,    JAXFLASH_DETERMINISTIC, JAXFLASH_TILE_M,  JAXFLASH_MAX_DQ_COPIES};
+      JAXFLASH_DIRECTION, JAXFLASH_DTYPE,         JAXFLASH_HEAD_DIM, JAXFLASH_HEAD_DIM_V,
+      JAXFLASH_CAUSAL,    JAXFLASH_DETERMINISTIC, JAXFLASH_TILE_M,   JAXFLASH_MAX_DQ_COPIES,
+      JAXFLASH_MASKED,    JAXFLASH_TILE_N};
   return &info;
 }
 
@@ -57,6 +59,16 @@ int32_t LoadModules(Load load) {
   const bool ok = load();
   cudaSetDevice(device);
   return ok ? 0 : static_cast<int32_t>(cudaErrorInvalidKernelImage);
+}
+
+// The masked operands must all be there for a masked variant (ranks only when deterministic)
+// and absent otherwise.
+inline bool MaskOperandsMatch(const JaxflashMask& m) {
+  const bool any = m.row_ids || m.col_ids || m.ranges || m.order;
+  const bool all = m.row_ids && m.col_ids && m.ranges && m.order;
+  const bool ranks_ok = (m.ranks != nullptr) == (JAXFLASH_MASKED && JAXFLASH_DETERMINISTIC &&
+                                                 JAXFLASH_DIRECTION == 1);
+  return (JAXFLASH_MASKED ? all : !any) && ranks_ok;
 }
 
 }  // namespace jaxflash

@@ -15,8 +15,11 @@
 namespace {
 
 using jaxflash::Aligned;
+using jaxflash::Dense2;
+using jaxflash::Dense2Static;
 using jaxflash::Dense3;
 using jaxflash::Dense4;
+using jaxflash::Vector;
 
 using Module = JF_NAME(_Kernel_Module_t);
 using TensorQ = JF_NAME(_Tensor_mQ_t);
@@ -24,6 +27,12 @@ using TensorK = JF_NAME(_Tensor_mK_t);
 using TensorV = JF_NAME(_Tensor_mV_t);
 using TensorO = JF_NAME(_Tensor_mO_t);
 using TensorLse = JF_NAME(_Tensor_mLSE_t);
+#if JAXFLASH_MASKED
+using TensorQIds = JF_NAME(_Tensor_mQIds_t);
+using TensorKIds = JF_NAME(_Tensor_mKIds_t);
+using TensorRanges = JF_NAME(_Tensor_mRanges_t);
+using TensorOrder = JF_NAME(_Tensor_mOrder_t);
+#endif
 
 using jaxflash::kSignatureMatches;
 
@@ -70,6 +79,12 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
       !Aligned(args->lse, 16)) {
     return kInvalid;  // TMA needs 16-byte aligned global addresses
   }
+  // Masked: every mask operand, 16-byte aligned (the key ids leave by bulk copies).
+  if (!jaxflash::MaskOperandsMatch(args->mask) || !Aligned(args->mask.row_ids, 16) ||
+      !Aligned(args->mask.col_ids, 16) || !Aligned(args->mask.ranges, 16) ||
+      !Aligned(args->mask.order, 16)) {
+    return kInvalid;
+  }
   const int32_t status = jaxflash_variant_load();
   if (status != 0) return status;
 
@@ -80,6 +95,20 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
   TensorV v = Dense4<TensorV>(args->v, b, sk, hk, JAXFLASH_HEAD_DIM_V);
   TensorO o = Dense4<TensorO>(args->out, b, sq, h, JAXFLASH_HEAD_DIM_V);
   TensorLse lse = Dense3<TensorLse>(args->lse, b, h, sq);  // (batch, heads, seqlen_q)
+#if JAXFLASH_MASKED
+  const int32_t m_blocks = (sq + JAXFLASH_TILE_M - 1) / JAXFLASH_TILE_M;
+  const int32_t n_blocks = (sk + JAXFLASH_TILE_N - 1) / JAXFLASH_TILE_N;
+  const JaxflashMask& m = args->mask;
+  TensorQIds q_ids = Dense2<TensorQIds>(m.row_ids, b, m_blocks * JAXFLASH_TILE_M);
+  TensorKIds k_ids = Dense2<TensorKIds>(m.col_ids, b, n_blocks * JAXFLASH_TILE_N);
+  TensorRanges ranges = Dense2Static<TensorRanges>(m.ranges, b, m_blocks, 4);
+  TensorOrder order = Vector<TensorOrder>(m.order, b * m_blocks);
+  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &q_ids, &k_ids,
+                                          &ranges, &order, args->softmax_scale,
+                                          args->window_left, args->window_right,
+                                          static_cast<cudaStream_t>(stream));
+#else
   return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, args->softmax_scale,
                                           static_cast<cudaStream_t>(stream));
+#endif
 }

@@ -168,21 +168,3 @@ def wait_at_least(ptr: cute.Pointer, target: Int32):
   seen = load_acquire(ptr)
   while seen < target:
     seen = load_acquire(ptr)
-
-
-@dsl_user_op
-def bulk_copy_g2s(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, num_bytes: int,
-                  mbar_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
-  """smem[0:num_bytes] = gmem[0:num_bytes] by the bulk copy engine; completes on an mbarrier.
-
-  The bytes count towards the mbarrier's transaction count (a TMA pipeline stage's tx_count
-  must include them). num_bytes a multiple of 16, both addresses 16-byte aligned.
-  """
-  saddr = smem_ptr.toint(loc=loc, ip=ip).ir_value()
-  gaddr = gmem_ptr.toint(loc=loc, ip=ip).ir_value()
-  baddr = mbar_ptr.toint(loc=loc, ip=ip).ir_value()
-  llvm.inline_asm(
-      None, [saddr, gaddr, Int32(num_bytes).ir_value(loc=loc, ip=ip), baddr],
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-      "r,l,r,r", has_side_effects=True, is_align_stack=False,
-      asm_dialect=llvm.AsmDialect.AD_ATT)

@@ -3,7 +3,9 @@
 Imports cutlass, jaxflash.config and the sibling helper modules only (never jax).
 """
 
+import dataclasses
 import math
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 
@@ -52,6 +54,20 @@ _PRODUCER_REGS, _MMA_REGS = 24, 240
 # and a backward CTA holds a whole SM's shared memory) and with no more key blocks than query
 # blocks; above, the ascending order stays.
 _DET_ROTATE_MAX_KEY_BLOCKS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class _Masking:
+  """The run-time mask operands of a masked variant (block_ranges.py describes them)."""
+
+  query_ids: cute.Tensor  # (m blocks * tile_m, batch) int32
+  key_ids: cute.Tensor  # (n blocks * tile_n, batch) int32
+  ranges: cute.Tensor  # (4, n blocks, batch): m_min, m_max, full_lo, full_hi
+  order: cute.Tensor  # (batch * n blocks,): the CTA list
+  ranks: cute.Tensor  # deterministic: (m blocks, n blocks, batch), else None
+  window_left: Int32
+  window_right: Int32
+  query_ids_smem: cute.Tensor  # swap_sdp: (tile_m, num_stages) per Q/dO stage, else None
 
 
 def _mma_slices(tiled_mmas, mma_tidx):
@@ -107,6 +123,12 @@ class FlashAttentionBackwardSm90:
   arrival order, so no key block queues behind the others at the start (_m_rotation, _dq_rank);
   key block 0 then also waits for later CTAs, so this needs the head's key blocks resident
   together: up to _DET_ROTATE_MAX_KEY_BLOCKS of them, else the ascending order.
+  Masked variants (windows, segment ids; config.KernelVariant.masked) take per key block a
+  range of query blocks [m_min, m_max) and a sub-range [full_lo, full_hi) that needs no
+  elementwise mask (jaxflash/block_ranges.py computes them on the device), the CTA order, the
+  query and key segment ids and the band as run-time operands; their deterministic order is
+  descending key blocks (the CTA order launches them so), each contribution's rank comes
+  from a table of the same module.
   """
 
   def __init__(self, variant: config.KernelVariant):
@@ -130,7 +152,8 @@ class FlashAttentionBackwardSm90:
     # The dQ copy index is a shift and a mask (_dq_copy_layout); with more than 64 query rows,
     # fp32 S^T, dP^T and P^T fit next to dK and dV only while no dV GEMM is in flight.
     assert self.dq_copies in (1, 2) and (self.dv_after_ds or self.tile_m == 64), schedule
-    self.rotate_m = variant.deterministic and not variant.causal
+    self.masked = variant.masked
+    self.rotate_m = variant.deterministic and not variant.causal and not variant.masked
     self.num_mma_threads = _NUM_WG * _WG
     self.num_threads = self.num_mma_threads + _WG
     self.split_head_dim = not schedule.swap_sdp
@@ -143,21 +166,23 @@ class FlashAttentionBackwardSm90:
     self.ds_stages = self.num_stages if self.swap_sdp else 1
 
   @staticmethod
-  def smem_bytes(head_dim: int, head_dim_v: int, schedule: config.BwdSchedule,
-                 elem_bytes: int = 2) -> int:
+  def smem_bytes(variant: config.KernelVariant, elem_bytes: int = 2) -> int:
     """K, V, the Q and dO rings, P, dS, the fp32 dQ staging buffer, mbarriers, alignment.
 
-    swap_sdp: no P buffer, num_stages dS buffers, lse2 / delta rows per Q stage.
+    swap_sdp: no P buffer, num_stages dS buffers, lse2 / delta (and, masked, query id) rows per
+    Q stage.
     """
     def aligned(n):
       return (n + sm90_gemm.SMEM_ALIGN - 1) // sm90_gemm.SMEM_ALIGN * sm90_gemm.SMEM_ALIGN
+    schedule, head_dim, head_dim_v = variant.schedule, variant.head_dim, variant.head_dim_v
     m, n, s = schedule.tile_m, schedule.tile_n, schedule.num_stages
     swap = schedule.swap_sdp
+    rows_per_stage = (3 if variant.masked else 2) if swap else 0
     total = (aligned(n * head_dim * elem_bytes) + aligned(n * head_dim_v * elem_bytes)
              + aligned(s * m * head_dim * elem_bytes)
              + aligned(schedule.do_stages * m * head_dim_v * elem_bytes)
              + (s if swap else 2) * aligned(m * n * elem_bytes)
-             + aligned(m * head_dim * 4 // schedule.dq_pieces) + (2 * m * s * 4 if swap else 0))
+             + aligned(m * head_dim * 4 // schedule.dq_pieces) + rows_per_stage * m * s * 4)
     return total + sm90_gemm.SMEM_ALIGN
 
   @staticmethod
@@ -253,6 +278,10 @@ class FlashAttentionBackwardSm90:
       # Per Q/dO stage: the block's lse2 and delta rows (read by the columns of S^T / dP^T).
       fields["sLSE2"] = buffer(Float32, m * stages, 128)
       fields["sDelta"] = buffer(Float32, m * stages, 128)
+      if self.masked:
+        # ... and its query segment ids.
+        fields["sQIds"] = buffer(Int32, m * stages, 128)
+        self.tma_bytes_qdo += self.tile_m * 4
     self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
   @cute.jit
@@ -268,7 +297,14 @@ class FlashAttentionBackwardSm90:
       mdK: cute.Tensor,  # (batch, seqlen_k, num_kv_heads, head_dim)
       mdV: cute.Tensor,  # (batch, seqlen_k, num_kv_heads, head_dim_v)
       mSem: cute.Tensor,  # (batch, num_heads, copies * seqlen_q_rounded / tile_m) int32, or None
+      mQIds: cute.Tensor,  # masked: (batch, m blocks * tile_m) int32 query ids, or None
+      mKIds: cute.Tensor,  # masked: (batch, n blocks * tile_n) int32 key ids, or None
+      mRanges: cute.Tensor,  # masked: (batch, n blocks, 4) int32 block ranges, or None
+      mOrder: cute.Tensor,  # masked: (batch * n blocks,) int32 CTA order, or None
+      mRanks: cute.Tensor,  # masked deterministic: (batch, n blocks, m blocks) int32, or None
       softmax_scale: Float32,
+      window_left: Optional[Int32],  # masked: the band (block_ranges.window_bounds), or None
+      window_right: Optional[Int32],
       stream: cuda.CUstream,
   ):
     if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
@@ -287,6 +323,15 @@ class FlashAttentionBackwardSm90:
     mdQaccum = _select(mdQaccum, [2, 3, 1, 0])  # (copies * rows, head_dim, heads, batch)
     if const_expr(self.deterministic):
       mSem = _select(mSem, [2, 1, 0])  # (copies * m blocks, heads, batch)
+    if const_expr(self.masked != (mRanges is not None)
+                  or (mRanks is not None) != (self.masked and self.deterministic)):
+      raise TypeError("the mask operands are passed exactly to masked variants, the ranks to "
+                      "deterministic ones")
+    if const_expr(self.masked):
+      mQIds, mKIds = [_select(t, [1, 0]) for t in (mQIds, mKIds)]  # (positions, batch)
+      mRanges = _select(mRanges, [2, 1, 0])  # (4, n blocks, batch)
+      if const_expr(self.deterministic):
+        mRanks = _select(mRanks, [2, 1, 0])  # (m blocks, n blocks, batch)
 
     load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
     q_tile, do_tile = (self.tile_m, self.head_dim), (self.tile_m, self.head_dim_v)
@@ -303,12 +348,16 @@ class FlashAttentionBackwardSm90:
 
     grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]),
             cute.size(mK.shape[3]))
+    if const_expr(self.masked):
+      # One CTA per (key block, kv head): the kv heads of one entry of the order consecutive.
+      grid = (grid[0] * grid[1] * grid[2], 1, 1)
     self.kernel(
         tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, mLSE2, mDelta, mdQaccum, mSem,
         tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dk, tma_atom_dv,
         softmax_scale,
         self.sQ_layout, self.sK_layout, self.sV_layout, self.sdO_layout, self.sPdS_layout,
         self.tiled_mma_sdp, self.tiled_mma_dk, self.tiled_mma_dv, self.tiled_mma_dq,
+        mQIds, mKIds, mRanges, mOrder, mRanks, window_left, window_right,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
   @cute.kernel
@@ -340,6 +389,13 @@ class FlashAttentionBackwardSm90:
       tiled_mma_dk: cute.TiledMma,
       tiled_mma_dv: cute.TiledMma,
       tiled_mma_dq: cute.TiledMma,
+      mQIds: cute.Tensor,  # masked: (m blocks * tile_m, batch), or None (also the rest)
+      mKIds: cute.Tensor,  # (n blocks * tile_n, batch)
+      mRanges: cute.Tensor,  # (4, n blocks, batch): m_min, m_max, full_lo, full_hi
+      mOrder: cute.Tensor,  # (batch * n blocks,)
+      mRanks: cute.Tensor,  # deterministic: (m blocks, n blocks, batch)
+      window_left: Optional[Int32],
+      window_right: Optional[Int32],
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -362,6 +418,14 @@ class FlashAttentionBackwardSm90:
       stats_layout = cute.make_layout((self.tile_m, self.num_stages))
       stats = (mLSE2, mDelta, storage.sLSE2.get_tensor(stats_layout),
                storage.sDelta.get_tensor(stats_layout))
+    masking = None
+    if const_expr(self.masked):
+      query_ids_smem = None
+      if const_expr(self.swap_sdp):
+        query_ids_smem = storage.sQIds.get_tensor(cute.make_layout((self.tile_m,
+                                                                    self.num_stages)))
+      masking = _Masking(mQIds, mKIds, mRanges, mOrder, mRanks, window_left, window_right,
+                         query_ids_smem)
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -375,31 +439,35 @@ class FlashAttentionBackwardSm90:
     warpgroup_idx = cute.arch.make_warp_uniform(tidx // _WG)
     if warpgroup_idx == 0:
       cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
-      n_block, head_kv, batch, m_min, m_max, m_rot = self._work_coords(seqlen_q, seqlen_k)
+      n_block, head_kv, batch, m_min, m_max, m_rot = self._work_coords(seqlen_q, seqlen_k,
+                                                                       masking)
       if warp_idx == 0:
         self.load(mQ, mK, mV, mdO, tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do,
                   smem["sQ"], smem["sK"], smem["sV"], smem["sdO"], pipeline_kv, pipeline_qdo,
-                  pipeline_do, n_block, head_kv, batch, group, m_min, m_max, m_rot, stats)
+                  pipeline_do, n_block, head_kv, batch, group, m_min, m_max, m_rot, stats,
+                  masking)
       if warp_idx == _DQ_WRITER_WARP:
         self.store_dq(mdQaccum, mSem, sdQ, n_block, head_kv, batch, group, m_min, m_max,
-                      m_rot, seqlen_q, seqlen_k)
+                      m_rot, seqlen_q, seqlen_k, masking)
       if const_expr(self.deterministic):
         if warp_idx == _DQ_RELEASE_WARP:
           self.release_dq(mdQaccum, mSem, n_block, head_kv, batch, group, m_min, m_max, m_rot,
                           seqlen_q)
     else:
       cute.arch.setmaxregister_increase(_MMA_REGS)
-      n_block, head_kv, batch, m_min, m_max, m_rot = self._work_coords(seqlen_q, seqlen_k)
+      n_block, head_kv, batch, m_min, m_max, m_rot = self._work_coords(seqlen_q, seqlen_k,
+                                                                       masking)
       if const_expr(self.swap_sdp):
         self.mma_swapped(mdK, mdV, stats[2], stats[3], tma_atom_dk, tma_atom_dv, smem, sdQ,
                          tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
                          pipeline_kv, pipeline_qdo, softmax_scale,
-                         n_block, head_kv, batch, group, m_rot, seqlen_q, seqlen_k)
+                         n_block, head_kv, batch, group, m_rot, seqlen_q, seqlen_k, masking)
       else:
         self.mma(mdK, mdV, mLSE2, mDelta, tma_atom_dk, tma_atom_dv, smem, sdQ,
                  tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
                  pipeline_kv, pipeline_qdo, pipeline_do, softmax_scale,
-                 n_block, head_kv, batch, group, m_min, m_max, m_rot, seqlen_q, seqlen_k)
+                 n_block, head_kv, batch, group, m_min, m_max, m_rot, seqlen_q, seqlen_k,
+                 masking)
 
   def _make_pipelines(self, storage):
     """TMA pipelines: one elected producer thread arrives; lane 0 of each consumer warp releases."""
@@ -426,14 +494,28 @@ class FlashAttentionBackwardSm90:
     return kv, q, do
 
   @cute.jit
-  def _work_coords(self, seqlen_q: Int32, seqlen_k: Int32):
+  def _work_coords(self, seqlen_q: Int32, seqlen_k: Int32, masking):
     """This CTA's key block, kv head and batch, and its query blocks [m_min, m_max), rotation."""
-    n_block, head_kv, batch = cute.arch.block_idx()
-    if const_expr(self.causal and self.deterministic):
-      # Shortest first: the last key block (fewest query blocks) is launched first.
-      n_block = cute.ceil_div(seqlen_k, self.tile_n) - 1 - n_block
-    m_min, m_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
-    return n_block, head_kv, batch, m_min, m_max, self._m_rotation(n_block, seqlen_q, seqlen_k)
+    if const_expr(self.masked):
+      # Entry cta // kv heads of the CTA order names (batch, key block); kv heads fastest.
+      cta, _, _ = cute.arch.block_idx()
+      num_kv_heads = cute.arch.grid_dim()[0] // masking.order.shape[0]
+      entry = cta // num_kv_heads
+      head_kv = cta - entry * num_kv_heads
+      num_n = masking.ranges.shape[1]
+      batch = masking.order[entry] // num_n
+      n_block = masking.order[entry] - batch * num_n
+      m_min = masking.ranges[0, n_block, batch]
+      m_max = masking.ranges[1, n_block, batch]
+      m_rot = None
+    else:
+      n_block, head_kv, batch = cute.arch.block_idx()
+      if const_expr(self.causal and self.deterministic):
+        # Shortest first: the last key block (fewest query blocks) is launched first.
+        n_block = cute.ceil_div(seqlen_k, self.tile_n) - 1 - n_block
+      m_min, m_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
+      m_rot = self._m_rotation(n_block, seqlen_q, seqlen_k)
+    return n_block, head_kv, batch, m_min, m_max, m_rot
 
   @cute.jit
   def _m_block_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
@@ -504,11 +586,11 @@ class FlashAttentionBackwardSm90:
            tma_atom_do: cute.CopyAtom, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
            sdO: cute.Tensor, pipeline_kv, pipeline_qdo, pipeline_do, n_block: Int32,
            head_kv: Int32, batch: Int32, group: Int32, m_min: Int32, m_max: Int32, m_rot,
-           stats=None):
+           stats, masking):
     """Producer warp: K and V once, then Q and dO per (query head of the group, query block).
 
-    stats (swap_sdp): (mLSE2, mDelta, sLSE2, sDelta); the block's lse2 / delta rows go with
-    Q and dO into the same stage.
+    stats (swap_sdp): (mLSE2, mDelta, sLSE2, sDelta); the block's lse2 / delta rows (and the
+    masked variants' query ids) go with Q and dO into the same stage.
     """
     one_cta = cute.make_layout(1)
     gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim),
@@ -549,9 +631,14 @@ class FlashAttentionBackwardSm90:
           if const_expr(stats is not None):
             with cute.arch.elect_one():
               for src, dst in ((stats[0], stats[2]), (stats[1], stats[3])):
-                bwd_common.bulk_copy_g2s(
+                sm90_gemm.bulk_copy_g2s(
                     dst[None, qdo_state.index].iterator,
                     src[None, head, batch].iterator + m_block * self.tile_m,
+                    self.tile_m * 4, barrier)
+              if const_expr(self.masked):
+                sm90_gemm.bulk_copy_g2s(
+                    masking.query_ids_smem[None, qdo_state.index].iterator,
+                    masking.query_ids[None, batch].iterator + m_block * self.tile_m,
                     self.tile_m * 4, barrier)
           qdo_state.advance()
         else:
@@ -587,7 +674,7 @@ class FlashAttentionBackwardSm90:
           tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
           tiled_mma_dq: cute.TiledMma, pipeline_kv, pipeline_qdo, pipeline_do,
           softmax_scale: Float32, n_block: Int32, head_kv: Int32, batch: Int32, group: Int32,
-          m_min: Int32, m_max: Int32, m_rot, seqlen_q: Int32, seqlen_k: Int32):
+          m_min: Int32, m_max: Int32, m_rot, seqlen_q: Int32, seqlen_k: Int32, masking):
     """Consumer warpgroups of the head-dim split: the five GEMMs per query block, then the
     dK/dV epilogue."""
     tidx, _, _ = cute.arch.thread_idx()
@@ -615,29 +702,62 @@ class FlashAttentionBackwardSm90:
 
     qdo_state = self._wait_for_k_v(pipeline_kv)
     do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
-    # Query blocks [m_min, m_split) need the elementwise mask, [m_split, m_max) none: two loops,
-    # so the unmasked (most common) steps carry no mask code or registers.
-    m_split = self._first_unmasked_m_block(n_block, m_min, m_max, seqlen_q, seqlen_k)
+    ids = None
+    if const_expr(self.masked):
+      # Query blocks [full_lo, full_hi) need no elementwise mask; the masked steps compare the
+      # rows' query ids with the CTA's key ids.
+      full_lo = masking.ranges[2, n_block, batch]
+      full_hi = masking.ranges[3, n_block, batch]
+      ids = (masking.query_ids[None, batch],
+             cute.local_tile(masking.key_ids[None, batch], (self.tile_n,), (n_block,)),
+             masking.window_left, masking.window_right)
+    else:
+      # Query blocks [m_min, m_split) need the elementwise mask, [m_split, m_max) none: two
+      # loops, so the unmasked (most common) steps carry no mask code or registers.
+      m_split = self._first_unmasked_m_block(n_block, m_min, m_max, seqlen_q, seqlen_k)
     for g in cutlass.range(group, unroll=1):
       head = head_kv * group + g
       lse2_head = mLSE2[None, head, batch]
       delta_head = mDelta[None, head, batch]
-      for step in cutlass.range(m_min, m_split, unroll=1):
-        m_block = self._m_block_at(step, m_rot, m_max)
-        self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
-                      acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
-                      pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
-                      n_block, seqlen_q, seqlen_k, wg_idx, True)
-        qdo_state.advance()
-        do_state.advance()
-      for step in cutlass.range(m_split, m_max, unroll=1):
-        m_block = self._m_block_at(step, m_rot, m_max)
-        self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
-                      acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
-                      pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
-                      n_block, seqlen_q, seqlen_k, wg_idx, False)
-        qdo_state.advance()
-        do_state.advance()
+      if const_expr(self.masked):
+        for step in cutlass.range(m_min, full_lo, unroll=1):
+          self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
+                        acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
+                        pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, step,
+                        n_block, seqlen_q, seqlen_k, wg_idx, True, ids)
+          qdo_state.advance()
+          do_state.advance()
+        for step in cutlass.range(full_lo, full_hi, unroll=1):
+          self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
+                        acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
+                        pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, step,
+                        n_block, seqlen_q, seqlen_k, wg_idx, False, ids)
+          qdo_state.advance()
+          do_state.advance()
+        for step in cutlass.range(full_hi, m_max, unroll=1):
+          self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
+                        acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
+                        pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, step,
+                        n_block, seqlen_q, seqlen_k, wg_idx, True, ids)
+          qdo_state.advance()
+          do_state.advance()
+      else:
+        for step in cutlass.range(m_min, m_split, unroll=1):
+          m_block = self._m_block_at(step, m_rot, m_max)
+          self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
+                        acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
+                        pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
+                        n_block, seqlen_q, seqlen_k, wg_idx, True)
+          qdo_state.advance()
+          do_state.advance()
+        for step in cutlass.range(m_split, m_max, unroll=1):
+          m_block = self._m_block_at(step, m_rot, m_max)
+          self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
+                        acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
+                        pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
+                        n_block, seqlen_q, seqlen_k, wg_idx, False)
+          qdo_state.advance()
+          do_state.advance()
 
     self.epilogue(mdK, mdV, tma_atom_dk, tma_atom_dv, sK, sV, tiled_mma_dk, tiled_mma_dv,
                   acc_dk, acc_dv, softmax_scale, n_block, head_kv, batch)
@@ -649,8 +769,10 @@ class FlashAttentionBackwardSm90:
                sP: cute.Tensor, sdS: cute.Tensor, sdQ: cute.Tensor, lse2_head: cute.Tensor,
                delta_head: cute.Tensor, pipeline_qdo, qdo_state, pipeline_do, do_state,
                scale_log2: Float32, m_block: Int32, n_block: Int32, seqlen_q: Int32,
-               seqlen_k: Int32, wg_idx: Int32, is_masked: cutlass.Constexpr):
-    """One (query head, query block) against this CTA's key block; `is_masked`: apply the mask."""
+               seqlen_k: Int32, wg_idx: Int32, is_masked: cutlass.Constexpr, ids=None):
+    """One (query head, query block) against this CTA's key block; `is_masked`: apply the mask.
+    ids (masked variants): (query ids of the batch, key ids of the key block, window_left,
+    window_right)."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WG
     stage = qdo_state.index
@@ -680,8 +802,17 @@ class FlashAttentionBackwardSm90:
     # P = exp2(S * scale * log2(e) - lse * log2(e)); masked scores are -inf, so P = 0 there.
     acc_s_mn = softmax.make_acc_mn_view(acc_s)
     if const_expr(is_masked):
-      mask.apply_mask(acc_s_mn, tScS_mn, m_block, n_block, seqlen_q, seqlen_k, self.tile_m,
-                      self.tile_n, self.causal)
+      if const_expr(self.masked):
+        query_ids, key_ids, window_left, window_right = ids
+        row_ids = cute.make_rmem_tensor(num_rows, Int32)
+        for i in cutlass.range_constexpr(num_rows):
+          row_ids[i] = query_ids[m_block * self.tile_m + tScS_mn[i, 0][0]]
+        mask.apply_band_and_ids(acc_s_mn, tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
+                                self.tile_m, self.tile_n, window_left, window_right, row_ids,
+                                key_ids)
+      else:
+        mask.apply_mask(acc_s_mn, tScS_mn, m_block, n_block, seqlen_q, seqlen_k, self.tile_m,
+                        self.tile_n, self.causal)
     for i in cutlass.range_constexpr(num_rows):
       for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
         acc_s_mn[i, j] = cute.math.exp2(acc_s_mn[i, j] * scale_log2 - lse2[i], fastmath=True)
@@ -724,7 +855,7 @@ class FlashAttentionBackwardSm90:
                   tiled_mma_dk: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
                   tiled_mma_dq: cute.TiledMma, pipeline_kv, pipeline_qdo,
                   softmax_scale: Float32, n_block: Int32, head_kv: Int32, batch: Int32,
-                  group: Int32, m_rot, seqlen_q: Int32, seqlen_k: Int32):
+                  group: Int32, m_rot, seqlen_q: Int32, seqlen_k: Int32, masking):
     """mma with swap_sdp: the same loop and epilogue around mma_step_swapped.
 
     sLSE2 / sDelta: (tile_m, num_stages) lse2 / delta rows of the Q/dO stages (the producer
@@ -760,25 +891,58 @@ class FlashAttentionBackwardSm90:
         thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))))
     scale_log2 = softmax_scale * LOG2_E
 
+    ids = None
+    if const_expr(self.masked):
+      # The masked steps compare this thread's key rows' ids with the stage's query ids.
+      key_row_ids = cute.make_rmem_tensor(cute.size(tStS_mn, mode=[0]), Int32)
+      for i in cutlass.range_constexpr(cute.size(key_row_ids)):
+        key_row_ids[i] = masking.key_ids[n_block * self.tile_n + tStS_mn[i, 0][0], batch]
+      ids = (key_row_ids, masking.query_ids_smem, masking.window_left, masking.window_right)
     qdo_state = self._wait_for_k_v(pipeline_kv)
     for g in cutlass.range(group, unroll=1):
-      # The query block range, recomputed per head (cheap integer math on kernel parameters).
-      m_min, m_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
-      m_split = self._first_unmasked_m_block(n_block, m_min, m_max, seqlen_q, seqlen_k)
-      for step in cutlass.range(m_min, m_split, unroll=1):
-        m_block = self._m_block_at(step, m_rot, m_max)
-        self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
-                              acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
-                              pipeline_qdo, qdo_state, scale_log2, m_block, n_block, seqlen_q,
-                              seqlen_k, wg_idx, True)
-        qdo_state.advance()
-      for step in cutlass.range(m_split, m_max, unroll=1):
-        m_block = self._m_block_at(step, m_rot, m_max)
-        self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
-                              acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
-                              pipeline_qdo, qdo_state, scale_log2, m_block, n_block, seqlen_q,
-                              seqlen_k, wg_idx, False)
-        qdo_state.advance()
+      if const_expr(self.masked):
+        # [m_min, full_lo) and [full_hi, m_max) masked, [full_lo, full_hi) not.
+        m_min = masking.ranges[0, n_block, batch]
+        m_max = masking.ranges[1, n_block, batch]
+        full_lo = masking.ranges[2, n_block, batch]
+        full_hi = masking.ranges[3, n_block, batch]
+        for step in cutlass.range(m_min, full_lo, unroll=1):
+          self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
+                                frags, acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
+                                pipeline_qdo, qdo_state, scale_log2, step, n_block,
+                                seqlen_q, seqlen_k, wg_idx, True, ids)
+          qdo_state.advance()
+        for step in cutlass.range(full_lo, full_hi, unroll=1):
+          self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
+                                frags, acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
+                                pipeline_qdo, qdo_state, scale_log2, step, n_block,
+                                seqlen_q, seqlen_k, wg_idx, False, ids)
+          qdo_state.advance()
+        for step in cutlass.range(full_hi, m_max, unroll=1):
+          self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
+                                frags, acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
+                                pipeline_qdo, qdo_state, scale_log2, step, n_block,
+                                seqlen_q, seqlen_k, wg_idx, True, ids)
+          qdo_state.advance()
+      else:
+        # The query block range, recomputed per head (cheap integer math on kernel
+        # parameters).
+        m_min, m_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
+        m_split = self._first_unmasked_m_block(n_block, m_min, m_max, seqlen_q, seqlen_k)
+        for step in cutlass.range(m_min, m_split, unroll=1):
+          m_block = self._m_block_at(step, m_rot, m_max)
+          self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
+                                frags, acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
+                                pipeline_qdo, qdo_state, scale_log2, m_block, n_block,
+                                seqlen_q, seqlen_k, wg_idx, True)
+          qdo_state.advance()
+        for step in cutlass.range(m_split, m_max, unroll=1):
+          m_block = self._m_block_at(step, m_rot, m_max)
+          self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
+                                frags, acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
+                                pipeline_qdo, qdo_state, scale_log2, m_block, n_block,
+                                seqlen_q, seqlen_k, wg_idx, False)
+          qdo_state.advance()
 
     self.epilogue(mdK, mdV, tma_atom_dk, tma_atom_dv, sK, sV, tiled_mma_dk, tiled_mma_dv,
                   acc_dk, acc_dv, softmax_scale, n_block, head_kv, batch)
@@ -790,7 +954,7 @@ class FlashAttentionBackwardSm90:
                        sdS: cute.Tensor, sdQ: cute.Tensor, sLSE2: cute.Tensor,
                        sDelta: cute.Tensor, pipeline_qdo, qdo_state, scale_log2: Float32,
                        m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                       wg_idx: Int32, is_masked: cutlass.Constexpr):
+                       wg_idx: Int32, is_masked: cutlass.Constexpr, ids=None):
     """mma_step with swap_sdp (FA-3/FA-4's "SdP swapAB" with register-operand dV / dK).
 
     Each warpgroup computes S^T = K Q^T and dP^T = V dO^T for its 64 keys (rows) x tile_m
@@ -823,8 +987,16 @@ class FlashAttentionBackwardSm90:
     # P^T = exp2(S^T * scale * log2(e) - lse * log2(e)), lse of the column's query.
     acc_s_mn = softmax.make_acc_mn_view(acc_s)
     if const_expr(is_masked):
-      mask.apply_mask_transposed(acc_s_mn, tStS_mn, m_block, n_block, seqlen_q, seqlen_k,
-                                 self.tile_m, self.tile_n, self.causal)
+      if const_expr(self.masked):
+        # ids: (this thread's key ids, the stages' query ids, window_left, window_right).
+        key_row_ids, query_ids_smem, window_left, window_right = ids
+        mask.apply_band_and_ids_transposed(acc_s_mn, tStS_mn, m_block, n_block, seqlen_q,
+                                           seqlen_k, self.tile_m, self.tile_n, window_left,
+                                           window_right, key_row_ids,
+                                           query_ids_smem[None, stage])
+      else:
+        mask.apply_mask_transposed(acc_s_mn, tStS_mn, m_block, n_block, seqlen_q, seqlen_k,
+                                   self.tile_m, self.tile_n, self.causal)
     # Per-query statistics of this thread's columns come from the stage's copy of the
     # preprocess output (rows >= seqlen_q hold lse2 = +inf, delta = 0: P = 0 there), read
     # where used: 16 columns per thread, too many to hold both in registers (read into
@@ -918,7 +1090,7 @@ class FlashAttentionBackwardSm90:
   @cute.jit
   def store_dq(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
                n_block: Int32, head_kv: Int32, batch: Int32, group: Int32, m_min: Int32,
-               m_max: Int32, m_rot, seqlen_q: Int32, seqlen_k: Int32):
+               m_max: Int32, m_rot, seqlen_q: Int32, seqlen_k: Int32, masking):
     """dQ writer warp: adds each staged dQ block into the fp32 accumulator (bwd_common layout).
 
     Visits the (query head, query block) steps in the consumers' order. Lane 0 issues the bulk
@@ -952,7 +1124,10 @@ class FlashAttentionBackwardSm90:
                                   (self.tile_m, self.head_dim), (acc_block, 0))
             if const_expr(self.deterministic):
               sem = mSem[None, head, batch].iterator + acc_block
-              rank = self._dq_rank(m_block, n_block, seqlen_q, seqlen_k, shift)
+              if const_expr(self.masked):
+                rank = masking.ranks[m_block, n_block, batch]
+              else:
+                rank = self._dq_rank(m_block, n_block, seqlen_q, seqlen_k, shift)
               if lane == 0:
                 bwd_common.wait_at_least(sem, rank)
                 cute.arch.fence_proxy("async.global")

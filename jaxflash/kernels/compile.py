@@ -86,8 +86,36 @@ def load_dsl_runtime_path() -> str:
   return found[0]
 
 
+def _dense(shape, last_dim, dtype):
+  """A fake dense (b, s, h, last_dim) tensor: every non-unit stride is a 64-bit SymInt and a
+  multiple of last_dim, in mode order, with a unit last stride (how the C glue fills them)."""
+  strides = tuple(cute.sym_int64(divisibility=last_dim) for _ in shape[:-2]) + (last_dim, 1)
+  return make_fake_tensor(dtype, shape, strides, assumed_align=_ASSUMED_ALIGN)
+
+
+def mask_signature(batch, row_tile: int, col_tile: int):
+  """Fake run-time mask operands of a masked variant (block_ranges.py), by argument name:
+  row_ids (batch, tiles * row_tile) and col_ids (batch, blocks * col_tile) int32 segment ids
+  padded to whole tiles / blocks of the tiled side and the other; ranges (batch, tiles, 4)
+  int32; order (batch * tiles,) int32; window_left / window_right Int32 scalars."""
+  rows = cute.sym_int32(divisibility=row_tile)
+  cols = cute.sym_int32(divisibility=col_tile)
+  tiles = cute.sym_int32()
+  ids = lambda n: make_fake_tensor(cutlass.Int32, (batch, n), (cute.sym_int64(), 1),
+                                   assumed_align=_ASSUMED_ALIGN)
+  return dict(
+      row_ids=ids(rows), col_ids=ids(cols),
+      ranges=make_fake_tensor(cutlass.Int32, (batch, tiles, 4), (cute.sym_int64(), 4, 1),
+                              assumed_align=_ASSUMED_ALIGN),
+      order=make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,),
+                             assumed_align=_ASSUMED_ALIGN),
+      window_left=cutlass.Int32(0), window_right=cutlass.Int32(0))
+
+
 def fwd_signature(variant: config.KernelVariant):
-  """Fake (q, k, v, out, lse) tensors of the forward kernel; shapes dynamic, head dims static.
+  """Fake (q, k, v, out, lse, q_ids, k_ids, ranges, order) tensors and the (window_left,
+  window_right) scalars of the forward kernel; shapes dynamic, head dims static. The mask
+  operands are None for dense variants.
 
   Extents that must be equal share one SymInt. Strides are explicit 64-bit SymInts in mode
   order (batch, seq, heads) for q/k/v/out and (batch, heads) for lse, with a unit last stride:
@@ -98,19 +126,18 @@ def fwd_signature(variant: config.KernelVariant):
   d, dv = variant.head_dim, variant.head_dim_v
   batch, seqlen_q, seqlen_k = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
   num_heads, num_kv_heads = cute.sym_int32(), cute.sym_int32()
-
-  def dense(shape, last_dim, dt):
-    # Every non-unit stride of a dense (b, s, h, last_dim) tensor is a multiple of last_dim.
-    strides = tuple(cute.sym_int64(divisibility=last_dim) for _ in shape[:-2]) + (last_dim, 1)
-    return make_fake_tensor(dt, shape, strides, assumed_align=_ASSUMED_ALIGN)
-
-  q = dense((batch, seqlen_q, num_heads, d), d, dtype)
-  k = dense((batch, seqlen_k, num_kv_heads, d), d, dtype)
-  v = dense((batch, seqlen_k, num_kv_heads, dv), dv, dtype)
-  out = dense((batch, seqlen_q, num_heads, dv), dv, dtype)
+  q = _dense((batch, seqlen_q, num_heads, d), d, dtype)
+  k = _dense((batch, seqlen_k, num_kv_heads, d), d, dtype)
+  v = _dense((batch, seqlen_k, num_kv_heads, dv), dv, dtype)
+  out = _dense((batch, seqlen_q, num_heads, dv), dv, dtype)
   lse = make_fake_tensor(cutlass.Float32, (batch, num_heads, seqlen_q),
                          (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=_ASSUMED_ALIGN)
-  return q, k, v, out, lse
+  masking = dict.fromkeys(("row_ids", "col_ids", "ranges", "order", "window_left",
+                           "window_right"))
+  if variant.masked:
+    masking = mask_signature(batch, variant.schedule.tile_m, variant.schedule.tile_n)
+  return (q, k, v, out, lse, masking["row_ids"], masking["col_ids"], masking["ranges"],
+          masking["order"], masking["window_left"], masking["window_right"])
 
 
 def _checked(variant: config.KernelVariant, kernel_class) -> config.KernelVariant:
@@ -141,8 +168,10 @@ def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
   out_dir.mkdir(parents=True, exist_ok=True)
   prefix = function_prefix(variant)
   start = time.perf_counter()
-  compiled = cute.compile(kernel, *fwd_signature(variant), cutlass.Float32(1.0),
-                          make_fake_stream(), options=f"--gpu-arch {_GPU_ARCH[variant.arch]}")
+  q, k, v, out, lse, row_ids, col_ids, ranges, order, left, right = fwd_signature(variant)
+  compiled = cute.compile(kernel, q, k, v, out, lse, row_ids, col_ids, ranges, order,
+                          cutlass.Float32(1.0), left, right, make_fake_stream(),
+                          options=f"--gpu-arch {_GPU_ARCH[variant.arch]}")
   compiled.export_to_c(str(out_dir), variant.key, prefix)
   seconds = time.perf_counter() - start
   object_path = out_dir / f"{variant.key}.o"
@@ -171,8 +200,10 @@ def glue_defines(variant: config.KernelVariant, parts: dict) -> tuple[str, ...]:
              f"-DJAXFLASH_CAUSAL={int(variant.causal)}",
              f"-DJAXFLASH_DETERMINISTIC={int(variant.deterministic)}",
              f"-DJAXFLASH_TILE_M={schedule.tile_m}",
+             f"-DJAXFLASH_TILE_N={schedule.tile_n}",
              f"-DJAXFLASH_MAX_DQ_COPIES="
-             f"{schedule.dq_copies if variant.direction == 'bwd' else 1}"]
+             f"{schedule.dq_copies if variant.direction == 'bwd' else 1}",
+             f"-DJAXFLASH_MASKED={int(variant.masked)}"]
   for part, (prefix, header) in parts.items():
     defines += [f"-DJAXFLASH_PREFIX_{part.upper()}={prefix}",
                 f'-DJAXFLASH_HEADER_{part.upper()}="{header}"']
@@ -267,8 +298,7 @@ def bwd_signature(variant: config.KernelVariant) -> dict:
   accum_rows = cute.sym_int32(divisibility=variant.schedule.tile_m)  # copies * seqlen_q_rounded
 
   def dense(shape, last_dim, dt=dtype):
-    strides = tuple(cute.sym_int64(divisibility=last_dim) for _ in shape[:-2]) + (last_dim, 1)
-    return make_fake_tensor(dt, shape, strides, assumed_align=_ASSUMED_ALIGN)
+    return _dense(shape, last_dim, dt)
 
   def rows(shape, dt=cutlass.Float32, align=_ASSUMED_ALIGN):
     strides = (cute.sym_int64(), cute.sym_int64(), 1)
@@ -277,7 +307,7 @@ def bwd_signature(variant: config.KernelVariant) -> dict:
   sem = None
   if variant.deterministic:
     sem = rows((batch, num_heads, cute.sym_int32()), cutlass.Int32, 4)
-  return dict(
+  signature = dict(
       q=dense((batch, seqlen_q, num_heads, d), d),
       k=dense((batch, seqlen_k, num_kv_heads, d), d),
       v=dense((batch, seqlen_k, num_kv_heads, dv), dv),
@@ -293,6 +323,19 @@ def bwd_signature(variant: config.KernelVariant) -> dict:
       dv=dense((batch, seqlen_k, num_kv_heads, dv), dv),
       dq_semaphore=sem,
   )
+  # Masked: query ids padded to query blocks (columns), key ids to key blocks (rows: the CTAs),
+  # ranges and order per key block, and (deterministic) the ranks per (key, query) block.
+  masking = dict.fromkeys(("row_ids", "col_ids", "ranges", "order", "window_left",
+                           "window_right"))
+  ranks = None
+  if variant.masked:
+    masking = mask_signature(batch, variant.schedule.tile_n, variant.schedule.tile_m)
+    if variant.deterministic:
+      ranks = rows((batch, cute.sym_int32(), cute.sym_int32()), cutlass.Int32, _ASSUMED_ALIGN)
+  signature.update(key_ids=masking["row_ids"], query_ids=masking["col_ids"],
+                   ranges=masking["ranges"], order=masking["order"], ranks=ranks,
+                   window_left=masking["window_left"], window_right=masking["window_right"])
+  return signature
 
 
 def build_bwd_kernels(variant: config.KernelVariant):
@@ -316,7 +359,9 @@ def export_bwd_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel
       "pre": (pre, sig["out"], sig["d_out"], sig["lse"], sig["d_lse"], sig["lse_log2"],
               sig["delta"], sig["dq_accum"], sig["dq_semaphore"], stream),
       "main": (main, sig["q"], sig["k"], sig["v"], sig["d_out"], sig["lse_log2"], sig["delta"],
-               sig["dq_accum"], sig["dk"], sig["dv"], sig["dq_semaphore"], scale, stream),
+               sig["dq_accum"], sig["dk"], sig["dv"], sig["dq_semaphore"], sig["query_ids"],
+               sig["key_ids"], sig["ranges"], sig["order"], sig["ranks"], scale,
+               sig["window_left"], sig["window_right"], stream),
       "post": (post, sig["dq_accum"], sig["dq"], sig["dq_semaphore"], scale, stream),
   }
   start = time.perf_counter()

@@ -4,6 +4,7 @@ Imports cutlass, jaxflash.config and the sibling helper modules only (never jax)
 """
 
 import dataclasses
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 
@@ -48,6 +49,12 @@ class FlashAttentionForwardSm90:
   The schedule (config.FwdSchedule) sets the tile, the ping-pong of the consumer warpgroups
   (one's softmax overlaps the other's GEMMs), the persistent grid, the LPT tile order and where
   O is rescaled.
+  Masked variants (windows, segment ids; config.KernelVariant.masked) take per query tile a
+  range of key blocks [n_start, n_end) and a sub-range [full_lo, full_hi) that needs no
+  elementwise mask (jaxflash/block_ranges.py computes them on the device), the tile order
+  (longest first), the query and key segment ids and the band as run-time operands. The
+  producer copies each key block's ids into shared memory with its K tile; the blocks outside
+  [full_lo, full_hi) are masked by band and ids (mask.apply_band_and_ids).
   """
 
   def __init__(self, variant: config.KernelVariant):
@@ -69,17 +76,20 @@ class FlashAttentionForwardSm90:
     self.persistent = schedule.persistent
     self.lpt = schedule.lpt
     self.rescale_o_before_pv = schedule.rescale_o_before_pv
+    self.masked = variant.masked
 
   @staticmethod
-  def smem_bytes(head_dim: int, head_dim_v: int, schedule: config.FwdSchedule,
-                 elem_bytes: int = 2) -> int:
-    """Shared memory of one CTA: Q (reused for O), the K and V rings, mbarriers, alignment."""
+  def smem_bytes(variant: config.KernelVariant, elem_bytes: int = 2) -> int:
+    """Shared memory of one CTA: Q (reused for O), the K and V rings (masked: with the key
+    blocks' segment ids), mbarriers, alignment."""
     def aligned(n):
       return (n + _SMEM_ALIGN - 1) // _SMEM_ALIGN * _SMEM_ALIGN
+    schedule, head_dim, head_dim_v = variant.schedule, variant.head_dim, variant.head_dim_v
     q = aligned(schedule.tile_m * max(head_dim, head_dim_v) * elem_bytes)
     k = aligned(schedule.num_stages * schedule.tile_n * head_dim * elem_bytes)
     v = aligned(schedule.num_stages * schedule.tile_n * head_dim_v * elem_bytes)
-    return q + k + v + _SMEM_ALIGN
+    ids = schedule.num_stages * schedule.tile_n * 4 if variant.masked else 0
+    return q + k + v + ids + _SMEM_ALIGN
 
   @staticmethod
   def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:
@@ -112,18 +122,22 @@ class FlashAttentionForwardSm90:
     q_elems = max(cute.cosize(self.sQ_layout), cute.cosize(self.sO_layout))
     stages = self.num_stages
 
-    @cute.struct
-    class SharedStorage:
-      mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-      mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-      mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-      sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], _SMEM_ALIGN]
-      sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sK_layout)],
-                            _SMEM_ALIGN]
-      sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(self.sV_layout)],
-                            _SMEM_ALIGN]
+    def buffer(dtype, count, alignment=_SMEM_ALIGN):
+      return cute.struct.Align[cute.struct.MemRange[dtype, count], alignment]
 
-    self.shared_storage = SharedStorage
+    # cute.struct reads the class annotations in order.
+    fields = dict(
+        mbar_q=cute.struct.MemRange[cutlass.Int64, 2],
+        mbar_k=cute.struct.MemRange[cutlass.Int64, 2 * stages],
+        mbar_v=cute.struct.MemRange[cutlass.Int64, 2 * stages],
+        sQ=buffer(self.dtype, q_elems),
+        sK=buffer(self.dtype, cute.cosize(self.sK_layout)),
+        sV=buffer(self.dtype, cute.cosize(self.sV_layout)))
+    if self.masked:
+      # Per K stage: the key block's segment ids (one bulk copy with the K tile).
+      fields["sKIds"] = buffer(Int32, self.tile_n * stages, 128)
+      self.tma_bytes_k += self.tile_n * 4
+    self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
   @cute.jit
   def __call__(
@@ -133,7 +147,13 @@ class FlashAttentionForwardSm90:
       mV: cute.Tensor,  # (batch, seqlen_k, num_kv_heads, head_dim_v)
       mO: cute.Tensor,  # (batch, seqlen_q, num_heads, head_dim_v)
       mLSE: cute.Tensor,  # (batch, num_heads, seqlen_q) float32
+      mQIds: cute.Tensor,  # masked: (batch, m blocks * tile_m) int32 query segment ids, or None
+      mKIds: cute.Tensor,  # masked: (batch, n blocks * tile_n) int32 key segment ids, or None
+      mRanges: cute.Tensor,  # masked: (batch, m blocks, 4) int32 block ranges, or None
+      mOrder: cute.Tensor,  # masked: (batch * m blocks,) int32 tile order, or None
       softmax_scale: Float32,
+      window_left: Optional[Int32],  # masked: the band (block_ranges.window_bounds), or None
+      window_right: Optional[Int32],
       stream: cuda.CUstream,
   ):
     if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
@@ -141,11 +161,16 @@ class FlashAttentionForwardSm90:
       raise TypeError(f"q, k, v and out must all be {self.dtype}")
     if const_expr(mLSE.element_type != Float32):
       raise TypeError(f"lse must be Float32, got {mLSE.element_type}")
+    if const_expr(self.masked != (mRanges is not None)):
+      raise TypeError("the mask operands are passed exactly to masked variants")
     self._setup_attributes()
     # Kernel-side order puts the tile modes first: (seqlen, head_dim, heads, batch).
     mQ, mK, mO = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
     mVt = _select(mV, [3, 1, 2, 0])  # (head_dim_v, seqlen_k, num_kv_heads, batch)
     mLSE = _select(mLSE, [2, 1, 0])  # (seqlen_q, num_heads, batch)
+    if const_expr(self.masked):
+      mQIds, mKIds = [_select(t, [1, 0]) for t in (mQIds, mKIds)]  # (positions, batch)
+      mRanges = _select(mRanges, [2, 1, 0])  # (4, m blocks, batch)
 
     load_op = cpasync.CopyBulkTensorTileG2SOp()
     tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
@@ -168,6 +193,7 @@ class FlashAttentionForwardSm90:
         softmax_scale,
         self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout,
         self.tiled_mma_qk, self.tiled_mma_pv,
+        mQIds, mKIds, mRanges, mOrder, window_left, window_right,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
   @cute.kernel
@@ -189,6 +215,12 @@ class FlashAttentionForwardSm90:
       sO_layout: cute.ComposedLayout,
       tiled_mma_qk: cute.TiledMma,
       tiled_mma_pv: cute.TiledMma,
+      mQIds: cute.Tensor,  # masked: (m blocks * tile_m, batch), or None (also the rest)
+      mKIds: cute.Tensor,  # (n blocks * tile_n, batch)
+      mRanges: cute.Tensor,  # (4, m blocks, batch): n_start, n_end, full_lo, full_hi
+      mOrder: cute.Tensor,  # (batch * m blocks,)
+      window_left: Optional[Int32],
+      window_right: Optional[Int32],
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -203,6 +235,10 @@ class FlashAttentionForwardSm90:
     sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
     sO = cute.make_tensor(cute.recast_ptr(sQ.iterator, sO_layout.inner, self.dtype),
                           sO_layout.outer)
+    masking = None
+    if const_expr(self.masked):
+      sKIds = storage.sKIds.get_tensor(cute.make_layout((self.tile_n, self.num_stages)))
+      masking = _Masking(mQIds, mKIds, mRanges, mOrder, window_left, window_right, sKIds)
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -216,12 +252,12 @@ class FlashAttentionForwardSm90:
       cute.arch.setmaxregister_decrease(self.num_producer_regs)
       if warp_idx == 0:
         self.load(mQ, mK, mV, tma_atom_q, tma_atom_k, tma_atom_v, sQ, sK, sV,
-                  pipeline_q, pipeline_k, pipeline_v, scheduler)
+                  pipeline_q, pipeline_k, pipeline_v, scheduler, masking)
     else:
       cute.arch.setmaxregister_increase(self.num_mma_regs)
       self.mma(mO, mLSE, tma_atom_o, sQ, sK, sV, sO, tiled_mma_qk, tiled_mma_pv,
                pipeline_q, pipeline_k, pipeline_v, softmax_scale, scheduler,
-               mQ.shape[0], mK.shape[0])
+               mQ.shape[0], mK.shape[0], masking)
 
   def _make_pipelines(self, storage):
     """TMA pipelines: one elected producer thread arrives; consumers release per warp.
@@ -245,11 +281,12 @@ class FlashAttentionForwardSm90:
   def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
            tma_atom_q: cute.CopyAtom, tma_atom_k: cute.CopyAtom, tma_atom_v: cute.CopyAtom,
            sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-           pipeline_q, pipeline_k, pipeline_v, scheduler):
+           pipeline_q, pipeline_k, pipeline_v, scheduler, masking):
     """Producer warp: per tile, Q once and the K/V blocks in the consumers' order.
 
     The overlapped consumers need K(j+1) before V(j): K(n_max-1), Q, then K(n-1), V(n) for
-    n = n_max-1 .. 1, then V(0).
+    n = n_max-1 .. n_min+1, then V(n_min) (n_min = 0 but in masked variants). Masked: each K
+    stage also carries its key block's segment ids.
     """
     seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
     q_per_kv = mQ.shape[2] // mK.shape[2]
@@ -258,10 +295,10 @@ class FlashAttentionForwardSm90:
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
     tile = scheduler.first_tile()
     while tile < scheduler.total_tiles:
-      m_block, head, batch = scheduler.decode(tile)
+      m_block, head, batch, n_min, n_max = self._tile_and_key_blocks(
+          scheduler, tile, masking, seqlen_q, seqlen_k)
       # GQA/MQA: q heads [g * ratio, (g + 1) * ratio) share kv head g.
       head_kv = head // q_per_kv
-      n_max = mask.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
       gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
       gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
       gV = cute.local_tile(mV[None, None, head_kv, batch], (self.head_dim_v, self.tile_n),
@@ -273,38 +310,67 @@ class FlashAttentionForwardSm90:
       tVsV, tVgV = cpasync.tma_partition(
           tma_atom_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-      if n_max > 0:
+      if n_max > n_min:
         pipeline_k.producer_acquire(kv_state)
         cute.copy(tma_atom_k, tKgK[None, n_max - 1], tKsK[None, kv_state.index],
                   tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+        self._load_key_ids(masking, pipeline_k, kv_state, n_max - 1, batch)
       # Q is loaded even when no key block is visible: the consumers always wait for it, so no
       # TMA write into sQ can still be in flight when the epilogue reuses sQ for O.
       pipeline_q.producer_acquire(q_state)
       cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
       q_state.advance()
-      for i in cutlass.range(n_max - 1, unroll=1):
+      for i in cutlass.range(n_max - 1 - n_min, unroll=1):
         n_block = n_max - 1 - i
         v_state = kv_state.clone()
         kv_state.advance()
         pipeline_k.producer_acquire(kv_state)
         cute.copy(tma_atom_k, tKgK[None, n_block - 1], tKsK[None, kv_state.index],
                   tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+        self._load_key_ids(masking, pipeline_k, kv_state, n_block - 1, batch)
         pipeline_v.producer_acquire(v_state)
         cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, v_state.index],
                   tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
-      if n_max > 0:
+      if n_max > n_min:
         pipeline_v.producer_acquire(kv_state)
-        cute.copy(tma_atom_v, tVgV[None, 0], tVsV[None, kv_state.index],
+        cute.copy(tma_atom_v, tVgV[None, n_min], tVsV[None, kv_state.index],
                   tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
         kv_state.advance()
       tile = scheduler.next_tile(tile)
+
+  @cute.jit
+  def _tile_and_key_blocks(self, scheduler, tile: Int32, masking, seqlen_q: Int32,
+                           seqlen_k: Int32):
+    """(m_block, head, batch, n_min, n_max) of a tile: its key blocks are [n_min, n_max).
+    Dense variants: from the causal mask (n_min = 0, a trace-time constant); masked: from the
+    call's block ranges and tile order."""
+    if const_expr(self.masked):
+      m_block, head, batch = scheduler.decode_ordered(tile, masking.order)
+      n_min = masking.ranges[0, m_block, batch]
+      n_max = masking.ranges[1, m_block, batch]
+    else:
+      m_block, head, batch = scheduler.decode(tile)
+      n_min = 0
+      n_max = mask.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
+                               self.causal)
+    return m_block, head, batch, n_min, n_max
+
+  @cute.jit
+  def _load_key_ids(self, masking, pipeline_k, kv_state, n_block: Int32, batch: Int32):
+    """Masked: the segment ids of key block n_block into its K stage, one bulk copy that
+    completes on the K stage's barrier (its transaction bytes include them)."""
+    if const_expr(self.masked):
+      with cute.arch.elect_one():
+        sm90_gemm.bulk_copy_g2s(masking.key_ids_smem[None, kv_state.index].iterator,
+                                masking.key_ids[None, batch].iterator + n_block * self.tile_n,
+                                self.tile_n * 4, pipeline_k.producer_get_barrier(kv_state))
 
   @cute.jit
   def mma(self, mO: cute.Tensor, mLSE: cute.Tensor, tma_atom_o: cute.CopyAtom,
           sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sO: cute.Tensor,
           tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
           pipeline_q, pipeline_k, pipeline_v, softmax_scale: Float32, scheduler,
-          seqlen_q: Int32, seqlen_k: Int32):
+          seqlen_q: Int32, seqlen_k: Int32, masking):
     """Consumer warpgroups: per tile, S = Q K^T, online softmax, O += P V, epilogue."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WARPGROUP_THREADS
@@ -323,8 +389,10 @@ class FlashAttentionForwardSm90:
     row_scale = cute.make_rmem_tensor(num_rows, Float32)
     # P of the previous key block: with intra-warpgroup overlap it lives across iterations.
     tOrP = softmax.make_p_fragment(acc_shape_s, self.dtype)
+    # Masked: the segment ids of this thread's query rows (per tile).
+    row_ids = cute.make_rmem_tensor(num_rows, Int32) if const_expr(self.masked) else None
     c = _Consumer(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_s, acc_o, tOrP,
-                  tScS_mn, online, row_scale, pipeline_k, pipeline_v)
+                  tScS_mn, online, row_scale, pipeline_k, pipeline_v, masking, row_ids)
     wg = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS) - 1
     if const_expr(self.pingpong):
       # Warpgroup 0 takes the first turn: it arrives on its own barrier once.
@@ -336,28 +404,57 @@ class FlashAttentionForwardSm90:
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
     tile = scheduler.first_tile()
     while tile < scheduler.total_tiles:
-      m_block, head, batch = scheduler.decode(tile)
-      n_max = mask.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal)
-      n_masked = mask.num_masked_blocks(m_block, n_max, seqlen_q, seqlen_k, self.tile_m,
-                                        self.tile_n, self.causal)
+      m_block, head, batch, n_min, n_max = self._tile_and_key_blocks(
+          scheduler, tile, masking, seqlen_q, seqlen_k)
+      if const_expr(self.masked):
+        # Blocks [full_lo, full_hi) of [n_min, n_max) need no elementwise mask.
+        full_lo = masking.ranges[2, m_block, batch]
+        full_hi = masking.ranges[3, m_block, batch]
+        for i in cutlass.range_constexpr(num_rows):
+          row_ids[i] = masking.query_ids[m_block * self.tile_m + tScS_mn[i, 0][0], batch]
+      else:
+        n_masked = mask.num_masked_blocks(m_block, n_max, seqlen_q, seqlen_k, self.tile_m,
+                                          self.tile_n, self.causal)
       online.reset()
       acc_o.fill(0.0)
       pipeline_q.consumer_wait(q_state)
       # Key blocks run from n_max-1 down, so the blocks needing the elementwise mask come first.
-      if n_max > 0:
+      if n_max > n_min:
         self.first_block(c, kv_state, m_block, n_max - 1, seqlen_q, seqlen_k)
         # kv_state advances here, in the loop bodies: the DSL carries a state rebound in the
         # body, not one mutated inside a helper.
-        for i in cutlass.range(n_masked - 1, unroll=1):
-          v_state = kv_state.clone()
-          kv_state.advance()
-          self.overlap_step(c, kv_state, v_state, wg, m_block, n_max - 2 - i, seqlen_q,
-                            seqlen_k, True)
-        for i in cutlass.range(n_max - n_masked, unroll=1):
-          v_state = kv_state.clone()
-          kv_state.advance()
-          self.overlap_step(c, kv_state, v_state, wg, m_block, n_max - n_masked - 1 - i,
-                            seqlen_q, seqlen_k, False)
+        if const_expr(self.masked):
+          # Masked blocks down to full_hi, unmasked ones down to full_lo, masked ones down to
+          # n_min (the first block, n_max - 1, is always masked).
+          top = n_max - 1
+          hi = cutlass.min(full_hi, top)
+          lo = cutlass.min(full_lo, hi)
+          for i in cutlass.range(top - hi, unroll=1):
+            v_state = kv_state.clone()
+            kv_state.advance()
+            self.overlap_step(c, kv_state, v_state, wg, m_block, top - 1 - i, seqlen_q,
+                              seqlen_k, True)
+          for i in cutlass.range(hi - lo, unroll=1):
+            v_state = kv_state.clone()
+            kv_state.advance()
+            self.overlap_step(c, kv_state, v_state, wg, m_block, hi - 1 - i, seqlen_q,
+                              seqlen_k, False)
+          for i in cutlass.range(lo - n_min, unroll=1):
+            v_state = kv_state.clone()
+            kv_state.advance()
+            self.overlap_step(c, kv_state, v_state, wg, m_block, lo - 1 - i, seqlen_q,
+                              seqlen_k, True)
+        else:
+          for i in cutlass.range(n_masked - 1, unroll=1):
+            v_state = kv_state.clone()
+            kv_state.advance()
+            self.overlap_step(c, kv_state, v_state, wg, m_block, n_max - 2 - i, seqlen_q,
+                              seqlen_k, True)
+          for i in cutlass.range(n_max - n_masked, unroll=1):
+            v_state = kv_state.clone()
+            kv_state.advance()
+            self.overlap_step(c, kv_state, v_state, wg, m_block, n_max - n_masked - 1 - i,
+                              seqlen_q, seqlen_k, False)
         self.last_block(c, kv_state)
         kv_state.advance()
       self.epilogue(mO, mLSE, tma_atom_o, sO, tiled_mma_pv, thr_mma_pv, acc_o, online,
@@ -384,13 +481,28 @@ class FlashAttentionForwardSm90:
 
   @cute.jit
   def _softmax(self, c, acc_s: cute.Tensor, m_block: Int32, n_block: Int32, seqlen_q: Int32,
-               seqlen_k: Int32, is_masked: cutlass.Constexpr):
-    """Mask (if needed) and online softmax of one S block; leaves P (fp32) in acc_s."""
+               seqlen_k: Int32, is_masked: cutlass.Constexpr, k_state):
+    """Mask (if needed) and online softmax of one S block; leaves P (fp32) in acc_s.
+    k_state: the K stage of n_block (masked variants read the block's ids from it)."""
     acc_s_mn = softmax.make_acc_mn_view(acc_s)
     if const_expr(is_masked):
-      mask.apply_mask(acc_s_mn, c.tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
-                      self.tile_m, self.tile_n, self.causal)
+      if const_expr(self.masked):
+        m = c.masking
+        mask.apply_band_and_ids(acc_s_mn, c.tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
+                                self.tile_m, self.tile_n, m.window_left, m.window_right,
+                                c.row_ids, m.key_ids_smem[None, k_state.index])
+      else:
+        mask.apply_mask(acc_s_mn, c.tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
+                        self.tile_m, self.tile_n, self.causal)
     c.online.online_softmax(acc_s_mn, c.row_scale)
+
+  @cute.jit
+  def _release_k(self, c, kv_state, is_masked: cutlass.Constexpr,
+                 after_softmax: cutlass.Constexpr):
+    """Releases the K stage once its GEMM is done, or, where a masked variant's softmax still
+    reads the stage's key ids, after the softmax (then the producer cannot overwrite them)."""
+    if const_expr(after_softmax == (self.masked and is_masked)):
+      c.pipeline_k.consumer_release(kv_state)
 
   # The consumer GEMMs and O rescale, one place each (first_block, overlap_step and last_block
   # order them differently).
@@ -419,8 +531,9 @@ class FlashAttentionForwardSm90:
     pipeline_k.consumer_wait(kv_state)
     self._issue_qk(c, acc_s, kv_state)
     warpgroup.wait_group(0)
-    pipeline_k.consumer_release(kv_state)
-    self._softmax(c, acc_s, m_block, n_block, seqlen_q, seqlen_k, True)
+    self._release_k(c, kv_state, True, False)
+    self._softmax(c, acc_s, m_block, n_block, seqlen_q, seqlen_k, True, kv_state)
+    self._release_k(c, kv_state, True, True)
     softmax.convert_p(acc_s, c.tOrP)
 
   @cute.jit
@@ -446,8 +559,9 @@ class FlashAttentionForwardSm90:
     self._issue_pv(c, v_state)
     self._scheduler_arrive(wg)
     warpgroup.wait_group(1)
-    pipeline_k.consumer_release(kv_state)
-    self._softmax(c, acc_s, m_block, n_block, seqlen_q, seqlen_k, is_masked)
+    self._release_k(c, kv_state, is_masked, False)
+    self._softmax(c, acc_s, m_block, n_block, seqlen_q, seqlen_k, is_masked, kv_state)
+    self._release_k(c, kv_state, is_masked, True)
     warpgroup.wait_group(0)
     pipeline_v.consumer_release(v_state)
     # P of the previous block is free only now (the PV GEMM read it from registers).
@@ -545,3 +659,18 @@ class _Consumer:
   row_scale: cute.Tensor
   pipeline_k: pipeline.PipelineTmaAsync
   pipeline_v: pipeline.PipelineTmaAsync
+  masking: "_Masking" = None  # masked variants only (also row_ids)
+  row_ids: cute.Tensor = None  # segment ids of this thread's query rows in the current tile
+
+
+@dataclasses.dataclass(frozen=True)
+class _Masking:
+  """The run-time mask operands of a masked variant (block_ranges.py describes them)."""
+
+  query_ids: cute.Tensor  # (m blocks * tile_m, batch) int32
+  key_ids: cute.Tensor  # (n blocks * tile_n, batch) int32
+  ranges: cute.Tensor  # (4, m blocks, batch): n_min, n_max, full_lo, full_hi
+  order: cute.Tensor  # (batch * m blocks,): the tile list
+  window_left: Int32
+  window_right: Int32
+  key_ids_smem: cute.Tensor  # (tile_n, num_stages): each K stage's key block ids

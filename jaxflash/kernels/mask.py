@@ -1,7 +1,10 @@
 """Attention masks on the S accumulator and the key-block ranges they imply.
 
 Imports cutlass only. Causal masks are aligned bottom-right: query row i sees key j iff
-j <= i + seqlen_k - seqlen_q (the FlashAttention 2/3/4 convention).
+j <= i + seqlen_k - seqlen_q (the FlashAttention 2/3/4 convention). The masked variants take a
+band (window_left, window_right, the same alignment; causal folded into window_right) and
+segment ids as run-time data: query i sees key j iff i' - left <= j <= i' + right (i' = i +
+seqlen_k - seqlen_q) and their ids are equal.
 """
 
 import cutlass
@@ -83,4 +86,60 @@ def apply_mask_transposed(acc_t_mn: cute.Tensor, coord_mn: cute.Tensor, m_block:
       key_limit = cutlass.min(key_limit, query + seqlen_k - seqlen_q + 1 - row_base)
     for i in cutlass.range_constexpr(cute.size(acc_t_mn, mode=[0])):
       if coord_mn[i, 0][0] >= key_limit:
+        acc_t_mn[i, j] = -Float32.inf
+
+
+@cute.jit
+def apply_band_and_ids(acc_s_mn: cute.Tensor, coord_mn: cute.Tensor, m_block: Int32,
+                       n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                       tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+                       window_left: Int32, window_right: Int32, row_ids: cute.Tensor,
+                       col_ids: cute.Tensor):
+  """The masked variants' mask on S (rows queries, columns keys), in place.
+
+  row_ids: this thread's rows' query ids (registers, one per row of acc_s_mn); col_ids: the
+  key block's ids (tile_n, shared memory). Columns outside the row's band or >= seqlen_k, or
+  with another id, become -inf.
+  """
+  col_base = n_block * tile_n
+  offset = seqlen_k - seqlen_q
+  num_rows = cute.size(acc_s_mn, mode=[0])
+  col_lo = cute.make_rmem_tensor(num_rows, Int32)
+  col_hi = cute.make_rmem_tensor(num_rows, Int32)
+  for i in cutlass.range_constexpr(num_rows):
+    row = m_block * tile_m + coord_mn[i, 0][0] + offset - col_base
+    col_lo[i] = row - window_left  # first visible column, relative to the block
+    col_hi[i] = cutlass.min(row + window_right + 1, seqlen_k - col_base)  # one past the last
+  for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
+    col = coord_mn[0, j][1]
+    col_id = col_ids[col]
+    for i in cutlass.range_constexpr(num_rows):
+      if col < col_lo[i] or col >= col_hi[i] or col_id != row_ids[i]:
+        acc_s_mn[i, j] = -Float32.inf
+
+
+@cute.jit
+def apply_band_and_ids_transposed(acc_t_mn: cute.Tensor, coord_mn: cute.Tensor,
+                                  m_block: Int32, n_block: Int32, seqlen_q: Int32,
+                                  seqlen_k: Int32, tile_m: cutlass.Constexpr,
+                                  tile_n: cutlass.Constexpr, window_left: Int32,
+                                  window_right: Int32, row_ids: cute.Tensor,
+                                  col_ids: cute.Tensor):
+  """apply_band_and_ids on S^T (rows keys, columns queries: the backward's swapped S).
+
+  coord_mn: the (key, query) coordinates inside the (tile_n, tile_m) tile; row_ids: this
+  thread's keys' ids (registers); col_ids: the query block's ids (tile_m, shared memory). Key
+  j is visible to query i iff i' - left <= j <= i' + right and j < seqlen_k, ids equal.
+  """
+  row_base = n_block * tile_n
+  offset = seqlen_k - seqlen_q
+  for j in cutlass.range_constexpr(cute.size(acc_t_mn, mode=[1])):
+    query = coord_mn[0, j][1]
+    aligned = m_block * tile_m + query + offset - row_base
+    key_lo = aligned - window_left  # first visible key, relative to the block
+    key_hi = cutlass.min(aligned + window_right + 1, seqlen_k - row_base)
+    query_id = col_ids[query]
+    for i in cutlass.range_constexpr(cute.size(acc_t_mn, mode=[0])):
+      key = coord_mn[i, 0][0]
+      if key < key_lo or key >= key_hi or row_ids[i] != query_id:
         acc_t_mn[i, j] = -Float32.inf

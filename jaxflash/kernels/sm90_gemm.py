@@ -6,8 +6,10 @@ Imports cutlass only. Shared by the forward and backward kernels.
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.utils import LayoutEnum
 
 # config.KERNEL_DTYPES -> the element types of the kernels.
@@ -132,3 +134,21 @@ def _store_block(tiled_mma: cute.TiledMma, tidx, acc: cute.Tensor, dst: cute.Ten
         chunk32[v] = retiled[c * per_copy + v]
       chunk.store(chunk32.load().to(dtype))
     cute.copy(tiled_copy, chunk, dst_chunks[None, c])
+
+
+@dsl_user_op
+def bulk_copy_g2s(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, num_bytes: int,
+                  mbar_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
+  """smem[0:num_bytes] = gmem[0:num_bytes] by the bulk copy engine; completes on an mbarrier.
+
+  The bytes count towards the mbarrier's transaction count (a TMA pipeline stage's tx_count
+  must include them). num_bytes a multiple of 16, both addresses 16-byte aligned.
+  """
+  saddr = smem_ptr.toint(loc=loc, ip=ip).ir_value()
+  gaddr = gmem_ptr.toint(loc=loc, ip=ip).ir_value()
+  baddr = mbar_ptr.toint(loc=loc, ip=ip).ir_value()
+  llvm.inline_asm(
+      None, [saddr, gaddr, Int32(num_bytes).ir_value(loc=loc, ip=ip), baddr],
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+      "r,l,r,r", has_side_effects=True, is_align_stack=False,
+      asm_dialect=llvm.AsmDialect.AD_ATT)

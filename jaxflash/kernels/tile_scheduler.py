@@ -1,18 +1,20 @@
 """Maps CTAs to (m_block, head, batch) work tiles over a linear tile index (1-D grid).
 
-Imports cutlass only. The producer warp and the consumer warpgroups walk the same tile sequence:
-tile = first_tile(); while tile < total_tiles: ...; tile = next_tile(tile).
+Imports cutlass and jaxflash.config only. The producer warp and the consumer warpgroups walk the
+same tile sequence: tile = first_tile(); while tile < total_tiles: ...; tile = next_tile(tile).
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from jaxflash import config
+
 # Persistent grids launch at most this many CTAs: the SM count of H100 SXM / H200, the largest
 # sm_90 parts. Smaller parts (H100 PCIe: 114 SMs) are handled in-kernel with %nsmid.
 MAX_PERSISTENT_CTAS = 132
-# Bytes of L2 (50 MB on H100, 60 MB on H200) that the K and V of one head section may fill.
-_L2_BYTES_FOR_KV = 40 * 1024 * 1024
+# Bytes of L2 that the K and V of one head section may fill.
+_L2_BYTES_FOR_KV = config.L2_BYTES_FOR_REUSE
 
 
 class StaticTileScheduler:
@@ -97,6 +99,17 @@ class StaticTileScheduler:
     batch = hb // self.num_heads
     head = hb - batch * self.num_heads
     return m_block, head, batch
+
+  @cute.jit
+  def decode_ordered(self, tile: Int32, order: cute.Tensor):
+    """(m_block, head, batch) of a tile index < total_tiles when a tile list sets the order
+    (masked variants, one CTA per tile): entry tile // num_heads of `order` holds
+    batch * num_m_blocks + m_block, and the heads of one entry are consecutive tiles."""
+    entry = tile // self.num_heads
+    head = tile - entry * self.num_heads
+    bm = order[entry]
+    batch = bm // self.num_m_blocks
+    return bm - batch * self.num_m_blocks, head, batch
 
 
 @cute.jit

@@ -1,0 +1,150 @@
+"""The masked kernels' block ranges (jaxflash/block_ranges.py) against a brute-force mask.
+
+Every visible (query, key) pair must lie in a visited block, every pair of a block marked free
+of the elementwise mask must be visible (or harmless padding), and packed documents must get
+tight ranges. CPU only.
+"""
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from jaxflash import block_ranges, config
+from jaxflash.config import AttentionConfig
+
+
+def _visible(q_ids, kv_ids, left, right):
+  """(b, seq_q, seq_k) bool: the attention mask of jaxflash.attention."""
+  seq_q, seq_k = q_ids.shape[1], kv_ids.shape[1]
+  i = np.arange(seq_q)[:, None] + seq_k - seq_q
+  j = np.arange(seq_k)[None, :]
+  band = (j >= i - left) & (j <= i + right)
+  return band[None] & (q_ids[:, :, None] == kv_ids[:, None, :])
+
+
+def _check(ranges, visible, row_tile, col_tile, row_padding_masked, col_padding_harmless,
+           tight):
+  """ranges of the row side (visible: (b, rows, cols)) against the brute-force mask; `tight`:
+  the range is the smallest interval of the visible blocks (ids in contiguous runs)."""
+  b, rows, cols = visible.shape
+  tiles = -(-rows // row_tile)
+  blocks = -(-cols // col_tile)
+  assert ranges.shape == (b, tiles, 4)
+  for bi, t in itertools.product(range(b), range(tiles)):
+    start, end, full_lo, full_hi = (int(x) for x in ranges[bi, t])
+    assert 0 <= start <= full_lo <= full_hi <= end <= blocks, (start, end, full_lo, full_hi)
+    tile = visible[bi, t * row_tile:(t + 1) * row_tile]
+    seen_blocks = {c // col_tile for c in np.nonzero(tile.any(axis=0))[0]}
+    # Every visible pair is in a visited block; with contiguous ids the range is the tightest
+    # interval (other ids: the hull of their keys).
+    if seen_blocks:
+      assert start <= min(seen_blocks) and max(seen_blocks) < end
+      if tight:
+        assert (start, end) == (min(seen_blocks), max(seen_blocks) + 1)
+    elif tight:
+      assert start == end
+    padded_rows = (t + 1) * row_tile > rows
+    for blk in range(full_lo, full_hi):
+      assert not (row_padding_masked and padded_rows)
+      block = tile[:, blk * col_tile:(blk + 1) * col_tile]
+      if not col_padding_harmless:
+        assert (blk + 1) * col_tile <= cols
+      assert block.all(), (bi, t, blk)
+
+
+def _cases():
+  rng = np.random.default_rng(0)
+  yield "packed", np.repeat(np.arange(4), [70, 3, 120, 63])[None].repeat(2, 0), None
+  docs = np.sort(rng.integers(0, 5, (2, 256)), axis=1)
+  yield "sorted", docs, docs
+  yield "arbitrary", rng.integers(0, 3, (2, 256)), rng.integers(0, 3, (2, 256))
+  yield "padding", np.where(np.arange(256) < 200, 1, 0)[None].repeat(2, 0), None
+  yield "none", np.zeros((2, 256), np.int64), None
+
+
+@pytest.mark.parametrize("name,q_ids,kv_ids", list(_cases()), ids=[c[0] for c in _cases()])
+@pytest.mark.parametrize("window,causal", [((None, None), False), ((None, None), True),
+                                           ((40, 7), False), ((100, None), True),
+                                           ((0, 0), False), ((-5, 30), False)],
+                         ids=["full", "causal", "band", "causal_left", "diagonal", "shifted"])
+@pytest.mark.parametrize("seq_q_cut", [0, 57], ids=["square", "seq_q<seq_k"])
+def test_ranges_cover_the_mask_and_full_blocks_need_no_mask(name, q_ids, kv_ids, window,
+                                                           causal, seq_q_cut):
+  kv_ids = q_ids if kv_ids is None else kv_ids
+  q_ids = q_ids[:, seq_q_cut:]
+  cfg = AttentionConfig(softmax_scale=1.0, causal=causal, window_left=window[0],
+                        window_right=window[1])
+  left, right = block_ranges.window_bounds(cfg)
+  seq_q, seq_k = q_ids.shape[1], kv_ids.shape[1]
+  visible = _visible(q_ids, kv_ids, left, right)
+  q, kv = jax.numpy.asarray(q_ids, np.int32), jax.numpy.asarray(kv_ids, np.int32)
+  for tile_m, tile_n in ((128, 128), (80, 128), (64, 64), (192, 128), (128, 176)):
+    fwd = block_ranges.block_ranges(
+        q, kv, block_ranges.forward_tiling(tile_m, tile_n, seq_q, seq_k, (left, right)))
+    tight = name != "arbitrary"
+    _check(np.asarray(fwd), visible, tile_m, tile_n, False, False, tight)
+    bwd = block_ranges.block_ranges(
+        kv, q, block_ranges.backward_tiling(tile_m, tile_n, seq_q, seq_k, (left, right)))
+    _check(np.asarray(bwd), visible.transpose(0, 2, 1), tile_n, tile_m, True, True, tight)
+
+
+def test_packed_documents_get_tight_full_blocks():
+  """Four documents of 256 keys, causal, tiles of 128: an interior tile visits only its own
+  document's blocks up to the diagonal, and all but the diagonal block run unmasked."""
+  ids = np.repeat(np.arange(4), 256)[None]
+  cfg = AttentionConfig(softmax_scale=1.0, causal=True, has_segment_ids=True)
+  tiling = block_ranges.forward_tiling(128, 128, 1024, 1024, block_ranges.window_bounds(cfg))
+  ranges = np.asarray(block_ranges.block_ranges(jax.numpy.asarray(ids, np.int32),
+                                                jax.numpy.asarray(ids, np.int32), tiling))
+  # Tile t of document t // 2: blocks [2 (t // 2), t + 1), the diagonal block t masked.
+  for t in range(8):
+    first = 2 * (t // 2)
+    assert tuple(ranges[0, t]) == (first, t + 1, first, t), (t, ranges[0, t])
+
+
+def test_window_bounds_fold_causal_and_clip():
+  u = config.WINDOW_UNBOUNDED
+  assert block_ranges.window_bounds(AttentionConfig(1.0)) == (u, u)
+  assert block_ranges.window_bounds(AttentionConfig(1.0, causal=True)) == (u, 0)
+  assert block_ranges.window_bounds(AttentionConfig(1.0, causal=True, window_left=4,
+                                                    window_right=9)) == (4, 0)
+  assert block_ranges.window_bounds(AttentionConfig(1.0, causal=True, window_right=-3)) == (u, -3)
+  assert block_ranges.window_bounds(AttentionConfig(1.0, window_left=2 ** 40)) == (u, u)
+
+
+def test_orders_and_ranks():
+  ranges = np.array([[[0, 3, 0, 0], [1, 4, 1, 1], [2, 2, 2, 2], [0, 4, 0, 0]]], np.int32)
+  order = np.asarray(block_ranges.longest_first(jax.numpy.asarray(ranges), 8))
+  assert list(order) == [3, 0, 1, 2]  # one section: 4, 3, 3, 0 blocks; ties in index order
+  # Sections of 2 blocks by start: {0, 3} start in [0, 2), {1} too, {2} in [2, 4): the last
+  # section first, then longest first; batches in order.
+  two = np.concatenate([ranges, ranges])
+  order = np.asarray(block_ranges.longest_first(jax.numpy.asarray(two), 2))
+  assert list(order) == [2, 3, 0, 1, 6, 7, 4, 5]
+  assert list(np.asarray(block_ranges.descending_tiles(2, 3))) == [2, 1, 0, 5, 4, 3]
+  ranks = np.asarray(block_ranges.descending_ranks(jax.numpy.asarray(ranges), 4))
+  # Tile t's rank at block m: tiles after t that visit m.
+  visits = [[m in range(r[0], r[1]) for m in range(4)] for r in ranges[0]]
+  for t, m in itertools.product(range(4), range(4)):
+    assert ranks[0, t, m] == sum(visits[u][m] for u in range(t + 1, 4))
+
+
+def test_operands_match_the_kernel_abi_shapes():
+  cfg = AttentionConfig(softmax_scale=1.0, causal=True, has_segment_ids=True,
+                        deterministic=True)
+  fwd = config.KernelVariant.for_call("fwd", "sm90a", "bfloat16", 128, 128, cfg)
+  bwd = config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", 128, 128, cfg)
+  assert fwd.masked and bwd.masked and bwd.deterministic and not fwd.causal
+  ids = (np.zeros((2, 300), np.int32), np.zeros((2, 250), np.int32))
+  q_ids, k_ids, ranges, order = block_ranges.forward_operands(fwd, cfg, 2, 300, 250, 2, ids)
+  # forward tiles 128 x 128: 3 query tiles, 2 key blocks
+  assert (q_ids.shape, k_ids.shape, ranges.shape, order.shape) == (
+      (2, 384), (2, 256), (2, 3, 4), (6,))
+  k_ids, q_ids, ranges, order, ranks = block_ranges.backward_operands(bwd, cfg, 2, 300, 250, 4,
+                                                                      ids)
+  # backward: key tiles of 128, query blocks of 80
+  assert (k_ids.shape, q_ids.shape, ranges.shape, order.shape, ranks.shape) == (
+      (2, 256), (2, 320), (2, 2, 4), (4,), (2, 2, 4))
+  assert all(x.dtype == np.int32 for x in (k_ids, q_ids, ranges, order, ranks))
