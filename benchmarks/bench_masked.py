@@ -3,15 +3,21 @@
 Cases (bf16, head_dim 128, 16 heads; batch 1 unless noted):
   packed8: 8 documents of 2048 tokens packed in 16384, causal within documents;
   packed11: documents of 128-4096 tokens (numpy default_rng(0)) packed in 16384, causal;
-  window: 32768 tokens, causal with a 4096-key window;
-  padded: batch 4 x 4096 with 0-1023 trailing padding tokens per row (default_rng(1)), causal.
-Implementations: jaxflash (segment ids / window_size, `deterministic=True` as "jaxflash det."),
+  window: 32768 tokens, causal with a 4096-key window; window128k: the same at 131072 tokens;
+  bidir: 16384 tokens, window (1024, 1024), not causal;
+  padded: batch 4 x 16384, valid lengths 60-100 % of the row (default_rng(1)), causal;
+  dense: 16384 tokens, causal, no mask (the dense kernel the masked ones are measured against).
+Implementations: jaxflash (segment ids / window_size, `deterministic=True` as "jaxflash-det"),
 cuDNN (packed: jax's private cuDNN entry with q_offsets / kv_offsets and per-document lengths,
-MaskType.PADDING_CAUSAL; window: jax.nn.dot_product_attention(local_window_size=(4096, 0));
-padded: jax.nn with query / key lengths), and for the packed cases jaxflash's dense causal
-kernel on the same documents as a batch ("jaxflash batched", where their lengths are equal).
+MaskType.PADDING_CAUSAL; windows: jax.nn.dot_product_attention(local_window_size=...), which
+cuDNN takes for left windows only; padded: jax.nn with query / key lengths), and for packed8
+jaxflash's dense causal kernel on the same documents as a batch ("jaxflash-batched").
 Effective TFLOP/s count only the (query, key) pairs the mask keeps: forward 4 * h * d * pairs,
-forward + backward 3.5x that. Timing as benchmarks/bench_attention.py (its time_ms).
+forward + backward 3.5x that. Timing as benchmarks/bench_attention.py (its time_ms). Segment
+ids, document offsets and lengths are jit arguments, as in a training step: the block-range
+preparation runs in every timed call (XLA would fold it away for constant ids). `--prep` also
+times the block-range preparation (the XLA ops in front of each masked custom
+call, jaxflash/block_ranges.py) alone for each case with segment ids.
 """
 
 from __future__ import annotations
@@ -21,12 +27,15 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxflash
+from jaxflash import block_ranges
+from jaxflash.config import AttentionConfig, KernelVariant
 
 HEADS, HEAD_DIM = 16, 128
 
@@ -55,84 +64,121 @@ def causal_pairs(lengths) -> int:
   return sum(n * (n + 1) // 2 for n in lengths)
 
 
-def window_pairs(seq: int, left: int) -> int:
+def window_pairs(seq: int, left: int, right: int = 0) -> int:
   i = np.arange(seq)
-  return int(np.minimum(i, left).sum() + seq)
+  return int(np.minimum(i, left).sum() + np.minimum(seq - 1 - i, right).sum() + seq)
 
 
-def _cudnn_packed(lengths, seq):
-  """jax's private cuDNN attention over a packed row: offsets and lengths of each document."""
+def _window_impls(left, right, causal):
+  def flash(deterministic):
+    return lambda q, k, v, data: jaxflash.attention(
+        q, k, v, causal=causal, window_size=(left, right), deterministic=deterministic,
+        implementation="cute")
+  window = (left, 0) if causal else (left, right)
+  return {"jaxflash": flash(False), "jaxflash-det": flash(True),
+          "cudnn": lambda q, k, v, data: jax.nn.dot_product_attention(
+              q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn")}
+
+
+def _segment_impls(causal=True):
+  """jaxflash on data = (q ids, kv ids)."""
+  def flash(deterministic):
+    return lambda q, k, v, data: jaxflash.attention(
+        q, k, v, causal=causal, q_segment_ids=data[0], kv_segment_ids=data[1],
+        deterministic=deterministic, implementation="cute")
+  return {"jaxflash": flash(False), "jaxflash-det": flash(True)}
+
+
+def _cudnn_packed(q, k, v, data):
+  """jax's private cuDNN attention over packed rows: data[2:] = document offsets, lengths."""
   from jax._src.cudnn import fused_attention_stablehlo as cudnn
-  offsets = jnp.asarray([np.concatenate([[0], np.cumsum(lengths)])], jnp.int32)
-  seqlens = jnp.asarray([lengths], jnp.int32)
+  offsets, seqlens = data[2:]
+  return cudnn.dot_product_attention(
+      q, k, v, q_seqlen=seqlens, kv_seqlen=seqlens, q_offsets=offsets, kv_offsets=offsets,
+      scale=HEAD_DIM ** -0.5, mask_type=cudnn.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
 
-  def attend(q, k, v):
-    return cudnn.dot_product_attention(
-        q, k, v, q_seqlen=seqlens, kv_seqlen=seqlens, q_offsets=offsets, kv_offsets=offsets,
-        scale=HEAD_DIM ** -0.5, mask_type=cudnn.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
-  return attend
+
+class Case(NamedTuple):
+  """shape (b, s); impls: name -> attend(q, k, v, data); pairs the mask keeps; data: the
+  call's run-time mask operands (segment ids first, where the case has them), passed as jit
+  arguments as a training step would."""
+
+  shape: tuple
+  impls: dict
+  pairs: int
+  data: tuple = ()
 
 
 def cases():
-  """name -> (shape (b, s), {impl: attend(q, k, v)}, pairs kept)."""
   out = {}
   for name in ("packed8", "packed11"):
     lengths = packed_lengths(name)
     ids = jnp.asarray([np.repeat(np.arange(len(lengths)), lengths)], jnp.int32)
-    impls = {
-        "jaxflash": lambda q, k, v, ids=ids: jaxflash.attention(
-            q, k, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids,
-            implementation="cute"),
-        "jaxflash-det": lambda q, k, v, ids=ids: jaxflash.attention(
-            q, k, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids, deterministic=True,
-            implementation="cute"),
-        "cudnn": _cudnn_packed(lengths, 16384),
-    }
+    offsets = jnp.asarray([np.concatenate([[0], np.cumsum(lengths)])], jnp.int32)
+    impls = dict(_segment_impls(), cudnn=_cudnn_packed)
     if len(set(lengths)) == 1:
       n = len(lengths)
 
-      def batched(q, k, v, n=n):
+      def batched(q, k, v, data, n=n):
         fold = lambda x: x.reshape(n, x.shape[1] // n, *x.shape[2:])
         out = jaxflash.attention(fold(q), fold(k), fold(v), causal=True, implementation="cute")
         return out.reshape(q.shape[0], q.shape[1], *out.shape[2:])
       impls["jaxflash-batched"] = batched
-    out[name] = ((1, 16384), impls, causal_pairs(lengths))
-  out["window"] = ((1, 32768), {
-      "jaxflash": lambda q, k, v: jaxflash.attention(q, k, v, causal=True,
-                                                     window_size=(4096, 0),
-                                                     implementation="cute"),
-      "jaxflash-det": lambda q, k, v: jaxflash.attention(q, k, v, causal=True,
-                                                         window_size=(4096, 0),
-                                                         deterministic=True,
-                                                         implementation="cute"),
-      "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
-          q, k, v, is_causal=True, local_window_size=(4096, 0), implementation="cudnn"),
-  }, window_pairs(32768, 4096))
-  valid = 4096 - np.random.default_rng(1).integers(0, 1024, 4)
+    out[name] = Case((1, 16384), impls, causal_pairs(lengths),
+                     (ids, ids, offsets, jnp.asarray([lengths], jnp.int32)))
+  out["window"] = Case((1, 32768), _window_impls(4096, 0, True), window_pairs(32768, 4096))
+  out["window128k"] = Case((1, 131072), _window_impls(4096, 0, True),
+                           window_pairs(131072, 4096))
+  out["bidir"] = Case((1, 16384), _window_impls(1024, 1024, False),
+                      window_pairs(16384, 1024, 1024))
+  seq = 16384
+  valid = np.random.default_rng(1).integers(int(0.6 * seq), seq + 1, 4)
   # Valid tokens have id 1; padding queries (0) see no key, padding keys (2) no query.
-  real = np.arange(4096)[None, :] < valid[:, None]
-  q_ids = jnp.asarray(np.where(real, 1, 0), jnp.int32)
-  kv_ids = jnp.asarray(np.where(real, 1, 2), jnp.int32)
-  lengths = jnp.asarray(valid, jnp.int32)
-  out["padded"] = ((4, 4096), {
-      "jaxflash": lambda q, k, v: jaxflash.attention(q, k, v, causal=True, q_segment_ids=q_ids,
-                                                     kv_segment_ids=kv_ids,
-                                                     implementation="cute"),
-      "jaxflash-det": lambda q, k, v: jaxflash.attention(q, k, v, causal=True,
-                                                         q_segment_ids=q_ids,
-                                                         kv_segment_ids=kv_ids,
-                                                         deterministic=True,
-                                                         implementation="cute"),
-      "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
-          q, k, v, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-          implementation="cudnn"),
-  }, sum(causal_pairs([int(n)]) for n in valid))
+  real = np.arange(seq)[None, :] < valid[:, None]
+  impls = dict(_segment_impls(), cudnn=lambda q, k, v, data: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, query_seq_lengths=data[2], key_value_seq_lengths=data[2],
+      implementation="cudnn"))
+  out["padded"] = Case((4, seq), impls, sum(causal_pairs([int(n)]) for n in valid),
+                       (jnp.asarray(np.where(real, 1, 0), jnp.int32),
+                        jnp.asarray(np.where(real, 1, 2), jnp.int32),
+                        jnp.asarray(valid, jnp.int32)))
+  out["dense"] = Case((1, seq), {
+      "jaxflash": lambda q, k, v, data: jaxflash.attention(q, k, v, causal=True,
+                                                           implementation="cute"),
+      "cudnn": lambda q, k, v, data: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                  implementation="cudnn"),
+  }, causal_pairs([seq]))
+  return out
+
+
+def fwd_bwd_fn(attend, cotangent):
+  """Gradient of sum(out * cotangent) w.r.t. q, k, v (the mask data not differentiated)."""
+  def loss(q, k, v, data):
+    return jnp.sum((attend(q, k, v, data) * cotangent).astype(jnp.float32))
+  return jax.grad(loss, argnums=(0, 1, 2))
+
+
+CASES = ("packed8", "packed11", "window", "window128k", "bidir", "padded", "dense")
+
+
+def prep_ms(bench, q_ids, kv_ids) -> dict:
+  """ms of the block-range operands alone, as the forward / backward lowering computes them."""
+  config = AttentionConfig(softmax_scale=HEAD_DIM ** -0.5, causal=True, has_segment_ids=True)
+  (b, s) = q_ids.shape
+  out = {}
+  for direction, operands in (("fwd", block_ranges.forward_operands),
+                              ("bwd", block_ranges.backward_operands)):
+    variant = KernelVariant.for_call(direction, "sm90a", "bfloat16", HEAD_DIM, HEAD_DIM, config)
+    fn = jax.jit(lambda q, k, operands=operands, variant=variant: operands(
+        variant, config, b, s, s, HEADS, (q, k)))
+    out[f"prep {direction}"] = bench.time_ms(fn, q_ids, kv_ids)
   return out
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--cases", nargs="+", default=["packed8", "packed11", "window", "padded"])
+  p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+  p.add_argument("--prep", action="store_true", help="also time the block-range preparation")
   p.add_argument("--spin-up", type=float, default=5.0, metavar="SECONDS")
   p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
   args = p.parse_args(argv)
@@ -142,32 +188,41 @@ def main(argv=None) -> int:
   records = []
   all_cases = cases()
   for name in args.cases:
-    (b, s), impls, pairs = all_cases[name]
+    case = all_cases[name]
+    (b, s), pairs = case.shape, case.pairs
     q, k, v, ct = (jnp.asarray(rng.standard_normal((b, s, HEADS, HEAD_DIM)), jnp.bfloat16)
                    for _ in range(4))
-    for impl, attend in impls.items():
+    for impl, attend in case.impls.items():
       for mode in ("fwd", "fwd+bwd"):
         if mode == "fwd" and impl == "jaxflash-det":
           continue
-        fn = jax.jit(attend if mode == "fwd" else bench.fwd_bwd_fn(attend, ct))
+        fn = jax.jit(attend if mode == "fwd" else fwd_bwd_fn(attend, ct))
         rec = dict(case=name, impl=impl, mode=mode, pairs=pairs, ms=None, tflops=None)
         try:
-          rec["ms"] = bench.time_ms(fn, q, k, v)
+          rec["ms"] = bench.time_ms(fn, q, k, v, case.data)
           flops = 4.0 * HEADS * HEAD_DIM * pairs * (1.0 if mode == "fwd" else 3.5)
           rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
         except Exception as e:  # report it and keep going
           rec["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         records.append(rec)
         print(json.dumps(rec), flush=True)
+    if args.prep and case.data:
+      for mode, ms in prep_ms(bench, *case.data[:2]).items():
+        rec = dict(case=name, impl="prep", mode=mode, pairs=pairs, ms=ms, tflops=None)
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "bench_masked.json").write_text(json.dumps(records, indent=1))
-  print("| case | mode | " + " | ".join(sorted({r["impl"] for r in records})) + " |")
+  print("| case | mode | " + " | ".join(sorted({r["impl"] for r in records} - {"prep"})) + " |")
   for name in args.cases:
     for mode in ("fwd", "fwd+bwd"):
       row = {r["impl"]: r for r in records if r["case"] == name and r["mode"] == mode}
       cells = [f"{row[i]['tflops']:.0f}" if i in row and row[i]["tflops"] else "-"
-               for i in sorted({r["impl"] for r in records})]
+               for i in sorted({r["impl"] for r in records} - {"prep"})]
       print(f"| {name} | {mode} | " + " | ".join(cells) + " |")
+  for r in records:
+    if r["impl"] == "prep":
+      print(f"{r['case']}: {r['mode']} {r['ms']:.3f} ms")
   return 0
 
 

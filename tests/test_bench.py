@@ -20,3 +20,34 @@ def test_spin_up_argument_rejects_bad_seconds(bench, text, capsys):
   with pytest.raises(SystemExit):
     bench.main(["--spin-up", text])
   assert "--spin-up" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def masked():
+  return load_script("benchmarks/bench_masked.py")
+
+
+def test_masked_benchmark_counts_the_pairs_its_masks_keep(masked):
+  """The effective TFLOP/s rest on these counts: against the brute-force mask."""
+  import numpy as np
+  i, j = np.arange(40)[:, None], np.arange(40)[None, :]
+  for left, right in ((7, 0), (5, 3), (100, 0)):
+    assert masked.window_pairs(40, left, right) == int(((j >= i - left) & (j <= i + right)).sum())
+  ids = np.repeat(np.arange(3), [5, 1, 34])
+  causal_docs = (j <= i) & (ids[:, None] == ids[None, :])
+  assert masked.causal_pairs([5, 1, 34]) == int(causal_docs.sum())
+  lengths = masked.packed_lengths("packed11")
+  assert sum(lengths) == 16384 and min(lengths) >= 1
+  assert masked.packed_lengths("packed8") == [2048] * 8
+
+
+def test_masked_benchmark_cases_pass_their_ids_as_arguments(masked):
+  """Segment ids are run-time data of every timed call (so the block-range preparation is
+  timed, not folded away by XLA), and the cases are the ones the CLI accepts."""
+  cases = masked.cases()
+  assert set(cases) == set(masked.CASES)
+  for name in ("packed8", "packed11", "padded"):
+    q_ids, kv_ids = cases[name].data[:2]
+    assert q_ids.shape == kv_ids.shape == cases[name].shape and q_ids.dtype == "int32"
+  assert masked.prep_ms(load_script("benchmarks/bench_attention.py"),
+                        *cases["packed8"].data[:2]).keys() == {"prep fwd", "prep bwd"}

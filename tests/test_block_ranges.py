@@ -1,7 +1,7 @@
 """The masked kernels' block ranges (jaxflash/block_ranges.py) against a brute-force mask.
 
 Every visible (query, key) pair must lie in a visited block, every pair of a block marked free
-of the elementwise mask must be visible (or harmless padding), and packed documents must get
+of the elementwise mask must be visible, and packed documents must get
 tight ranges. CPU only.
 """
 
@@ -24,8 +24,7 @@ def _visible(q_ids, kv_ids, left, right):
   return band[None] & (q_ids[:, :, None] == kv_ids[:, None, :])
 
 
-def _check(ranges, visible, row_tile, col_tile, row_padding_masked, col_padding_harmless,
-           tight):
+def _check(ranges, visible, row_tile, col_tile, row_padding_masked, tight):
   """ranges of the row side (visible: (b, rows, cols)) against the brute-force mask; `tight`:
   the range is the smallest interval of the visible blocks (ids in contiguous runs)."""
   b, rows, cols = visible.shape
@@ -49,18 +48,20 @@ def _check(ranges, visible, row_tile, col_tile, row_padding_masked, col_padding_
     for blk in range(full_lo, full_hi):
       assert not (row_padding_masked and padded_rows)
       block = tile[:, blk * col_tile:(blk + 1) * col_tile]
-      if not col_padding_harmless:
-        assert (blk + 1) * col_tile <= cols
+      assert (blk + 1) * col_tile <= cols
       assert block.all(), (bi, t, blk)
 
 
 def _cases():
   rng = np.random.default_rng(0)
-  yield "packed", np.repeat(np.arange(4), [70, 3, 120, 63])[None].repeat(2, 0), None
+  yield "packed", np.repeat(np.arange(6), [70, 1, 3, 1, 118, 63])[None].repeat(2, 0), None
   docs = np.sort(rng.integers(0, 5, (2, 256)), axis=1)
   yield "sorted", docs, docs
   yield "arbitrary", rng.integers(0, 3, (2, 256)), rng.integers(0, 3, (2, 256))
   yield "padding", np.where(np.arange(256) < 200, 1, 0)[None].repeat(2, 0), None
+  # Padding queries (0) see no key, padding keys (2) no query: empty rows.
+  valid = np.arange(256)[None] < np.array([[200], [97]])
+  yield "unseen_padding", np.where(valid, 1, 0), np.where(valid, 1, 2)
   yield "none", np.zeros((2, 256), np.int64), None
 
 
@@ -84,10 +85,10 @@ def test_ranges_cover_the_mask_and_full_blocks_need_no_mask(name, q_ids, kv_ids,
     fwd = block_ranges.block_ranges(
         q, kv, block_ranges.forward_tiling(tile_m, tile_n, seq_q, seq_k, (left, right)))
     tight = name != "arbitrary"
-    _check(np.asarray(fwd), visible, tile_m, tile_n, False, False, tight)
+    _check(np.asarray(fwd), visible, tile_m, tile_n, False, tight)
     bwd = block_ranges.block_ranges(
         kv, q, block_ranges.backward_tiling(tile_m, tile_n, seq_q, seq_k, (left, right)))
-    _check(np.asarray(bwd), visible.transpose(0, 2, 1), tile_n, tile_m, True, True, tight)
+    _check(np.asarray(bwd), visible.transpose(0, 2, 1), tile_n, tile_m, True, tight)
 
 
 def test_packed_documents_get_tight_full_blocks():

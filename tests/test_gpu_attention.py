@@ -521,9 +521,12 @@ def test_masked_forward_matches_float64_oracle(variant, case):
   assert not np.asarray(raw_out, np.float32)[np.moveaxis(empty, 1, 2)].any()
 
 
-def _masked_grads(q, k, v, w_out, w_lse, segment_ids, cfg):
-  loss = _loss(_attend(cfg, segment_ids), jnp.asarray(w_out, jnp.float32),
-               jnp.asarray(w_lse, jnp.float32), True)
+def _masked_grads(w_out, w_lse, cfg):
+  """jit(grad) of the masked loss at (q, k, v, segment_ids): the ids are run-time arguments,
+  so the block ranges are computed on the device, as in training."""
+  def loss(q, k, v, segment_ids):
+    return _loss(_attend(cfg, segment_ids), jnp.asarray(w_out, jnp.float32),
+                 jnp.asarray(w_lse, jnp.float32), True)(q, k, v)
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
@@ -541,13 +544,13 @@ def test_masked_backward_matches_float64_oracle(variant, case):
   cfg = _mask_config(variant, options, segment_ids, variant.deterministic)
   assert KernelVariant.for_call("bwd", "sm90a", variant.dtype, variant.head_dim,
                                 variant.head_dim_v, cfg) == variant
-  grads = _masked_grads(q, k, v, w_out, w_lse, segment_ids, cfg)
-  assert variant.key in grads.lower(q, k, v).as_text()
-  got = [np.asarray(g) for g in grads(q, k, v)]
+  grads = _masked_grads(w_out, w_lse, cfg)
+  assert variant.key in grads.lower(q, k, v, segment_ids).as_text()
+  got = [np.asarray(g) for g in grads(q, k, v, segment_ids)]
   want, naive = _grad_oracle(q, k, v, w_out, w_lse, variant, True, cfg, segment_ids)
   for name, g, w, n in zip(("dq", "dk", "dv"), got, want, naive):
     assert_close_to_oracle(g, w, n, name=name)
   if variant.deterministic:
     for _ in range(2):
-      for name, a, again in zip(("dq", "dk", "dv"), got, grads(q, k, v)):
+      for name, a, again in zip(("dq", "dk", "dv"), got, grads(q, k, v, segment_ids)):
         np.testing.assert_array_equal(np.asarray(again), a, err_msg=name)
