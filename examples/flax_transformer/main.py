@@ -20,6 +20,8 @@ def main(argv=None) -> None:
   parser.add_argument("--implementation", default=None, choices=("cute", "reference"),
                       help="force a jaxflash implementation (default: auto)")
   parser.add_argument("--tensor_parallel", type=int, default=1)
+  parser.add_argument("--packing", action="store_true",
+                      help="train on whole documents packed into rows with segment ids")
   parser.add_argument("--steps", type=int, default=None, help="total steps (overrides config)")
   parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                       help="override a config field; repeatable")
@@ -32,7 +34,8 @@ def main(argv=None) -> None:
     config = config.replace(steps=args.steps)
   metrics = train.train(config, args.workdir, attention=args.attention,
                         tensor_parallel=args.tensor_parallel,
-                        implementation=args.implementation, progress=not args.no_progress)
+                        implementation=args.implementation, packing=args.packing,
+                        progress=not args.no_progress)
   last_eval = metrics["eval"][-1][1] if metrics["eval"] else float("nan")
   rate = metrics["tokens_per_s"] or 0.0
   print(f"done: step {metrics['final_step']}, eval loss {last_eval:.4f}, "

@@ -57,7 +57,7 @@ class Block(nn.Module):
   act_sharding: Optional[jax.sharding.Sharding] = None
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, segment_ids=None, positions=None):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     h = nn.RMSNorm(dtype=dtype, name="attn_norm")(x)
@@ -67,7 +67,8 @@ class Block(nn.Module):
         rope_base=cfg.rope_base, dtype=dtype,
         kernel_init=_partitioned((None, "tensor", None)),
         out_kernel_init=_partitioned(("tensor", None, None)),
-        attention_fn=self.attention_fn, name="attention")(h)
+        attention_fn=self.attention_fn, name="attention")(h, segment_ids=segment_ids,
+                                                          positions=positions)
     x = self._constrain(x + h)
     h = nn.RMSNorm(dtype=dtype, name="mlp_norm")(x)
     dense = lambda features, names, name: nn.Dense(
@@ -84,20 +85,24 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-  """tokens (batch, seq) int32 -> logits (batch, seq, vocab) float32."""
+  """tokens (batch, seq) int32 -> logits (batch, seq, vocab) float32.
+
+  segment_ids / positions (batch, seq), optional: packed documents attend only within their
+  own document, with RoPE positions restarting in each (default: one sequence, arange)."""
 
   config: Config
   attention_fn: Callable
   act_sharding: Optional[jax.sharding.Sharding] = None
 
   @nn.compact
-  def __call__(self, tokens):
+  def __call__(self, tokens, segment_ids=None, positions=None):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype,
                  embedding_init=nn.initializers.normal(1.0), name="embed")(tokens)
     for i in range(cfg.num_layers):
-      x = Block(cfg, self.attention_fn, self.act_sharding, name=f"block_{i}")(x)
+      x = Block(cfg, self.attention_fn, self.act_sharding, name=f"block_{i}")(x, segment_ids,
+                                                                              positions)
     x = nn.RMSNorm(dtype=dtype, name="final_norm")(x)
     logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, name="head")(x)
     return logits.astype(jnp.float32)

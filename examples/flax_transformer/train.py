@@ -34,12 +34,64 @@ def load_corpus(config: Config):
   return data[:split], data[split:]
 
 
-def sample_batch(data, config: Config, seed: int):
-  """Random windows of data: (inputs, targets) int32 (batch, seq); a pure function of seed."""
+def sample_batch(data, config: Config, seed: int) -> dict:
+  """Random windows of data: {'inputs', 'targets'} int32 (batch, seq); a pure function of seed."""
   starts = np.random.default_rng(seed).integers(0, len(data) - config.seq_len - 1,
                                                 config.batch_size)
   windows = np.stack([data[s:s + config.seq_len + 1] for s in starts]).astype(np.int32)
-  return windows[:, :-1], windows[:, 1:]
+  return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+def split_documents(data) -> list:
+  """The corpus cut at blank lines: a list of byte arrays, each ending with its newline."""
+  breaks = np.flatnonzero((data[:-1] == 10) & (data[1:] == 10))  # the first '\n' of '\n\n'
+  starts = np.concatenate([[0], breaks + 2])
+  ends = np.concatenate([breaks + 1, [len(data)]])
+  return [data[a:b] for a, b in zip(starts, ends) if b > a]
+
+
+def pack_row(docs, length: int) -> dict:
+  """Documents packed into one row of `length` tokens (the last one cut): tokens, segment ids
+  (1, 2, ... per document) and positions (restarting at 0 in each document)."""
+  tokens, ids, positions = [], [], []
+  for i, doc in enumerate(docs):
+    tokens.append(doc)
+    ids.append(np.full(len(doc), i + 1))
+    positions.append(np.arange(len(doc)))
+    if sum(map(len, tokens)) >= length:
+      break
+  else:
+    raise ValueError(f"docs: {sum(map(len, tokens))} tokens do not fill a row of {length}")
+  cut = lambda parts: np.concatenate(parts)[:length].astype(np.int32)
+  return {"tokens": cut(tokens), "segment_ids": cut(ids), "positions": cut(positions)}
+
+
+def packed_batch(rows) -> dict:
+  """Training batch of packed rows (pack_row of seq_len + 1 tokens): inputs, targets, segment
+  ids, positions, and weights that drop the targets across a document boundary."""
+  tokens, ids, positions = (np.stack([r[key] for r in rows])
+                            for key in ("tokens", "segment_ids", "positions"))
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": ids[:, :-1],
+          "positions": positions[:, :-1],
+          "weights": (ids[:, :-1] == ids[:, 1:]).astype(np.float32)}
+
+
+def sample_packed_batch(docs, config: Config, seed: int) -> dict:
+  """Rows of consecutive documents from random starting documents; a pure function of seed."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for first in rng.integers(0, len(docs), config.batch_size):
+    order = (docs[(first + i) % len(docs)] for i in range(len(docs)))
+    rows.append(pack_row(order, config.seq_len + 1))
+  return packed_batch(rows)
+
+
+def batch_sampler(data, config: Config, packing: bool):
+  """seed -> batch: random windows of data, or (packing) documents packed with segment ids."""
+  if not packing:
+    return lambda seed: sample_batch(data, config, seed)
+  docs = split_documents(data)
+  return lambda seed: sample_packed_batch(docs, config, seed)
 
 
 # ------------------------------------------------------------------------------- mesh and state
@@ -131,22 +183,32 @@ def make_steps(setup: Setup):
   model, optimizer = setup.model, setup.optimizer
   replicated = NamedSharding(setup.mesh, P())
 
-  def loss_fn(params, inputs, targets):
-    logits = model.apply({"params": params}, inputs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+  def loss_fn(params, batch):
+    losses = token_losses(model, params, batch)
+    if "weights" not in batch:
+      return losses.mean()
+    return jnp.sum(losses * batch["weights"]) / jnp.maximum(jnp.sum(batch["weights"]), 1.0)
 
-  def train_step(state, inputs, targets):
-    loss, grads = jax.value_and_grad(loss_fn)(state["params"], inputs, targets)
+  def train_step(state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, loss
 
-  batch = (setup.batch_sharding, setup.batch_sharding)
-  train = jax.jit(train_step, in_shardings=(setup.state_shardings,) + batch,
+  # The batch sharding is a prefix: it applies to every array of the batch dictionary.
+  train = jax.jit(train_step, in_shardings=(setup.state_shardings, setup.batch_sharding),
                   out_shardings=(setup.state_shardings, replicated), donate_argnums=0)
-  evaluate = jax.jit(loss_fn, in_shardings=(setup.state_shardings["params"],) + batch,
-                     out_shardings=replicated)
+  evaluate = jax.jit(loss_fn, in_shardings=(setup.state_shardings["params"],
+                                            setup.batch_sharding), out_shardings=replicated)
   return train, evaluate
+
+
+def token_losses(model, params, batch):
+  """Cross-entropy of every target (batch, seq); packed batches pass segment ids and positions
+  to the attention, so no token sees another document."""
+  logits = model.apply({"params": params}, batch["inputs"], segment_ids=batch.get("segment_ids"),
+                       positions=batch.get("positions"))
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
 
 
 # ------------------------------------------------------------------------------- the run
@@ -167,24 +229,31 @@ def _load_history(workdir: pathlib.Path, start_step: int):
           [r for r in old["eval"] if r[0] <= start_step])
 
 
-def _evaluate(evaluate, params, eval_data, setup: Setup, config: Config) -> float:
+def _evaluate(evaluate, params, sample_eval, setup: Setup, config: Config) -> float:
   losses = []
-  for i in range(config.eval_batches):  # the same held-out windows at every evaluation
-    inputs, targets = sample_batch(eval_data, config, seed=10**9 + i)
-    losses.append(evaluate(params, *_put(setup, inputs, targets)))
+  for i in range(config.eval_batches):  # the same held-out batches at every evaluation
+    losses.append(evaluate(params, _put(setup, sample_eval(10**9 + i))))
   return float(np.mean(jax.device_get(losses)))
 
 
-def _put(setup: Setup, *arrays):
-  return tuple(jax.device_put(a, setup.batch_sharding) for a in arrays)
+def _put(setup: Setup, batch: dict) -> dict:
+  return jax.device_put(batch, setup.batch_sharding)
 
 
 def train(config: Config, workdir, *, attention: str = "jaxflash", tensor_parallel: int = 1,
-          implementation: Optional[str] = None, progress: bool = True) -> dict:
-  """Trains (or resumes) to config.steps; returns and writes the metrics dictionary."""
+          implementation: Optional[str] = None, packing: bool = False,
+          progress: bool = True) -> dict:
+  """Trains (or resumes) to config.steps; returns and writes the metrics dictionary.
+
+  packing: rows of whole documents (the corpus cut at blank lines) with segment ids, instead
+  of random windows; needs attention='jaxflash'."""
+  if packing and attention != "jaxflash":
+    raise ValueError(f"packing: needs attention='jaxflash' (segment ids), got {attention!r}")
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   train_data, eval_data = load_corpus(config)
+  sample_train = batch_sampler(train_data, config, packing)
+  sample_eval = batch_sampler(eval_data, config, packing)
   mesh = make_mesh(tensor_parallel)
   setup = make_setup(config, mesh, attention, implementation)
   train_step, evaluate = make_steps(setup)
@@ -201,10 +270,9 @@ def train(config: Config, workdir, *, attention: str = "jaxflash", tensor_parall
   steps = range(start, config.steps)
   bar = _progress(steps, progress, start, config.steps)
   for step in bar:
-    inputs, targets = _put(setup, *sample_batch(train_data, config, seed=config.seed * 10**6
-                                                + step))
+    batch = _put(setup, sample_train(config.seed * 10**6 + step))
     t0 = time.perf_counter()
-    state, loss = train_step(state, inputs, targets)
+    state, loss = train_step(state, batch)
     loss = float(loss)  # waits for the step
     if step - start >= 2:  # the first steps include compilation
       timed_seconds += time.perf_counter() - t0
@@ -214,14 +282,14 @@ def train(config: Config, workdir, *, attention: str = "jaxflash", tensor_parall
     if hasattr(bar, "set_postfix"):
       bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
     if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-      evals.append((step + 1, _evaluate(evaluate, state["params"], eval_data, setup, config)))
+      evals.append((step + 1, _evaluate(evaluate, state["params"], sample_eval, setup, config)))
     if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
       manager.save(step + 1, args=ocp.args.StandardSave(state), force=True)
   manager.wait_until_finished()
   metrics = {
       "config": dataclasses.asdict(config), "attention": attention,
-      "implementation": implementation, "devices": [str(d) for d in jax.devices()],
-      "mesh": dict(mesh.shape), "start_step": start, "final_step": int(state["step"]),
+      "implementation": implementation, "packing": packing,
+      "devices": [str(d) for d in jax.devices()], "mesh": dict(mesh.shape), "start_step": start, "final_step": int(state["step"]),
       "train": history, "eval": evals,
       "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None,
       "param_checksum": param_checksum(state["params"]),
