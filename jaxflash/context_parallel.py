@@ -184,9 +184,28 @@ def _zero_grads(q, k, v):
   return zeros(q), zeros(k), zeros(v)
 
 
-def _step(ring, s, fn, empty):
-  """Runs fn(block) for this device's candidate of step s (empty() for a skipped block)."""
-  branches = [functools.partial(fn, b) if b is not None else empty for b in ring.steps[s]]
+def _ids_meet(block, q_seg, kv_seg):
+  """Whether some query of the block can share a segment id with some key of it (their id
+  spans [min, max] overlap in some batch row): a traced bool; False skips the block."""
+  q_ids = _slice(q_seg, block.q_start, block.q_len)
+  kv_ids = _slice(kv_seg, block.k_start, block.k_len)
+  meet = ((jnp.min(q_ids, axis=1) <= jnp.max(kv_ids, axis=1))
+          & (jnp.min(kv_ids, axis=1) <= jnp.max(q_ids, axis=1)))
+  return jnp.any(meet)
+
+
+def _step(ring, s, fn, empty, q_seg=None, kv_seg=None):
+  """Runs fn(block) for this device's candidate of step s, empty() for a block the schedule
+  skips (outside the band) or, with segment ids, one where no query meets a key of its id
+  (packed documents: the chunks of other documents)."""
+  def run(b):
+    if b is None:
+      return empty
+    if q_seg is None:
+      return functools.partial(fn, b)
+    return lambda: lax.cond(_ids_meet(b, q_seg, kv_seg), functools.partial(fn, b), empty)
+
+  branches = [run(b) for b in ring.steps[s]]
   if len(branches) == 1:
     return branches[0]()
   wrapped = lax.axis_index(ring.axis_name) < s
@@ -209,7 +228,7 @@ def _ring_forward(ring, q, k, v, q_seg, kv_seg):
     # Send the next keys before computing this step: the transfer overlaps the compute.
     kv_next = _shift(ring, kv) if s + 1 < len(ring.steps) else None
     o_s, lse_s = _step(ring, s, lambda b: _run_block(ring, b, q, *kv[:2], q_seg, kv[2]),
-                       lambda: _empty_out(q, v))
+                       lambda: _empty_out(q, v), q_seg, kv[2])
     lse_new = jnp.logaddexp(lse_acc, lse_s)  # -inf where both are -inf
     o_acc = (o_acc * _to_rows(_weight(lse_acc, lse_new))
              + o_s * _to_rows(_weight(lse_s, lse_new)))
@@ -239,7 +258,7 @@ def _ring_bwd(ring, residuals, cotangents):
     kv_next = _shift(ring, kv) if s < last else None
     grads = _step(ring, s,
                   lambda b: _block_grad(ring, b, q, *kv[:2], q_seg, kv[2], out, lse, d_out, d_lse),
-                  lambda: _zero_grads(q, k, v))
+                  lambda: _zero_grads(q, k, v), q_seg, kv[2])
     dq = dq + grads[0]
     dkv = (dkv[0] + grads[1], dkv[1] + grads[2])
     if s < last:  # dk/dv accumulators travel with the keys they belong to
@@ -405,8 +424,10 @@ def context_parallel_attention(query, key, value, *, mesh, axis_name, causal: bo
       Their size must divide num_kv_heads.
     **attention_kwargs: softmax_scale, window_size (needs seq_k == seq_q; bands are skipped
       block by block and the ring stops once the band is passed), softcap, q_segment_ids and
-      kv_segment_ids (batch, seq) sharded like the tokens, deterministic, return_lse,
-      implementation: as in jaxflash.attention.
+      kv_segment_ids (batch, seq) sharded like the tokens (the key ids travel around the ring
+      with their keys; a block where no query id meets a key id, e.g. another device's packed
+      documents, is skipped at run time), deterministic, return_lse, implementation: as in
+      jaxflash.attention.
 
   Returns:
     out (batch, seq_q, num_heads, head_dim_v), or (out, lse) with return_lse=True; sharded

@@ -147,6 +147,20 @@ def test_bfloat16_ring_is_as_accurate_as_naive_bfloat16(results):
   assert results["bfloat16_vs_oracle"] == "ok", results["bfloat16_vs_oracle"]
 
 
+@pytest.mark.parametrize("name,blocks", [
+    # One document per 16-token shard: each of the 8 devices (2 batch x 4 sequence shards)
+    # runs its own block only, at step 0; the 3 other steps are skipped.
+    ("blocks_docs16_full", 8),
+    # Causal zig-zag, documents of 8 inside each of the 8 chunks: the local step only.
+    ("blocks_docs8_causal", 8),
+    # Documents of 24 straddle the shards 0/1 and 1/2: those pairs (both ways) run too.
+    ("blocks_docs24_full", 8 + 2 * 4)])
+def test_ring_skips_blocks_without_a_shared_segment(results, name, blocks):
+  r = results[name]
+  assert r["error"] <= 1e-10, r
+  assert r["blocks"] == blocks, r
+
+
 def test_rows_without_keys_are_zero_with_lse_minus_inf(results):
   r = results["window_rows_without_keys"]
   assert r["lse_neg_inf_rows"] > 0 and r["out_zero_on_those_rows"]
@@ -254,11 +268,49 @@ def _bfloat16_vs_oracle():
   return "ok"
 
 
+def _blocks_run(doc_len: int, causal: bool) -> dict:
+  """How many ring blocks run (forward; counted by a callback inside the block's attention),
+  documents of doc_len tokens packed in rows of 64 over 4 shards, and the error against the
+  unsharded call."""
+  import threading
+  from jax.sharding import NamedSharding
+
+  from tests._cases import make_qkv
+
+  mesh = _mesh({})
+  q, k, v = make_qkv(19, 2, 64, 64, 4, 2, 16, dtype="float64")
+  ids = jnp.broadcast_to(jnp.arange(64) // doc_len, (2, 64)).astype(jnp.int32)
+  calls, lock = [0], threading.Lock()
+
+  def count():
+    with lock:
+      calls[0] += 1
+
+  def counted(*args, **kwargs):
+    jax.debug.callback(count)
+    return jaxflash.attention(*args, **kwargs)
+
+  ring = lambda q, k, v, ids: cp.context_parallel_attention(
+      q, k, v, mesh=mesh, axis_name="sp", causal=causal, batch_axes="data", q_segment_ids=ids,
+      kv_segment_ids=ids)
+  placed = [jax.device_put(x, NamedSharding(mesh, P("data", "sp"))) for x in (q, k, v, ids)]
+  original, cp.attention = cp.attention, counted
+  try:
+    got = jax.block_until_ready(jax.jit(ring)(*placed))
+  finally:
+    cp.attention = original
+  want = jaxflash.attention(q, k, v, causal=causal, q_segment_ids=ids, kv_segment_ids=ids)
+  return {"blocks": calls[0], "error": _multidevice.max_relative_l2(got, want)}
+
+
 def _worker():
   jax.config.update("jax_enable_x64", True)
   assert jax.device_count() == _multidevice.NUM_DEVICES, jax.devices()
   results = {name: _run_case(*case) for name, case in CASES.items()}
   results["bfloat16_vs_oracle"] = _bfloat16_vs_oracle()
+  for doc_len, causal in ((16, False), (8, True), (24, False)):
+    results[f"blocks_docs{doc_len}_{'causal' if causal else 'full'}"] = _blocks_run(doc_len,
+                                                                                    causal)
   _multidevice.emit(results)
 
 
