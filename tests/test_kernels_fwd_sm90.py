@@ -98,7 +98,7 @@ def test_header_declares_wrapper_and_tensor_structs(exported, variant):
 class _Info(ctypes.Structure):
   _fields_ = [(name, ctypes.c_int32) for name in (
       "direction", "dtype", "head_dim", "head_dim_v", "causal", "deterministic", "tile_m",
-      "max_dq_copies")]
+      "max_dq_copies", "masked", "tile_n")]
 
 
 def library_info(path):
@@ -110,9 +110,11 @@ def library_info(path):
   return lib, {name: getattr(info, name) for name, _ in _Info._fields_}
 
 
-def test_linked_library_exports_the_kernel_abi_and_describes_its_variant(exported, tmp_path):
-  variant = next(v for v in VARIANTS if v.causal and v.head_dim == 128
-                 and v.dtype == "bfloat16")
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "masked"])
+def test_linked_library_exports_the_kernel_abi_and_describes_its_variant(exported, tmp_path,
+                                                                         masked):
+  variant = next(v for v in VARIANTS if (v.masked if masked else v.causal)
+                 and v.head_dim == 128 and v.dtype == "bfloat16")
   lib_path = tmp_path / "fwd.so"
   build.link_variant(exported(variant).exp, variant, lib_path)
   assert build.exported_symbols(lib_path) == set(build.variant_abi_symbols("fwd"))
@@ -120,8 +122,9 @@ def test_linked_library_exports_the_kernel_abi_and_describes_its_variant(exporte
   lib, info = library_info(lib_path)
   assert lib.jaxflash_variant_key().decode() == variant.key
   assert lib.jaxflash_variant_abi_version() == _sass.abi_version()
-  assert info == dict(direction=0, dtype=1, head_dim=128, head_dim_v=128, causal=1,
-                      deterministic=0, tile_m=variant.schedule.tile_m, max_dq_copies=1)
+  assert info == dict(direction=0, dtype=1, head_dim=128, head_dim_v=128, causal=int(not masked),
+                      deterministic=0, tile_m=variant.schedule.tile_m, max_dq_copies=1,
+                      masked=int(masked), tile_n=variant.schedule.tile_n)
   assert lib.jaxflash_variant_fwd(None, None) == 1  # cudaErrorInvalidValue
 
 

@@ -78,8 +78,7 @@ class FlashAttentionBackwardPostprocess:
     tma_atom, tma_dq = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdQ,
                                                    sdQ_layout, tile)
     self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": dict(
-        sdQ=cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdQ_layout)],
-                              sm90_gemm.SMEM_ALIGN])}))
+        sdQ=sm90_gemm.smem_buffer(self.dtype, cute.cosize(sdQ_layout)))}))
     grid = (cute.ceil_div(cute.size(mdQ.shape[0]), self.tile_m), cute.size(mdQ.shape[2]),
             cute.size(mdQ.shape[3]))
     self.kernel(mdQaccum, mSem, tma_dq, tma_atom, softmax_scale, sdQ_layout, tiled_mma).launch(

@@ -172,8 +172,7 @@ class FlashAttentionBackwardSm90:
     swap_sdp: no P buffer, num_stages dS buffers, lse2 / delta (and, masked, query id) rows per
     Q stage.
     """
-    def aligned(n):
-      return (n + sm90_gemm.SMEM_ALIGN - 1) // sm90_gemm.SMEM_ALIGN * sm90_gemm.SMEM_ALIGN
+    aligned = sm90_gemm.smem_aligned
     schedule, head_dim, head_dim_v = variant.schedule, variant.head_dim, variant.head_dim_v
     m, n, s = schedule.tile_m, schedule.tile_n, schedule.num_stages
     swap = schedule.swap_sdp
@@ -254,10 +253,6 @@ class FlashAttentionBackwardSm90:
       self.tma_bytes_qdo += 2 * self.tile_m * 4
     stages, do_stages = self.num_stages, self.do_stages
     dq_floats = m * self.head_dim // self.dq_pieces
-    align = sm90_gemm.SMEM_ALIGN
-
-    def buffer(dtype, count, alignment=align):
-      return cute.struct.Align[cute.struct.MemRange[dtype, count], alignment]
 
     # One field list for both schedules (cute.struct reads the class annotations in order).
     fields = dict(
@@ -265,22 +260,22 @@ class FlashAttentionBackwardSm90:
         mbar_qdo=cute.struct.MemRange[cutlass.Int64, 2 * stages],
         # The separate dO ring of the head-dim split (unused otherwise).
         mbar_do=cute.struct.MemRange[cutlass.Int64, 2 * do_stages],
-        sK=buffer(self.dtype, cute.cosize(self.sK_layout)),
-        sV=buffer(self.dtype, cute.cosize(self.sV_layout)),
-        sQ=buffer(self.dtype, cute.cosize(self.sQ_layout)),
-        sdO=buffer(self.dtype, cute.cosize(self.sdO_layout)))
+        sK=sm90_gemm.smem_buffer(self.dtype, cute.cosize(self.sK_layout)),
+        sV=sm90_gemm.smem_buffer(self.dtype, cute.cosize(self.sV_layout)),
+        sQ=sm90_gemm.smem_buffer(self.dtype, cute.cosize(self.sQ_layout)),
+        sdO=sm90_gemm.smem_buffer(self.dtype, cute.cosize(self.sdO_layout)))
     if not self.swap_sdp:  # swap_sdp: P stays in registers
-      fields["sP"] = buffer(self.dtype, cute.cosize(self.sPdS_layout))
+      fields["sP"] = sm90_gemm.smem_buffer(self.dtype, cute.cosize(self.sPdS_layout))
     # swap_sdp: one dS buffer per Q stage (in the layout).
-    fields["sdS"] = buffer(self.dtype, cute.cosize(self.sPdS_layout))
-    fields["sdQ"] = buffer(Float32, dq_floats)
+    fields["sdS"] = sm90_gemm.smem_buffer(self.dtype, cute.cosize(self.sPdS_layout))
+    fields["sdQ"] = sm90_gemm.smem_buffer(Float32, dq_floats)
     if self.swap_sdp:
       # Per Q/dO stage: the block's lse2 and delta rows (read by the columns of S^T / dP^T).
-      fields["sLSE2"] = buffer(Float32, m * stages, 128)
-      fields["sDelta"] = buffer(Float32, m * stages, 128)
+      fields["sLSE2"] = sm90_gemm.smem_buffer(Float32, m * stages, 128)
+      fields["sDelta"] = sm90_gemm.smem_buffer(Float32, m * stages, 128)
       if self.masked:
         # ... and its query segment ids.
-        fields["sQIds"] = buffer(Int32, m * stages, 128)
+        fields["sQIds"] = sm90_gemm.smem_buffer(Int32, m * stages, 128)
         self.tma_bytes_qdo += self.tile_m * 4
     self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -708,6 +703,7 @@ class FlashAttentionBackwardSm90:
       # rows' query ids with the CTA's key ids.
       full_lo = masking.ranges[2, n_block, batch]
       full_hi = masking.ranges[3, n_block, batch]
+      segments = ((m_min, full_lo, True), (full_lo, full_hi, False), (full_hi, m_max, True))
       ids = (masking.query_ids[None, batch],
              cute.local_tile(masking.key_ids[None, batch], (self.tile_n,), (n_block,)),
              masking.window_left, masking.window_right)
@@ -715,47 +711,20 @@ class FlashAttentionBackwardSm90:
       # Query blocks [m_min, m_split) need the elementwise mask, [m_split, m_max) none: two
       # loops, so the unmasked (most common) steps carry no mask code or registers.
       m_split = self._first_unmasked_m_block(n_block, m_min, m_max, seqlen_q, seqlen_k)
+      segments = ((m_min, m_split, True), (m_split, m_max, False))
     for g in cutlass.range(group, unroll=1):
       head = head_kv * group + g
       lse2_head = mLSE2[None, head, batch]
       delta_head = mDelta[None, head, batch]
-      if const_expr(self.masked):
-        for step in cutlass.range(m_min, full_lo, unroll=1):
-          self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
-                        acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
-                        pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, step,
-                        n_block, seqlen_q, seqlen_k, wg_idx, True, ids)
-          qdo_state.advance()
-          do_state.advance()
-        for step in cutlass.range(full_lo, full_hi, unroll=1):
-          self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
-                        acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
-                        pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, step,
-                        n_block, seqlen_q, seqlen_k, wg_idx, False, ids)
-          qdo_state.advance()
-          do_state.advance()
-        for step in cutlass.range(full_hi, m_max, unroll=1):
-          self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
-                        acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
-                        pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, step,
-                        n_block, seqlen_q, seqlen_k, wg_idx, True, ids)
-          qdo_state.advance()
-          do_state.advance()
-      else:
-        for step in cutlass.range(m_min, m_split, unroll=1):
-          m_block = self._m_block_at(step, m_rot, m_max)
+      for lo, hi, is_masked in segments:  # a trace-time loop: one step loop per segment
+        for step in cutlass.range(lo, hi, unroll=1):
+          m_block = step
+          if const_expr(not self.masked):
+            m_block = self._m_block_at(step, m_rot, m_max)
           self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
                         acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
                         pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
-                        n_block, seqlen_q, seqlen_k, wg_idx, True)
-          qdo_state.advance()
-          do_state.advance()
-        for step in cutlass.range(m_split, m_max, unroll=1):
-          m_block = self._m_block_at(step, m_rot, m_max)
-          self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
-                        acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
-                        pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
-                        n_block, seqlen_q, seqlen_k, wg_idx, False)
+                        n_block, seqlen_q, seqlen_k, wg_idx, is_masked, ids)
           qdo_state.advance()
           do_state.advance()
 
@@ -906,42 +875,22 @@ class FlashAttentionBackwardSm90:
         m_max = masking.ranges[1, n_block, batch]
         full_lo = masking.ranges[2, n_block, batch]
         full_hi = masking.ranges[3, n_block, batch]
-        for step in cutlass.range(m_min, full_lo, unroll=1):
-          self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
-                                frags, acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
-                                pipeline_qdo, qdo_state, scale_log2, step, n_block,
-                                seqlen_q, seqlen_k, wg_idx, True, ids)
-          qdo_state.advance()
-        for step in cutlass.range(full_lo, full_hi, unroll=1):
-          self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
-                                frags, acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
-                                pipeline_qdo, qdo_state, scale_log2, step, n_block,
-                                seqlen_q, seqlen_k, wg_idx, False, ids)
-          qdo_state.advance()
-        for step in cutlass.range(full_hi, m_max, unroll=1):
-          self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
-                                frags, acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
-                                pipeline_qdo, qdo_state, scale_log2, step, n_block,
-                                seqlen_q, seqlen_k, wg_idx, True, ids)
-          qdo_state.advance()
+        segments = ((m_min, full_lo, True), (full_lo, full_hi, False), (full_hi, m_max, True))
       else:
         # The query block range, recomputed per head (cheap integer math on kernel
         # parameters).
         m_min, m_max = self._m_block_range(n_block, seqlen_q, seqlen_k)
         m_split = self._first_unmasked_m_block(n_block, m_min, m_max, seqlen_q, seqlen_k)
-        for step in cutlass.range(m_min, m_split, unroll=1):
-          m_block = self._m_block_at(step, m_rot, m_max)
+        segments = ((m_min, m_split, True), (m_split, m_max, False))
+      for lo, hi, is_masked in segments:  # a trace-time loop: one step loop per segment
+        for step in cutlass.range(lo, hi, unroll=1):
+          m_block = step
+          if const_expr(not self.masked):
+            m_block = self._m_block_at(step, m_rot, m_max)
           self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
                                 frags, acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
                                 pipeline_qdo, qdo_state, scale_log2, m_block, n_block,
-                                seqlen_q, seqlen_k, wg_idx, True)
-          qdo_state.advance()
-        for step in cutlass.range(m_split, m_max, unroll=1):
-          m_block = self._m_block_at(step, m_rot, m_max)
-          self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
-                                frags, acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
-                                pipeline_qdo, qdo_state, scale_log2, m_block, n_block,
-                                seqlen_q, seqlen_k, wg_idx, False)
+                                seqlen_q, seqlen_k, wg_idx, is_masked, ids)
           qdo_state.advance()
 
     self.epilogue(mdK, mdV, tma_atom_dk, tma_atom_dv, sK, sV, tiled_mma_dk, tiled_mma_dv,

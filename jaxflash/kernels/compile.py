@@ -112,6 +112,11 @@ def mask_signature(batch, row_tile: int, col_tile: int):
       window_left=cutlass.Int32(0), window_right=cutlass.Int32(0))
 
 
+# A dense variant's mask operands: None each.
+_NO_MASK = dict.fromkeys(("row_ids", "col_ids", "ranges", "order", "window_left",
+                          "window_right"))
+
+
 def fwd_signature(variant: config.KernelVariant):
   """Fake (q, k, v, out, lse, q_ids, k_ids, ranges, order) tensors and the (window_left,
   window_right) scalars of the forward kernel; shapes dynamic, head dims static. The mask
@@ -132,10 +137,8 @@ def fwd_signature(variant: config.KernelVariant):
   out = _dense((batch, seqlen_q, num_heads, dv), dv, dtype)
   lse = make_fake_tensor(cutlass.Float32, (batch, num_heads, seqlen_q),
                          (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=_ASSUMED_ALIGN)
-  masking = dict.fromkeys(("row_ids", "col_ids", "ranges", "order", "window_left",
-                           "window_right"))
-  if variant.masked:
-    masking = mask_signature(batch, variant.schedule.tile_m, variant.schedule.tile_n)
+  masking = (mask_signature(batch, variant.schedule.tile_m, variant.schedule.tile_n)
+             if variant.masked else _NO_MASK)
   return (q, k, v, out, lse, masking["row_ids"], masking["col_ids"], masking["ranges"],
           masking["order"], masking["window_left"], masking["window_right"])
 
@@ -325,13 +328,11 @@ def bwd_signature(variant: config.KernelVariant) -> dict:
   )
   # Masked: query ids padded to query blocks (columns), key ids to key blocks (rows: the CTAs),
   # ranges and order per key block, and (deterministic) the ranks per (key, query) block.
-  masking = dict.fromkeys(("row_ids", "col_ids", "ranges", "order", "window_left",
-                           "window_right"))
+  masking = (mask_signature(batch, variant.schedule.tile_n, variant.schedule.tile_m)
+             if variant.masked else _NO_MASK)
   ranks = None
-  if variant.masked:
-    masking = mask_signature(batch, variant.schedule.tile_n, variant.schedule.tile_m)
-    if variant.deterministic:
-      ranks = rows((batch, cute.sym_int32(), cute.sym_int32()), cutlass.Int32, _ASSUMED_ALIGN)
+  if variant.masked and variant.deterministic:
+    ranks = rows((batch, cute.sym_int32(), cute.sym_int32()), cutlass.Int32, _ASSUMED_ALIGN)
   signature.update(key_ids=masking["row_ids"], query_ids=masking["col_ids"],
                    ranges=masking["ranges"], order=masking["order"], ranks=ranks,
                    window_left=masking["window_left"], window_right=masking["window_right"])

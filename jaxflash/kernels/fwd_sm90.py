@@ -26,7 +26,6 @@ DTYPES = sm90_gemm.DTYPES
 
 _WARPGROUP_THREADS = sm90_gemm.WARPGROUP_THREADS
 _WARP_THREADS = sm90_gemm.WARP_THREADS
-_SMEM_ALIGN = sm90_gemm.SMEM_ALIGN
 # Named barrier 0 is __syncthreads; 1 syncs the consumer warpgroups in the epilogue; 2 + w is
 # consumer warpgroup w's turn to issue its GEMMs (ping-pong).
 _EPILOGUE_BARRIER = 1
@@ -82,14 +81,13 @@ class FlashAttentionForwardSm90:
   def smem_bytes(variant: config.KernelVariant, elem_bytes: int = 2) -> int:
     """Shared memory of one CTA: Q (reused for O), the K and V rings (masked: with the key
     blocks' segment ids), mbarriers, alignment."""
-    def aligned(n):
-      return (n + _SMEM_ALIGN - 1) // _SMEM_ALIGN * _SMEM_ALIGN
+    aligned = sm90_gemm.smem_aligned
     schedule, head_dim, head_dim_v = variant.schedule, variant.head_dim, variant.head_dim_v
     q = aligned(schedule.tile_m * max(head_dim, head_dim_v) * elem_bytes)
     k = aligned(schedule.num_stages * schedule.tile_n * head_dim * elem_bytes)
     v = aligned(schedule.num_stages * schedule.tile_n * head_dim_v * elem_bytes)
     ids = schedule.num_stages * schedule.tile_n * 4 if variant.masked else 0
-    return q + k + v + ids + _SMEM_ALIGN
+    return q + k + v + ids + sm90_gemm.SMEM_ALIGN
 
   @staticmethod
   def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:
@@ -122,20 +120,17 @@ class FlashAttentionForwardSm90:
     q_elems = max(cute.cosize(self.sQ_layout), cute.cosize(self.sO_layout))
     stages = self.num_stages
 
-    def buffer(dtype, count, alignment=_SMEM_ALIGN):
-      return cute.struct.Align[cute.struct.MemRange[dtype, count], alignment]
-
     # cute.struct reads the class annotations in order.
     fields = dict(
         mbar_q=cute.struct.MemRange[cutlass.Int64, 2],
         mbar_k=cute.struct.MemRange[cutlass.Int64, 2 * stages],
         mbar_v=cute.struct.MemRange[cutlass.Int64, 2 * stages],
-        sQ=buffer(self.dtype, q_elems),
-        sK=buffer(self.dtype, cute.cosize(self.sK_layout)),
-        sV=buffer(self.dtype, cute.cosize(self.sV_layout)))
+        sQ=sm90_gemm.smem_buffer(self.dtype, q_elems),
+        sK=sm90_gemm.smem_buffer(self.dtype, cute.cosize(self.sK_layout)),
+        sV=sm90_gemm.smem_buffer(self.dtype, cute.cosize(self.sV_layout)))
     if self.masked:
       # Per K stage: the key block's segment ids (one bulk copy with the K tile).
-      fields["sKIds"] = buffer(Int32, self.tile_n * stages, 128)
+      fields["sKIds"] = sm90_gemm.smem_buffer(Int32, self.tile_n * stages, 128)
       self.tma_bytes_k += self.tile_n * 4
     self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -429,21 +424,13 @@ class FlashAttentionForwardSm90:
           top = n_max - 1
           hi = cutlass.min(full_hi, top)
           lo = cutlass.min(full_lo, hi)
-          for i in cutlass.range(top - hi, unroll=1):
-            v_state = kv_state.clone()
-            kv_state.advance()
-            self.overlap_step(c, kv_state, v_state, wg, m_block, top - 1 - i, seqlen_q,
-                              seqlen_k, True)
-          for i in cutlass.range(hi - lo, unroll=1):
-            v_state = kv_state.clone()
-            kv_state.advance()
-            self.overlap_step(c, kv_state, v_state, wg, m_block, hi - 1 - i, seqlen_q,
-                              seqlen_k, False)
-          for i in cutlass.range(lo - n_min, unroll=1):
-            v_state = kv_state.clone()
-            kv_state.advance()
-            self.overlap_step(c, kv_state, v_state, wg, m_block, lo - 1 - i, seqlen_q,
-                              seqlen_k, True)
+          for upper, lower, is_masked in ((top, hi, True), (hi, lo, False),
+                                          (lo, n_min, True)):  # a trace-time loop
+            for i in cutlass.range(upper - lower, unroll=1):
+              v_state = kv_state.clone()
+              kv_state.advance()
+              self.overlap_step(c, kv_state, v_state, wg, m_block, upper - 1 - i, seqlen_q,
+                                seqlen_k, is_masked)
         else:
           for i in cutlass.range(n_masked - 1, unroll=1):
             v_state = kv_state.clone()

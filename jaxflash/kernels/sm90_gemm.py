@@ -22,6 +22,16 @@ WARPGROUP_THREADS = 128
 WARP_THREADS = 32
 
 
+def smem_aligned(num_bytes: int) -> int:
+  """num_bytes rounded up to SMEM_ALIGN (a buffer's footprint in the shared-memory budget)."""
+  return (num_bytes + SMEM_ALIGN - 1) // SMEM_ALIGN * SMEM_ALIGN
+
+
+def smem_buffer(dtype, count: int, alignment: int = SMEM_ALIGN):
+  """A cute.struct field of `count` elements starting on an `alignment`-byte boundary."""
+  return cute.struct.Align[cute.struct.MemRange[dtype, count], alignment]
+
+
 def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
   """The same memory with its modes reordered (e.g. (batch, seq, heads, dim) -> seq first)."""
   return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
