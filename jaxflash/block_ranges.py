@@ -152,21 +152,22 @@ def longest_first(ranges, section_blocks: int):
   return order.astype(jnp.int32)
 
 
-def descending_tiles(batch: int, tiles: int):
-  """(batch * tiles,) int32: each batch's tiles from the last down (the deterministic backward's
-  launch order: a key block waits only for key blocks launched before it)."""
-  t = jnp.arange(tiles - 1, -1, -1, dtype=jnp.int32)
-  return (jnp.arange(batch, dtype=jnp.int32)[:, None] * tiles + t[None, :]).reshape(-1)
+def launch_ranks(ranges, order, num_blocks: int):
+  """(b, tiles, num_blocks) int32: rank[b, t, m] = how many tiles of batch b that visit block m
+  (m in [start, end) of theirs) the launch order puts before tile t: the position of tile t's
+  contribution to block m in the deterministic backward's fixed order. Each CTA then waits only
+  for CTAs launched before it, whatever the order.
 
-
-def descending_ranks(ranges, num_blocks: int):
-  """(b, tiles, num_blocks) int32: rank[b, t, m] = how many tiles t' > t of batch b visit block
-  m (m in [start, end) of t'): the position of tile t's contribution to block m in the
-  deterministic backward's fixed order (descending tiles)."""
+  order: a launch order (longest_first's), batches in order, entry b * tiles + t."""
+  b, tiles = ranges.shape[:2]
   m = jnp.arange(num_blocks, dtype=jnp.int32)
   visits = ((ranges[..., 0:1] <= m) & (m < ranges[..., 1:2])).astype(jnp.int32)
-  after = jnp.cumsum(visits[:, ::-1], axis=1)[:, ::-1] - visits
-  return after.astype(jnp.int32)
+  local = order.reshape(b, tiles) - jnp.arange(b, dtype=jnp.int32)[:, None] * tiles
+  launched = jnp.take_along_axis(visits, local[..., None], axis=1)  # rows in launch order
+  before = jnp.cumsum(launched, axis=1) - launched
+  position = jnp.zeros((b, tiles), jnp.int32).at[
+      jnp.arange(b)[:, None], local].set(jnp.arange(tiles, dtype=jnp.int32)[None, :])
+  return jnp.take_along_axis(before, position[..., None], axis=1).astype(jnp.int32)
 
 
 def padded_ids(ids, multiple: int):
@@ -206,19 +207,15 @@ def _section_blocks(heads: int, dims: int, block: int) -> int:
 def backward_operands(variant: KernelVariant, config: AttentionConfig, batch: int, seq_q: int,
                       seq_k: int, num_heads: int, segment_ids=()):
   """The masked backward's operands, in custom-call order: key ids, query ids (padded to key
-  tiles / query blocks), block ranges per key tile, CTA order (deterministic: each batch's key
-  tiles from the last down, else longest first), and for deterministic variants the ranks."""
+  tiles / query blocks), block ranges per key tile, CTA order (longest first), and for
+  deterministic variants the ranks of each contribution in that order."""
   s = variant.schedule
   q_ids, kv_ids = _ids_or_zeros(segment_ids, seq_q, seq_k, batch)
   tiling = backward_tiling(s.tile_m, s.tile_n, seq_q, seq_k, window_bounds(config))
   ranges = block_ranges(kv_ids, q_ids, tiling)
-  tiles = ranges.shape[1]
-  if variant.deterministic:
-    order = descending_tiles(batch, tiles)
-  else:
-    order = longest_first(ranges, _section_blocks(num_heads, variant.head_dim
-                                                  + variant.head_dim_v, s.tile_m))
+  order = longest_first(ranges, _section_blocks(num_heads, variant.head_dim + variant.head_dim_v,
+                                                s.tile_m))
   operands = (padded_ids(kv_ids, s.tile_n), padded_ids(q_ids, s.tile_m), ranges, order)
   if variant.deterministic:
-    operands += (descending_ranks(ranges, -(-seq_q // s.tile_m)),)
+    operands += (launch_ranks(ranges, order, -(-seq_q // s.tile_m)),)
   return operands

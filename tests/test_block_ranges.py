@@ -124,12 +124,14 @@ def test_orders_and_ranks():
   two = np.concatenate([ranges, ranges])
   order = np.asarray(block_ranges.longest_first(jax.numpy.asarray(two), 2))
   assert list(order) == [2, 3, 0, 1, 6, 7, 4, 5]
-  assert list(np.asarray(block_ranges.descending_tiles(2, 3))) == [2, 1, 0, 5, 4, 3]
-  ranks = np.asarray(block_ranges.descending_ranks(jax.numpy.asarray(ranges), 4))
-  # Tile t's rank at block m: tiles after t that visit m.
   visits = [[m in range(r[0], r[1]) for m in range(4)] for r in ranges[0]]
-  for t, m in itertools.product(range(4), range(4)):
-    assert ranks[0, t, m] == sum(visits[u][m] for u in range(t + 1, 4))
+  two_orders = np.array([3, 0, 1, 2, 5, 4, 7, 6], np.int32)  # batch 1: 1, 0, 3, 2
+  ranks = np.asarray(block_ranges.launch_ranks(jax.numpy.asarray(two), two_orders, 4))
+  # Tile t's rank at block m: tiles of its batch launched before t that visit m.
+  for b, launch in enumerate(([3, 0, 1, 2], [1, 0, 3, 2])):
+    for t, m in itertools.product(range(4), range(4)):
+      earlier = launch[:launch.index(t)]
+      assert ranks[b, t, m] == sum(visits[u][m] for u in earlier), (b, t, m)
 
 
 def test_operands_match_the_kernel_abi_shapes():

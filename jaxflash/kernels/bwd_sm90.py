@@ -126,9 +126,9 @@ class FlashAttentionBackwardSm90:
   Masked variants (windows, segment ids; config.KernelVariant.masked) take per key block a
   range of query blocks [m_min, m_max) and a sub-range [full_lo, full_hi) that needs no
   elementwise mask (jaxflash/block_ranges.py computes them on the device), the CTA order, the
-  query and key segment ids and the band as run-time operands; their deterministic order is
-  descending key blocks (the CTA order launches them so), each contribution's rank comes
-  from a table of the same module.
+  query and key segment ids and the band as run-time operands; their deterministic order at a
+  query block is the CTA launch order, each contribution's rank in it read from a table of the
+  same module (launch_ranks), so a CTA waits only for CTAs launched before it.
   """
 
   def __init__(self, variant: config.KernelVariant):
