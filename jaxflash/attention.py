@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import _jax_internal, primitives
+from jaxflash.sink import add_learnable_sink, check_learnable_sink
 from jaxflash.config import (AttentionConfig, IMPLEMENTATIONS, KernelVariant, REFERENCE_DTYPES,
                              kernel_support)
 
@@ -142,18 +143,18 @@ def _missing_kernel(dtype: str, head_dim: int, head_dim_v: int, config: Attentio
   return ""
 
 
-def _empty_result(query, key, value, return_lse):
+def _empty_result(query, key, value):
   """No query, head or key to attend to: zeros and lse = -inf, without any kernel."""
   b, seq_q, h, _ = query.shape
   out = jnp.zeros((b, seq_q, h, value.shape[-1]), query.dtype)  # grads w.r.t. inputs: zeros
-  lse = jnp.full((b, h, seq_q), -jnp.inf, jnp.float32)
-  return (out, lse) if return_lse else out
+  lse = jnp.full((b, h, seq_q), -jnp.inf, jnp.promote_types(query.dtype, jnp.float32))
+  return out, lse
 
 
 def attention(query, key, value, *, causal: bool = False, softmax_scale: Optional[float] = None,
               window_size=(None, None), softcap: Optional[float] = None, q_segment_ids=None,
-              kv_segment_ids=None, deterministic: bool = False, return_lse: bool = False,
-              implementation: Optional[str] = None):
+              kv_segment_ids=None, learnable_sink=None, deterministic: bool = False,
+              return_lse: bool = False, implementation: Optional[str] = None):
   """Scaled dot-product attention, FlashAttention style.
 
   Args:
@@ -167,6 +168,10 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
     softcap: if set, scores become softcap * tanh(scores / softcap) (after scaling).
     q_segment_ids: (batch, seq_q) integers; with kv_segment_ids (batch, seq_k), tokens attend
       only to keys with an equal id (packed sequences, padding).
+    learnable_sink: (num_heads,) float32 logits, one per query head (gpt-oss's attention
+      sinks): each row's softmax runs over its visible scores plus the sink logit, whose column
+      has no value, so the row's weights sum to less than one; lse includes it, and a row that
+      sees no key outputs zeros with lse equal to its sink. Differentiable. None: no sink.
     deterministic: make the backward pass bitwise reproducible run to run. Without a causal
       mask at head_dim > 128 the CuTe backward then keeps two fp32 dQ accumulators (scratch of
       2 x batch x num_heads x seq_q x head_dim x 4 bytes instead of one).
@@ -180,18 +185,27 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
   Returns:
     out (batch, seq_q, num_heads, head_dim_v) in the query dtype, or (out, lse). Rows that see
     no key are exactly zero.
+
+  The kernels compute attention without the sink; the sink then rescales each row once, in an
+  XLA epilogue on (out, lse) (jaxflash/sink.py).
   """
   dtype = _check_tensors(query, key, value)
   config = _check_options(causal, softmax_scale, window_size, softcap, deterministic,
                           return_lse, implementation, query.shape[-1])
   has_segments = _check_segments(q_segment_ids, kv_segment_ids, query, key)
+  if learnable_sink is not None:
+    check_learnable_sink(learnable_sink, query.shape[2], accept_float64=dtype == "float64")
   config = config.replace(has_segment_ids=has_segments)
   impl = _resolve_implementation(implementation, dtype, query.shape[-1], value.shape[-1], config)
   config = config.replace(implementation=impl)
   if 0 in query.shape[:3] or 0 in key.shape[:2]:
-    return _empty_result(query, key, value, return_lse)
-  if has_segments:
-    q_segment_ids = jnp.asarray(q_segment_ids, jnp.int32)
-    kv_segment_ids = jnp.asarray(kv_segment_ids, jnp.int32)
-  out, lse = primitives.attention_core(config, query, key, value, q_segment_ids, kv_segment_ids)
+    out, lse = _empty_result(query, key, value)
+  else:
+    if has_segments:
+      q_segment_ids = jnp.asarray(q_segment_ids, jnp.int32)
+      kv_segment_ids = jnp.asarray(kv_segment_ids, jnp.int32)
+    out, lse = primitives.attention_core(config, query, key, value, q_segment_ids,
+                                         kv_segment_ids)
+  if learnable_sink is not None:
+    out, lse = add_learnable_sink(out, lse, learnable_sink)
   return (out, lse) if return_lse else out

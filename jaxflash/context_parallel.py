@@ -15,9 +15,11 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxflash.attention import attention
+from jaxflash.sink import add_learnable_sink
 
 _PASSED_OPTIONS = ("softmax_scale", "window_size", "softcap", "deterministic", "implementation")
-_ACCEPTED_OPTIONS = _PASSED_OPTIONS + ("q_segment_ids", "kv_segment_ids", "return_lse")
+_ACCEPTED_OPTIONS = _PASSED_OPTIONS + ("q_segment_ids", "kv_segment_ids", "learnable_sink",
+                                       "return_lse")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,8 +428,9 @@ def context_parallel_attention(query, key, value, *, mesh, axis_name, causal: bo
       block by block and the ring stops once the band is passed), softcap, q_segment_ids and
       kv_segment_ids (batch, seq) sharded like the tokens (the key ids travel around the ring
       with their keys; a block where no query id meets a key id, e.g. another device's packed
-      documents, is skipped at run time), deterministic, return_lse, implementation: as in
-      jaxflash.attention.
+      documents, is skipped at run time), learnable_sink (applied once, to the merged result of
+      the ring: the ring steps compute attention without it), deterministic, return_lse,
+      implementation: as in jaxflash.attention.
 
   Returns:
     out (batch, seq_q, num_heads, head_dim_v), or (out, lse) with return_lse=True; sharded
@@ -437,9 +440,11 @@ def context_parallel_attention(query, key, value, *, mesh, axis_name, causal: bo
   q_seg = attention_kwargs.pop("q_segment_ids", None)
   kv_seg = attention_kwargs.pop("kv_segment_ids", None)
   return_lse = attention_kwargs.pop("return_lse", False)
+  sink = attention_kwargs.pop("learnable_sink", None)
   # The public API checks every argument on the global shapes (named errors, no ring yet).
   jax.eval_shape(functools.partial(attention, causal=causal, q_segment_ids=q_seg,
-                                   kv_segment_ids=kv_seg, **attention_kwargs),
+                                   kv_segment_ids=kv_seg, learnable_sink=sink,
+                                   **attention_kwargs),
                  query, key, value)
   n, window = _check_ring_shapes(mesh, axis_name, causal, query, key, attention_kwargs)
   batch_axes = _axes_arg("batch_axes", batch_axes, mesh, axis_name)
@@ -480,4 +485,7 @@ def context_parallel_attention(query, key, value, *, mesh, axis_name, causal: bo
   if q_seg is not None:
     q_seg, kv_seg = jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
   out, lse = mapped(query, key, value, q_seg, kv_seg)
+  if sink is not None:
+    # Once, on the merged rows: a sink in every step's partial result would count n times.
+    out, lse = add_learnable_sink(out, lse, sink)
   return (out, lse) if return_lse else out

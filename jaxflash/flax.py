@@ -139,8 +139,8 @@ def _check_block_inputs(inputs_q, inputs_kv):
 
 
 def _attend(attention_fn, q, k, v, *, causal, window_size, softcap, rope_base, segment_ids,
-            kv_segment_ids, positions, kv_positions):
-  """RoPE, segment ids and the attention call shared by the linen and nnx blocks."""
+            kv_segment_ids, positions, kv_positions, sink=None):
+  """RoPE, segment ids, the sink and the attention call shared by the linen and nnx blocks."""
   if rope_base is not None:
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
@@ -154,6 +154,8 @@ def _attend(attention_fn, q, k, v, *, causal, window_size, softcap, rope_base, s
       raise ValueError("segment_ids: required when kv_segment_ids is given")
     segments = dict(q_segment_ids=segment_ids,
                     kv_segment_ids=segment_ids if kv_segment_ids is None else kv_segment_ids)
+  if sink is not None:
+    segments["learnable_sink"] = jnp.asarray(sink, jnp.float32)
   return attention_fn(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
                       **segments)
 
@@ -173,6 +175,9 @@ class LinenAttention(nn.Module):
     causal: causal self-attention (bottom-right aligned when q_len != kv_len).
     window_size: (left, right) local attention, None = unbounded.
     softcap: soft-capping of the scores, None = off.
+    learnable_sink: a learnable sink logit per query head (parameter `sink`, (num_heads,),
+      gpt-oss's attention sinks; see jaxflash.attention); off by default.
+    sink_init: the sink parameter's initializer (zeros: every sink starts at logit 0).
     rope_base: rotary embedding base applied to q and k; None = no RoPE.
     use_bias: biases in the projections.
     dtype: computation dtype (None: inferred); param_dtype: parameter dtype.
@@ -188,6 +193,8 @@ class LinenAttention(nn.Module):
   causal: bool = False
   window_size: tuple = (None, None)
   softcap: Optional[float] = None
+  learnable_sink: bool = False
+  sink_init: Callable = nn.initializers.zeros_init()
   rope_base: Optional[float] = None
   use_bias: bool = False
   dtype: Any = None
@@ -218,10 +225,13 @@ class LinenAttention(nn.Module):
     q = dense(self.num_heads, "query")(inputs_q)
     k = dense(num_kv_heads, "key")(inputs_kv)
     v = dense(num_kv_heads, "value")(inputs_kv)
+    sink = None
+    if self.learnable_sink:
+      sink = self.param("sink", self.sink_init, (self.num_heads,), self.param_dtype)
     x = _attend(self.attention_fn or jaxflash.attention, q, k, v, causal=self.causal,
                 window_size=self.window_size, softcap=self.softcap, rope_base=self.rope_base,
                 segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, positions=positions,
-                kv_positions=kv_positions)
+                kv_positions=kv_positions, sink=sink)
     return nn.DenseGeneral(
         features=self.out_features or features, axis=(-2, -1), use_bias=self.use_bias,
         dtype=self.dtype, param_dtype=self.param_dtype,
@@ -240,6 +250,8 @@ class NnxAttention(nnx.Module):
   def __init__(self, in_features: int, num_heads: int, *, head_dim: Optional[int] = None,
                num_kv_heads: Optional[int] = None, out_features: Optional[int] = None,
                causal: bool = False, window_size=(None, None), softcap: Optional[float] = None,
+               learnable_sink: bool = False,
+               sink_init: Callable = nn.initializers.zeros_init(),
                rope_base: Optional[float] = None, use_bias: bool = False, dtype=None,
                param_dtype=jnp.float32, kernel_init: Callable = default_kernel_init,
                out_kernel_init: Optional[Callable] = None,
@@ -257,6 +269,8 @@ class NnxAttention(nnx.Module):
         dtype=dtype, param_dtype=param_dtype, kernel_init=out_kernel_init or kernel_init,
         bias_init=bias_init, rngs=rngs)
     self.causal, self.window_size, self.softcap = causal, tuple(window_size), softcap
+    self.sink = (nnx.Param(sink_init(rngs.params(), (num_heads,), param_dtype))
+                 if learnable_sink else None)
     self.rope_base = rope_base
     self.attention_fn = attention_fn or jaxflash.attention
 
@@ -268,5 +282,6 @@ class NnxAttention(nnx.Module):
     x = _attend(self.attention_fn, self.query(inputs_q), self.key(inputs_kv),
                 self.value(inputs_kv), causal=self.causal, window_size=self.window_size,
                 softcap=self.softcap, rope_base=self.rope_base, segment_ids=segment_ids,
-                kv_segment_ids=kv_segment_ids, positions=positions, kv_positions=kv_positions)
+                kv_segment_ids=kv_segment_ids, positions=positions, kv_positions=kv_positions,
+                sink=None if self.sink is None else self.sink[...])
     return self.out(x)

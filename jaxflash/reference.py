@@ -69,11 +69,13 @@ def _expand_mask(mask):
 
 
 def naive_attention(query, key, value, config: AttentionConfig, q_segment_ids=None,
-                    kv_segment_ids=None, compute_dtype=None):
+                    kv_segment_ids=None, compute_dtype=None, learnable_sink=None):
   """Materialises all scores: the test oracle. Returns (out, lse).
 
   compute_dtype: None = float32 (float64 for float64 inputs); pass the input dtype to get the
   "same math done naively in the input dtype" that bounds kernel error in tests.
+  learnable_sink: (num_heads,) logits, each an extra column of its head's softmax with no value
+  (written out here as that column, independently of jaxflash/sink.py).
   """
   cdt = compute_dtype or _compute_dtype(query.dtype)
   b, seq_q, h, _ = query.shape
@@ -83,11 +85,17 @@ def naive_attention(query, key, value, config: AttentionConfig, q_segment_ids=No
   mask = _expand_mask(visible_mask(config, seq_q, seq_k, jnp.arange(seq_q), jnp.arange(seq_k),
                                    q_segment_ids, kv_segment_ids))
   s = jnp.where(mask, s, -jnp.inf).astype(cdt)
+  if learnable_sink is not None:
+    sink = jnp.broadcast_to(learnable_sink.astype(cdt).reshape(1, h_kv, h // h_kv, 1, 1),
+                            s.shape[:-1] + (1,))
+    s = jnp.concatenate([s, sink], axis=-1)
   m = jnp.max(s, axis=-1, keepdims=True)
   m_safe = jnp.where(jnp.isfinite(m), m, 0)
   p = jnp.exp(s - m_safe)
   l = jnp.sum(p, axis=-1, keepdims=True)
   p = p / jnp.where(l > 0, l, 1)
+  if learnable_sink is not None:
+    p = p[..., :-1]  # the sink's column has no value
   out = jnp.einsum("bhgqk,bkhd->bqhgd", p, value.astype(cdt), precision=lax.Precision.HIGHEST)
   out = out.reshape(b, seq_q, h, value.shape[-1])
   lse = jnp.where(l[..., 0] > 0, m_safe[..., 0] + jnp.log(l[..., 0]), -jnp.inf)

@@ -113,6 +113,10 @@ CASES = {
     "float32": (4, 2, 64, 64, {"causal": True, "dtype": "float32"}),
     "eager_inferred_axes": (4, 2, 64, 64, {"causal": True, "eager": True}),
     "explicit_mesh": (4, 2, 64, 64, {"causal": True, "explicit": True}),
+    # The sink joins the merged result once; a sink per ring step would count it 4 times.
+    "causal_gqa_segments_sink": (4, 2, 64, 64, {"causal": True, "segments": True,
+                                                "sink": True}),
+    "window_rows_without_keys_sink": (4, 2, 64, 64, {"window_size": (None, -1), "sink": True}),
 }
 
 
@@ -191,36 +195,42 @@ def _run_case(heads, kv_heads, seq_q, seq_k, options):
   d_out = jnp.asarray(rng.standard_normal(q.shape), dtype)
   d_lse = jnp.asarray(rng.standard_normal((b, heads, seq_q)), dtype)
   segs = make_segments(13, b, seq_q, seq_k) if options.pop("segments", False) else (None, None)
+  sink = (jnp.asarray(rng.normal(0.5, 2.0, heads), dtype) if options.pop("sink", False)
+          else None)
   eager, explicit, ring8 = (options.pop(k, False) for k in ("eager", "explicit", "ring8"))
   kw = dict(options)
   if not (eager or explicit or ring8):
     kw.setdefault("batch_axes", "data")
   attn_kw = {k: v for k, v in kw.items() if k not in ("batch_axes", "head_axes")}
 
-  def reference(q, k, v, q_seg, kv_seg):
+  def reference(q, k, v, q_seg, kv_seg, sink):
     return jaxflash.attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                              return_lse=True, **attn_kw)
+                              learnable_sink=sink, return_lse=True, **attn_kw)
 
-  def ring(q, k, v, q_seg, kv_seg):
+  def ring(q, k, v, q_seg, kv_seg, sink):
     return cp.context_parallel_attention(q, k, v, mesh=mesh, axis_name="sp", q_segment_ids=q_seg,
-                                         kv_segment_ids=kv_seg, return_lse=True, **kw)
+                                         kv_segment_ids=kv_seg, learnable_sink=sink,
+                                         return_lse=True, **kw)
 
-  def step(attend, q, k, v, d_out, d_lse, q_seg, kv_seg):
-    (out, lse), vjp = jax.vjp(lambda q, k, v: attend(q, k, v, q_seg, kv_seg), q, k, v)
+  def step(attend, q, k, v, d_out, d_lse, q_seg, kv_seg, sink=None):
+    # With a sink, its gradient is compared too (the last result).
+    diff = (q, k, v) + (() if sink is None else (sink,))
+    (out, lse), vjp = jax.vjp(lambda q, k, v, *s: attend(q, k, v, q_seg, kv_seg, *s or (None,)),
+                              *diff)
     d_lse = jnp.where(jnp.isfinite(lse), d_lse, 0.0)
     return (out, lse) + vjp((d_out, d_lse))
 
-  args = (q, k, v, d_out, d_lse) + segs
+  args = (q, k, v, d_out, d_lse) + segs + (() if sink is None else (sink,))
   want = jax.jit(lambda *a: step(reference, *a))(*args)
   batch = None if ring8 else "data"
-  specs = [P(batch, "sp")] * 4 + [P(batch, None, "sp")] + [P(batch, "sp")] * 2
+  specs = [P(batch, "sp")] * 4 + [P(batch, None, "sp")] + [P(batch, "sp")] * 2 + [P()]
   if kw.get("head_axes"):
-    specs = [P(None, "sp", "data")] * 4 + [P(None, "data", "sp")] + [P(None, "sp")] * 2
+    specs = [P(None, "sp", "data")] * 4 + [P(None, "data", "sp")] + [P(None, "sp")] * 2 + [P()]
   placed = tuple(None if a is None else jax.device_put(a, NamedSharding(mesh, s))
                  for a, s in zip(args, specs))
   fn = jax.jit(lambda *a: step(ring, *a))
   if eager:  # forward only: under jax.vjp the inputs would be tracers, not sharded arrays
-    got = ring(*placed[:3], *placed[5:])
+    got = ring(*placed[:3], *placed[5:7], None)
     want = want[:2]
   elif explicit:
     with jax.set_mesh(mesh):

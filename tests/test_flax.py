@@ -239,3 +239,48 @@ def test_block_input_errors():
   with pytest.raises(ValueError, match="segment_ids"):
     block.init(jax.random.PRNGKey(0), _normal(15, (B, T, D)),
                kv_segment_ids=jnp.zeros((B, T), jnp.int32))
+
+
+def _sink_reference_block(params, sink, x):
+  """The projections, then naive softmax with the sink as an extra value-less column."""
+  p = params["params"]
+  q, k, v = (jnp.einsum("bsd,dhf->bshf", x, p[n]["kernel"]) for n in ("query", "key", "value"))
+  s = jnp.einsum("bqhf,bkhf->bhqk", q, k) * q.shape[-1] ** -0.5
+  s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
+  s = jnp.concatenate([s, jnp.broadcast_to(sink[None, :, None, None], s.shape[:-1] + (1,))], -1)
+  w = jax.nn.softmax(s, axis=-1)[..., :-1]
+  out = jnp.einsum("bhqk,bkhf->bqhf", w, v)
+  return jnp.einsum("bshf,hfd->bsd", out, p["out"]["kernel"])
+
+
+def test_linen_block_learnable_sink_parameter():
+  x = _normal(16, (B, T, D))
+  block = jf.LinenAttention(num_heads=HEADS, causal=True, learnable_sink=True)
+  params = block.init(jax.random.PRNGKey(3), x)
+  assert params["params"]["sink"].shape == (HEADS,)
+  assert np.all(np.asarray(params["params"]["sink"]) == 0)  # zeros by default
+  assert "sink" not in jf.LinenAttention(num_heads=HEADS).init(jax.random.PRNGKey(3),
+                                                               x)["params"]
+  # A non-zero sink, set through the initializer argument, and its gradient.
+  init = lambda key, shape, dtype: jnp.linspace(-1.0, 2.0, shape[0], dtype=dtype)
+  block = jf.LinenAttention(num_heads=HEADS, causal=True, learnable_sink=True, sink_init=init)
+  params = block.init(jax.random.PRNGKey(3), x)
+  np.testing.assert_allclose(params["params"]["sink"], init(None, (HEADS,), jnp.float32))
+  ours = lambda p, x: block.apply(p, x)
+  theirs = lambda p, x: _sink_reference_block(p, p["params"]["sink"], x)
+  assert_matches_flax(ours, theirs, params, x, "linen_sink")
+  grad = jax.grad(lambda p: jnp.sum(block.apply(p, x) ** 2))(params)["params"]["sink"]
+  assert np.all(np.isfinite(np.asarray(grad))) and np.any(np.asarray(grad) != 0)
+
+
+def test_nnx_block_learnable_sink_parameter():
+  x = _normal(17, (B, T, D))
+  init = lambda key, shape, dtype: jnp.linspace(-1.0, 2.0, shape[0], dtype=dtype)
+  block = jf.NnxAttention(D, HEADS, causal=True, learnable_sink=True, sink_init=init,
+                          rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(block.sink[...], init(None, (HEADS,), jnp.float32))
+  params = {"params": {n: {"kernel": getattr(block, n).kernel[...]}
+                       for n in ("query", "key", "value", "out")}}
+  np.testing.assert_allclose(block(x), _sink_reference_block(params, block.sink[...], x),
+                             rtol=2e-5, atol=2e-6)
+  assert jf.NnxAttention(D, HEADS, rngs=nnx.Rngs(0)).sink is None

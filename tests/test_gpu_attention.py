@@ -554,3 +554,53 @@ def test_masked_backward_matches_float64_oracle(variant, case):
     for _ in range(2):
       for name, a, again in zip(("dq", "dk", "dv"), got, grads(q, k, v, segment_ids)):
         np.testing.assert_array_equal(np.asarray(again), a, err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Learnable sinks on the kernel path: the kernels' (out, lse) rescaled per row (jaxflash/sink.py)
+
+SINK_CASES = {  # name -> (dtype, head_dim, (batch, seq_q, seq_k, heads, kv_heads), options)
+    "bf16_d64_causal_q300_k200": ("bfloat16", 64, (2, 300, 200, 8, 1), {"causal": True}),
+    "bf16_d128_window_gqa": ("bfloat16", 128, (1, 1000, 1000, 8, 2),
+                             {"causal": True, "window_size": (128, None)}),
+    "f16_d256_plain_q17_k300": ("float16", 256, (2, 17, 300, 4, 4), {}),
+}
+
+
+@pytest.mark.parametrize("case", SINK_CASES.keys())
+def test_learnable_sink_on_the_kernels_matches_float64_oracle(case):
+  dtype, d, (b, seq_q, seq_k, h, h_kv), options = SINK_CASES[case]
+  q, k, v = make_qkv(zlib.crc32(case.encode()), b, seq_q, seq_k, h, h_kv, d,
+                     dtype=jnp.dtype(dtype))
+  rng = np.random.default_rng(7)
+  sink = jnp.asarray(rng.normal(1.0, 2.0, h), jnp.float32)
+  w_out = jnp.asarray(rng.standard_normal((b, seq_q, h, d)), jnp.dtype(dtype)).astype(jnp.float32)
+  w_lse = jnp.asarray(rng.standard_normal((b, h, seq_q)), jnp.float32)
+  cfg = AttentionConfig(softmax_scale=d ** -0.5, causal=options.get("causal", False),
+                        window_left=options.get("window_size", (None, None))[0])
+
+  def loss(attend):
+    def f(q, k, v, s):
+      out, lse = attend(q, k, v, s)
+      return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(lse.astype(jnp.float32) * w_lse)
+    return f
+
+  cute = lambda q, k, v, s: jaxflash.attention(q, k, v, learnable_sink=s, return_lse=True,
+                                               implementation="cute", **options)
+  naive = lambda dt: lambda q, k, v, s: reference.naive_attention(
+      q, k, v, cfg, compute_dtype=dt, learnable_sink=s)
+  fn = jax.jit(jax.value_and_grad(loss(cute), argnums=(0, 1, 2, 3)))
+  assert "jaxflash_attention_fwd" in fn.lower(q, k, v, sink).as_text()
+  out, lse = jax.jit(cute)(q, k, v, sink)
+  grads = fn(q, k, v, sink)[1]
+  naive_out, naive_lse = naive(jnp.dtype(dtype))(q, k, v, sink)
+  naive_grads = jax.grad(loss(naive(jnp.dtype(dtype))), argnums=(0, 1, 2, 3))(q, k, v, sink)
+  with x64():
+    args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, sink)]
+    want_out, want_lse = (np.asarray(x) for x in naive(jnp.float64)(*args))
+    want_grads = [np.asarray(g) for g in jax.grad(loss(naive(jnp.float64)),
+                                                  argnums=(0, 1, 2, 3))(*args)]
+  assert_close_to_oracle(out, want_out, naive_out, name="out")
+  assert_close_to_oracle(lse, want_lse, naive_lse, name="lse")
+  for name, g, w, n in zip(("dq", "dk", "dv", "dsink"), grads, want_grads, naive_grads):
+    assert_close_to_oracle(g, w, n, name=name)
