@@ -139,7 +139,7 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
                  masked: bool = False) -> FwdSchedule:
   """The forward schedule table (H200 measurements in docs/kernels.md, "Forward tiles").
 
-  masked: the variant for windows and segment ids, causal or not (the mask is run-time data);
+  masked: the variant for windows, segment ids and softcap, causal or not (all run-time data);
   it takes the causal tiles and launches its tiles in the longest-first order the call's block
   ranges give (jaxflash/block_ranges.py), one CTA each.
   """
@@ -226,7 +226,8 @@ class KernelVariant:
   schedule: Schedule
   deterministic: bool = False  # backward only
   # Windows and segment ids: run-time operands (block ranges, ids, window sizes) that the
-  # kernel masks and skips by; causal or not is then run-time data too.
+  # kernel masks and skips by; causal or not is then run-time data too. Forward variants also
+  # take softcap at run time.
   masked: bool = False
 
   @property
@@ -242,7 +243,9 @@ class KernelVariant:
                config: AttentionConfig) -> "KernelVariant":
     """The variant that runs one call (kernel_support must have accepted it)."""
     deterministic = config.deterministic and direction == "bwd"
-    masked = config.has_window or config.has_segment_ids
+    # Soft-capping runs on the masked forward variants (a run-time value, like the window).
+    masked = (config.has_window or config.has_segment_ids
+              or (config.softcap is not None and direction == "fwd"))
     causal = config.causal and not masked
     if direction == "fwd":
       schedule = fwd_schedule(head_dim, head_dim_v, causal, masked)
@@ -270,8 +273,8 @@ def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
     accepted = tuple(dv for d, dv in pairs if d == head_dim)
     return False, (f"head_dim_v {head_dim_v} with head_dim {head_dim} has no {direction} "
                    f"kernel; accepted head_dim_v: {accepted}")
-  if config is not None and config.softcap is not None:
-    return False, "softcap not supported by the CuTe kernel yet"
+  if config is not None and config.softcap is not None and direction == "bwd":
+    return False, "softcap has no CuTe backward kernel yet (the forward kernel takes it)"
   return True, ""
 
 

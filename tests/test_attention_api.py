@@ -56,11 +56,6 @@ BAD = {  # id -> (overrides, exception, words the message must contain)
                          "key": jnp.ones((1, 4, 2, 192), jnp.bfloat16),
                          "value": jnp.ones((1, 4, 2, 64), jnp.bfloat16)},
                         ValueError, ["cute", "head_dim_v 64", "head_dim 192", "(128, 192)"]),
-    "cute_softcap": ({"implementation": "cute", "softcap": 2.0,
-                      "query": jnp.ones((1, 4, 2, 64), jnp.bfloat16),
-                      "key": jnp.ones((1, 4, 2, 64), jnp.bfloat16),
-                      "value": jnp.ones((1, 4, 2, 64), jnp.bfloat16)},
-                     ValueError, ["cute", "softcap"]),
 }
 
 

@@ -51,3 +51,23 @@ def test_masked_benchmark_cases_pass_their_ids_as_arguments(masked):
     assert q_ids.shape == kv_ids.shape == cases[name].shape and q_ids.dtype == "int32"
   assert masked.prep_ms(load_script("benchmarks/bench_attention.py"),
                         *cases["packed8"].data[:2]).keys() == {"prep fwd", "prep bwd"}
+
+
+def test_modifier_benchmark_columns_are_the_calls_they_name():
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jaxflash
+  modifiers = load_script("benchmarks/bench_modifiers.py")
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 16, 2, 8)), jnp.float32) for _ in range(3))
+  sink = jnp.asarray([0.5, -1.0], jnp.float32)
+  run = lambda impl: modifiers.attend_fn(impl, True, "reference")(q, k, v, sink)
+  want = {"jaxflash": {}, "softcap": {"softcap": modifiers.SOFTCAP},
+          "sink": {"learnable_sink": sink}}
+  for impl, options in want.items():
+    np.testing.assert_array_equal(run(impl), jaxflash.attention(
+        q, k, v, causal=True, implementation="reference", **options))
+  assert not np.array_equal(run("sink"), run("jaxflash"))
+  grads = modifiers.fwd_bwd_fn(modifiers.attend_fn("sink", True, "reference"), q)(q, k, v, sink)
+  assert len(grads) == 4 and np.any(np.asarray(grads[3]) != 0)

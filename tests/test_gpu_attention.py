@@ -604,3 +604,58 @@ def test_learnable_sink_on_the_kernels_matches_float64_oracle(case):
   assert_close_to_oracle(lse, want_lse, naive_lse, name="lse")
   for name, g, w, n in zip(("dq", "dk", "dv", "dsink"), grads, want_grads, naive_grads):
     assert_close_to_oracle(g, w, n, name=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Soft-capping: the masked forward variants take softcap at run time (the backward: reference)
+
+SOFTCAP = 5.0
+_SOFTCAP_CASES = _rotated(MASKED, 1)
+
+
+@pytest.mark.parametrize("variant,case", _SOFTCAP_CASES,
+                         ids=[f"{v.key}-{c}" for v, c in _SOFTCAP_CASES])
+def test_masked_forward_soft_caps_saturated_scores(variant, case):
+  (b, seq_q, seq_k, h, h_kv), options, kind = MASK_CASES[case]
+  seed = zlib.crc32(f"softcap{variant.key}{case}".encode())
+  dtype = jnp.dtype(variant.dtype)
+  q, k, v = make_qkv(seed, b, seq_q, seq_k, h, h_kv, variant.head_dim,
+                     head_dim_v=variant.head_dim_v, dtype=dtype)
+  q = (q.astype(jnp.float32) * 8).astype(dtype)  # scaled scores ~ N(0, 64): tanh saturates
+  segment_ids = _segment_ids(kind, b, seq_q, seq_k, seed)
+  cfg = _mask_config(variant, options, segment_ids).replace(softcap=SOFTCAP)
+  assert KernelVariant.for_call("fwd", "sm90a", variant.dtype, variant.head_dim,
+                                variant.head_dim_v, cfg) == variant
+  scores = np.einsum("qd,kd->qk", np.asarray(q[0, :64, 0], np.float32),
+                     np.asarray(k[0, :, 0], np.float32)) * cfg.softmax_scale
+  if scores.size >= 64:  # (a one-token case has one score)
+    assert np.mean(np.abs(scores) > 2 * SOFTCAP) > 0.1, "the test must reach the saturated range"
+  passed = () if segment_ids[0] is None else segment_ids
+  raw_out, raw_lse = poisoned_fwd(q, k, v, variant, cfg, passed)
+  (want_out, want_lse), (naive_out, naive_lse) = _oracle(q, k, v, cfg, segment_ids)
+  assert_close_to_oracle(raw_out, want_out, naive_out, name="out")
+  assert_close_to_oracle(raw_lse, want_lse, naive_lse, name="lse")
+  out = jax.jit(lambda q, k, v: jaxflash.attention(
+      q, k, v, causal=cfg.causal, window_size=(cfg.window_left, cfg.window_right),
+      softcap=SOFTCAP, q_segment_ids=segment_ids[0], kv_segment_ids=segment_ids[1],
+      implementation="cute"))(q, k, v)
+  np.testing.assert_array_equal(out, raw_out)
+
+
+def test_softcap_forward_kernel_with_reference_backward_matches_float64_oracle():
+  variant = next(v for v in MASKED if v.dtype == "bfloat16" and v.head_dim == 128)
+  shape = (2, 300, 300, 4, 2)
+  q, k, v, w_out, w_lse = _grad_inputs(variant, shape, "softcap-grads")
+  q = (q.astype(jnp.float32) * 4).astype(q.dtype)
+  cfg = AttentionConfig(softmax_scale=128 ** -0.5, causal=True, softcap=SOFTCAP,
+                        implementation="cute")
+  attend = lambda q, k, v: jaxflash.attention(q, k, v, causal=True, softcap=SOFTCAP,
+                                              return_lse=True, implementation="cute")
+  grads = jax.jit(jax.grad(_loss(attend, jnp.asarray(w_out, jnp.float32),
+                                 jnp.asarray(w_lse, jnp.float32), True), argnums=(0, 1, 2)))
+  text = grads.lower(q, k, v).as_text()
+  assert variant.key in text and "jaxflash_attention_bwd" not in text
+  got = [np.asarray(g) for g in grads(q, k, v)]
+  want, naive = _grad_oracle(q, k, v, w_out, w_lse, variant, True, cfg)
+  for name, g, w, n in zip(("dq", "dk", "dv"), got, want, naive):
+    assert_close_to_oracle(g, w, n, name=name)

@@ -158,3 +158,18 @@ def test_masked_forward_copies_key_ids_with_each_k_stage(exported, variant):
                and (v.head_dim, v.head_dim_v) == (variant.head_dim, variant.head_dim_v))
   assert dense.schedule.tile_n == variant.schedule.tile_n
   assert "UBLKCP.S.G" not in exported(dense).ops(modifiers=True)
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.masked and v.dtype == "bfloat16"],
+                         ids=lambda v: v.key)
+def test_masked_forward_soft_caps_behind_a_warp_uniform_branch(exported, variant):
+  """Masked variants take softcap at run time: one MUFU.TANH per score of each step (the four
+  softmax sites: the first block and the three step loops) behind a branch the call's softcap
+  decides for the whole CTA; the dense variants have none."""
+  e = exported(variant)
+  ops = e.ops(modifiers=True)
+  per_thread_scores = variant.schedule.tile_n // 2  # 64 rows x tile_n per warpgroup / 128
+  assert ops.count("MUFU.TANH") == 4 * per_thread_scores
+  dense = next(v for v in VARIANTS if not v.masked and v.dtype == variant.dtype
+               and (v.head_dim, v.head_dim_v) == (variant.head_dim, variant.head_dim_v))
+  assert "MUFU.TANH" not in exported(dense).ops(modifiers=True)

@@ -105,7 +105,7 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
   TensorOrder order = Vector<TensorOrder>(m.order, b * m_blocks);
   return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &q_ids, &k_ids,
                                           &ranges, &order, args->softmax_scale,
-                                          args->window_left, args->window_right,
+                                          args->window_left, args->window_right, args->softcap,
                                           static_cast<cudaStream_t>(stream));
 #else
   return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, args->softmax_scale,

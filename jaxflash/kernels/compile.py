@@ -97,7 +97,8 @@ def mask_signature(batch, row_tile: int, col_tile: int):
   """Fake run-time mask operands of a masked variant (block_ranges.py), by argument name:
   row_ids (batch, tiles * row_tile) and col_ids (batch, blocks * col_tile) int32 segment ids
   padded to whole tiles / blocks of the tiled side and the other; ranges (batch, tiles, 4)
-  int32; order (batch * tiles,) int32; window_left / window_right Int32 scalars."""
+  int32; order (batch * tiles,) int32; window_left / window_right Int32 scalars; softcap a
+  Float32 scalar (the forward's; 0: off)."""
   rows = cute.sym_int32(divisibility=row_tile)
   cols = cute.sym_int32(divisibility=col_tile)
   tiles = cute.sym_int32()
@@ -109,18 +110,19 @@ def mask_signature(batch, row_tile: int, col_tile: int):
                               assumed_align=_ASSUMED_ALIGN),
       order=make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,),
                              assumed_align=_ASSUMED_ALIGN),
-      window_left=cutlass.Int32(0), window_right=cutlass.Int32(0))
+      window_left=cutlass.Int32(0), window_right=cutlass.Int32(0),
+      softcap=cutlass.Float32(0.0))
 
 
 # A dense variant's mask operands: None each.
 _NO_MASK = dict.fromkeys(("row_ids", "col_ids", "ranges", "order", "window_left",
-                          "window_right"))
+                          "window_right", "softcap"))
 
 
 def fwd_signature(variant: config.KernelVariant):
   """Fake (q, k, v, out, lse, q_ids, k_ids, ranges, order) tensors and the (window_left,
-  window_right) scalars of the forward kernel; shapes dynamic, head dims static. The mask
-  operands are None for dense variants.
+  window_right, softcap) scalars of the forward kernel; shapes dynamic, head dims static. The
+  mask operands and softcap are None for dense variants.
 
   Extents that must be equal share one SymInt. Strides are explicit 64-bit SymInts in mode
   order (batch, seq, heads) for q/k/v/out and (batch, heads) for lse, with a unit last stride:
@@ -140,7 +142,7 @@ def fwd_signature(variant: config.KernelVariant):
   masking = (mask_signature(batch, variant.schedule.tile_m, variant.schedule.tile_n)
              if variant.masked else _NO_MASK)
   return (q, k, v, out, lse, masking["row_ids"], masking["col_ids"], masking["ranges"],
-          masking["order"], masking["window_left"], masking["window_right"])
+          masking["order"], masking["window_left"], masking["window_right"], masking["softcap"])
 
 
 def _checked(variant: config.KernelVariant, kernel_class) -> config.KernelVariant:
@@ -171,9 +173,9 @@ def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
   out_dir.mkdir(parents=True, exist_ok=True)
   prefix = function_prefix(variant)
   start = time.perf_counter()
-  q, k, v, out, lse, row_ids, col_ids, ranges, order, left, right = fwd_signature(variant)
+  q, k, v, out, lse, row_ids, col_ids, ranges, order, left, right, cap = fwd_signature(variant)
   compiled = cute.compile(kernel, q, k, v, out, lse, row_ids, col_ids, ranges, order,
-                          cutlass.Float32(1.0), left, right, make_fake_stream(),
+                          cutlass.Float32(1.0), left, right, cap, make_fake_stream(),
                           options=f"--gpu-arch {_GPU_ARCH[variant.arch]}")
   compiled.export_to_c(str(out_dir), variant.key, prefix)
   seconds = time.perf_counter() - start

@@ -149,6 +149,7 @@ class FlashAttentionForwardSm90:
       softmax_scale: Float32,
       window_left: Optional[Int32],  # masked: the band (block_ranges.window_bounds), or None
       window_right: Optional[Int32],
+      softcap: Optional[Float32],  # masked: scores become softcap * tanh(s / softcap); 0: off
       stream: cuda.CUstream,
   ):
     if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
@@ -188,7 +189,7 @@ class FlashAttentionForwardSm90:
         softmax_scale,
         self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout,
         self.tiled_mma_qk, self.tiled_mma_pv,
-        mQIds, mKIds, mRanges, mOrder, window_left, window_right,
+        mQIds, mKIds, mRanges, mOrder, window_left, window_right, softcap,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
   @cute.kernel
@@ -216,6 +217,7 @@ class FlashAttentionForwardSm90:
       mOrder: cute.Tensor,  # (batch * m blocks,)
       window_left: Optional[Int32],
       window_right: Optional[Int32],
+      softcap: Optional[Float32],
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -233,7 +235,15 @@ class FlashAttentionForwardSm90:
     masking = None
     if const_expr(self.masked):
       sKIds = storage.sKIds.get_tensor(cute.make_layout((self.tile_n, self.num_stages)))
-      masking = _Masking(mQIds, mKIds, mRanges, mOrder, window_left, window_right, sKIds)
+      # Soft-capping: S' = softcap * tanh(S * softmax_scale / softcap). The kernel keeps
+      # t = tanh(S * tanh_scale) in the S registers, so the softmax scale becomes softcap.
+      capped = softcap > Float32(0.0)
+      tanh_scale = Float32(0.0)
+      if capped:
+        tanh_scale = softmax_scale / softcap
+        softmax_scale = softcap
+      masking = _Masking(mQIds, mKIds, mRanges, mOrder, window_left, window_right, sKIds,
+                         Int32(capped), tanh_scale)
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -472,6 +482,10 @@ class FlashAttentionForwardSm90:
     """Mask (if needed) and online softmax of one S block; leaves P (fp32) in acc_s.
     k_state: the K stage of n_block (masked variants read the block's ids from it)."""
     acc_s_mn = softmax.make_acc_mn_view(acc_s)
+    if const_expr(self.masked):
+      # Before the mask, which writes -inf. A warp-uniform branch: off, it costs a compare.
+      if c.masking.capped != 0:
+        softmax.soft_cap(acc_s, c.masking.tanh_scale)
     if const_expr(is_masked):
       if const_expr(self.masked):
         m = c.masking
@@ -661,3 +675,5 @@ class _Masking:
   window_left: Int32
   window_right: Int32
   key_ids_smem: cute.Tensor  # (tile_n, num_stages): each K stage's key block ids
+  capped: Int32  # 1: soft-capping on (the call's softcap > 0)
+  tanh_scale: Float32  # softmax_scale / softcap: S' = tanh(S * tanh_scale), in softcap units

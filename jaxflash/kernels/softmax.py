@@ -210,6 +210,14 @@ class OnlineSoftmax:
 
 
 @cute.jit
+def soft_cap(acc: cute.Tensor, tanh_scale: Float32):
+  """acc[i] = tanh(acc[i] * tanh_scale) (MUFU.TANH): soft-capped scores in units of softcap,
+  which the caller's softmax scale (softcap * log2 e) turns back into softcap * tanh(.)."""
+  for i in cutlass.range_constexpr(cute.size(acc)):
+    acc[i] = cute.math.tanh(acc[i] * tanh_scale, fastmath=True)
+
+
+@cute.jit
 def scale_rows(acc_mn: cute.Tensor, row_scale: cute.Tensor):
   """acc_mn[i, j] *= row_scale[i] (rescales or normalises the O accumulator)."""
   for i in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):

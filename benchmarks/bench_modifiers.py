@@ -1,0 +1,113 @@
+"""Score modifiers on one GPU: jaxflash with softcap / a learnable sink vs the same call without,
+and cuDNN without (it takes neither through jax), one run; table + JSON.
+
+Shapes as benchmarks/bench_attention.py: bf16, batch * seq = 16384 tokens, heads = 2048 /
+head_dim; causal or not (--causal). Implementations: "jaxflash" (plain), "softcap"
+(softcap=30.0: the masked forward variants take it at run time; its backward runs the
+reference), "sink" (learnable_sink: the kernels, then the per-row rescale in XLA), "cudnn"
+(jax.nn, plain). TFLOP/s count the plain call's flops for every column (forward 4 b h s^2 d,
+halved when causal; forward + backward 3.5x), so columns compare as time ratios. Timing: that
+module's time_ms (warm-up, back-to-back calls, median). Needs the kernels in JAXFLASH_CACHE_DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxflash
+
+TOKENS, WIDTH = 16384, 2048
+SOFTCAP = 30.0  # Gemma 2's attention softcap
+IMPLS = ("jaxflash", "softcap", "sink", "cudnn")
+
+
+def _bench_attention():
+  path = Path(__file__).with_name("bench_attention.py")
+  spec = importlib.util.spec_from_file_location("bench_attention", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def attend_fn(impl: str, causal: bool, implementation: str = "cute"):
+  """attend(q, k, v, sink) for one implementation (the sink is ignored but by "sink");
+  `implementation` is jaxflash's (the CPU tests pass "reference")."""
+  if impl == "cudnn":
+    return lambda q, k, v, sink: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                              implementation="cudnn")
+  options = {"softcap": SOFTCAP} if impl == "softcap" else {}
+  use_sink = impl == "sink"
+  return lambda q, k, v, sink: jaxflash.attention(
+      q, k, v, causal=causal, learnable_sink=sink if use_sink else None,
+      implementation=implementation, **options)
+
+
+def fwd_bwd_fn(attend, cotangent):
+  """Gradients of sum(out * cotangent) w.r.t. q, k, v and the sink."""
+  def loss(q, k, v, sink):
+    return jnp.sum((attend(q, k, v, sink) * cotangent).astype(jnp.float32))
+  return jax.grad(loss, argnums=(0, 1, 2, 3))
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--hdim", type=int, nargs="+", default=[64, 128, 256])
+  p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384])
+  p.add_argument("--causal", action="store_true")
+  p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+  p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+  p.add_argument("--spin-up", type=float, default=5.0, metavar="SECONDS")
+  p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
+  args = p.parse_args(argv)
+  bench = _bench_attention()
+  bench.spin_up(args.spin_up)
+  rng = np.random.default_rng(0)
+  records = []
+  for d in args.hdim:
+    for s in args.seq:
+      b, h = TOKENS // s, WIDTH // d
+      q, k, v, ct = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16)
+                     for _ in range(4))
+      sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+      for mode in args.modes:
+        flops = bench.fwd_flops(b, h, s, d, d, args.causal) * (1.0 if mode == "fwd" else 3.5)
+        for impl in args.impls:
+          attend = attend_fn(impl, args.causal)
+          fn = jax.jit(attend if mode == "fwd" else fwd_bwd_fn(attend, ct))
+          rec = dict(head_dim=d, seq=s, causal=args.causal, mode=mode, impl=impl, ms=None,
+                     tflops=None)
+          try:
+            rec["ms"] = bench.time_ms(fn, q, k, v, sink)
+            rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
+          except Exception as e:  # report it and keep going
+            rec["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+          records.append(rec)
+          print(json.dumps(rec), flush=True)
+  args.out.mkdir(parents=True, exist_ok=True)
+  (args.out / "bench_modifiers.json").write_text(json.dumps(records, indent=1))
+  print("| head_dim | seq | mode | " + " | ".join(args.impls) + " | softcap / plain | sink / plain |")
+  for d in args.hdim:
+    for s in args.seq:
+      for mode in args.modes:
+        row = {r["impl"]: r for r in records
+               if (r["head_dim"], r["seq"], r["mode"]) == (d, s, mode)}
+        cells = [f"{row[i]['tflops']:.0f}" if row.get(i, {}).get("tflops") else "-"
+                 for i in args.impls]
+        ratio = lambda i: (f"{row['jaxflash']['ms'] / row[i]['ms']:.2f}"
+                           if row.get(i, {}).get("ms") and row.get("jaxflash", {}).get("ms")
+                           else "-")
+        print(f"| {d} | {s} | {mode} | " + " | ".join(cells)
+              + f" | {ratio('softcap')} | {ratio('sink')} |")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
