@@ -148,16 +148,17 @@ def _attend(attention_fn, q, k, v, *, causal, window_size, softcap, rope_base, s
       kv_positions = positions if k.shape[1] == q.shape[1] else jnp.broadcast_to(
           jnp.arange(k.shape[1]), k.shape[:2])
     q, k = apply_rope(q, positions, rope_base), apply_rope(k, kv_positions, rope_base)
-  segments = {}
+  # Only the options in use reach attention_fn (a custom one may not take the others).
+  per_call = {}
   if segment_ids is not None or kv_segment_ids is not None:
     if segment_ids is None:
       raise ValueError("segment_ids: required when kv_segment_ids is given")
-    segments = dict(q_segment_ids=segment_ids,
+    per_call.update(q_segment_ids=segment_ids,
                     kv_segment_ids=segment_ids if kv_segment_ids is None else kv_segment_ids)
   if sink is not None:
-    segments["learnable_sink"] = jnp.asarray(sink, jnp.float32)
+    per_call["learnable_sink"] = jnp.asarray(sink, jnp.float32)
   return attention_fn(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
-                      **segments)
+                      **per_call)
 
 
 class LinenAttention(nn.Module):
