@@ -1,4 +1,4 @@
-"""`python -m jaxflash.build`: kernel variant -> CuTe DSL export -> linked library + manifest.
+"""`python -m jaxflash.build`: variant -> CuTe DSL export -> linked library; kernel wheels.
 
 Only variant builds import `jaxflash.kernels` (nvidia-cutlass-dsl), lazily; the handler library
 needs g++ and CUDA headers alone. Nothing imports this module at `import jaxflash`.
@@ -7,6 +7,7 @@ needs g++ and CUDA headers alone. Nothing imports this module at `import jaxflas
 from __future__ import annotations
 
 import argparse
+import base64
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -25,12 +26,14 @@ import sys
 import sysconfig
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from jaxflash import config
+from jaxflash import config, kernel_store
 from jaxflash.config import (HANDLER_LIBRARY, VARIANT_LIBRARY, VARIANT_MANIFEST,
                              KernelVariant)
+from jaxflash.kernel_store import abi_version
 
 _FFI_SRC = Path(__file__).resolve().parent / "ffi"
 _KERNELS_SRC = Path(__file__).resolve().parent / "kernels"
@@ -60,12 +63,6 @@ def variant_abi_symbols(direction: str) -> tuple[str, ...]:
 
 class BuildError(RuntimeError):
   """A missing tool or a failed build step; the message names the fix."""
-
-
-def abi_version() -> int:
-  """JAXFLASH_KERNEL_ABI_VERSION as written in kernel_abi.h."""
-  text = (_FFI_SRC / "kernel_abi.h").read_text()
-  return int(re.search(r"#define JAXFLASH_KERNEL_ABI_VERSION (\d+)", text).group(1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,16 +216,26 @@ def _handler_sources() -> list[Path]:
   return [_FFI_SRC / n for n in _HANDLER_SOURCES + _HANDLER_HEADERS]
 
 
+def _handler_stamp() -> dict:
+  return {"sources_sha256": _sha256(_handler_sources()), "abi_version": abi_version()}
+
+
+def handler_library_is_current(folder: Path) -> bool:
+  """<folder>/libjaxflash_ffi.so was built from this package's handler sources and ABI."""
+  lib = Path(folder) / HANDLER_LIBRARY
+  have = _read_json(lib.with_suffix(".json")) or {}
+  return lib.is_file() and all(have.get(k) == v for k, v in _handler_stamp().items())
+
+
 def build_handler_library(cache: Path, *, force: bool = False,
                           toolchain: Optional[Toolchain] = None) -> tuple[Path, bool]:
   """Compiles ffi/handlers.cc into <cache>/libjaxflash_ffi.so; returns (path, rebuilt)."""
   cache = Path(cache)
   lib = cache / HANDLER_LIBRARY
   stamp = lib.with_suffix(".json")
-  want = {"sources_sha256": _sha256(_handler_sources()), "abi_version": abi_version()}
-  with _locked(cache / ".handler.lock"):
-    have = _read_json(stamp) or {}
-    if not force and lib.is_file() and all(have.get(k) == v for k, v in want.items()):
+  want = _handler_stamp()
+  with _locked(cache / ".locks" / "handler.lock"):
+    if not force and handler_library_is_current(cache):
       return lib, False
     tc = toolchain or find_toolchain()
     tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")
@@ -312,53 +319,101 @@ def link_variant(exported, variant: KernelVariant, out: Path,
     raise BuildError(f"variant {variant.key}: {out.name} does not export {sorted(missing)}")
 
 
+@contextlib.contextmanager
+def _staged(cache: Path, name: str):
+  """Yields an empty staging folder in `cache`; on success it replaces <cache>/<name> by renames.
+
+  A reader sees the old folder or the complete new one, never a half-written one (a rebuild
+  leaves a moment with neither, which a reader takes as missing). The caller holds the lock.
+  """
+  for left in cache.glob(f".{name}.staging-*"):  # from a killed build; the lock is ours
+    shutil.rmtree(left, ignore_errors=True)
+  staging = Path(tempfile.mkdtemp(prefix=f".{name}.staging-", dir=cache))
+  try:
+    yield staging
+    target = cache / name
+    if target.exists():
+      retired = Path(tempfile.mkdtemp(prefix=f".{name}.retired-", dir=cache))
+      os.rename(target, retired / name)  # a loaded library stays valid: its inode lives on
+      os.rename(staging, target)
+      shutil.rmtree(retired, ignore_errors=True)
+    else:
+      os.rename(staging, target)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+
+
+def install_once(cache: Path, name: str, is_current: Callable[[], bool],
+                 produce: Callable[[Path], None]) -> bool:
+  """Makes <cache>/<name> with `produce(staging_folder)` unless `is_current()`; True if it did.
+
+  A file lock (<cache>/.locks/<name>.lock) makes processes that need the same folder build it
+  once: the others wait, then find it current. The folder appears by one rename (`_staged`).
+  """
+  cache = Path(cache)
+  cache.mkdir(parents=True, exist_ok=True)
+  with _locked(cache / ".locks" / f"{name}.lock"):
+    if is_current():
+      return False
+    with _staged(cache, name) as staging:
+      produce(staging)
+  return True
+
+
+def _produce_variant(variant: KernelVariant, folder: Path) -> dict:
+  """Exports and links `variant` into the empty `folder`; writes and returns its manifest."""
+  require_cutlass()
+  tc = find_toolchain()
+  from jaxflash.kernels import compile as kernel_compile
+  start = time.perf_counter()
+  with tempfile.TemporaryDirectory(prefix=".export-", dir=folder) as tmp:
+    exported = kernel_compile.export_variant(variant, tmp)
+    link_variant(exported, variant, Path(tmp) / VARIANT_LIBRARY, tc)
+    os.replace(Path(tmp) / VARIANT_LIBRARY, folder / VARIANT_LIBRARY)
+  cubin = folder / "kernel.cubin"
+  cubin.write_bytes(exported.cubin)
+  # Backward: the preprocess and postprocess kernels' device code, next to the main one.
+  extra_cubins = {}
+  for name, blob in zip(("kernel-pre.cubin", "kernel-post.cubin"), exported.extra_cubins):
+    (folder / name).write_bytes(blob)
+    extra_cubins[name] = hashlib.sha256(blob).hexdigest()
+  try:
+    resources = cubin_resources(cubin)
+    for name in extra_cubins if resources else ():  # one table over all kernels
+      more = cubin_resources(folder / name)
+      resources["kernels"] += more["kernels"]
+      resources["local_memory_instructions"] += more["local_memory_instructions"]
+  except BuildError as e:  # inspection is informative only; the library is fine
+    resources = {"error": str(e)}
+  manifest = dict(
+      _expected_manifest(variant), library=VARIANT_LIBRARY,
+      library_sha256=hashlib.sha256((folder / VARIANT_LIBRARY).read_bytes()).hexdigest(),
+      cubin="kernel.cubin",
+      cubin_sha256=hashlib.sha256(exported.cubin).hexdigest(), extra_cubins=extra_cubins,
+      function_prefix=exported.function_prefix, resources=resources,
+      compile_seconds=round(exported.compile_seconds, 2),
+      build_seconds=round(time.perf_counter() - start, 2),
+      built_at=datetime.datetime.now().isoformat(timespec="seconds"),
+      jax_version=importlib.metadata.version("jax"), cxx=tc.cxx)
+  _write_json(folder / VARIANT_MANIFEST, manifest)
+  return manifest
+
+
 def build_variant(variant: KernelVariant, cache: Path, *, force: bool = False) -> dict:
   """Exports, links and describes one variant into <cache>/<key>/; returns its manifest.
 
-  Skips the work (returns the stored manifest with "up_to_date": True) when it is current.
+  Skips the work (returns the stored manifest with "up_to_date": True) when it is current,
+  also when another process built it meanwhile (`install_once`).
   """
   cache = Path(cache)
-  folder = cache / variant.key
-  with _locked(folder / ".lock"):
-    if not force and manifest_is_current(variant, cache):
-      return dict(_read_json(folder / VARIANT_MANIFEST), up_to_date=True)
-    require_cutlass()
-    tc = find_toolchain()
-    (folder / VARIANT_MANIFEST).unlink(missing_ok=True)  # no manifest while the files change
-    from jaxflash.kernels import compile as kernel_compile
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix=".build-", dir=folder) as tmp:
-      exported = kernel_compile.export_variant(variant, tmp)
-      lib_tmp = Path(tmp) / VARIANT_LIBRARY
-      link_variant(exported, variant, lib_tmp, tc)
-      cubin = folder / "kernel.cubin"
-      cubin.write_bytes(exported.cubin)
-      # Backward: the preprocess and postprocess kernels' device code, next to the main one.
-      extra_cubins = {}
-      for name, blob in zip(("kernel-pre.cubin", "kernel-post.cubin"), exported.extra_cubins):
-        (folder / name).write_bytes(blob)
-        extra_cubins[name] = hashlib.sha256(blob).hexdigest()
-      try:
-        resources = cubin_resources(cubin)
-        for name in extra_cubins if resources else ():  # one table over all kernels
-          more = cubin_resources(folder / name)
-          resources["kernels"] += more["kernels"]
-          resources["local_memory_instructions"] += more["local_memory_instructions"]
-      except BuildError as e:  # inspection is informative only; the library is fine
-        resources = {"error": str(e)}
-      os.replace(lib_tmp, folder / VARIANT_LIBRARY)
-    manifest = dict(
-        _expected_manifest(variant), library=VARIANT_LIBRARY,
-        library_sha256=hashlib.sha256((folder / VARIANT_LIBRARY).read_bytes()).hexdigest(),
-        cubin="kernel.cubin",
-        cubin_sha256=hashlib.sha256(exported.cubin).hexdigest(), extra_cubins=extra_cubins,
-        function_prefix=exported.function_prefix, resources=resources,
-        compile_seconds=round(exported.compile_seconds, 2),
-        build_seconds=round(time.perf_counter() - start, 2),
-        built_at=datetime.datetime.now().isoformat(timespec="seconds"),
-        jax_version=importlib.metadata.version("jax"), cxx=tc.cxx)
-    _write_json(folder / VARIANT_MANIFEST, manifest)
-  return dict(manifest, up_to_date=False)
+  made = {}
+  built = install_once(cache, variant.key,
+                       lambda: not force and manifest_is_current(variant, cache),
+                       lambda staging: made.update(_produce_variant(variant, staging)))
+  if not built:
+    return dict(_read_json(cache / variant.key / VARIANT_MANIFEST), up_to_date=True)
+  return dict(made, up_to_date=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,10 +494,106 @@ def prune_cache(cache: Path) -> list[str]:
   removed = []
   for folder in sorted(Path(cache).iterdir()) if Path(cache).is_dir() else ():
     is_variant = (folder / VARIANT_MANIFEST).is_file() or (folder / VARIANT_LIBRARY).is_file()
+    if folder.name.startswith("."):
+      continue  # a build's staging folder, or the locks
     if folder.is_dir() and is_variant and folder.name not in shipped:
       shutil.rmtree(folder)
       removed.append(folder.name)
   return removed
+
+
+def variant_state(variant: KernelVariant, cache_dir: Optional[Path] = None) -> str:
+  """`--list`'s state of `variant`: "ready (wheel)", "ready (cache)", "stale (cache)" or "missing".
+
+  "stale" only on a build host (nvidia-cutlass-dsl installed) whose kernel sources or tools
+  differ from the cached build's; its first use rebuilds it. `cache_dir` stands in for
+  $JAXFLASH_CACHE_DIR.
+  """
+  found = kernel_store.locate(variant.key, variant.arch, cache_dir)
+  if found is None:
+    return "missing"
+  if (found.kind == "cache" and cutlass_version() is not None
+      and not manifest_is_current(variant, found.path)):
+    return "stale (cache)"
+  return f"ready ({found.kind})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel wheel
+
+_WHEEL_INIT = '''"""Prebuilt jaxflash kernels for {arch} (jaxflash {version}, kernel ABI {abi}).
+
+Made by `python -m jaxflash.build --wheel`. jaxflash finds this folder by itself (see
+jaxflash.kernel_store); nothing here is meant to be imported.
+"""
+'''
+
+
+def _wheel_platform_tag() -> str:
+  return sysconfig.get_platform().replace("-", "_").replace(".", "_")
+
+
+def _record_hash(data: bytes) -> str:
+  digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+  return "sha256=" + digest.decode()
+
+
+def write_wheel(variants: Sequence[KernelVariant], cache: Path, out_dir: Path) -> Path:
+  """Packs the handler library and the built `variants` of `cache` into a kernel wheel.
+
+  The wheel installs the package jaxflash_kernels_<arch>: a kernel folder (config's layout,
+  without the cubins, which the libraries embed) plus kernels.json: the jaxflash version, kernel
+  ABI, arch and variant keys it holds. Every variant must be current in `cache` (BuildError if
+  not). The bytes depend on the inputs only (fixed timestamps). Returns the wheel's path.
+  """
+  cache, out_dir = Path(cache), Path(out_dir)
+  arches = {v.arch for v in variants}
+  if len(arches) != 1:
+    raise BuildError(f"a kernel wheel holds one arch; the variants span {sorted(arches)}")
+  (arch,) = arches
+  stale = [v.key for v in variants if not manifest_is_current(v, cache)]
+  if stale or not handler_library_is_current(cache):
+    raise BuildError(f"{cache} lacks current builds of {stale or [HANDLER_LIBRARY]}: build "
+                     f"them first")
+  package, version, abi = (kernel_store.wheel_package(arch), kernel_store.jaxflash_version(),
+                           abi_version())
+  info = {"jaxflash_version": version, "kernel_abi": abi, "arch": arch,
+          "variants": sorted(v.key for v in variants)}
+  handler_stamp = Path(HANDLER_LIBRARY).with_suffix(".json").name
+  files = [
+      (f"{package}/__init__.py", _WHEEL_INIT.format(arch=arch, version=version, abi=abi).encode()),
+      (f"{package}/{config.KERNEL_WHEEL_INFO}",
+       (json.dumps(info, indent=2, sort_keys=True) + "\n").encode()),
+      (f"{package}/{HANDLER_LIBRARY}", (cache / HANDLER_LIBRARY).read_bytes()),
+      (f"{package}/{handler_stamp}", (cache / handler_stamp).read_bytes()),
+  ]
+  for v in sorted(variants, key=lambda v: v.key):
+    for name in (VARIANT_LIBRARY, VARIANT_MANIFEST):
+      files.append((f"{package}/{v.key}/{name}", (cache / v.key / name).read_bytes()))
+  tag = f"py3-none-{_wheel_platform_tag()}"
+  dist_info = f"{package}-{version}.dist-info"
+  metadata = (f"Metadata-Version: 2.1\nName: {package.replace('_', '-')}\nVersion: {version}\n"
+              f"Summary: Prebuilt jaxflash {version} attention kernels for {arch} "
+              f"({len(variants)} variants, kernel ABI {abi})\n")
+  files += [
+      (f"{dist_info}/METADATA", metadata.encode()),
+      (f"{dist_info}/WHEEL", (f"Wheel-Version: 1.0\nGenerator: jaxflash.build\n"
+                              f"Root-Is-Purelib: false\nTag: {tag}\n").encode()),
+      (f"{dist_info}/top_level.txt", f"{package}\n".encode()),
+  ]
+  record = "".join(f"{name},{_record_hash(data)},{len(data)}\n" for name, data in files)
+  files.append((f"{dist_info}/RECORD", (record + f"{dist_info}/RECORD,,\n").encode()))
+  out_dir.mkdir(parents=True, exist_ok=True)
+  wheel = out_dir / f"{package}-{version}-{tag}.whl"
+  tmp = wheel.with_name(f".{wheel.name}.{os.getpid()}.tmp")
+  with zipfile.ZipFile(tmp, "w") as zf:
+    for name, data in files:
+      entry = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+      entry.external_attr = (0o755 if name.endswith(".so") else 0o644) << 16
+      entry.compress_type = zipfile.ZIP_DEFLATED
+      zf.writestr(entry, data)
+  os.replace(tmp, wheel)
+  return wheel
 
 
 def _select(args) -> list[KernelVariant]:
@@ -470,16 +621,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="default: $JAXFLASH_CACHE_DIR or ~/.cache/jaxflash/<version>")
   parser.add_argument("--jobs", type=int, default=1, help="parallel build processes")
   parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
-  parser.add_argument("--list", action="store_true", help="list variant keys and their state")
+  parser.add_argument("--list", action="store_true",
+                      help="list variant keys and their state: ready (wheel), ready (cache), "
+                           "stale (cache) or missing")
+  parser.add_argument("--wheel", type=Path, metavar="OUTDIR",
+                      help="build the variants, then write a kernel wheel of them into OUTDIR")
   parser.add_argument("--prune", action="store_true",
                       help="also delete cached variants that are no longer shipped (stale keys)")
   args = parser.parse_args(argv)
-  import jaxflash
-  cache = (args.cache_dir or config.kernel_cache_dir(jaxflash.__version__)).expanduser().resolve()
+  cache = (args.cache_dir or kernel_store.build_dir()).expanduser().resolve()
   variants = _select(args)
   if args.list:
+    given = args.cache_dir and cache
     for v in variants:
-      print(f"{v.key}  {'built' if manifest_is_current(v, cache) else 'missing or stale'}")
+      print(f"{v.key}  {variant_state(v, given)}")
     return 0
   print(f"jaxflash.build: {len(variants)} variant(s) for {args.arch} into {cache} "
         f"(jobs {args.jobs})")
@@ -495,6 +650,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   built = sum(not r["up_to_date"] for r in results)
   print(f"done: {len(results)} variant(s), {built} built, {len(results) - built} up to date, in "
         f"{time.perf_counter() - start:.1f} s; cache {cache_size_bytes(cache) / 2**20:.1f} MiB")
+  if args.wheel:
+    try:
+      wheel = write_wheel(variants, cache, args.wheel.expanduser())
+    except BuildError as e:
+      print(f"jaxflash.build: error: {e}", file=sys.stderr)
+      return 1
+    print(f"kernel wheel: {wheel} ({wheel.stat().st_size / 2**20:.1f} MiB); install it on a GPU "
+          f"host with `pip install {wheel.name}`")
   return 0
 
 

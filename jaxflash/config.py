@@ -31,11 +31,18 @@ WINDOW_UNBOUNDED = 1 << 30
 # K and V (or Q and dO) they share: the kernels' tile orders keep such groups together.
 L2_BYTES_FOR_REUSE = 40 * 1024 * 1024
 
-# Kernel cache layout: `python -m jaxflash.build` writes it, jaxflash.ffi reads it.
+# Kernel folder layout (a cache, or the package of a kernel wheel): `python -m jaxflash.build`
+# writes it, jaxflash.kernel_store finds it, jaxflash.ffi loads from it.
 CACHE_DIR_ENV = "JAXFLASH_CACHE_DIR"
-HANDLER_LIBRARY = "libjaxflash_ffi.so"  # in the cache root
-VARIANT_LIBRARY = "libjaxflash_variant.so"  # in <cache>/<KernelVariant.key>/
+HANDLER_LIBRARY = "libjaxflash_ffi.so"  # in the folder's root
+VARIANT_LIBRARY = "libjaxflash_variant.so"  # in <folder>/<KernelVariant.key>/
 VARIANT_MANIFEST = "manifest.json"  # next to it
+# The kernel wheel: one importable package per arch whose folder is a kernel folder, plus this
+# file saying what it was built for (jaxflash version, kernel ABI, arch, variant keys).
+KERNEL_WHEEL_PACKAGE = "jaxflash_kernels_{arch}"
+KERNEL_WHEEL_INFO = "kernels.json"
+# "0" turns off building a missing variant at first use (auto mode then runs the reference).
+BUILD_ON_DEMAND_ENV = "JAXFLASH_BUILD_ON_DEMAND"
 
 
 def kernel_cache_dir(version: str) -> Path:

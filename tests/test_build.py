@@ -4,8 +4,10 @@ import ctypes
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -126,10 +128,7 @@ def test_handler_registry_checks_the_variant_library(built, cache):
 
 
 @pytest.mark.cutlass
-def test_cli_lists_state_and_rejects_unknown_keys(built, cache, capsys):
-  variant, _, _ = built
-  assert build.main(["--list", "--cache-dir", str(cache), "--variants", variant.key]) == 0
-  assert f"{variant.key}  built" in capsys.readouterr().out
+def test_cli_rejects_unknown_keys(built, cache):
   with pytest.raises(SystemExit, match="unknown variant key"):
     build.main(["--variants", "fwd-nope", "--cache-dir", str(cache)])
 
@@ -236,3 +235,88 @@ def test_cli_prune_flag_keeps_current_variants(built, cache, capsys):
   assert build.main(["--variants", variant.key, "--cache-dir", str(cache), "--prune"]) == 0
   assert f"pruned stale variant {stale.name}" in capsys.readouterr().out
   assert not stale.exists() and build.manifest_is_current(variant, cache)
+
+
+@pytest.mark.cutlass
+def test_cli_list_reports_the_cache(built, cache, capsys):
+  variant, _, _ = built
+  assert build.main(["--list", "--cache-dir", str(cache), "--variants", variant.key]) == 0
+  assert capsys.readouterr().out == f"{variant.key}  ready (cache)\n"
+
+
+def _run_list(keys, env):
+  return subprocess.run([sys.executable, "-m", "jaxflash.build", "--list", "--variants", *keys],
+                        env=env, capture_output=True, text=True, check=True, timeout=300)
+
+
+@pytest.mark.cutlass
+def test_kernel_wheel_installs_and_is_found_with_an_empty_cache(built, cache, tmp_path):
+  variant, _, _ = built
+  out = tmp_path / "dist"
+  assert build.main(["--wheel", str(out), "--cache-dir", str(cache), "--variants",
+                     variant.key]) == 0
+  (wheel,) = out.glob("jaxflash_kernels_sm90a-*-py3-none-*.whl")
+  package = "jaxflash_kernels_sm90a"
+  with zipfile.ZipFile(wheel) as zf:
+    names = set(zf.namelist())
+    info = json.loads(zf.read(f"{package}/kernels.json"))
+  folder = f"{package}/{variant.key}"
+  assert {f"{folder}/{VARIANT_LIBRARY}", f"{folder}/{VARIANT_MANIFEST}",
+          f"{package}/{HANDLER_LIBRARY}", f"{package}/libjaxflash_ffi.json"} <= names
+  assert not [n for n in names if n.endswith(".cubin")]  # the libraries embed them
+  assert info["variants"] == [variant.key] and info["kernel_abi"] == build.abi_version()
+  first = wheel.read_bytes()
+  build.write_wheel([variant], cache, out)
+  assert wheel.read_bytes() == first  # reproducible
+
+  site = tmp_path / "site"
+  subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+                  "--target", str(site), str(wheel)], check=True, capture_output=True, timeout=300)
+  env = {k: v for k, v in os.environ.items() if k != config.CACHE_DIR_ENV}
+  env.update(PYTHONPATH=str(site), HOME=str(tmp_path / "home"))  # no user cache
+  other = config.shipped_variants()[1].key
+  proc = _run_list([variant.key, other], env)
+  assert proc.stdout == f"{variant.key}  ready (wheel)\n{other}  missing\n"
+  assert "kernel wheel" not in proc.stderr
+
+  # A wheel of another jaxflash version: ignored, with one warning.
+  info_path = site / package / "kernels.json"
+  info_path.write_text(json.dumps(dict(info, jaxflash_version="0.0.1")))
+  proc = _run_list([variant.key, other], env)
+  assert proc.stdout == f"{variant.key}  missing\n{other}  missing\n"
+  assert proc.stderr.count("ignoring the kernel wheel jaxflash_kernels_sm90a") == 1, proc.stderr
+
+
+@pytest.mark.cutlass
+def test_two_processes_build_a_variant_once(tmp_path):
+  _require_toolchain()
+  key = config.shipped_variants()[0].key
+  cmd = [sys.executable, "-m", "jaxflash.build", "--variants", key, "--cache-dir", str(tmp_path)]
+  procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for _ in range(2)]
+  outs = [p.communicate(timeout=900)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs
+  built = [o for o in outs if f"{key}: built in" in o]
+  waited = [o for o in outs if f"{key}: up to date" in o]
+  assert len(built) == 1 and len(waited) == 1, outs
+  assert build.manifest_is_current(config.shipped_variants()[0], tmp_path)
+  assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".locks"]
+
+
+@pytest.mark.cutlass
+def test_on_demand_build_of_a_missing_variant(tmp_path, monkeypatch, capfd):
+  """ensure_variant builds what no kernel folder holds (the loading itself needs a GPU)."""
+  _require_toolchain()
+  variant = config.shipped_variants()[0]
+  monkeypatch.setenv(config.CACHE_DIR_ENV, str(tmp_path / "kc"))
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  monkeypatch.delenv(config.BUILD_ON_DEMAND_ENV, raising=False)
+  loaded = []
+  monkeypatch.setattr(ffi, "_variants", {})
+  monkeypatch.setattr(ffi, "_register_variant", lambda key, library: loaded.append(library))
+  library = ffi.ensure_variant(variant)
+  assert loaded == [library] == [tmp_path / "kc" / variant.key / VARIANT_LIBRARY]
+  assert build.manifest_is_current(variant, tmp_path / "kc")
+  err = capfd.readouterr().err
+  assert re.fullmatch(rf"jaxflash: building kernel variant {variant.key} into {tmp_path / 'kc'} "
+                      rf"\(first use on this host\) \.\.\. ready in \d+ s\n", err), err

@@ -1,6 +1,9 @@
-"""Finds the jaxflash FFI libraries, loads them and registers the XLA target and kernel variants.
+"""Loads the jaxflash FFI libraries and registers the XLA targets and kernel variants.
 
-Knows variant keys, library paths and jax.ffi; nothing of primitives, sharding or Flax.
+Takes each library from the first kernel folder that has it (`jaxflash.kernel_store`: the
+developer's cache, the kernel wheel, the user cache) and builds a missing variant at its first
+use where the build tools are installed. Knows variant keys, library paths and jax.ffi; nothing
+of primitives, sharding or Flax.
 """
 
 from __future__ import annotations
@@ -8,13 +11,17 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
+import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxflash import config
+from jaxflash import config, kernel_store
 from jaxflash.config import (BWD_ATTRIBUTE_NAMES, BWD_TARGET, FWD_ATTRIBUTE_NAMES, FWD_TARGET,
                              HANDLER_LIBRARY, VARIANT_LIBRARY, VARIANT_MANIFEST, AttentionConfig,
                              KernelVariant)
@@ -30,10 +37,13 @@ _variants: dict[str, Path] = {}  # key -> library registered in this process
 _prepared = False  # jaxflash_ffi_prepare ran (GPU hosts only)
 
 
+def _cutlass_available() -> bool:
+  return importlib.util.find_spec("cutlass") is not None
+
+
 def cache_dir() -> Path:
-  """The kernel cache: $JAXFLASH_CACHE_DIR, else ~/.cache/jaxflash/<jaxflash version>."""
-  import jaxflash  # at call time: the package is initialized by now
-  return config.kernel_cache_dir(jaxflash.__version__)
+  """Where this process builds kernels: $JAXFLASH_CACHE_DIR, else ~/.cache/jaxflash/<version>."""
+  return kernel_store.build_dir()
 
 
 def build_command(keys: Sequence[str] = (), cache: Optional[Path] = None) -> str:
@@ -50,27 +60,37 @@ def _cuda_device_present() -> bool:
     return False
 
 
-def _handler_library(cache: Path) -> Path:
-  """The handler library, (re)built first where g++ and CUDA headers exist and it is stale."""
+def _handler_library() -> Path:
+  """The handler library: the first current one in search order, else (re)built into the cache.
+
+  Without a toolchain (a run host) an existing library from other sources is used as it is:
+  the registry still checks each variant library's ABI version when it opens it.
+  """
   from jaxflash import build
-  path = cache / HANDLER_LIBRARY
+  folders = kernel_store.search_path()
+  for folder in folders:
+    if build.handler_library_is_current(folder.path):
+      return folder.path / HANDLER_LIBRARY
   try:
-    return build.build_handler_library(cache)[0]  # no-op (no tools needed) when current
+    return build.build_handler_library(cache_dir())[0]
   except (build.BuildError, OSError) as e:
-    if path.is_file():
-      return path  # prebuilt, and no toolchain (or no write access) here: use it as it is
+    existing = [f.path / HANDLER_LIBRARY for f in folders if (f.path / HANDLER_LIBRARY).is_file()]
+    if existing:
+      return existing[0]
     raise RuntimeError(
-        f"jaxflash: the FFI handler library {path} is missing and cannot be built here: {e}\n"
-        f"Build it (with the kernels) on a build host with `{build_command()}` and point "
-        f"JAXFLASH_CACHE_DIR at that folder.") from e
+        f"jaxflash: the FFI handler library {HANDLER_LIBRARY} is in none of "
+        f"{[str(f.path) for f in folders]} and cannot be built here: {e}\n"
+        f"Install a kernel wheel (`python -m jaxflash.build --wheel OUTDIR` on any host), or "
+        f"build on a build host with `{build_command()}` and point JAXFLASH_CACHE_DIR at that "
+        f"folder.") from e
 
 
-def _load_handler(cache: Path) -> ctypes.CDLL:
+def _load_handler() -> ctypes.CDLL:
   """Loads libjaxflash_ffi.so once per process and registers FWD_TARGET, BWD_TARGET for CUDA."""
   global _handler
   if _handler is not None:
     return _handler
-  lib = ctypes.CDLL(str(_handler_library(cache)))
+  lib = ctypes.CDLL(str(_handler_library()))
   lib.jaxflash_ffi_register_variant.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
   lib.jaxflash_ffi_register_variant.restype = ctypes.c_int32
   lib.jaxflash_ffi_last_error.restype = ctypes.c_char_p
@@ -86,7 +106,7 @@ def _load_handler(cache: Path) -> ctypes.CDLL:
 def _register_variant(key: str, library: Path) -> None:
   """dlopens `library` in the handler's registry, checks ABI and key, loads its cubin."""
   global _prepared
-  lib = _load_handler(library.parent.parent)
+  lib = _load_handler()
   if not _prepared:
     # CUDA runtime initialization of the handler library, here rather than in graph capture.
     status = lib.jaxflash_ffi_prepare()
@@ -100,84 +120,137 @@ def _register_variant(key: str, library: Path) -> None:
 
 
 def register() -> None:
-  """Registers the jaxflash FFI targets and every kernel variant in the cache with XLA.
+  """Registers the jaxflash FFI targets and every kernel variant found with XLA.
 
   Call it once before running a deserialized `jax.export` module that holds jaxflash custom
-  calls (lowering through `jaxflash.attention` does it on its own). Idempotent. Without a CUDA
-  device only the targets are registered (if its library exists): nothing could run the kernels.
-  A variant library that fails to load is skipped with a warning; `ensure_variant` raises.
+  calls (lowering through `jaxflash.attention` does it on its own). Idempotent. Variants are
+  taken from the kernel folders in search order (`jaxflash.kernel_store`); a key found twice
+  loads from the first folder. Without a CUDA device only the targets are registered (if a
+  handler library exists): nothing could run the kernels. A variant library that fails to load
+  is skipped with a warning; `ensure_variant` raises.
   """
-  cache = cache_dir()
   with _lock:
+    folders = kernel_store.search_path()
     if not _cuda_device_present():
-      if (cache / HANDLER_LIBRARY).is_file():
-        _load_handler(cache)
+      if any((f.path / HANDLER_LIBRARY).is_file() for f in folders):
+        _load_handler()
       return
-    _load_handler(cache)
-    for manifest in sorted(cache.glob(f"*/{VARIANT_MANIFEST}")):
-      key, library = manifest.parent.name, manifest.parent / VARIANT_LIBRARY
-      if key in _variants or not library.is_file():
-        continue
-      try:
-        _register_variant(key, library)
-      except RuntimeError as e:
-        log.warning("%s (skipped)", e)
+    _load_handler()
+    for folder in folders:
+      for manifest in sorted(folder.path.glob(f"*/{VARIANT_MANIFEST}")):
+        key = manifest.parent.name
+        if key in _variants or not kernel_store.variant_is_usable(folder.path, key):
+          continue
+        try:
+          _register_variant(key, manifest.parent / VARIANT_LIBRARY)
+        except RuntimeError as e:
+          log.warning("%s (skipped)", e)
 
 
-def _cutlass_available() -> bool:
-  return importlib.util.find_spec("cutlass") is not None
+def on_demand_blocker() -> str:
+  """Why a missing variant cannot be built here at first use; "" when it can.
+
+  Needs JAXFLASH_BUILD_ON_DEMAND unset or "1", nvidia-cutlass-dsl (the `build` extra), a C++
+  compiler and the CUDA headers with the static runtime.
+  """
+  value = os.environ.get(config.BUILD_ON_DEMAND_ENV, "1")
+  if value not in ("0", "1", ""):
+    raise ValueError(f"{config.BUILD_ON_DEMAND_ENV}={value!r}: accepted values are '1' (build a "
+                     f"missing kernel variant at first use, the default) and '0' (never)")
+  if value == "0":
+    return f"on-demand builds are off ({config.BUILD_ON_DEMAND_ENV}=0)"
+  from jaxflash import build
+  try:
+    build.require_cutlass()
+    build.find_toolchain()
+  except build.BuildError as e:
+    return str(e)
+  return ""
 
 
-def _is_cached(key: str, cache: Path) -> bool:
-  return (cache / key / VARIANT_LIBRARY).is_file() and (cache / key / VARIANT_MANIFEST).is_file()
-
-
-def _missing_message(key: str, cache: Path) -> str:
-  return (f"jaxflash: kernel variant {key} is not built in {cache}, and nvidia-cutlass-dsl is "
-          f"not installed here to build it. On a build host (no GPU needed) run\n"
-          f"  {build_command([key], cache)}\nand copy that folder here (or set "
-          f"JAXFLASH_CACHE_DIR to it); or `pip install 'jaxflash[build]'` to build on first use.")
+def _missing_message(key: str, blocker: str) -> str:
+  folders = ", ".join(f"{f.path} ({f.kind})" for f in kernel_store.search_path())
+  return (f"jaxflash: kernel variant {key} is in none of the kernel folders ({folders}) and "
+          f"cannot be built here at first use: {blocker}.\nTo get the kernels, install a kernel "
+          f"wheel made on any host with `python -m jaxflash.build --wheel OUTDIR` (then "
+          f"`pip install OUTDIR/{kernel_store.wheel_package('sm90a')}-*.whl`); or `pip install "
+          f"'jaxflash[build]'` with g++ and the CUDA headers, and the variants build at first "
+          f"use; or build this one with\n  {build_command([key])}")
 
 
 def variant_available(variant: KernelVariant) -> tuple[bool, str]:
-  """Whether ensure_variant can provide `variant` here (registered, cached, or buildable).
+  """Whether ensure_variant can provide `variant` here (registered, found, or buildable).
 
-  Returns (ok, reason); the reason names the command that builds the variant. Loads nothing.
+  Returns (ok, reason); the reason says where it looked and how to get the kernels. Loads
+  nothing and builds nothing.
   """
-  key, cache = variant.key, cache_dir()
+  key = variant.key
   with _lock:
-    if key in _variants or _is_cached(key, cache) or _cutlass_available():
+    if key in _variants or kernel_store.locate(key, variant.arch) is not None:
       return True, ""
-  return False, _missing_message(key, cache)
+    blocker = on_demand_blocker()
+  return (True, "") if not blocker else (False, _missing_message(key, blocker))
+
+
+def _abridged(text: str, head: int = 1500, tail: int = 3000) -> str:
+  """`text`, or its beginning and end when long (an error's first and last lines both matter)."""
+  if len(text) <= head + tail:
+    return text
+  return f"{text[:head]}\n[... {len(text) - head - tail} characters ...]\n{text[-tail:]}"
+
+
+def _build_on_demand(variant: KernelVariant) -> Path:
+  """Builds `variant` into the cache in a child process, with one progress line on stderr.
+
+  The child (`python -m jaxflash.build`) keeps the DSL compiler out of this process; its file
+  lock makes concurrent processes build a variant once. Returns the cache folder.
+  """
+  cache = cache_dir()
+  cmd = [sys.executable, "-m", "jaxflash.build", "--arch", variant.arch, "--variants",
+         variant.key, "--cache-dir", str(cache)]
+  sys.stderr.write(f"jaxflash: building kernel variant {variant.key} into {cache} (first use "
+                   f"on this host) ... ")
+  sys.stderr.flush()
+  start = time.perf_counter()
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  seconds = time.perf_counter() - start
+  if proc.returncode != 0 or not kernel_store.variant_is_usable(cache, variant.key):
+    sys.stderr.write(f"failed after {seconds:.0f} s\n")
+    raise RuntimeError(f"jaxflash: building kernel variant {variant.key} failed (exit "
+                       f"{proc.returncode}) running\n  {' '.join(cmd)}\n"
+                       f"{_abridged(proc.stdout + proc.stderr)}")
+  sys.stderr.write(f"ready in {seconds:.0f} s\n")
+  return cache
 
 
 def ensure_variant(variant: KernelVariant) -> Path:
   """Makes `variant` runnable in this process and returns its library path.
 
-  Registers it from the cache; builds it first where nvidia-cutlass-dsl is installed and the
-  cached build is missing or stale. Call only where a CUDA device is present.
+  Takes it from the first kernel folder in search order (`jaxflash.kernel_store`). Where the
+  variant is missing, or its cached build is stale on a build host (the kernel sources or
+  tools changed), it is built into the cache first unless `on_demand_blocker()` says no. Call
+  only where a CUDA device is present.
 
   Raises:
-    RuntimeError: the variant is not in the cache and cannot be built here (the message has the
-      command that builds it), or its library does not load.
+    RuntimeError: the variant is nowhere and cannot be built here (the message says how to get
+      it), the build failed, or its library does not load.
   """
   key = variant.key
   with _lock:
     if key in _variants:
       return _variants[key]
-    cache = cache_dir()
-    library = cache / key / VARIANT_LIBRARY
-    built = _is_cached(key, cache)
-    if _cutlass_available():
+    found = kernel_store.locate(key, variant.arch)
+    stale = False
+    if found is not None and found.kind == "cache" and _cutlass_available():
       from jaxflash import build
-      if not (built and build.manifest_is_current(variant, cache)):
-        log.info("jaxflash: building kernel variant %s into %s", key, cache)
-        try:
-          build.build_variant(variant, cache)
-        except build.BuildError as e:
-          raise RuntimeError(f"jaxflash: building kernel variant {key} failed: {e}") from e
-    elif not built:
-      raise RuntimeError(_missing_message(key, cache))
+      stale = not build.manifest_is_current(variant, found.path)
+    if found is None or stale:
+      blocker = on_demand_blocker()
+      if not blocker:
+        found = kernel_store.KernelFolder("cache", _build_on_demand(variant))
+      elif found is None:
+        raise RuntimeError(_missing_message(key, blocker))
+    library = found.path / key / VARIANT_LIBRARY
     _register_variant(key, library)
     return library
 
