@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _jax_internal, primitives
+from jaxflash import _jax_internal, fp8, primitives
 from jaxflash.sink import add_learnable_sink, check_learnable_sink
 from jaxflash.config import (AttentionConfig, IMPLEMENTATIONS, KernelVariant, REFERENCE_DTYPES,
                              kernel_support)
@@ -28,7 +28,7 @@ def _check_array(name: str, x, rank: int, layout: str):
     raise ValueError(f"{name}: expected rank {rank} {layout}, got shape {tuple(x.shape)}")
 
 
-def _check_tensors(query, key, value):
+def _check_tensors(query, key, value, allow_fp8: bool = True):
   for name, x in (("query", query), ("key", key), ("value", value)):
     _check_array(name, x, 4, _RANK4)
   dtypes = {np.dtype(x.dtype).name for x in (query, key, value)}
@@ -37,6 +37,7 @@ def _check_tensors(query, key, value):
                     f"{value.dtype}")
   dtype = dtypes.pop()
   accepted = REFERENCE_DTYPES + ("float64",)  # float64 exists only with x64 on: oracle runs
+  accepted += (fp8.FP8_DTYPE,) if allow_fp8 else ()
   if dtype not in accepted:
     raise TypeError(f"query: dtype {dtype} not supported; accepted: {', '.join(accepted)}")
   b, _, h, d = query.shape
@@ -153,7 +154,8 @@ def _empty_result(query, key, value):
 
 def attention(query, key, value, *, causal: bool = False, softmax_scale: Optional[float] = None,
               window_size=(None, None), softcap: Optional[float] = None, q_segment_ids=None,
-              kv_segment_ids=None, learnable_sink=None, deterministic: bool = False,
+              kv_segment_ids=None, learnable_sink=None, q_descale=None, k_descale=None,
+              v_descale=None, out_dtype=None, deterministic: bool = False,
               return_lse: bool = False, implementation: Optional[str] = None):
   """Scaled dot-product attention, FlashAttention style.
 
@@ -173,6 +175,14 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
       sinks): each row's softmax runs over its visible scores plus the sink logit, whose column
       has no value, so the row's weights sum to less than one; lse includes it, and a row that
       sees no key outputs zeros with lse equal to its sink. Differentiable. None: no sink.
+    q_descale, k_descale, v_descale: float8_e4m3fn inputs only: float32 descales (x = x8 *
+      descale), all three per (batch, num_kv_heads) or all per block: (batch, num_heads,
+      ceil(seq_q / block)) for the query and (batch, num_kv_heads, ceil(seq_k / block)) for key
+      and value, block a power of two; `jaxflash.quantize_fp8` makes them. None: 1. FP8 inputs
+      take dense or causal masks, GQA/MQA, seq_q != seq_k and head_dim 64/128/256 (=
+      head_dim_v); they run dequantized on the float32 reference (no FP8 kernel ships yet) and
+      have no gradient (differentiating raises).
+    out_dtype: float8_e4m3fn inputs only: bfloat16 (default) or float16.
     deterministic: make the backward pass bitwise reproducible run to run. Without a causal
       mask at head_dim > 128 the CuTe backward then keeps two fp32 dQ accumulators (scratch of
       2 x batch x num_heads x seq_q x head_dim x 4 bytes instead of one).
@@ -194,6 +204,15 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
   config = _check_options(causal, softmax_scale, window_size, softcap, deterministic,
                           return_lse, implementation, query.shape[-1])
   has_segments = _check_segments(q_segment_ids, kv_segment_ids, query, key)
+  if dtype == fp8.FP8_DTYPE:
+    return _fp8_call(query, key, value, config.replace(has_segment_ids=has_segments),
+                     learnable_sink, (q_descale, k_descale, v_descale), out_dtype, return_lse,
+                     implementation)
+  for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale),
+                  ("out_dtype", out_dtype)):
+    if x is not None:
+      raise TypeError(f"{name}: applies to float8_e4m3fn inputs only; these are {dtype} (pass "
+                      f"None)")
   if learnable_sink is not None:
     check_learnable_sink(learnable_sink, query.shape[2], accept_float64=dtype == "float64")
   config = config.replace(has_segment_ids=has_segments)
@@ -209,4 +228,23 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
                                          kv_segment_ids)
   if learnable_sink is not None:
     out, lse = add_learnable_sink(out, lse, learnable_sink)
+  return (out, lse) if return_lse else out
+
+
+def _fp8_call(query, key, value, config: AttentionConfig, learnable_sink, descales, out_dtype,
+              return_lse: bool, implementation: Optional[str]):
+  """attention() of float8_e4m3fn inputs (jaxflash/fp8.py)."""
+  out_name = fp8.check_fp8_call(config, query.shape[-1], value.shape[-1], learnable_sink,
+                                out_dtype)
+  checked = fp8.check_descales(query, key, value, *descales)
+  impl = _resolve_implementation(implementation, fp8.FP8_DTYPE, query.shape[-1],
+                                 value.shape[-1], config)
+  config = config.replace(implementation=impl)
+  if 0 in query.shape[:3] or 0 in key.shape[:2]:
+    b, seq_q, h, _ = query.shape
+    out = jnp.zeros((b, seq_q, h, value.shape[-1]), out_name)
+    lse = jnp.full((b, h, seq_q), -jnp.inf, jnp.float32)
+  else:
+    out, lse = fp8.fp8_attention(config, out_name, checked.block_size, query, key, value,
+                                 checked.q, checked.k, checked.v)
   return (out, lse) if return_lse else out

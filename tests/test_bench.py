@@ -71,3 +71,18 @@ def test_modifier_benchmark_columns_are_the_calls_they_name():
   assert not np.array_equal(run("sink"), run("jaxflash"))
   grads = modifiers.fwd_bwd_fn(modifiers.attend_fn("sink", True, "reference"), q)(q, k, v, sink)
   assert len(grads) == 4 and np.any(np.asarray(grads[3]) != 0)
+
+
+def test_fp8_accuracy_baseline_is_one_descale_per_tensor():
+  import jax.numpy as jnp
+  import numpy as np
+  acc = load_script("benchmarks/fp8_accuracy.py")
+  q, k, v = acc.outlier_inputs((2, 64, 4, 64), seed=0)
+  assert q.dtype == jnp.bfloat16 and float(jnp.max(jnp.abs(q))) > 6  # the outliers are there
+  x8, descale = acc.per_tensor(q, num_kv_heads=2)
+  assert descale.shape == (2, 2) and np.unique(np.asarray(descale)).size == 1
+  np.testing.assert_allclose(float(descale[0, 0]),
+                             float(jnp.max(jnp.abs(q.astype(jnp.float32)))) / 448.0, rtol=1e-6)
+  assert float(jnp.max(jnp.abs(x8.astype(jnp.float32)))) == 448.0
+  assert list(acc.schemes(q, k, v, 32)) == ["fp8 per-tensor", "fp8 per-head", "fp8 block 32",
+                                             "fp8 block 32 + Hadamard"]

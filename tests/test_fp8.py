@@ -1,0 +1,270 @@
+"""FP8 inputs (CPU): the quantizer, the descale layouts, the reference path and the errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import fp8, reference
+from tests._cases import config_for, make_qkv, x64
+from tests._oracle import assert_close_to_oracle
+
+FP8 = jnp.float8_e4m3fn
+SHAPES = {  # name -> (seq_q, seq_k, heads, kv_heads, head_dim)
+    "gqa8_q_shorter": (37, 100, 8, 1, 64),
+    "q_longer_straddling": (130, 70, 4, 2, 128),
+    "length_one": (1, 1, 2, 2, 64),
+}
+
+
+def _inputs(seed, shape, dtype=jnp.bfloat16):
+  seq_q, seq_k, h, hk, d = shape
+  return make_qkv(seed, batch=2, seq_q=seq_q, seq_k=seq_k, heads=h, kv_heads=hk, head_dim=d,
+                  dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizer
+
+@pytest.mark.parametrize("block_size", [None, 16, 64])
+def test_quantizer_layouts_and_scales_cover_each_groups_amax(block_size):
+  q, k, v = _inputs(0, SHAPES["gqa8_q_shorter"])
+  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=block_size)
+  b, seq_q, h, _ = q.shape
+  seq_k, hk = k.shape[1], k.shape[2]
+  assert q8.dtype == k8.dtype == v8.dtype == FP8 and q8.shape == q.shape
+  assert qd.dtype == kd.dtype == vd.dtype == jnp.float32
+  if block_size is None:
+    assert qd.shape == kd.shape == vd.shape == (b, hk)
+  else:
+    assert qd.shape == (b, h, -(-seq_q // block_size))
+    assert kd.shape == vd.shape == (b, hk, -(-seq_k // block_size))
+  group = h // hk
+  for x, x8, d, g in ((q, q8, qd, group), (k, k8, kd, 1), (v, v8, vd, 1)):
+    # Each group's largest |x8| is the largest e4m3 value: its scale covers its amax exactly.
+    scale = fp8._expand(d, x.shape, block_size, g)
+    amax_ratio = np.asarray(jnp.abs(x.astype(jnp.float32)) / scale)
+    assert amax_ratio.max() <= fp8.FP8_MAX * (1 + 1e-6)
+    deq = np.asarray(fp8.dequantize(x8, d, block_size, g))
+    x32 = np.asarray(x, np.float32)
+    # e4m3: 3 mantissa bits, so a relative error of at most 2^-4 above the subnormals.
+    tiny = np.asarray(jnp.broadcast_to(scale, x.shape)) * 2.0 ** -9
+    assert np.all(np.abs(deq - x32) <= np.abs(x32) * 2.0 ** -4 + tiny)
+  per_group_max = np.abs(np.asarray(k8, np.float32)).max(axis=(1, 3))  # (b, hk) per head
+  if block_size is None:
+    np.testing.assert_array_equal(per_group_max, fp8.FP8_MAX)
+
+
+def test_an_all_zero_group_gets_descale_one():
+  q, k, v = _inputs(1, (16, 40, 2, 2, 64))
+  k = k.at[:, :16].set(0)
+  _, k8, _, _, kd, _ = jaxflash.quantize_fp8(q, k, v, block_size=16)
+  assert np.all(np.asarray(kd[:, :, 0]) == 1.0) and not np.asarray(k8[:, :16], np.float32).any()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_hadamard_rotation_is_orthogonal_and_keeps_qk(head_dim):
+  r = fp8.hadamard_rotation(head_dim, seed=3)
+  np.testing.assert_allclose(r @ r.T, np.eye(head_dim), atol=1e-6)
+  np.testing.assert_array_equal(r, fp8.hadamard_rotation(head_dim, seed=3))
+  assert not np.array_equal(r, fp8.hadamard_rotation(head_dim, seed=4))
+  rng = np.random.default_rng(0)
+  q, k = rng.standard_normal((2, 50, head_dim)).astype(np.float32)
+  scores = q @ k.T
+  rotated = (q @ r) @ (k @ r).T
+  np.testing.assert_allclose(rotated, scores, rtol=0, atol=1e-4 * np.abs(scores).max())
+
+
+def test_hadamard_quantization_rotates_query_and_key_only():
+  q, k, v = _inputs(2, (40, 40, 4, 2, 64), jnp.float32)
+  r = fp8.hadamard_rotation(64, 7)
+  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=16, hadamard=True, seed=7)
+  deq_q = np.asarray(fp8.dequantize(q8, qd, 16, 2))
+  np.testing.assert_allclose(deq_q, np.asarray(q) @ r, atol=0.07 * np.abs(deq_q).max())
+  np.testing.assert_allclose(np.asarray(fp8.dequantize(v8, vd, 16)), np.asarray(v),
+                             atol=0.07 * np.abs(np.asarray(v)).max())
+
+
+def test_block_quantization_with_hadamard_shrinks_the_error_on_outliers():
+  """FlashAttention-3's outlier inputs: the rotation spreads them, so the error drops."""
+  rng = np.random.default_rng(0)
+
+  def outliers():
+    x = rng.standard_normal((1, 1024, 2, 128))
+    return jnp.asarray(x + (rng.random(x.shape) < 1e-3) * rng.normal(0, 10, x.shape),
+                       jnp.bfloat16)
+
+  q, k, v = outliers(), outliers(), outliers()
+  with x64():
+    oracle = reference.naive_attention(*(x.astype(jnp.float64) for x in (q, k, v)),
+                                       config_for(128, {}))[0]
+
+  def rmse(**kwargs):
+    q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, **kwargs)
+    out = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    return float(np.sqrt(np.mean((np.asarray(out, np.float64) - np.asarray(oracle)) ** 2)))
+
+  plain, rotated = rmse(block_size=128), rmse(block_size=128, hadamard=True)
+  assert rotated < 0.75 * plain, (plain, rotated)  # 0.64 with these inputs
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"block_size": 100}, "block_size: expected None or a power of two from 16"),
+    ({"block_size": 8}, "block_size: expected None or a power of two from 16"),
+    ({"block_size": True}, "block_size"),
+    ({"hadamard": 1}, "hadamard: expected a Python bool"),
+    ({"seed": 1.5}, "seed: expected a Python int"),
+])
+def test_quantizer_rejects_bad_options(kwargs, match):
+  q, k, v = _inputs(0, (8, 8, 2, 2, 64))
+  with pytest.raises((TypeError, ValueError), match=match):
+    jaxflash.quantize_fp8(q, k, v, **kwargs)
+
+
+def test_quantizer_rejects_bad_tensors():
+  q, k, v = _inputs(0, (8, 8, 2, 2, 96))
+  with pytest.raises(ValueError, match="hadamard=True: head_dim must be a power of two, got 96"):
+    jaxflash.quantize_fp8(q, k, v, hadamard=True)
+  with pytest.raises(TypeError, match="query: dtype float8_e4m3fn not supported"):
+    jaxflash.quantize_fp8(q.astype(FP8), k.astype(FP8), v.astype(FP8))
+  with pytest.raises(ValueError, match="num_heads 2 must be a multiple of num_kv_heads 3"):
+    jaxflash.quantize_fp8(q, jnp.concatenate([k, k[:, :, :1]], 2),
+                          jnp.concatenate([v, v[:, :, :1]], 2))
+
+
+def test_quantizer_jits_with_static_options():
+  q, k, v = _inputs(3, (20, 24, 4, 2, 64))
+  f = jax.jit(jaxflash.quantize_fp8, static_argnames=("block_size", "hadamard", "seed"))
+  for got, want in zip(f(q, k, v, block_size=16, hadamard=True),
+                       jaxflash.quantize_fp8(q, k, v, block_size=16, hadamard=True)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention of FP8 inputs
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("block_size", [None, 16])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16])
+def test_fp8_attention_matches_the_dequantized_oracle(shape, block_size, causal, out_dtype):
+  q, k, v = _inputs(4, shape)
+  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=block_size)
+  group = shape[2] // shape[3]
+  deq = (fp8.dequantize(q8, qd, block_size, group), fp8.dequantize(k8, kd, block_size),
+         fp8.dequantize(v8, vd, block_size))
+  out, lse = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                causal=causal, out_dtype=out_dtype, return_lse=True)
+  assert out.dtype == out_dtype and lse.dtype == jnp.float32
+  cfg = config_for(shape[-1], {"causal": causal})
+  with x64():
+    want_out, want_lse = reference.naive_attention(*(x.astype(jnp.float64) for x in deq), cfg)
+  naive_out, naive_lse = reference.naive_attention(*deq, cfg)  # float32, then the output cast
+  assert_close_to_oracle(out, want_out, naive_out.astype(out_dtype), name="out")
+  assert_close_to_oracle(lse, want_lse, naive_lse, name="lse")
+
+
+def test_fp8_attention_without_descales_uses_one():
+  q, k, v = (x.astype(FP8) for x in _inputs(5, (20, 30, 4, 2, 64)))
+  ones = jnp.ones((2, 2), jnp.float32)
+  np.testing.assert_array_equal(
+      np.asarray(jaxflash.attention(q, k, v), np.float32),
+      np.asarray(jaxflash.attention(q, k, v, q_descale=ones, k_descale=ones, v_descale=ones),
+                 np.float32))
+
+
+def test_fp8_attention_jits_vmaps_and_handles_empty_inputs():
+  q, k, v = _inputs(6, (20, 30, 4, 2, 64))
+  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=16)
+  call = lambda *a: jaxflash.attention(*a[:3], q_descale=a[3], k_descale=a[4], v_descale=a[5])
+  eager = call(q8, k8, v8, qd, kd, vd)
+  np.testing.assert_array_equal(np.asarray(jax.jit(call)(q8, k8, v8, qd, kd, vd), np.float32),
+                                np.asarray(eager, np.float32))
+  mapped = jax.vmap(lambda *a: call(*(x[None] for x in a))[0])(q8, k8, v8, qd, kd, vd)
+  np.testing.assert_allclose(np.asarray(mapped, np.float32), np.asarray(eager, np.float32),
+                             rtol=1e-2, atol=1e-2)
+  empty = jaxflash.attention(q8, k8[:, :0], v8[:, :0], q_descale=jnp.ones((2, 2)),
+                             k_descale=jnp.ones((2, 2)), v_descale=jnp.ones((2, 2)))
+  assert empty.dtype == jnp.bfloat16 and not np.asarray(empty, np.float32).any()
+
+
+def test_differentiating_fp8_attention_raises_and_stop_gradient_does_not():
+  q, k, v = _inputs(7, (16, 16, 2, 2, 64))
+  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v)
+
+  def loss(q_descale, weight=1.0):
+    out = jaxflash.attention(q8, k8, v8, q_descale=q_descale, k_descale=kd, v_descale=vd)
+    return weight * jnp.sum(out.astype(jnp.float32))
+
+  with pytest.raises(ValueError, match="differentiating through attention of float8_e4m3fn"):
+    jax.grad(loss)(qd)
+  grad_w = jax.grad(lambda w: loss(jax.lax.stop_gradient(qd), w))(2.0)
+  np.testing.assert_allclose(grad_w, loss(qd), rtol=1e-6)
+
+
+def _fp8_inputs(shape=(20, 30, 4, 2, 64)):
+  q, k, v = _inputs(8, shape)
+  return jaxflash.quantize_fp8(q, k, v)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"window_size": (8, 0)}, "window_size: not supported with float8_e4m3fn inputs; FP8 "
+                              "attention takes dense or causal masks"),
+    ({"softcap": 5.0}, "softcap: not supported with float8_e4m3fn"),
+    ({"q_segment_ids": jnp.zeros((2, 20), jnp.int32),
+      "kv_segment_ids": jnp.zeros((2, 30), jnp.int32)}, "q_segment_ids/kv_segment_ids: not "
+                                                        "supported"),
+    ({"learnable_sink": jnp.zeros((4,), jnp.float32)}, "learnable_sink: not supported"),
+    ({"out_dtype": jnp.float32}, "out_dtype: expected one of \\('bfloat16', 'float16'\\) for "
+                                 "float8_e4m3fn inputs, got float32"),
+    ({"out_dtype": "nonsense"}, "out_dtype: expected a dtype"),
+    ({"implementation": "cute"}, "implementation='cute': dtype float8_e4m3fn has no kernel"),
+])
+def test_fp8_attention_rejects_what_it_does_not_support(kwargs, match):
+  q8, k8, v8, qd, kd, vd = _fp8_inputs()
+  with pytest.raises((TypeError, ValueError), match=match):
+    jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, **kwargs)
+
+
+def test_fp8_attention_takes_head_dim_64_128_256_only():
+  q, k, v = _inputs(9, (8, 8, 2, 2, 96))
+  with pytest.raises(ValueError, match="FP8 attention takes head_dim \\(64, 128, 256\\) with "
+                                       "head_dim_v equal to it; got head_dim 96"):
+    jaxflash.attention(q.astype(FP8), k.astype(FP8), v.astype(FP8))
+  q, k, v = _inputs(9, (8, 8, 2, 2, 64))
+  with pytest.raises(ValueError, match="got head_dim 64, head_dim_v 128"):
+    jaxflash.attention(q.astype(FP8), k.astype(FP8),
+                       jnp.concatenate([v, v], -1).astype(FP8))
+
+
+def test_descales_are_checked():
+  q8, k8, v8, qd, kd, vd = _fp8_inputs()
+  call = lambda qd, kd, vd: jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd,
+                                               v_descale=vd)
+  with pytest.raises(ValueError, match="k_descale, v_descale: pass all three descales or none"):
+    call(qd, None, None)
+  with pytest.raises(TypeError, match="k_descale: expected dtype float32, got bfloat16"):
+    call(qd, kd.astype(jnp.bfloat16), vd)
+  with pytest.raises(TypeError, match="v_descale: expected a float32 array, got float"):
+    call(qd, kd, 1.0)
+  with pytest.raises(ValueError, match="per-head descales must be \\(batch, num_kv_heads\\) = "
+                                       "\\(2, 2\\)"):
+    call(jnp.ones((2, 4)), kd, vd)
+  with pytest.raises(ValueError, match="expected all per head .* or all per block"):
+    call(jnp.ones((2, 4, 2)), kd, vd)
+  # Block counts that no single power-of-two block gives for seq_q 20 and seq_k 30.
+  with pytest.raises(ValueError, match="per-block descales must be q_descale .* for seq_q 20, "
+                                       "seq_k 30"):
+    call(jnp.ones((2, 4, 2)), jnp.ones((2, 2, 1)), jnp.ones((2, 2, 1)))
+  assert fp8.check_descales(q8, k8, v8, jnp.ones((2, 4, 2)), jnp.ones((2, 2, 2)),
+                            jnp.ones((2, 2, 2))).block_size == 16
+
+
+@pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale", "out_dtype"])
+def test_fp8_arguments_are_refused_for_other_dtypes(name):
+  q, k, v = _inputs(10, (8, 8, 2, 2, 64))
+  value = jnp.bfloat16 if name == "out_dtype" else jnp.ones((2, 2), jnp.float32)
+  with pytest.raises(TypeError, match=f"{name}: applies to float8_e4m3fn inputs only; these "
+                                      f"are bfloat16"):
+    jaxflash.attention(q, k, v, **{name: value})
