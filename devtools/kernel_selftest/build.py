@@ -291,9 +291,15 @@ def main() -> None:
   p.add_argument("--schedule", action="append", default=[], metavar="SPEC",
                  help="D[xDV]:field=value[,...]: FwdSchedule fields of the variants of D x DV "
                       "(A/B builds; repeatable)")
+  p.add_argument("--capture-probe", action="store_true",
+                  help="also compile .selftest/capture_probe (see capture_probe.sh)")
   args = p.parse_args()
-  if not args.tag and not args.pack:
-    p.error("give --tag and/or --pack")
+  if not args.tag and not args.pack and not args.capture_probe:
+    p.error("give --tag, --pack and/or --capture-probe")
+  if args.capture_probe:
+    (REPO / ".selftest").mkdir(exist_ok=True)
+    compile_selftest("capture_probe.cc", REPO / ".selftest" / "capture_probe")
+    print(f"built {REPO / '.selftest' / 'capture_probe'}")
   try:
     if args.tag:
       build(args)
