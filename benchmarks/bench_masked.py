@@ -23,9 +23,9 @@ call, jaxflash/block_ranges.py) alone for each case with segment ids.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -37,15 +37,10 @@ import jaxflash
 from jaxflash import block_ranges
 from jaxflash.config import AttentionConfig, KernelVariant
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench_attention.py
+import bench_attention  # noqa: E402
+
 HEADS, HEAD_DIM = 16, 128
-
-
-def _bench_attention():
-  path = Path(__file__).with_name("bench_attention.py")
-  spec = importlib.util.spec_from_file_location("bench_attention", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def packed_lengths(name: str, tokens: int = 16384) -> list[int]:
@@ -161,7 +156,7 @@ def fwd_bwd_fn(attend, cotangent):
 CASES = ("packed8", "packed11", "window", "window128k", "bidir", "padded", "dense")
 
 
-def prep_ms(bench, q_ids, kv_ids) -> dict:
+def prep_ms(q_ids, kv_ids) -> dict:
   """ms of the block-range operands alone, as the forward / backward lowering computes them."""
   config = AttentionConfig(softmax_scale=HEAD_DIM ** -0.5, causal=True, has_segment_ids=True)
   (b, s) = q_ids.shape
@@ -171,7 +166,7 @@ def prep_ms(bench, q_ids, kv_ids) -> dict:
     variant = KernelVariant.for_call(direction, "sm90a", "bfloat16", HEAD_DIM, HEAD_DIM, config)
     fn = jax.jit(lambda q, k, operands=operands, variant=variant: operands(
         variant, config, b, s, s, HEADS, (q, k)))
-    out[f"prep {direction}"] = bench.time_ms(fn, q_ids, kv_ids)
+    out[f"prep {direction}"] = bench_attention.time_ms(fn, q_ids, kv_ids)
   return out
 
 
@@ -182,8 +177,7 @@ def main(argv=None) -> int:
   p.add_argument("--spin-up", type=float, default=5.0, metavar="SECONDS")
   p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
   args = p.parse_args(argv)
-  bench = _bench_attention()
-  bench.spin_up(args.spin_up)
+  bench_attention.spin_up(args.spin_up)
   rng = np.random.default_rng(0)
   records = []
   all_cases = cases()
@@ -199,7 +193,7 @@ def main(argv=None) -> int:
         fn = jax.jit(attend if mode == "fwd" else fwd_bwd_fn(attend, ct))
         rec = dict(case=name, impl=impl, mode=mode, pairs=pairs, ms=None, tflops=None)
         try:
-          rec["ms"] = bench.time_ms(fn, q, k, v, case.data)
+          rec["ms"] = bench_attention.time_ms(fn, q, k, v, case.data)
           flops = 4.0 * HEADS * HEAD_DIM * pairs * (1.0 if mode == "fwd" else 3.5)
           rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
         except Exception as e:  # report it and keep going
@@ -207,7 +201,7 @@ def main(argv=None) -> int:
         records.append(rec)
         print(json.dumps(rec), flush=True)
     if args.prep and case.data:
-      for mode, ms in prep_ms(bench, *case.data[:2]).items():
+      for mode, ms in prep_ms(*case.data[:2]).items():
         rec = dict(case=name, impl="prep", mode=mode, pairs=pairs, ms=ms, tflops=None)
         records.append(rec)
         print(json.dumps(rec), flush=True)

@@ -13,9 +13,9 @@ module's time_ms (warm-up, back-to-back calls, median). Needs the kernels in JAX
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import jax
@@ -24,17 +24,12 @@ import numpy as np
 
 import jaxflash
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench_attention.py
+import bench_attention  # noqa: E402
+
 TOKENS, WIDTH = 16384, 2048
 SOFTCAP = 30.0  # Gemma 2's attention softcap
 IMPLS = ("jaxflash", "softcap", "sink", "cudnn")
-
-
-def _bench_attention():
-  path = Path(__file__).with_name("bench_attention.py")
-  spec = importlib.util.spec_from_file_location("bench_attention", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def attend_fn(impl: str, causal: bool, implementation: str = "cute"):
@@ -67,8 +62,7 @@ def main(argv=None) -> int:
   p.add_argument("--spin-up", type=float, default=5.0, metavar="SECONDS")
   p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
   args = p.parse_args(argv)
-  bench = _bench_attention()
-  bench.spin_up(args.spin_up)
+  bench_attention.spin_up(args.spin_up)
   rng = np.random.default_rng(0)
   records = []
   for d in args.hdim:
@@ -78,14 +72,15 @@ def main(argv=None) -> int:
                      for _ in range(4))
       sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
       for mode in args.modes:
-        flops = bench.fwd_flops(b, h, s, d, d, args.causal) * (1.0 if mode == "fwd" else 3.5)
+        flops = bench_attention.fwd_flops(b, h, s, d, d, args.causal)
+        flops *= 1.0 if mode == "fwd" else 3.5
         for impl in args.impls:
           attend = attend_fn(impl, args.causal)
           fn = jax.jit(attend if mode == "fwd" else fwd_bwd_fn(attend, ct))
           rec = dict(head_dim=d, seq=s, causal=args.causal, mode=mode, impl=impl, ms=None,
                      tflops=None)
           try:
-            rec["ms"] = bench.time_ms(fn, q, k, v, sink)
+            rec["ms"] = bench_attention.time_ms(fn, q, k, v, sink)
             rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
           except Exception as e:  # report it and keep going
             rec["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"

@@ -496,29 +496,43 @@ def _rotated(variants, per_variant):
 _MASK_FWD_CASES = _rotated(MASKED, 2)
 
 
-@pytest.mark.parametrize("variant,case", _MASK_FWD_CASES,
-                         ids=[f"{v.key}-{c}" for v, c in _MASK_FWD_CASES])
-def test_masked_forward_matches_float64_oracle(variant, case):
+def _masked_fwd_case(variant, case, seed_text, q_scale=1.0, softcap=None):
+  """Inputs of one masked forward case: (q, k, v, segment ids, cfg); cfg picks `variant`."""
   (b, seq_q, seq_k, h, h_kv), options, kind = MASK_CASES[case]
-  seed = zlib.crc32(f"{variant.key}{case}".encode())
+  seed = zlib.crc32(seed_text.encode())
+  dtype = jnp.dtype(variant.dtype)
   q, k, v = make_qkv(seed, b, seq_q, seq_k, h, h_kv, variant.head_dim,
-                     head_dim_v=variant.head_dim_v, dtype=jnp.dtype(variant.dtype))
+                     head_dim_v=variant.head_dim_v, dtype=dtype)
+  q = (q.astype(jnp.float32) * q_scale).astype(dtype)
   segment_ids = _segment_ids(kind, b, seq_q, seq_k, seed)
-  cfg = _mask_config(variant, options, segment_ids)
+  cfg = _mask_config(variant, options, segment_ids).replace(softcap=softcap)
   assert KernelVariant.for_call("fwd", "sm90a", variant.dtype, variant.head_dim,
                                 variant.head_dim_v, cfg) == variant
-  attend = jax.jit(_attend(cfg, segment_ids))
-  assert variant.key in attend.lower(q, k, v).as_text()
-  out, lse = attend(q, k, v)
+  return q, k, v, segment_ids, cfg
+
+
+def _check_poisoned_masked_fwd(q, k, v, variant, cfg, segment_ids):
+  """The kernel's raw (out, lse) into NaN-poisoned buffers against the float64 oracle."""
   passed = () if segment_ids[0] is None else segment_ids
   raw_out, raw_lse = poisoned_fwd(q, k, v, variant, cfg, passed)
   (want_out, want_lse), (naive_out, naive_lse) = _oracle(q, k, v, cfg, segment_ids)
   assert_close_to_oracle(raw_out, want_out, naive_out, name="out")
   assert_close_to_oracle(raw_lse, want_lse, naive_lse, name="lse")
-  np.testing.assert_array_equal(out, raw_out)
-  np.testing.assert_array_equal(lse, raw_lse)
   empty = np.isinf(want_lse)  # rows that see no key: exactly zero
   assert not np.asarray(raw_out, np.float32)[np.moveaxis(empty, 1, 2)].any()
+  return raw_out, raw_lse
+
+
+@pytest.mark.parametrize("variant,case", _MASK_FWD_CASES,
+                         ids=[f"{v.key}-{c}" for v, c in _MASK_FWD_CASES])
+def test_masked_forward_matches_float64_oracle(variant, case):
+  q, k, v, segment_ids, cfg = _masked_fwd_case(variant, case, f"{variant.key}{case}")
+  attend = jax.jit(_attend(cfg, segment_ids))
+  assert variant.key in attend.lower(q, k, v).as_text()
+  out, lse = attend(q, k, v)
+  raw_out, raw_lse = _check_poisoned_masked_fwd(q, k, v, variant, cfg, segment_ids)
+  np.testing.assert_array_equal(out, raw_out)
+  np.testing.assert_array_equal(lse, raw_lse)
 
 
 def _masked_grads(w_out, w_lse, cfg):
@@ -616,25 +630,14 @@ _SOFTCAP_CASES = _rotated(MASKED, 1)
 @pytest.mark.parametrize("variant,case", _SOFTCAP_CASES,
                          ids=[f"{v.key}-{c}" for v, c in _SOFTCAP_CASES])
 def test_masked_forward_soft_caps_saturated_scores(variant, case):
-  (b, seq_q, seq_k, h, h_kv), options, kind = MASK_CASES[case]
-  seed = zlib.crc32(f"softcap{variant.key}{case}".encode())
-  dtype = jnp.dtype(variant.dtype)
-  q, k, v = make_qkv(seed, b, seq_q, seq_k, h, h_kv, variant.head_dim,
-                     head_dim_v=variant.head_dim_v, dtype=dtype)
-  q = (q.astype(jnp.float32) * 8).astype(dtype)  # scaled scores ~ N(0, 64): tanh saturates
-  segment_ids = _segment_ids(kind, b, seq_q, seq_k, seed)
-  cfg = _mask_config(variant, options, segment_ids).replace(softcap=SOFTCAP)
-  assert KernelVariant.for_call("fwd", "sm90a", variant.dtype, variant.head_dim,
-                                variant.head_dim_v, cfg) == variant
+  # q x 8: scaled scores ~ N(0, 64), so tanh saturates.
+  q, k, v, segment_ids, cfg = _masked_fwd_case(variant, case, f"softcap{variant.key}{case}",
+                                               q_scale=8.0, softcap=SOFTCAP)
   scores = np.einsum("qd,kd->qk", np.asarray(q[0, :64, 0], np.float32),
                      np.asarray(k[0, :, 0], np.float32)) * cfg.softmax_scale
   if scores.size >= 64:  # (a one-token case has one score)
     assert np.mean(np.abs(scores) > 2 * SOFTCAP) > 0.1, "the test must reach the saturated range"
-  passed = () if segment_ids[0] is None else segment_ids
-  raw_out, raw_lse = poisoned_fwd(q, k, v, variant, cfg, passed)
-  (want_out, want_lse), (naive_out, naive_lse) = _oracle(q, k, v, cfg, segment_ids)
-  assert_close_to_oracle(raw_out, want_out, naive_out, name="out")
-  assert_close_to_oracle(raw_lse, want_lse, naive_lse, name="lse")
+  raw_out, _ = _check_poisoned_masked_fwd(q, k, v, variant, cfg, segment_ids)
   out = jax.jit(lambda q, k, v: jaxflash.attention(
       q, k, v, causal=cfg.causal, window_size=(cfg.window_left, cfg.window_right),
       softcap=SOFTCAP, q_segment_ids=segment_ids[0], kv_segment_ids=segment_ids[1],

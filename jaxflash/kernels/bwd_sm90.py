@@ -57,16 +57,10 @@ _DET_ROTATE_MAX_KEY_BLOCKS = 64
 
 
 @dataclasses.dataclass(frozen=True)
-class _Masking:
-  """The run-time mask operands of a masked variant (block_ranges.py describes them)."""
+class _Masking(mask.MaskOperands):
+  """The backward's mask operands (rows: key tiles; ranges: m_min, m_max, full_lo, full_hi)."""
 
-  query_ids: cute.Tensor  # (m blocks * tile_m, batch) int32
-  key_ids: cute.Tensor  # (n blocks * tile_n, batch) int32
-  ranges: cute.Tensor  # (4, n blocks, batch): m_min, m_max, full_lo, full_hi
-  order: cute.Tensor  # (batch * n blocks,): the CTA list
   ranks: cute.Tensor  # deterministic: (m blocks, n blocks, batch), else None
-  window_left: Int32
-  window_right: Int32
   query_ids_smem: cute.Tensor  # swap_sdp: (tile_m, num_stages) per Q/dO stage, else None
 
 
@@ -419,7 +413,7 @@ class FlashAttentionBackwardSm90:
       if const_expr(self.swap_sdp):
         query_ids_smem = storage.sQIds.get_tensor(cute.make_layout((self.tile_m,
                                                                     self.num_stages)))
-      masking = _Masking(mQIds, mKIds, mRanges, mOrder, mRanks, window_left, window_right,
+      masking = _Masking(mQIds, mKIds, mRanges, mOrder, window_left, window_right, mRanks,
                          query_ids_smem)
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()

@@ -53,7 +53,10 @@ class FlashAttentionForwardSm90:
   elementwise mask (jaxflash/block_ranges.py computes them on the device), the tile order
   (longest first), the query and key segment ids and the band as run-time operands. The
   producer copies each key block's ids into shared memory with its K tile; the blocks outside
-  [full_lo, full_hi) are masked by band and ids (mask.apply_band_and_ids).
+  [full_lo, full_hi) are masked by band and ids (mask.apply_band_and_ids). They also take the
+  call's softcap as a run-time Float32: when > 0, each S becomes tanh(S * scale / softcap)
+  (softmax.soft_cap) before the mask, behind a branch that is uniform across every warp, and the
+  softmax then scales by softcap, so max, sums and lse stay in the capped domain.
   """
 
   def __init__(self, variant: config.KernelVariant):
@@ -665,15 +668,9 @@ class _Consumer:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Masking:
-  """The run-time mask operands of a masked variant (block_ranges.py describes them)."""
+class _Masking(mask.MaskOperands):
+  """The forward's mask operands (rows: query tiles; ranges: n_min, n_max, full_lo, full_hi)."""
 
-  query_ids: cute.Tensor  # (m blocks * tile_m, batch) int32
-  key_ids: cute.Tensor  # (n blocks * tile_n, batch) int32
-  ranges: cute.Tensor  # (4, m blocks, batch): n_min, n_max, full_lo, full_hi
-  order: cute.Tensor  # (batch * m blocks,): the tile list
-  window_left: Int32
-  window_right: Int32
   key_ids_smem: cute.Tensor  # (tile_n, num_stages): each K stage's key block ids
   capped: Int32  # 1: soft-capping on (the call's softcap > 0)
   tanh_scale: Float32  # softmax_scale / softcap: S' = tanh(S * tanh_scale), in softcap units

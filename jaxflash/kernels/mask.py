@@ -7,9 +7,27 @@ segment ids as run-time data: query i sees key j iff i' - left <= j <= i' + righ
 seqlen_k - seqlen_q) and their ids are equal.
 """
 
+import dataclasses
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskOperands:
+  """The run-time mask operands of a masked variant (jaxflash/block_ranges.py computes them).
+
+  A CTA tiles one side ("rows": queries in the forward, keys in the backward) and visits blocks
+  of the other ("columns"). The kernels extend this with what only one direction needs.
+  """
+
+  query_ids: cute.Tensor  # (m blocks * tile_m, batch) int32
+  key_ids: cute.Tensor  # (n blocks * tile_n, batch) int32
+  ranges: cute.Tensor  # (4, row tiles, batch): column blocks [start, end), unmasked [lo, hi)
+  order: cute.Tensor  # (batch * row tiles,): the launch order of the row tiles
+  window_left: Int32
+  window_right: Int32
 
 
 @cute.jit
