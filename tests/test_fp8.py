@@ -184,8 +184,9 @@ def test_fp8_attention_jits_vmaps_and_handles_empty_inputs():
   mapped = jax.vmap(lambda *a: call(*(x[None] for x in a))[0])(q8, k8, v8, qd, kd, vd)
   np.testing.assert_allclose(np.asarray(mapped, np.float32), np.asarray(eager, np.float32),
                              rtol=1e-2, atol=1e-2)
-  empty = jaxflash.attention(q8, k8[:, :0], v8[:, :0], q_descale=jnp.ones((2, 2)),
-                             k_descale=jnp.ones((2, 2)), v_descale=jnp.ones((2, 2)))
+  ones = jnp.ones((2, 2), jnp.float32)
+  empty = jaxflash.attention(q8, k8[:, :0], v8[:, :0], q_descale=ones, k_descale=ones,
+                             v_descale=ones)
   assert empty.dtype == jnp.bfloat16 and not np.asarray(empty, np.float32).any()
 
 
@@ -242,6 +243,7 @@ def test_descales_are_checked():
   q8, k8, v8, qd, kd, vd = _fp8_inputs()
   call = lambda qd, kd, vd: jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd,
                                                v_descale=vd)
+  ones = lambda *shape: jnp.ones(shape, jnp.float32)
   with pytest.raises(ValueError, match="k_descale, v_descale: pass all three descales or none"):
     call(qd, None, None)
   with pytest.raises(TypeError, match="k_descale: expected dtype float32, got bfloat16"):
@@ -250,15 +252,15 @@ def test_descales_are_checked():
     call(qd, kd, 1.0)
   with pytest.raises(ValueError, match="per-head descales must be \\(batch, num_kv_heads\\) = "
                                        "\\(2, 2\\)"):
-    call(jnp.ones((2, 4)), kd, vd)
+    call(ones(2, 4), kd, vd)
   with pytest.raises(ValueError, match="expected all per head .* or all per block"):
-    call(jnp.ones((2, 4, 2)), kd, vd)
+    call(ones(2, 4, 2), kd, vd)
   # Block counts that no single power-of-two block gives for seq_q 20 and seq_k 30.
   with pytest.raises(ValueError, match="per-block descales must be q_descale .* for seq_q 20, "
                                        "seq_k 30"):
-    call(jnp.ones((2, 4, 2)), jnp.ones((2, 2, 1)), jnp.ones((2, 2, 1)))
-  assert fp8.check_descales(q8, k8, v8, jnp.ones((2, 4, 2)), jnp.ones((2, 2, 2)),
-                            jnp.ones((2, 2, 2))).block_size == 16
+    call(ones(2, 4, 2), ones(2, 2, 1), ones(2, 2, 1))
+  assert fp8.check_descales(q8, k8, v8, ones(2, 4, 2), ones(2, 2, 2),
+                            ones(2, 2, 2)).block_size == 16
 
 
 @pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale", "out_dtype"])
