@@ -8,8 +8,10 @@ bfloat16 values. Rows:
 - "fp8 per-head": jaxflash.quantize_fp8, one descale per (batch, kv head);
 - "fp8 block B": quantize_fp8(block_size=B);
 - "fp8 block B + Hadamard": quantize_fp8(block_size=B, hadamard=True).
-Every FP8 row runs jaxflash.attention of the quantized inputs (today the dequantized float32
-reference: the error of the quantization alone). Prints a table, writes JSON with --out.
+Each FP8 row has two columns: "call", jaxflash.attention of the quantized inputs (today the
+dequantized float32 reference: the error of the quantization alone; an FP8 kernel once it
+ships), and "P in e4m3", jaxflash.fp8.naive_fp8_attention (what an FP8 kernel computes, P
+rounded to e4m3 too). Prints a table, writes JSON with --out.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxflash
-from jaxflash import reference
+from jaxflash import fp8, reference
 from jaxflash.config import AttentionConfig
 
 FP8_MAX = 448.0
@@ -73,10 +75,13 @@ def rmse_table(batch: int, seq: int, heads: int, head_dim: int, causal: bool, bl
   def rmse(out):
     return float(np.sqrt(np.mean((np.asarray(out, np.float64) - oracle) ** 2)))
 
-  rows = {"bf16": rmse(jaxflash.attention(q, k, v, causal=causal))}
+  rows = {"bf16": {"call": rmse(jaxflash.attention(q, k, v, causal=causal))}}
   for name, (q8, k8, v8, qd, kd, vd) in schemes(q, k, v, block_size).items():
-    rows[name] = rmse(jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
-                                         causal=causal))
+    call = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                              causal=causal)
+    emulated = fp8.naive_fp8_attention(q8, k8, v8, fp8.check_descales(q8, k8, v8, qd, kd, vd),
+                                       cfg)[0]
+    rows[name] = {"call": rmse(call), "P in e4m3": rmse(emulated.astype(jnp.bfloat16))}
   return rows
 
 
@@ -96,9 +101,14 @@ def main(argv=None) -> int:
   baseline = rows["fp8 per-tensor"]
   print(f"RMSE vs float64, {jax.devices()[0].platform}, batch {args.batch}, seq {args.seq}, "
         f"heads {args.heads}, head_dim {args.head_dim}, causal {args.causal}")
-  print(f"{'scheme':<28} {'RMSE':>10} {'baseline / RMSE':>16}")
+  print(f"{'scheme':<28} {'call':>10} {'per-tensor/it':>14} {'P in e4m3':>10} "
+        f"{'per-tensor/it':>14}")
   for name, value in rows.items():
-    print(f"{name:<28} {value:>10.3e} {baseline / value:>16.2f}")
+    cells = [f"{value['call']:>10.3e}", f"{baseline['call'] / value['call']:>14.2f}"]
+    if "P in e4m3" in value:
+      e = value["P in e4m3"]
+      cells += [f"{e:>10.3e}", f"{baseline['P in e4m3'] / e:>14.2f}"]
+    print(f"{name:<28} " + " ".join(cells))
   if args.out:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fp8_accuracy.json").write_text(json.dumps(

@@ -228,6 +228,46 @@ def _dtype_name(dtype, argument: str) -> str:
     raise TypeError(f"{argument}: expected a dtype, got {dtype!r}") from e
 
 
+P_SCALE = 256.0  # P (<= 1 after the row max) times this before its e4m3 cast: no underflow
+
+
+def naive_fp8_attention(q8, k8, v8, descales: Descales, config: AttentionConfig):
+  """(out float32, lse) as an FP8 kernel computes them, all scores at once: S from the e4m3
+  q8 k8^T in float32 times the descales, P = exp(S - row max) rounded to e4m3 after scaling
+  by P_SCALE (FlashAttention-3's P), O = P8 (v8 * v_descale) / (P_SCALE * row sum of the
+  unrounded P). Dense or causal. A kernel differs in the order of its sums and in rounding P
+  against a running row max, so this bounds an FP8 kernel's error in tests (2x rule) and
+  estimates it in benchmarks/fp8_accuracy.py.
+  """
+  b, seq_q, h, _ = q8.shape
+  seq_k, hk = k8.shape[1], k8.shape[2]
+  group = h // hk
+  per_token = lambda d, x, g: jnp.broadcast_to(_expand(d, x.shape, descales.block_size, g),
+                                               x.shape[:3] + (1,))
+  qd = per_token(descales.q, q8, group)[..., 0]  # (b, seq_q, h)
+  kd = per_token(descales.k, k8, 1)[..., 0]  # (b, seq_k, hk)
+  vd = per_token(descales.v, v8, 1)  # (b, seq_k, hk, 1)
+  qg = q8.astype(jnp.float32).reshape(b, seq_q, hk, group, -1)
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k8.astype(jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST)
+  s = s * jnp.transpose(qd.reshape(b, seq_q, hk, group), (0, 2, 3, 1))[..., None]
+  s = s * jnp.transpose(kd, (0, 2, 1))[:, :, None, None, :] * config.softmax_scale
+  if config.causal:
+    visible = jnp.arange(seq_k)[None, :] <= jnp.arange(seq_q)[:, None] + seq_k - seq_q
+    s = jnp.where(visible, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(s - m)
+  row_sum = jnp.sum(p, axis=-1, keepdims=True)
+  p8 = (p * P_SCALE).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+  v = v8.astype(jnp.float32) * vd
+  out = jnp.einsum("bhgqk,bkhd->bqhgd", p8, v, precision=jax.lax.Precision.HIGHEST)
+  denom = jnp.transpose(row_sum[..., 0] * P_SCALE, (0, 3, 1, 2))[..., None]  # (b, q, hk, g, 1)
+  out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
+  lse = jnp.where(row_sum[..., 0] > 0, m[..., 0] + jnp.log(row_sum[..., 0]), -jnp.inf)
+  return out.reshape(b, seq_q, h, -1), lse.reshape(b, h, seq_q)
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
 def fp8_attention(config: AttentionConfig, out_dtype: str, block_size: Optional[int], q8, k8, v8,
                   q_descale, k_descale, v_descale):

@@ -270,3 +270,29 @@ def test_fp8_arguments_are_refused_for_other_dtypes(name):
   with pytest.raises(TypeError, match=f"{name}: applies to float8_e4m3fn inputs only; these "
                                       f"are bfloat16"):
     jaxflash.attention(q, k, v, **{name: value})
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("block_size", [None, 16])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_naive_fp8_attention_rounds_only_p_beyond_the_dequantized_inputs(shape, block_size,
+                                                                          causal):
+  """The FP8-kernel oracle: the dequantized attention but for P rounded to e4m3 (scaled by
+  P_SCALE); its lse comes from the unrounded P."""
+  q, k, v = _inputs(11, shape)
+  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=block_size)
+  descales = fp8.check_descales(q8, k8, v8, qd, kd, vd)
+  cfg = config_for(shape[-1], {"causal": causal})
+  out, lse = fp8.naive_fp8_attention(q8, k8, v8, descales, cfg)
+  group = shape[2] // shape[3]
+  deq = (fp8.dequantize(q8, qd, block_size, group), fp8.dequantize(k8, kd, block_size),
+         fp8.dequantize(v8, vd, block_size))
+  with x64():
+    want_out, want_lse = reference.naive_attention(*(x.astype(jnp.float64) for x in deq), cfg)
+  want_out, out = np.asarray(want_out), np.asarray(out, np.float64)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+  err = np.linalg.norm(out - want_out) / np.linalg.norm(want_out)
+  if shape[1] == 1:  # one key: P = 1 exactly, nothing to round
+    assert err < 1e-6
+  else:
+    assert 0 < err < 2.0 ** -4  # e4m3's relative rounding, averaged over each row
