@@ -261,6 +261,14 @@ def plot(records, modes, impls, path: Path) -> str:
   return f"plot: {path}"
 
 
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+  """--spin-up and --out, which every benchmark script of this folder takes."""
+  p.add_argument("--spin-up", type=_non_negative, default=5.0, metavar="SECONDS",
+                 help="bf16 matmuls before the first cell so the GPU clock has ramped up "
+                      "(0: none)")
+  p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
@@ -277,10 +285,7 @@ def main(argv=None) -> int:
   p.add_argument("--quick", action="store_true", help="seq 1024 and 4096 only")
   p.add_argument("--xla-max-scores", type=float, default=2.0**31,
                  help="skip XLA where batch*heads*seq^2 exceeds this (it materializes scores)")
-  p.add_argument("--spin-up", type=_non_negative, default=5.0, metavar="SECONDS",
-                 help="bf16 matmuls before the first cell so the GPU clock has ramped up "
-                      "(0: none)")
-  p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
+  add_run_arguments(p)
   args = p.parse_args(argv)
   if args.quick:
     args.seq = [1024, 4096]

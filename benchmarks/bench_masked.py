@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -174,8 +173,7 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
   p.add_argument("--prep", action="store_true", help="also time the block-range preparation")
-  p.add_argument("--spin-up", type=float, default=5.0, metavar="SECONDS")
-  p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
+  bench_attention.add_run_arguments(p)
   args = p.parse_args(argv)
   bench_attention.spin_up(args.spin_up)
   rng = np.random.default_rng(0)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -59,8 +58,7 @@ def main(argv=None) -> int:
   p.add_argument("--causal", action="store_true")
   p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
   p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
-  p.add_argument("--spin-up", type=float, default=5.0, metavar="SECONDS")
-  p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench_out"))
+  bench_attention.add_run_arguments(p)
   args = p.parse_args(argv)
   bench_attention.spin_up(args.spin_up)
   rng = np.random.default_rng(0)
@@ -88,7 +86,8 @@ def main(argv=None) -> int:
           print(json.dumps(rec), flush=True)
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "bench_modifiers.json").write_text(json.dumps(records, indent=1))
-  print("| head_dim | seq | mode | " + " | ".join(args.impls) + " | softcap / plain | sink / plain |")
+  print("| head_dim | seq | mode | " + " | ".join(args.impls)
+        + " | softcap / plain | sink / plain |")
   for d in args.hdim:
     for s in args.seq:
       for mode in args.modes:

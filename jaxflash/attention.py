@@ -144,11 +144,13 @@ def _missing_kernel(dtype: str, head_dim: int, head_dim_v: int, config: Attentio
   return ""
 
 
-def _empty_result(query, key, value):
-  """No query, head or key to attend to: zeros and lse = -inf, without any kernel."""
+def _empty_result(query, value, out_dtype=None):
+  """No query, head or key to attend to: zeros (in out_dtype, default the query's) and
+  lse = -inf, without any kernel."""
   b, seq_q, h, _ = query.shape
-  out = jnp.zeros((b, seq_q, h, value.shape[-1]), query.dtype)  # grads w.r.t. inputs: zeros
-  lse = jnp.full((b, h, seq_q), -jnp.inf, jnp.promote_types(query.dtype, jnp.float32))
+  dtype = query.dtype if out_dtype is None else out_dtype
+  out = jnp.zeros((b, seq_q, h, value.shape[-1]), dtype)  # grads w.r.t. inputs: zeros
+  lse = jnp.full((b, h, seq_q), -jnp.inf, jnp.promote_types(dtype, jnp.float32))
   return out, lse
 
 
@@ -219,7 +221,7 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
   impl = _resolve_implementation(implementation, dtype, query.shape[-1], value.shape[-1], config)
   config = config.replace(implementation=impl)
   if 0 in query.shape[:3] or 0 in key.shape[:2]:
-    out, lse = _empty_result(query, key, value)
+    out, lse = _empty_result(query, value)
   else:
     if has_segments:
       q_segment_ids = jnp.asarray(q_segment_ids, jnp.int32)
@@ -241,9 +243,7 @@ def _fp8_call(query, key, value, config: AttentionConfig, learnable_sink, descal
                                  value.shape[-1], config)
   config = config.replace(implementation=impl)
   if 0 in query.shape[:3] or 0 in key.shape[:2]:
-    b, seq_q, h, _ = query.shape
-    out = jnp.zeros((b, seq_q, h, value.shape[-1]), out_name)
-    lse = jnp.full((b, h, seq_q), -jnp.inf, jnp.float32)
+    out, lse = _empty_result(query, value, out_name)
   else:
     out, lse = fp8.fp8_attention(config, out_name, checked.block_size, query, key, value,
                                  checked.q, checked.k, checked.v)

@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 from jaxflash import config, kernel_store
 from jaxflash.config import (HANDLER_LIBRARY, VARIANT_LIBRARY, VARIANT_MANIFEST,
                              KernelVariant)
-from jaxflash.kernel_store import abi_version
+from jaxflash.kernel_store import abi_version, read_json
 
 _FFI_SRC = Path(__file__).resolve().parent / "ffi"
 _KERNELS_SRC = Path(__file__).resolve().parent / "kernels"
@@ -181,13 +181,6 @@ def _write_json(path: Path, data: dict) -> None:
   os.replace(tmp, path)
 
 
-def _read_json(path: Path) -> Optional[dict]:
-  try:
-    return json.loads(path.read_text())
-  except (OSError, ValueError):
-    return None
-
-
 @contextlib.contextmanager
 def _locked(path: Path):
   """Serializes builds of one artifact across processes (lowering may build concurrently)."""
@@ -223,7 +216,7 @@ def _handler_stamp() -> dict:
 def handler_library_is_current(folder: Path) -> bool:
   """<folder>/libjaxflash_ffi.so was built from this package's handler sources and ABI."""
   lib = Path(folder) / HANDLER_LIBRARY
-  have = _read_json(lib.with_suffix(".json")) or {}
+  have = read_json(lib.with_suffix(".json")) or {}
   return lib.is_file() and all(have.get(k) == v for k, v in _handler_stamp().items())
 
 
@@ -271,7 +264,7 @@ def _expected_manifest(variant: KernelVariant) -> dict:
 def manifest_is_current(variant: KernelVariant, cache: Path) -> bool:
   """True when <cache>/<key> holds a library built from this spec, sources and tools."""
   folder = Path(cache) / variant.key
-  have = _read_json(folder / VARIANT_MANIFEST)
+  have = read_json(folder / VARIANT_MANIFEST)
   if have is None or not (folder / VARIANT_LIBRARY).is_file():
     return False
   return all(have.get(k) == v for k, v in _expected_manifest(variant).items())
@@ -412,7 +405,7 @@ def build_variant(variant: KernelVariant, cache: Path, *, force: bool = False) -
                        lambda: not force and manifest_is_current(variant, cache),
                        lambda staging: made.update(_produce_variant(variant, staging)))
   if not built:
-    return dict(_read_json(cache / variant.key / VARIANT_MANIFEST), up_to_date=True)
+    return dict(read_json(cache / variant.key / VARIANT_MANIFEST), up_to_date=True)
   return dict(made, up_to_date=False)
 
 

@@ -147,6 +147,14 @@ def dequantize(x8, descale, block_size: Optional[int], group: int = 1):
   return x8.astype(jnp.float32) * _expand(descale, x8.shape, block_size, group)
 
 
+def dequantize_inputs(q8, k8, v8, q_descale, k_descale, v_descale, block_size: Optional[int]):
+  """(q, k, v) in float32 from one FP8 call's inputs (a query head uses its kv head's descale
+  in the per-head layout)."""
+  group = q8.shape[2] // k8.shape[2]
+  return (dequantize(q8, q_descale, block_size, group), dequantize(k8, k_descale, block_size),
+          dequantize(v8, v_descale, block_size))
+
+
 # ---------------------------------------------------------------------------------------------
 # The attention call
 
@@ -272,10 +280,7 @@ def naive_fp8_attention(q8, k8, v8, descales: Descales, config: AttentionConfig)
 def fp8_attention(config: AttentionConfig, out_dtype: str, block_size: Optional[int], q8, k8, v8,
                   q_descale, k_descale, v_descale):
   """(out in out_dtype, lse) of FP8 inputs: dequantized, then the float32 reference."""
-  group = q8.shape[2] // k8.shape[2]
-  q = dequantize(q8, q_descale, block_size, group)
-  k = dequantize(k8, k_descale, block_size)
-  v = dequantize(v8, v_descale, block_size)
+  q, k, v = dequantize_inputs(q8, k8, v8, q_descale, k_descale, v_descale, block_size)
   out, lse = primitives.attention_core(config.replace(implementation="reference"), q, k, v,
                                        None, None)
   return out.astype(out_dtype), lse

@@ -65,7 +65,8 @@ def wheel_package(arch: str) -> str:
   return config.KERNEL_WHEEL_PACKAGE.format(arch=arch)
 
 
-def _read_json(path: Path) -> Optional[dict]:
+def read_json(path: Path) -> Optional[dict]:
+  """The JSON object in `path`, or None when it is missing or unreadable (a manifest, a stamp)."""
   try:
     return json.loads(path.read_text())
   except (OSError, ValueError):
@@ -90,7 +91,7 @@ def wheel_folder(arch: str = "sm90a") -> Optional[Path]:
   if spec is None or not spec.submodule_search_locations:
     return None
   folder = Path(next(iter(spec.submodule_search_locations)))
-  info = _read_json(folder / config.KERNEL_WHEEL_INFO) or {}
+  info = read_json(folder / config.KERNEL_WHEEL_INFO) or {}
   want = {"jaxflash_version": jaxflash_version(), "kernel_abi": abi_version(), "arch": arch}
   have = {k: info.get(k) for k in want}
   if have != want:
@@ -121,7 +122,7 @@ def search_path(arch: str = "sm90a", cache_dir: Optional[Path] = None) -> list[K
 
 def variant_is_usable(folder: Path, key: str) -> bool:
   """<folder>/<key> holds a library and a manifest for this key and kernel ABI."""
-  manifest = _read_json(folder / key / VARIANT_MANIFEST)
+  manifest = read_json(folder / key / VARIANT_MANIFEST)
   return (manifest is not None and (folder / key / VARIANT_LIBRARY).is_file()
           and manifest.get("key") == key and manifest.get("abi_version") == abi_version())
 

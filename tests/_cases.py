@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxflash import reference
 from jaxflash.config import AttentionConfig
 
 
@@ -56,3 +57,10 @@ def config_for(head_dim, options, has_segments=False) -> AttentionConfig:
       softmax_scale=options.get("softmax_scale", head_dim ** -0.5),
       causal=options.get("causal", False), window_left=left, window_right=right,
       softcap=options.get("softcap"), has_segment_ids=has_segments)
+
+
+def oracle_for(q, k, v, options, segments=(None, None), learnable_sink=None):
+  """(out, lse) of reference.naive_attention for keyword `options`: the test oracle (float64
+  inputs give the float64 oracle)."""
+  cfg = config_for(q.shape[-1], options, segments[0] is not None)
+  return reference.naive_attention(q, k, v, cfg, *segments, learnable_sink=learnable_sink)

@@ -85,3 +85,10 @@ def test_fp8_accuracy_baseline_is_one_descale_per_tensor():
   assert float(jnp.max(jnp.abs(x8.astype(jnp.float32)))) == 448.0
   assert list(acc.schemes(q, k, v, 32)) == ["fp8 per-tensor", "fp8 per-head", "fp8 block 32",
                                              "fp8 block 32 + Hadamard"]
+
+
+@pytest.mark.parametrize("script", ["benchmarks/bench_masked.py", "benchmarks/bench_modifiers.py"])
+def test_every_benchmark_takes_the_checked_spin_up(script, capsys):
+  with pytest.raises(SystemExit):
+    load_script(script).main(["--spin-up", "-1"])
+  assert "--spin-up" in capsys.readouterr().err

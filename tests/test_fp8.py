@@ -151,9 +151,7 @@ def test_quantizer_jits_with_static_options():
 def test_fp8_attention_matches_the_dequantized_oracle(shape, block_size, causal, out_dtype):
   q, k, v = _inputs(4, shape)
   q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=block_size)
-  group = shape[2] // shape[3]
-  deq = (fp8.dequantize(q8, qd, block_size, group), fp8.dequantize(k8, kd, block_size),
-         fp8.dequantize(v8, vd, block_size))
+  deq = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, block_size)
   out, lse = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
                                 causal=causal, out_dtype=out_dtype, return_lse=True)
   assert out.dtype == out_dtype and lse.dtype == jnp.float32
@@ -284,9 +282,7 @@ def test_naive_fp8_attention_rounds_only_p_beyond_the_dequantized_inputs(shape, 
   descales = fp8.check_descales(q8, k8, v8, qd, kd, vd)
   cfg = config_for(shape[-1], {"causal": causal})
   out, lse = fp8.naive_fp8_attention(q8, k8, v8, descales, cfg)
-  group = shape[2] // shape[3]
-  deq = (fp8.dequantize(q8, qd, block_size, group), fp8.dequantize(k8, kd, block_size),
-         fp8.dequantize(v8, vd, block_size))
+  deq = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, block_size)
   with x64():
     want_out, want_lse = reference.naive_attention(*(x.astype(jnp.float64) for x in deq), cfg)
   want_out, out = np.asarray(want_out), np.asarray(out, np.float64)

@@ -9,7 +9,7 @@ from jax.test_util import check_grads
 
 import jaxflash
 from jaxflash import reference
-from tests._cases import OPTION_SETS, config_for, make_qkv, make_segments, x64
+from tests._cases import OPTION_SETS, config_for, make_qkv, make_segments, oracle_for, x64
 from tests._oracle import assert_close_to_oracle, relative_l2
 
 SHAPES = {  # name -> (seq_q, seq_k, heads, kv_heads, head_dim, head_dim_v)
@@ -21,11 +21,6 @@ SHAPES = {  # name -> (seq_q, seq_k, heads, kv_heads, head_dim, head_dim_v)
 }
 
 
-def _oracle(q, k, v, options, segments=(None, None)):
-  cfg = config_for(q.shape[-1], options, segments[0] is not None)
-  return reference.naive_attention(q, k, v, cfg, *segments)
-
-
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
 @pytest.mark.parametrize("segmented", [False, True], ids=["dense", "segments"])
@@ -35,7 +30,7 @@ def test_forward_matches_float64_oracle(shape, options, segmented):
     q, k, v = make_qkv(1, 2, seq_q, seq_k, h, h_kv, d, dv, dtype=jnp.float64)
     segs = make_segments(2, 2, seq_q, seq_k) if segmented else (None, None)
     cfg = config_for(d, options, segmented)
-    want_out, want_lse = _oracle(q, k, v, options, segs)
+    want_out, want_lse = oracle_for(q, k, v, options, segs)
     # block_k=8 forces several key blocks and a ragged last block.
     out, lse = reference.blocked_forward(q, k, v, cfg, *segs, block_k=8)
     np.testing.assert_allclose(out, want_out, rtol=1e-10, atol=1e-12)
@@ -74,7 +69,7 @@ def test_gradients_match_oracle_float64(options, shape):
     api = loss(lambda q, k, v: jaxflash.attention(
         q, k, v, q_segment_ids=segs[0], kv_segment_ids=segs[1], return_lse=True,
         implementation="reference", **options))
-    oracle = loss(lambda q, k, v: _oracle(q, k, v, options, segs))
+    oracle = loss(lambda q, k, v: oracle_for(q, k, v, options, segs))
     got = jax.jit(jax.grad(api, argnums=(0, 1, 2)))(q, k, v)
     want = jax.grad(oracle, argnums=(0, 1, 2))(q, k, v)
     for name, g, w in zip("qkv", got, want):
@@ -100,7 +95,7 @@ def test_half_precision_within_naive_error(dtype, options):
   with x64():
     q, k, v = make_qkv(7, 2, 64, 80, 4, 2, 32, 32, dtype=dtype)
     q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
-    want, want_lse = _oracle(q64, k64, v64, options)
+    want, want_lse = oracle_for(q64, k64, v64, options)
     naive, naive_lse = reference.naive_attention(q, k, v, config_for(32, options),
                                                  compute_dtype=dtype)
   out, lse = jaxflash.attention(q, k, v, return_lse=True, implementation="reference", **options)
@@ -156,7 +151,7 @@ def test_any_shape_and_options_match_oracle(seq_q, seq_k, group, kv_heads, head_
     q, k, v = make_qkv(seed, 2, seq_q, seq_k, kv_heads * group, kv_heads, head_dim,
                        dtype=jnp.float64)
     segs = make_segments(seed + 1, 2, seq_q, seq_k) if segmented else (None, None)
-    want, want_lse = _oracle(q, k, v, options, segs)
+    want, want_lse = oracle_for(q, k, v, options, segs)
     out, lse = jaxflash.attention(q, k, v, q_segment_ids=segs[0], kv_segment_ids=segs[1],
                                   return_lse=True, implementation="reference", **options)
     np.testing.assert_allclose(out, want, rtol=1e-9, atol=1e-12)
@@ -164,5 +159,5 @@ def test_any_shape_and_options_match_oracle(seq_q, seq_k, group, kv_heads, head_
     dq = jax.grad(lambda q: jnp.sum(jaxflash.attention(
         q, k, v, q_segment_ids=segs[0], kv_segment_ids=segs[1], implementation="reference",
         **options) ** 2))(q)
-    dq_want = jax.grad(lambda q: jnp.sum(_oracle(q, k, v, options, segs)[0] ** 2))(q)
+    dq_want = jax.grad(lambda q: jnp.sum(oracle_for(q, k, v, options, segs)[0] ** 2))(q)
     np.testing.assert_allclose(dq, dq_want, rtol=1e-8, atol=1e-10)

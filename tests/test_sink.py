@@ -8,7 +8,7 @@ from jax.test_util import check_grads
 
 import jaxflash
 from jaxflash import reference
-from tests._cases import OPTION_SETS, config_for, make_qkv, make_segments, x64
+from tests._cases import OPTION_SETS, config_for, make_qkv, make_segments, oracle_for, x64
 from tests._oracle import assert_close_to_oracle, relative_l2
 
 SHAPES = {  # name -> (seq_q, seq_k, heads, kv_heads, head_dim, head_dim_v)
@@ -21,11 +21,6 @@ SHAPES = {  # name -> (seq_q, seq_k, heads, kv_heads, head_dim, head_dim_v)
 def _sink(seed, heads, dtype=jnp.float32):
   # Large enough to matter against the scores (|logits| ~ a few units).
   return jnp.asarray(np.random.default_rng(seed).normal(0.5, 2.0, heads), dtype)
-
-
-def _oracle(q, k, v, sink, options, segments=(None, None)):
-  cfg = config_for(q.shape[-1], options, segments[0] is not None)
-  return reference.naive_attention(q, k, v, cfg, *segments, learnable_sink=sink)
 
 
 def _api(q, k, v, sink, options, segments=(None, None)):
@@ -43,7 +38,7 @@ def test_values_lse_and_all_four_gradients_match_float64_oracle(shape, options, 
     q, k, v = make_qkv(11, 2, seq_q, seq_k, h, h_kv, d, dv, dtype=jnp.float64)
     sink = _sink(3, h, jnp.float64)
     segs = make_segments(12, 2, seq_q, seq_k) if segmented else (None, None)
-    want_out, want_lse = _oracle(q, k, v, sink, options, segs)
+    want_out, want_lse = oracle_for(q, k, v, options, segs, learnable_sink=sink)
     out, lse = _api(q, k, v, sink, options, segs)
     np.testing.assert_allclose(out, want_out, rtol=1e-10, atol=1e-12)
     # With a finite sink every row has a finite lse (rows that see no key: the sink).
@@ -56,12 +51,14 @@ def test_values_lse_and_all_four_gradients_match_float64_oracle(shape, options, 
 
     def loss(fn):
       def f(q, k, v, sink):
-        o, l = fn(q, k, v, sink, options, segs)
+        o, l = fn(q, k, v, sink)
         return jnp.sum(o * w_out) + jnp.sum(l * w_lse)
       return f
 
-    got = jax.jit(jax.grad(loss(_api), argnums=(0, 1, 2, 3)))(q, k, v, sink)
-    want = jax.grad(loss(_oracle), argnums=(0, 1, 2, 3))(q, k, v, sink)
+    api = lambda q, k, v, s: _api(q, k, v, s, options, segs)
+    want_fn = lambda q, k, v, s: oracle_for(q, k, v, options, segs, learnable_sink=s)
+    got = jax.jit(jax.grad(loss(api), argnums=(0, 1, 2, 3)))(q, k, v, sink)
+    want = jax.grad(loss(want_fn), argnums=(0, 1, 2, 3))(q, k, v, sink)
     for name, g, w in zip(("dq", "dk", "dv", "dsink"), got, want):
       assert not np.isnan(np.asarray(g)).any(), f"{name} has NaN"
       np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-10, err_msg=name)
@@ -130,7 +127,8 @@ def test_half_precision_with_sink_within_naive_error(dtype):
   options = {"causal": True}
   with x64():
     q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
-    want, want_lse = _oracle(q64, k64, v64, sink.astype(jnp.float64), options)
+    want, want_lse = oracle_for(q64, k64, v64, options,
+                                learnable_sink=sink.astype(jnp.float64))
   naive, naive_lse = reference.naive_attention(q, k, v, config_for(32, options),
                                                compute_dtype=dtype, learnable_sink=sink)
   out, lse = _api(q, k, v, sink, options)
