@@ -320,3 +320,33 @@ def test_on_demand_build_of_a_missing_variant(tmp_path, monkeypatch, capfd):
   err = capfd.readouterr().err
   assert re.fullmatch(rf"jaxflash: building kernel variant {variant.key} into {tmp_path / 'kc'} "
                       rf"\(first use on this host\) \.\.\. ready in \d+ s\n", err), err
+
+
+@pytest.mark.cutlass
+def test_handler_loads_a_variant_from_the_kernel_folders(built, cache, tmp_path):
+  """What a handler does on a variant's first call: the first folder holding the library (the
+  cubin load itself needs a GPU, so on a CPU host that is where it stops)."""
+  if ffi._cuda_device_present():
+    pytest.skip("a CUDA device is present: loading succeeds here")
+  variant, _, _ = built
+  lib = ctypes.CDLL(str(cache / HANDLER_LIBRARY))
+  lib.jaxflash_ffi_set_kernel_folders.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.c_int32]
+  lib.jaxflash_ffi_register_from_folders.argtypes = [ctypes.c_char_p]
+  lib.jaxflash_ffi_last_error.restype = ctypes.c_char_p
+
+  def load(*folders):
+    array = (ctypes.c_char_p * len(folders))(*(str(f).encode() for f in folders))
+    assert lib.jaxflash_ffi_set_kernel_folders(array, len(folders)) == 0
+    assert lib.jaxflash_ffi_register_from_folders(variant.key.encode()) == 1
+    return lib.jaxflash_ffi_last_error().decode()
+
+  empty, broken = tmp_path / "empty", tmp_path / "broken"
+  (broken / variant.key).mkdir(parents=True)
+  (broken / variant.key / VARIANT_LIBRARY).write_bytes(b"not a library")
+  assert load() == f"kernel variant '{variant.key}' is in none of the kernel folders (none set)"
+  assert load(empty) == f"kernel variant '{variant.key}' is in none of the kernel folders ({empty})"
+  error = load(empty, broken, cache)  # the broken library is reported, the next folder tried
+  assert error.startswith(f"kernel variant '{variant.key}' did not load from the kernel folders:")
+  assert f"cannot open kernel variant '{variant.key}' ({broken / variant.key}" in error
+  assert "loading the kernel module failed" in error  # found in `cache`: only the GPU is missing
+  assert lib.jaxflash_ffi_is_registered(variant.key.encode()) == 0

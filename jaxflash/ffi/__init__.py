@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxflash import config, kernel_store
 from jaxflash.config import (BWD_ATTRIBUTE_NAMES, BWD_TARGET, FWD_ATTRIBUTE_NAMES, FWD_TARGET,
-                             HANDLER_LIBRARY, VARIANT_LIBRARY, VARIANT_MANIFEST, AttentionConfig,
+                             HANDLER_LIBRARY, VARIANT_LIBRARY, AttentionConfig,
                              KernelVariant)
 
 log = logging.getLogger("jaxflash")
@@ -95,6 +95,11 @@ def _load_handler() -> ctypes.CDLL:
   lib.jaxflash_ffi_register_variant.restype = ctypes.c_int32
   lib.jaxflash_ffi_last_error.restype = ctypes.c_char_p
   lib.jaxflash_ffi_prepare.restype = ctypes.c_int32
+  lib.jaxflash_ffi_set_kernel_folders.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.c_int32]
+  lib.jaxflash_ffi_set_kernel_folders.restype = ctypes.c_int32
+  lib.jaxflash_ffi_register_from_folders.argtypes = [ctypes.c_char_p]
+  lib.jaxflash_ffi_register_from_folders.restype = ctypes.c_int32
+  _set_kernel_folders(lib)
   import jax.ffi
   # Without a CUDA plugin (CPU-only jaxlib) jax queues this registration; nothing runs it.
   for target, symbol in ((FWD_TARGET, _FWD_HANDLER_SYMBOL), (BWD_TARGET, _BWD_HANDLER_SYMBOL)):
@@ -103,31 +108,44 @@ def _load_handler() -> ctypes.CDLL:
   return lib
 
 
-def _register_variant(key: str, library: Path) -> None:
-  """dlopens `library` in the handler's registry, checks ABI and key, loads its cubin."""
+def _set_kernel_folders(lib: ctypes.CDLL) -> None:
+  """Tells the handler library where to find the variants it has not seen (search order)."""
+  folders = [str(f.path).encode() for f in kernel_store.search_path()]
+  array = (ctypes.c_char_p * len(folders))(*folders)
+  if lib.jaxflash_ffi_set_kernel_folders(array, len(folders)) != 0:
+    raise RuntimeError(f"jaxflash: {lib.jaxflash_ffi_last_error().decode()}")
+
+
+def _prepare(lib: ctypes.CDLL) -> None:
+  """CUDA runtime initialization of the handler library, once, here rather than in graph
+  capture or a handler's first call."""
   global _prepared
-  lib = _load_handler()
   if not _prepared:
-    # CUDA runtime initialization of the handler library, here rather than in graph capture.
     status = lib.jaxflash_ffi_prepare()
     if status != 0:
       raise RuntimeError(f"jaxflash: initializing the CUDA runtime of {HANDLER_LIBRARY} failed "
                          f"with cudaError {status}: is a GPU with a CUDA 13 driver visible?")
     _prepared = True
+
+
+def _register_variant(key: str, library: Path) -> None:
+  """dlopens `library` in the handler's registry, checks ABI and key, loads its cubin."""
+  lib = _load_handler()
+  _prepare(lib)
   if lib.jaxflash_ffi_register_variant(key.encode(), str(library).encode()) != 0:
     raise RuntimeError(f"jaxflash: {lib.jaxflash_ffi_last_error().decode()}")
   _variants[key] = library
 
 
 def register() -> None:
-  """Registers the jaxflash FFI targets and every kernel variant found with XLA.
+  """Registers the jaxflash FFI targets with XLA; the kernel variants load on first use.
 
   Call it once before running a deserialized `jax.export` module that holds jaxflash custom
-  calls (lowering through `jaxflash.attention` does it on its own). Idempotent. Variants are
-  taken from the kernel folders in search order (`jaxflash.kernel_store`); a key found twice
-  loads from the first folder. Without a CUDA device only the targets are registered (if a
-  handler library exists): nothing could run the kernels. A variant library that fails to load
-  is skipped with a warning; `ensure_variant` raises.
+  calls (lowering through `jaxflash.attention` does it on its own). Idempotent. It loads the
+  handler library and gives it the kernel folders in search order (`jaxflash.kernel_store`);
+  a handler then loads each variant the program runs from the first folder that has it, on the
+  variant's first call, so no library is loaded that the program does not use. Without a CUDA
+  device only the targets are registered (if a handler library exists).
   """
   with _lock:
     folders = kernel_store.search_path()
@@ -135,16 +153,9 @@ def register() -> None:
       if any((f.path / HANDLER_LIBRARY).is_file() for f in folders):
         _load_handler()
       return
-    _load_handler()
-    for folder in folders:
-      for manifest in sorted(folder.path.glob(f"*/{VARIANT_MANIFEST}")):
-        key = manifest.parent.name
-        if key in _variants or not kernel_store.variant_is_usable(folder.path, key):
-          continue
-        try:
-          _register_variant(key, manifest.parent / VARIANT_LIBRARY)
-        except RuntimeError as e:
-          log.warning("%s (skipped)", e)
+    lib = _load_handler()
+    _set_kernel_folders(lib)  # the search path may have changed since the library loaded
+    _prepare(lib)
 
 
 def on_demand_blocker() -> str:
@@ -256,7 +267,8 @@ def ensure_variant(variant: KernelVariant) -> Path:
 
 
 def registered_variants() -> dict[str, Path]:
-  """Variant key -> library of every variant registered in this process."""
+  """Variant key -> library of every variant this process registered through Python (the
+  lowering); the ones a handler loaded on first call are not listed."""
   with _lock:
     return dict(_variants)
 

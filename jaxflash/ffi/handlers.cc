@@ -258,16 +258,20 @@ class ScopedStreamDevice {
   bool restore_ = false;
 };
 
-// The registered library of the call's variant, which must export the target's entry point.
+// The library of the call's variant, which must export the target's entry point. A variant
+// this process has not registered yet is loaded from the kernel folders on its first call.
 ffi::Error FindLibrary(const CallAttrs& a, const VariantLibrary** library) {
   const std::string key(a.variant);
   *library = FindVariant(a.variant);
   if (*library == nullptr) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      Where(a) + "kernel variant '" + key +
-                          "' is not registered in this process. Build it with `python -m "
-                          "jaxflash.build --variants " + key +
-                          "` and call jaxflash.ffi.register() before running this program.");
+    std::string error = RegisterFromFolders(a.variant);
+    *library = FindVariant(a.variant);
+    if (*library == nullptr) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        Where(a) + error + ". Build it with `python -m jaxflash.build "
+                        "--variants " + key + "` (or install the kernel wheel), and call "
+                        "jaxflash.ffi.register() before running this program.");
+    }
   }
   const bool bwd = a.target == kBwdTarget;
   if (bwd ? (*library)->bwd == nullptr : (*library)->fwd == nullptr) {

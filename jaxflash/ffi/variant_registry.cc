@@ -2,6 +2,7 @@
 #include "variant_registry.h"
 
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <map>
 #include <memory>
@@ -24,6 +25,16 @@ std::shared_mutex& RegistryMutex() {
 Registry& GetRegistry() {
   static auto* registry = new Registry();
   return *registry;
+}
+
+std::mutex& FoldersMutex() {
+  static auto* mu = new std::mutex();
+  return *mu;
+}
+
+std::vector<std::string>& GetFolders() {
+  static auto* folders = new std::vector<std::string>();
+  return *folders;
 }
 
 template <typename Fn>
@@ -102,6 +113,36 @@ std::string RegisterVariant(std::string_view key, std::string_view path) {
   return "";
 }
 
+void SetKernelFolders(std::vector<std::string> folders) {
+  std::lock_guard lock(FoldersMutex());
+  GetFolders() = std::move(folders);
+}
+
+std::string RegisterFromFolders(std::string_view key) {
+  if (FindVariant(key) != nullptr) return "";
+  std::vector<std::string> folders;
+  {
+    std::lock_guard lock(FoldersMutex());
+    folders = GetFolders();
+  }
+  std::string errors;
+  for (const std::string& folder : folders) {
+    std::string path = folder + "/" + std::string(key) + "/libjaxflash_variant.so";
+    if (access(path.c_str(), R_OK) != 0) continue;
+    std::string error = RegisterVariant(key, path);
+    if (error.empty()) return "";
+    errors += "\n  " + error;
+  }
+  std::string searched;
+  for (const std::string& folder : folders) searched += (searched.empty() ? "" : ", ") + folder;
+  if (errors.empty()) {
+    return "kernel variant '" + std::string(key) + "' is in none of the kernel folders (" +
+           (searched.empty() ? std::string("none set") : searched) + ")";
+  }
+  return "kernel variant '" + std::string(key) + "' did not load from the kernel folders:" +
+         errors;
+}
+
 }  // namespace jaxflash
 
 namespace {
@@ -123,6 +164,36 @@ int32_t jaxflash_ffi_register_variant(const char* key, const char* path) {
 
 // The error of the last failed call on this thread ("" if none).
 const char* jaxflash_ffi_last_error(void) { return last_error.c_str(); }
+
+// Sets the kernel folders RegisterFromFolders searches: `count` NUL-terminated paths, in search
+// order. 0 on success.
+int32_t jaxflash_ffi_set_kernel_folders(const char* const* folders, int32_t count) {
+  if (count < 0 || (count > 0 && folders == nullptr)) {
+    last_error = "jaxflash_ffi_set_kernel_folders: folders must hold count paths";
+    return 1;
+  }
+  std::vector<std::string> list;
+  for (int32_t i = 0; i < count; ++i) {
+    if (folders[i] == nullptr) {
+      last_error = "jaxflash_ffi_set_kernel_folders: folder " + std::to_string(i) + " is null";
+      return 1;
+    }
+    list.emplace_back(folders[i]);
+  }
+  jaxflash::SetKernelFolders(std::move(list));
+  return 0;
+}
+
+// Registers `key` from the kernel folders (what a handler does for a variant it has not seen).
+// 0 on success, else 1 and jaxflash_ffi_last_error() says why.
+int32_t jaxflash_ffi_register_from_folders(const char* key) {
+  if (key == nullptr) {
+    last_error = "jaxflash_ffi_register_from_folders: key must not be null";
+    return 1;
+  }
+  last_error = jaxflash::RegisterFromFolders(key);
+  return last_error.empty() ? 0 : 1;
+}
 
 // 1 if `key` is registered in this process, else 0.
 int32_t jaxflash_ffi_is_registered(const char* key) {

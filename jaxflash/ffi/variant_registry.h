@@ -7,6 +7,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "kernel_abi.h"
 
@@ -28,6 +29,15 @@ const VariantLibrary* FindVariant(std::string_view key);
 // Opens `path`, checks its ABI version, key and info, loads its cubin on every visible device.
 // Returns "" on success (also when `key` is already registered), else a readable error.
 std::string RegisterVariant(std::string_view key, std::string_view path);
+
+// The kernel folders, in search order, where RegisterFromFolders looks (jaxflash.kernel_store
+// sets them when it loads this library).
+void SetKernelFolders(std::vector<std::string> folders);
+
+// Registers `key` from the first kernel folder whose <folder>/<key>/libjaxflash_variant.so
+// registers (a library that fails is reported and the next folder tried). Returns "" on success
+// (also when `key` is already registered), else what each folder gave.
+std::string RegisterFromFolders(std::string_view key);
 
 }  // namespace jaxflash
 
