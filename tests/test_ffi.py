@@ -21,7 +21,7 @@ def _bound_attributes(symbol: str) -> tuple[str, ...]:
   """Attribute names, in order, of the XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, ...) binding."""
   text = _HANDLERS_CC.read_text()
   start = re.search(rf"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*{symbol},", text).end()
-  binding = text[start:text.index('"));', start) + 2]  # the last Attr closes the binding
+  binding = text[start:text.index(");\n", start)]  # the binding and its traits
   return tuple(re.findall(r'\.Attr<[^>]+>\("(\w+)"\)', binding))
 
 
@@ -36,8 +36,18 @@ def test_target_and_symbol_names_match_the_cpp_source():
   text = _HANDLERS_CC.read_text()
   assert f'kFwdTarget = "{config.FWD_TARGET}"' in text
   assert f'kBwdTarget = "{config.BWD_TARGET}"' in text
-  for symbol in (ffi._FWD_HANDLER_SYMBOL, ffi._BWD_HANDLER_SYMBOL):
+  for symbol in (ffi._FWD_HANDLER_SYMBOL, ffi._BWD_HANDLER_SYMBOL,
+                 ffi._INSTANTIATE_HANDLER_SYMBOL):
     assert re.search(rf"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*{symbol},", text)
+
+
+@pytest.mark.parametrize("symbol", [ffi._FWD_HANDLER_SYMBOL, ffi._BWD_HANDLER_SYMBOL])
+def test_execute_handlers_declare_command_buffer_compatibility(symbol):
+  """XLA records only handlers with this trait into command buffers; Python registers the
+  targets with the same trait (ffi._load_handler)."""
+  text = _HANDLERS_CC.read_text()
+  start = re.search(rf"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*{symbol},", text).end()
+  assert "{ffi::Traits::kCmdBufferCompatible}" in text[start:text.index(");\n", start)]
 
 
 def test_fwd_attributes_are_typed_and_complete():

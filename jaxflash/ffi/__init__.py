@@ -31,6 +31,7 @@ log = logging.getLogger("jaxflash")
 # XLA_FFI_DEFINE_HANDLER_SYMBOL names in handlers.cc
 _FWD_HANDLER_SYMBOL = "JaxflashAttentionFwd"
 _BWD_HANDLER_SYMBOL = "JaxflashAttentionBwd"
+_INSTANTIATE_HANDLER_SYMBOL = "JaxflashAttentionInstantiate"  # both targets' instantiate stage
 _lock = threading.RLock()
 _handler: Optional[ctypes.CDLL] = None
 _variants: dict[str, Path] = {}  # key -> library registered in this process
@@ -101,9 +102,16 @@ def _load_handler() -> ctypes.CDLL:
   lib.jaxflash_ffi_register_from_folders.restype = ctypes.c_int32
   _set_kernel_folders(lib)
   import jax.ffi
+  from jaxlib import xla_client  # CustomCallTargetTraits: jax.ffi does not re-export it
+  # The instantiate stage loads each call's variant when XLA creates the executable, so execute
+  # only launches and XLA may record the calls into command buffers (CUDA graphs).
   # Without a CUDA plugin (CPU-only jaxlib) jax queues this registration; nothing runs it.
+  instantiate = jax.ffi.pycapsule(getattr(lib, _INSTANTIATE_HANDLER_SYMBOL))
   for target, symbol in ((FWD_TARGET, _FWD_HANDLER_SYMBOL), (BWD_TARGET, _BWD_HANDLER_SYMBOL)):
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
+    stages = {"instantiate": instantiate, "execute": jax.ffi.pycapsule(getattr(lib, symbol))}
+    jax.ffi.register_ffi_target(
+        target, stages, platform="CUDA",
+        traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
   _handler = lib
   return lib
 

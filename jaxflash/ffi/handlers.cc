@@ -529,6 +529,21 @@ ffi::Error AttentionBwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ffi::Error::Success();
 }
 
+// The instantiate stage: registers the call's variant from the kernel folders unless Python
+// already did (jaxflash.attention's lowering does; a deserialized program's calls arrive here).
+ffi::Error LoadCallVariant(ffi::Dictionary attrs) {
+  ffi::ErrorOr<std::string_view> variant = attrs.get<std::string_view>("variant");
+  if (variant.has_error()) return variant.error();
+  if (std::string error = RegisterFromFolders(*variant); !error.empty()) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "jaxflash[variant=" + std::string(*variant) + "]: " + error +
+                          ". Build it with `python -m jaxflash.build --variants " +
+                          std::string(*variant) + "` (or install the kernel wheel), and call "
+                          "jaxflash.ffi.register() before running this program.");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxflash
 
@@ -546,10 +561,17 @@ int32_t jaxflash_ffi_prepare(void) {
 
 }  // extern "C"
 
-// Not declared kCmdBufferCompatible: on the H200 (jax 0.11.2) recording this handler into an XLA
-// command buffer failed with cudaErrorStreamCaptureInvalidated (the exported CuTe launcher makes
-// a call that is illegal under stream capture). XLA therefore runs it as a plain custom call;
-// test_gpu_attention.py::test_command_buffer_moving_buffers keeps checking jitted chains.
+// Instantiate stage of both targets: XLA calls it once per custom call when it creates the
+// executable's thunks, before the first run and before any command-buffer recording. It loads
+// the call's variant library (dlopen and module load), so that execute only looks the variant
+// up and launches: nothing in execute is illegal under stream capture, which is what lets the
+// handlers below be recorded into XLA's command buffers (CUDA graphs).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxflashAttentionInstantiate, jaxflash::LoadCallVariant,
+    ffi::Ffi::BindInstantiate().Attrs());
+
+// Command-buffer compatible: each call launches the same device work for the same attributes
+// and buffer shapes (Python registers the targets with that trait).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxflashAttentionFwd, jaxflash::AttentionFwd,
     ffi::Ffi::Bind()
@@ -567,9 +589,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("window_right")             // keys visible right of the diagonal, 2^30: all
         .Attr<float>("softcap")                    // softcap * tanh(s / softcap); 0: off
         .Attr<int32_t>("head_dim")                 // q/k head dim the variant was built for
-        .Attr<int32_t>("head_dim_v"));             // v/out head dim the variant was built for
+        .Attr<int32_t>("head_dim_v"),              // v/out head dim the variant was built for
+    {ffi::Traits::kCmdBufferCompatible});
 
-// Not declared kCmdBufferCompatible either, for the forward's reason (see above).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxflashAttentionBwd, jaxflash::AttentionBwd,
     ffi::Ffi::Bind()
@@ -597,4 +619,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("softcap")                    // softcap * tanh(s / softcap); 0: off
         .Attr<int32_t>("head_dim")                 // q/k head dim the variant was built for
         .Attr<int32_t>("head_dim_v")               // v/out head dim the variant was built for
-        .Attr<bool>("deterministic"));             // dq accumulated in a fixed order
+        .Attr<bool>("deterministic"),              // dq accumulated in a fixed order
+    {ffi::Traits::kCmdBufferCompatible});
