@@ -29,6 +29,10 @@ import bench_attention  # noqa: E402
 TOKENS, WIDTH = 16384, 2048
 SOFTCAP = 30.0  # Gemma 2's attention softcap
 IMPLS = ("jaxflash", "softcap", "sink", "cudnn")
+# gpt-oss's attention: head_dim 64, 64 query heads on 8 kv heads, a causal window of 128 keys
+# and one learnable sink per head, next to the same call without window and sinks.
+GPT_OSS = dict(head_dim=64, heads=64, kv_heads=8, window=128)
+GPT_OSS_IMPLS = ("causal", "window+sink", "window", "cudnn causal", "cudnn window")
 
 
 def attend_fn(impl: str, causal: bool, implementation: str = "cute"):
@@ -51,6 +55,64 @@ def fwd_bwd_fn(attend, cotangent):
   return jax.grad(loss, argnums=(0, 1, 2, 3))
 
 
+def gpt_oss_fn(impl: str, implementation: str = "cute"):
+  """attend(q, k, v, sink) for one of GPT_OSS_IMPLS (cuDNN takes no sink)."""
+  window = (GPT_OSS["window"], 0)
+  if impl.startswith("cudnn"):
+    local = window if impl == "cudnn window" else None
+    return lambda q, k, v, sink: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, local_window_size=local, implementation="cudnn")
+  options = {} if impl == "causal" else {"window_size": window}
+  use_sink = impl == "window+sink"
+  return lambda q, k, v, sink: jaxflash.attention(
+      q, k, v, causal=True, learnable_sink=sink if use_sink else None,
+      implementation=implementation, **options)
+
+
+def kept_pairs(seq: int, window=None) -> int:
+  """(query, key) pairs a causal mask (with a left window) keeps in one (batch, head)."""
+  if window is None:
+    return seq * (seq + 1) // 2
+  w = min(window, seq - 1)
+  return w * (w + 1) // 2 + (seq - w) * (w + 1)
+
+
+def run_gpt_oss(args, rng) -> list:
+  """gpt-oss's shape at each --seq (batch * seq = 16384 tokens); effective TFLOP/s over the
+  pairs each call's mask keeps (forward 4 d per pair, forward + backward 3.5x that)."""
+  d, h, hk = GPT_OSS["head_dim"], GPT_OSS["heads"], GPT_OSS["kv_heads"]
+  records = []
+  for s in args.seq:
+    b = TOKENS // s
+    q, ct = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((b, s, hk, d)), jnp.bfloat16) for _ in range(2))
+    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    for mode in args.modes:
+      for impl in GPT_OSS_IMPLS:
+        pairs = kept_pairs(s, None if impl.endswith("causal") else GPT_OSS["window"])
+        flops = 4.0 * d * pairs * b * h * (1.0 if mode == "fwd" else 3.5)
+        attend = gpt_oss_fn(impl)
+        fn = jax.jit(attend if mode == "fwd" else fwd_bwd_fn(attend, ct))
+        rec = dict(shape="gpt-oss", seq=s, mode=mode, impl=impl, ms=None, tflops=None)
+        try:
+          rec["ms"] = bench_attention.time_ms(fn, q, k, v, sink)
+          rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
+        except Exception as e:  # report it and keep going
+          rec["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+  print("| seq | mode | " + " | ".join(f"{i} ms" for i in GPT_OSS_IMPLS)
+        + " | window+sink / causal (time) |")
+  for s in args.seq:
+    for mode in args.modes:
+      row = {r["impl"]: r for r in records if (r["seq"], r["mode"]) == (s, mode)}
+      cells = [f"{row[i]['ms']:.3f}" if row[i].get("ms") else "-" for i in GPT_OSS_IMPLS]
+      ratio = (f"{row['window+sink']['ms'] / row['causal']['ms']:.3f}"
+               if row["window+sink"].get("ms") and row["causal"].get("ms") else "-")
+      print(f"| {s} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
+  return records
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--hdim", type=int, nargs="+", default=[64, 128, 256])
@@ -58,10 +120,18 @@ def main(argv=None) -> int:
   p.add_argument("--causal", action="store_true")
   p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
   p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+  p.add_argument("--gpt-oss", action="store_true",
+                 help="gpt-oss's shape (GPT_OSS) instead of the head_dim grid; --hdim, --causal "
+                      "and --impls do not apply")
   bench_attention.add_run_arguments(p)
   args = p.parse_args(argv)
   bench_attention.spin_up(args.spin_up)
   rng = np.random.default_rng(0)
+  if args.gpt_oss:
+    records = run_gpt_oss(args, rng)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_modifiers_gpt_oss.json").write_text(json.dumps(records, indent=1))
+    return 0
   records = []
   for d in args.hdim:
     for s in args.seq:

@@ -72,6 +72,55 @@ def test_modifier_benchmark_columns_are_the_calls_they_name():
   assert len(grads) == 4 and np.any(np.asarray(grads[3]) != 0)
 
 
+def test_gpt_oss_columns_are_the_calls_they_name():
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jaxflash
+  modifiers = load_script("benchmarks/bench_modifiers.py")
+  rng = np.random.default_rng(1)
+  q = jnp.asarray(rng.standard_normal((1, 200, 8, 16)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((1, 200, 1, 16)), jnp.float32) for _ in range(2))
+  sink = jnp.asarray(rng.standard_normal(8), jnp.float32)
+  run = lambda impl: modifiers.gpt_oss_fn(impl, "reference")(q, k, v, sink)
+  window = (modifiers.GPT_OSS["window"], 0)
+  want = {"causal": {}, "window": {"window_size": window},
+          "window+sink": {"window_size": window, "learnable_sink": sink}}
+  for impl, options in want.items():
+    np.testing.assert_array_equal(run(impl), jaxflash.attention(
+        q, k, v, causal=True, implementation="reference", **options))
+  assert not np.array_equal(run("window"), run("causal"))  # 200 keys: the window of 128 bites
+
+
+@pytest.mark.parametrize("seq,window", [(1, None), (5, None), (1, 128), (100, 128), (300, 128),
+                                        (129, 128)])
+def test_gpt_oss_pair_count_is_the_mask_population(seq, window):
+  import numpy as np
+  modifiers = load_script("benchmarks/bench_modifiers.py")
+  i, j = np.meshgrid(np.arange(seq), np.arange(seq), indexing="ij")
+  keep = j <= i
+  if window is not None:
+    keep &= j >= i - window
+  assert modifiers.kept_pairs(seq, window) == int(keep.sum())
+
+
+def test_chain_benchmark_feeds_each_output_to_the_next_call():
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jaxflash
+  chain = load_script("benchmarks/bench_chain.py")
+  q, k, v = chain.inputs(jnp.float32)
+  assert q.shape == (chain.SHAPE["batch"], chain.SHAPE["seq"], chain.SHAPE["heads"],
+                     chain.SHAPE["head_dim"])
+  q, k, v = q[:, :32], k[:, :32], v[:, :32]
+  attend = chain.attend_fn("jaxflash", "reference")
+  want = q
+  for _ in range(3):
+    want = jaxflash.attention(want, k, v, causal=True, implementation="reference")
+  np.testing.assert_array_equal(chain.chain_fn(attend, 3)(q, k, v), want)
+
+
 def test_fp8_accuracy_baseline_is_one_descale_per_tensor():
   import jax.numpy as jnp
   import numpy as np

@@ -7,6 +7,7 @@ with its attributes; on a GPU host, `jaxflash.ffi.register()` is all a fresh pro
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -142,6 +143,14 @@ _GPU_CHILD = textwrap.dedent("""
     args = jax.tree.unflatten(exported.in_tree, flat)
     flat = jax.tree.leaves(exported.call(*args[0], **args[1]))
     np.savez(sys.argv[3], *[np.asarray(x, np.float32) for x in flat])
+    # Which variants Python registered (none: register() loads no library), and which the
+    # handler library loaded on its own (at XLA's instantiate stage of each custom call).
+    import json, re
+    keys = sorted(set(re.findall(r'variant = "([^"]+)"', exported.mlir_module())))
+    handler = jaxflash.ffi._load_handler()
+    print("LOADED " + json.dumps({
+        "keys": keys, "python": sorted(jaxflash.ffi.registered_variants()),
+        "handler": [k for k in keys if handler.jaxflash_ffi_is_registered(k.encode())]}))
     """)
 
 
@@ -159,6 +168,9 @@ def test_cuda_export_runs_in_fresh_process_after_register(tmp_path):
                          str(tmp_path / "in.npz"), str(tmp_path / "out.npz")], cwd=_ROOT,
                         capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-4000:]
+  loaded = json.loads(proc.stdout.split("LOADED ")[-1])
+  assert len(loaded["keys"]) == 2, loaded  # the forward and the backward variant
+  assert loaded["python"] == [] and loaded["handler"] == loaded["keys"], loaded
   child = np.load(tmp_path / "out.npz")
   here = [np.asarray(a, np.float32) for a in jax.tree.leaves(exported.call(params, x, target))]
   for i, h in enumerate(here):

@@ -1,13 +1,16 @@
 // Can a forward variant library's launch be recorded into a CUDA graph by stream capture, as XLA
 // records a command-buffer-compatible FFI handler? One scenario per process:
-//   capture_probe --mode global|thread|relaxed --warm 0|1 --thread same|other LIB.so
+//   capture_probe --mode global|thread|relaxed --warm 0|1 --thread same|other
+//                 [--to-graph 0|1] [--get-device 0|1] LIB.so
 // mode: the cudaStreamCaptureMode (XLA traces a handler in thread-local mode); warm 1: launch
 // once outside capture first (0: the first launch of the process happens inside the capture, as
 // on XLA's first execution); thread other: capture on another thread than the one that loaded
-// the library. Loads the library (jaxflash_variant_load), captures one call on a fresh stream,
+// the library; to-graph 1: capture into an existing graph (cudaStreamBeginCaptureToGraph, as XLA
+// records its command buffers); get-device 1: query the capturing stream's device
+// (cudaStreamGetDevice) before the launch. Loads the library (jaxflash_variant_load), captures one call on a fresh stream,
 // instantiates and replays the graph, and compares its output bitwise with a direct launch.
-// Prints "PROBE <mode> warm=<0|1> thread=<same|other> launch=<status> end_capture=<status>
-// replay=<ok|status> match=<yes|no|->".
+// Prints "PROBE <mode> warm=<0|1> thread=<same|other> to_graph=<0|1> get_device=<status|->
+// launch=<status> end_capture=<status> replay=<ok|status> match=<yes|no|->".
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <stdint.h>
@@ -30,7 +33,7 @@ const char* Name(cudaError_t e) { return e == cudaSuccess ? "ok" : cudaGetErrorN
 
 int Usage() {
   fprintf(stderr, "usage: capture_probe --mode global|thread|relaxed --warm 0|1 "
-                  "--thread same|other LIB.so\n");
+                  "--thread same|other [--to-graph 0|1] [--get-device 0|1] LIB.so\n");
   return 2;
 }
 
@@ -38,12 +41,14 @@ int Usage() {
 
 int main(int argc, char** argv) {
   std::string mode_name = "thread", thread = "same", lib;
-  int warm = 0;
+  int warm = 0, to_graph = 0, get_device = 0;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--mode" && i + 1 < argc) mode_name = argv[++i];
     else if (a == "--warm" && i + 1 < argc) warm = atoi(argv[++i]);
     else if (a == "--thread" && i + 1 < argc) thread = argv[++i];
+    else if (a == "--to-graph" && i + 1 < argc) to_graph = atoi(argv[++i]);
+    else if (a == "--get-device" && i + 1 < argc) get_device = atoi(argv[++i]);
     else if (a[0] != '-') lib = a;
     else return Usage();
   }
@@ -113,6 +118,7 @@ int main(int argc, char** argv) {
   }
 
   cudaError_t launch = cudaSuccess, end = cudaSuccess, replay = cudaSuccess;
+  const char* device_query = "-";
   bool replayed = false;
   cudaGraph_t graph = nullptr;
   auto capture = [&] {
@@ -120,10 +126,20 @@ int main(int argc, char** argv) {
     cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
     args.out = out_graph;
     args.lse = lse_graph;
-    cudaError_t begin = cudaStreamBeginCapture(stream, mode);
+    cudaError_t begin;
+    if (to_graph) {
+      cudaGraphCreate(&graph, 0);
+      begin = cudaStreamBeginCaptureToGraph(stream, graph, nullptr, nullptr, 0, mode);
+    } else {
+      begin = cudaStreamBeginCapture(stream, mode);
+    }
     if (begin != cudaSuccess) {
       launch = begin;
       return;
+    }
+    if (get_device) {
+      int device = -1;
+      device_query = Name(cudaStreamGetDevice(stream, &device));
     }
     launch = static_cast<cudaError_t>(fwd(&args, stream));
     end = cudaStreamEndCapture(stream, &graph);
@@ -155,8 +171,8 @@ int main(int argc, char** argv) {
     cudaMemcpy(g.data(), out_graph, nv * 2, cudaMemcpyDeviceToHost);
     match = memcmp(a.data(), g.data(), nv * 2) == 0 ? "yes" : "no";
   }
-  printf("PROBE %s warm=%d thread=%s launch=%s end_capture=%s replay=%s match=%s\n",
-         mode_name.c_str(), warm, thread.c_str(), Name(launch), Name(end),
-         replayed ? Name(replay) : "-", match);
+  printf("PROBE %s warm=%d thread=%s to_graph=%d get_device=%s launch=%s end_capture=%s "
+         "replay=%s match=%s\n", mode_name.c_str(), warm, thread.c_str(), to_graph,
+         device_query, Name(launch), Name(end), replayed ? Name(replay) : "-", match);
   return strcmp(match, "yes") == 0 ? 0 : 1;
 }

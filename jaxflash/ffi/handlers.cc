@@ -238,12 +238,12 @@ ffi::Error FillEmptyRows(std::string_view key, cudaStream_t stream, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-// Makes the stream's device current for the call, restoring the previous one afterwards.
+// Makes the call's device (XLA's device ordinal, the device of its stream) current for the
+// call, restoring the previous one afterwards. The ordinal comes from XLA rather than from a
+// query on the stream, which would be one more runtime call on a stream under capture.
 class ScopedStreamDevice {
  public:
-  explicit ScopedStreamDevice(cudaStream_t stream) {
-    int device = 0;
-    if (cudaStreamGetDevice(stream, &device) != cudaSuccess) return;
+  explicit ScopedStreamDevice(int32_t device) {
     if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device &&
         cudaSetDevice(device) == cudaSuccess) {
       restore_ = true;
@@ -343,7 +343,8 @@ ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
   return ffi::Error::Success();
 }
 
-ffi::Error AttentionFwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Error AttentionFwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer q,
+                        ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::RemainingArgs mask_operands, ffi::Result<ffi::AnyBuffer> out,
                         ffi::Result<ffi::AnyBuffer> lse,
                         std::string_view variant, float softmax_scale, bool causal,
@@ -366,7 +367,7 @@ ffi::Error AttentionFwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   }
   if (out->element_count() == 0) return ffi::Error::Success();  // b, sq or h is 0
 
-  ScopedStreamDevice device(stream);
+  ScopedStreamDevice device(device_ordinal);
   if (args.seqlen_k == 0) return FillEmptyRows(variant, stream, *out, *lse);
 
   args.q = q.untyped_data();
@@ -442,7 +443,8 @@ ffi::Error Zero(const CallAttrs& a, cudaStream_t stream, const char* name, ffi::
   return ffi::Error::Success();
 }
 
-ffi::Error AttentionBwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer q,
+                        ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer d_out,
                         ffi::AnyBuffer d_lse, ffi::RemainingArgs mask_operands,
                         ffi::Result<ffi::AnyBuffer> dq,
@@ -487,7 +489,7 @@ ffi::Error AttentionBwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
     return e;
   }
 
-  ScopedStreamDevice device(stream);
+  ScopedStreamDevice device(device_ordinal);
   // Empty problems launch nothing (a TMA descriptor cannot describe a zero-length tensor): no
   // keys gives dq = 0, no queries dk = dv = 0; the rest of an empty output is empty anyway.
   if (shape.batch == 0 || shape.num_heads == 0 || shape.seqlen_q == 0 || shape.seqlen_k == 0) {
@@ -576,6 +578,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxflashAttentionFwd, jaxflash::AttentionFwd,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream XLA runs this call on
+        .Ctx<ffi::DeviceOrdinal>()                 // the device of that stream
         .Arg<ffi::AnyBuffer>()                     // q   (batch, seqlen_q, num_heads, head_dim)
         .Arg<ffi::AnyBuffer>()                     // k   (batch, seqlen_k, num_kv_heads, head_dim)
         .Arg<ffi::AnyBuffer>()                     // v   (batch, seqlen_k, num_kv_heads, dv)
@@ -596,6 +599,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxflashAttentionBwd, jaxflash::AttentionBwd,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream XLA runs this call on
+        .Ctx<ffi::DeviceOrdinal>()                 // the device of that stream
         .Arg<ffi::AnyBuffer>()                     // q     (batch, seqlen_q, num_heads, head_dim)
         .Arg<ffi::AnyBuffer>()                     // k     (batch, seqlen_k, kv_heads, head_dim)
         .Arg<ffi::AnyBuffer>()                     // v     (batch, seqlen_k, num_kv_heads, dv)
