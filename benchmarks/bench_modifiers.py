@@ -55,6 +55,19 @@ def fwd_bwd_fn(attend, cotangent):
   return jax.grad(loss, argnums=(0, 1, 2, 3))
 
 
+def timed_record(fn, args, flops: float, **fields) -> dict:
+  """fields + the median ms of fn(*args) and its TFLOP/s; a failure is noted, not raised, so
+  one cell cannot stop the table. Printed as a JSON line as soon as it is measured."""
+  rec = dict(fields, ms=None, tflops=None)
+  try:
+    rec["ms"] = bench_attention.time_ms(fn, *args)
+    rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
+  except Exception as e:  # report it and keep going
+    rec["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  print(json.dumps(rec), flush=True)
+  return rec
+
+
 def gpt_oss_fn(impl: str, implementation: str = "cute"):
   """attend(q, k, v, sink) for one of GPT_OSS_IMPLS (cuDNN takes no sink)."""
   window = (GPT_OSS["window"], 0)
@@ -93,14 +106,8 @@ def run_gpt_oss(args, rng) -> list:
         flops = 4.0 * d * pairs * b * h * (1.0 if mode == "fwd" else 3.5)
         attend = gpt_oss_fn(impl)
         fn = jax.jit(attend if mode == "fwd" else fwd_bwd_fn(attend, ct))
-        rec = dict(shape="gpt-oss", seq=s, mode=mode, impl=impl, ms=None, tflops=None)
-        try:
-          rec["ms"] = bench_attention.time_ms(fn, q, k, v, sink)
-          rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
-        except Exception as e:  # report it and keep going
-          rec["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        records.append(rec)
-        print(json.dumps(rec), flush=True)
+        records.append(timed_record(fn, (q, k, v, sink), flops, shape="gpt-oss", seq=s,
+                                    mode=mode, impl=impl))
   print("| seq | mode | " + " | ".join(f"{i} ms" for i in GPT_OSS_IMPLS)
         + " | window+sink / causal (time) |")
   for s in args.seq:
@@ -145,15 +152,8 @@ def main(argv=None) -> int:
         for impl in args.impls:
           attend = attend_fn(impl, args.causal)
           fn = jax.jit(attend if mode == "fwd" else fwd_bwd_fn(attend, ct))
-          rec = dict(head_dim=d, seq=s, causal=args.causal, mode=mode, impl=impl, ms=None,
-                     tflops=None)
-          try:
-            rec["ms"] = bench_attention.time_ms(fn, q, k, v, sink)
-            rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
-          except Exception as e:  # report it and keep going
-            rec["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-          records.append(rec)
-          print(json.dumps(rec), flush=True)
+          records.append(timed_record(fn, (q, k, v, sink), flops, head_dim=d, seq=s,
+                                      causal=args.causal, mode=mode, impl=impl))
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "bench_modifiers.json").write_text(json.dumps(records, indent=1))
   print("| head_dim | seq | mode | " + " | ".join(args.impls)

@@ -104,6 +104,17 @@ def test_gpt_oss_pair_count_is_the_mask_population(seq, window):
   assert modifiers.kept_pairs(seq, window) == int(keep.sum())
 
 
+def test_modifier_cells_record_time_or_the_failure(capsys):
+  import jax.numpy as jnp
+  modifiers = load_script("benchmarks/bench_modifiers.py")
+  ok = modifiers.timed_record(lambda x: x * 2, (jnp.ones(4),), 1e9, impl="double", seq=4)
+  assert ok["impl"] == "double" and ok["ms"] > 0
+  assert abs(ok["tflops"] - 1e9 / (ok["ms"] * 1e-3) / 1e12) < 1e-9 and "note" not in ok
+  bad = modifiers.timed_record(lambda x: x.reshape(3), (jnp.ones(4),), 1e9, impl="broken")
+  assert bad["ms"] is None and bad["tflops"] is None and bad["note"].startswith("failed: ")
+  assert '"impl": "broken"' in capsys.readouterr().out  # printed as soon as measured
+
+
 def test_chain_benchmark_feeds_each_output_to_the_next_call():
   import jax.numpy as jnp
   import numpy as np
