@@ -199,8 +199,9 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
     out (batch, seq_q, num_heads, head_dim_v) in the query dtype, or (out, lse). Rows that see
     no key are exactly zero.
 
-  The kernels compute attention without the sink; the sink then rescales each row once, in an
-  XLA epilogue on (out, lse) (jaxflash/sink.py).
+  The forward kernels take the sink as a run-time operand and add it to each row's
+  denominator in their epilogue; its gradient is a reduction over (out, lse) in XLA
+  (jaxflash/sink.py).
   """
   dtype = _check_tensors(query, key, value)
   config = _check_options(causal, softmax_scale, window_size, softcap, deterministic,
@@ -222,14 +223,15 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
   config = config.replace(implementation=impl)
   if 0 in query.shape[:3] or 0 in key.shape[:2]:
     out, lse = _empty_result(query, value)
+    if learnable_sink is not None:  # every row is empty: lse = its sink
+      out, lse = add_learnable_sink(out, lse, learnable_sink)
   else:
     if has_segments:
       q_segment_ids = jnp.asarray(q_segment_ids, jnp.int32)
       kv_segment_ids = jnp.asarray(kv_segment_ids, jnp.int32)
+    config = config.replace(has_sink=learnable_sink is not None)
     out, lse = primitives.attention_core(config, query, key, value, q_segment_ids,
-                                         kv_segment_ids)
-  if learnable_sink is not None:
-    out, lse = add_learnable_sink(out, lse, learnable_sink)
+                                         kv_segment_ids, learnable_sink)
   return (out, lse) if return_lse else out
 
 

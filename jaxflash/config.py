@@ -72,6 +72,9 @@ class AttentionConfig:
   window_right: Optional[int] = None
   softcap: Optional[float] = None  # None: no soft-capping
   has_segment_ids: bool = False
+  # A learnable sink operand (num_heads,) float32 follows the forward's operands: every forward
+  # variant takes it at run time (the epilogue adds it to each row's denominator).
+  has_sink: bool = False
   deterministic: bool = False
   implementation: str = "reference"  # resolved: "cute" or "reference"
 

@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.interpreters import batching, mlir
 
 from jaxflash import _jax_internal, block_ranges, reference
+from jaxflash.sink import add_learnable_sink, learnable_sink_grad
 from jaxflash.config import (AttentionConfig, BWD_TARGET, FWD_TARGET, KernelVariant,
                              LSE_CHECKPOINT_NAME, OUT_CHECKPOINT_NAME, bwd_scratch_shapes,
                              kernel_support)
@@ -30,6 +31,13 @@ def _split_segments(args, config: AttentionConfig):
   if config.has_segment_ids:
     return args[:-2], tuple(args[-2:])
   return args, (None, None)
+
+
+def _split_sink(args, config: AttentionConfig):
+  """The forward's operands (q, k, v[, q_seg, kv_seg][, sink]) -> (the rest, sink or None)."""
+  if config.has_sink:
+    return args[:-1], args[-1]
+  return args, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,9 +95,13 @@ def _bwd_kernel_abstract(q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
 # ---------------------------------------------------------------------------------------------
 # Reference implementations bound by the lowerings
 
-def _fwd_reference(q, k, v, *segment_ids, config):
-  _, (q_seg, kv_seg) = _split_segments((q, k, v) + segment_ids, config)
-  return reference.blocked_forward(q, k, v, config, q_seg, kv_seg)
+def _fwd_reference(q, k, v, *rest, config):
+  rest, sink = _split_sink(rest, config)
+  _, (q_seg, kv_seg) = _split_segments((q, k, v) + rest, config)
+  out, lse = reference.blocked_forward(q, k, v, config, q_seg, kv_seg)
+  if sink is not None:
+    out, lse = add_learnable_sink(out, lse, sink)
+  return out, lse
 
 
 def _bwd_reference(q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
@@ -109,12 +121,14 @@ def _dtype_name(aval) -> str:
   return np.dtype(aval.dtype).name
 
 
-def _fwd_lower_cuda(ctx, q, k, v, *segment_ids, config):
+def _fwd_lower_cuda(ctx, q, k, v, *rest, config):
   """CUDA: the stable FFI custom call when the kernel exists, the reference otherwise.
   Masked variants (windows, segment ids) get their block ranges computed here, on the device,
   as XLA ops in front of the custom call (block_ranges.py)."""
   if config.implementation != "cute":
-    return _fwd_lower_reference(ctx, q, k, v, *segment_ids, config=config)
+    return _fwd_lower_reference(ctx, q, k, v, *rest, config=config)
+  segment_ids, sink = _split_sink(rest, config)
+  sink = () if sink is None else (sink,)  # the custom call's last operand
   q_aval, _, v_aval = ctx.avals_in[:3]
   dtype, head_dim, head_dim_v = _dtype_name(q_aval), q_aval.shape[-1], v_aval.shape[-1]
   ok, reason = kernel_support("fwd", dtype, head_dim, head_dim_v, config)
@@ -126,15 +140,18 @@ def _fwd_lower_cuda(ctx, q, k, v, *segment_ids, config):
     ffi.ensure_variant(variant)  # cross-lowering on a CPU host needs no library
   attrs = ffi.fwd_attributes(variant, config)
   if not variant.masked:
-    return jax.ffi.ffi_lowering(FWD_TARGET)(ctx, q, k, v, **attrs)
+    return jax.ffi.ffi_lowering(FWD_TARGET)(ctx, q, k, v, *sink, **attrs)
   (b, seq_q), seq_k = q_aval.shape[:2], ctx.avals_in[1].shape[1]
 
-  def call(q, k, v, *segment_ids):
+  def call(q, k, v, *rest):
+    segment_ids, sink = _split_sink(rest, config)
     operands = block_ranges.forward_operands(variant, config, b, seq_q, seq_k,
                                              ctx.avals_in[1].shape[2], segment_ids)
+    if sink is not None:
+      operands = operands + (sink,)
     return jax.ffi.ffi_call(FWD_TARGET, _result_types(ctx))(q, k, v, *operands, **attrs)
 
-  return mlir.lower_fun(call, multiple_results=True)(ctx, q, k, v, *segment_ids)
+  return mlir.lower_fun(call, multiple_results=True)(ctx, q, k, v, *segment_ids, *sink)
 
 
 def _result_types(ctx):
@@ -210,6 +227,28 @@ def _batch_rule(prim):
   return rule
 
 
+def _fwd_batch_rule(args, dims, *, config):
+  """The forward's batching: the sink (one logit per head) stays out of the batch fold. A sink
+  that is itself mapped differs per folded batch element, which the kernel's one logit per
+  head cannot hold: the call then runs without it and the sink rescales each row in XLA
+  (sink.add_learnable_sink, exact)."""
+  if not config.has_sink:
+    return _batch_rule(flash_fwd_p)(args, dims, config=config)
+  (*args, sink), (*dims, sink_dim) = args, dims
+  if all(d is None for d in dims):  # only the sink is mapped
+    size = sink.shape[sink_dim]
+    args = [jnp.broadcast_to(a, (size,) + a.shape) for a in args]
+    dims = [0] * len(args)
+  size, folded = _fold_batch(args, dims)
+  if sink_dim is None:
+    outs = flash_fwd_p.bind(*folded, sink, config=config)
+    return _unfold(size, outs), (0, 0)
+  out, lse = _unfold(size, flash_fwd_p.bind(*folded, config=config.replace(has_sink=False)))
+  sink = jnp.moveaxis(sink, sink_dim, 0)  # (size, heads)
+  out, lse = jax.vmap(add_learnable_sink)(out, lse, sink)
+  return (out, lse), (0, 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Registration
 
@@ -231,7 +270,7 @@ mlir.register_lowering(_flash_fwd_kernel_p, _fwd_lower_cuda, platform="cuda")
 mlir.register_lowering(_flash_bwd_kernel_p, _bwd_lower_reference)
 mlir.register_lowering(_flash_bwd_kernel_p, _bwd_lower_cuda, platform="cuda")
 
-batching.primitive_batchers[flash_fwd_p] = _batch_rule(flash_fwd_p)
+batching.primitive_batchers[flash_fwd_p] = _fwd_batch_rule
 batching.primitive_batchers[flash_bwd_p] = _batch_rule(flash_bwd_p)
 
 
@@ -287,38 +326,44 @@ _jax_internal.require_devices_during_lowering(flash_fwd_p, flash_bwd_p)
 # custom_vjp core
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention_core(config: AttentionConfig, q, k, v, q_segment_ids, kv_segment_ids):
-  """(out, lse) of one attention call; differentiable in q, k, v and through the lse."""
-  return _bind_fwd(config, q, k, v, q_segment_ids, kv_segment_ids)
+def attention_core(config: AttentionConfig, q, k, v, q_segment_ids, kv_segment_ids,
+                   sink=None):
+  """(out, lse) of one attention call; differentiable in q, k, v, the sink (when
+  config.has_sink) and through the lse."""
+  return _bind_fwd(config, q, k, v, q_segment_ids, kv_segment_ids, sink)
 
 
 def _segments(config, q_segment_ids, kv_segment_ids):
   return (q_segment_ids, kv_segment_ids) if config.has_segment_ids else ()
 
 
-def _bind_fwd(config, q, k, v, q_segment_ids, kv_segment_ids):
+def _bind_fwd(config, q, k, v, q_segment_ids, kv_segment_ids, sink):
+  sink = (sink,) if config.has_sink else ()
   out, lse = flash_fwd_p.bind(q, k, v, *_segments(config, q_segment_ids, kv_segment_ids),
-                              config=config)
+                              *sink, config=config)
   return out, lse
 
 
-def _core_fwd(config, q, k, v, q_segment_ids, kv_segment_ids):
-  out, lse = _bind_fwd(config, q, k, v, q_segment_ids, kv_segment_ids)
+def _core_fwd(config, q, k, v, q_segment_ids, kv_segment_ids, sink=None):
+  out, lse = _bind_fwd(config, q, k, v, q_segment_ids, kv_segment_ids, sink)
   # Named so that remat policies (save_only_these_names, ...) can keep or drop the residuals.
   # The named values are also the primal outputs, so a policy that keeps them needs no
   # recomputation for the caller's own use of `out` either.
   out = checkpoint_name(out, OUT_CHECKPOINT_NAME)
   lse = checkpoint_name(lse, LSE_CHECKPOINT_NAME)
-  return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, out, lse)
+  return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, sink, out, lse)
 
 
 def _core_bwd(config, residuals, cotangents):
-  q, k, v, q_segment_ids, kv_segment_ids, out, lse = residuals
+  # lse includes the sink, so the backward's probabilities exp(s - lse) are the sink-normalised
+  # ones: the kernels need nothing else, and the sink's own gradient is a reduction in XLA.
+  q, k, v, q_segment_ids, kv_segment_ids, sink, out, lse = residuals
   d_out, d_lse = cotangents
   dq, dk, dv = flash_bwd_p.bind(q, k, v, out, lse, d_out.astype(out.dtype),
                                 d_lse.astype(lse.dtype),
                                 *_segments(config, q_segment_ids, kv_segment_ids), config=config)
-  return dq, dk, dv, None, None
+  d_sink = learnable_sink_grad(out, lse, d_out, d_lse, sink) if config.has_sink else None
+  return dq, dk, dv, None, None, d_sink
 
 
 attention_core.defvjp(_core_fwd, _core_bwd)

@@ -63,13 +63,15 @@ def _rule(operands: Sequence[str], results: Sequence[str], sizes: Mapping[str, i
 
 def fwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int,
                       mesh_sizes: Sequence[int] = ()):
-  """(rule string, keyword arguments) of flash_fwd_p: (q, k, v[, q_seg, kv_seg]) -> (out, lse).
+  """(rule string, keyword arguments) of flash_fwd_p: (q, k, v[, q_seg, kv_seg][, sink]) ->
+  (out, lse).
 
   mesh_sizes: the sizes of the mesh axes (decides whether GQA heads use a compound factor).
   """
   q, k, v, out, lse, segments, sizes = _operands(num_heads, num_kv_heads,
                                                  config.has_segment_ids, mesh_sizes)
-  return _rule([q, k, v, *segments], [out, lse], sizes)
+  sink = [_head_factors(num_heads, num_kv_heads, mesh_sizes)[0]] if config.has_sink else []
+  return _rule([q, k, v, *segments, *sink], [out, lse], sizes)
 
 
 def bwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int,
@@ -134,6 +136,9 @@ class Plan:
 
   def segment_spec(self) -> PartitionSpec:  # q_segment_ids, kv_segment_ids
     return PartitionSpec(_entry(self.batch_axes), None)
+
+  def sink_spec(self) -> PartitionSpec:  # learnable_sink: one logit per query head
+    return PartitionSpec(_entry(self.head_axes))
 
   # -- per-shard helpers (run inside custom_partitioning's per-shard function) --
 
@@ -208,10 +213,11 @@ def plan_for(mesh, arg_shapes) -> Plan:
                  batch=q.shape[0], num_heads=q.shape[2], num_kv_heads=k.shape[2])
 
 
-def fwd_specs(plan: Plan, has_segment_ids: bool):
+def fwd_specs(plan: Plan, has_segment_ids: bool, has_sink: bool = False):
   """(operand specs, result specs) of flash_fwd_p under `plan`."""
   segs = (plan.segment_spec(),) * 2 if has_segment_ids else ()
-  args = (plan.q_spec(), plan.kv_spec(), plan.kv_spec()) + segs
+  sink = (plan.sink_spec(),) if has_sink else ()
+  args = (plan.q_spec(), plan.kv_spec(), plan.kv_spec()) + segs + sink
   return args, (plan.q_spec(), plan.lse_spec())
 
 
@@ -230,10 +236,10 @@ def fwd_partition(config: AttentionConfig, mesh, arg_shapes,
   primitive there). Returns (operand shardings, result shardings, per-shard function).
   """
   plan = plan_for(mesh, arg_shapes)
-  arg_specs, result_specs = fwd_specs(plan, config.has_segment_ids)
+  arg_specs, result_specs = fwd_specs(plan, config.has_segment_ids, config.has_sink)
 
-  def per_shard(q, k, v, *segment_ids):
-    return tuple(compute(q, plan.select_kv(k), plan.select_kv(v), *segment_ids))
+  def per_shard(q, k, v, *rest):  # rest: segment ids and sink, as the operands
+    return tuple(compute(q, plan.select_kv(k), plan.select_kv(v), *rest))
 
   return _named(mesh, arg_specs), _named(mesh, result_specs), per_shard
 

@@ -44,3 +44,21 @@ def add_learnable_sink(out, lse, learnable_sink):
   wide = jnp.promote_types(out.dtype, jnp.float32)
   out = (out.astype(wide) * jnp.swapaxes(row, 1, 2)[..., None].astype(wide)).astype(out.dtype)
   return out, lse_with
+
+
+def learnable_sink_grad(out, lse, d_out, d_lse, learnable_sink):
+  """d learnable_sink of attention with the sink, from its (out, lse) and their cotangents.
+
+  With lse = log(sum_j exp(s_j) + exp(sink)) and out = sum_j exp(s_j - lse) v_j:
+  d lse / d sink = exp(sink - lse) and d out / d sink = -exp(sink - lse) out, so
+  d sink[h] = sum over batch and rows of exp(sink[h] - lse) (d_lse - rowsum(d_out * out)).
+  A row with lse = -inf (no key and no finite sink) contributes 0. Returns (heads,) in the
+  sink's dtype.
+  """
+  wide = jnp.promote_types(lse.dtype, jnp.float32)
+  lse = lse.astype(wide)
+  sink = learnable_sink.astype(wide)[None, :, None]
+  weight = jnp.where(jnp.isneginf(lse), 0, jnp.exp(sink - jnp.where(jnp.isneginf(lse), 0, lse)))
+  row_dot = jnp.einsum("bshd,bshd->bhs", d_out.astype(wide), out.astype(wide))
+  grad = jnp.sum(weight * (d_lse.astype(wide) - row_dot), axis=(0, 2))
+  return grad.astype(learnable_sink.dtype)

@@ -39,8 +39,9 @@ def _config(variant: KernelVariant) -> AttentionConfig:
                          implementation="cute")
 
 
-def _ffi_call(q, k, v, variant, cfg, segment_ids=()):
-  """The raw forward custom call; a masked variant gets its operands from the segment ids."""
+def _ffi_call(q, k, v, variant, cfg, segment_ids=(), sink=None):
+  """The raw forward custom call; a masked variant gets its operands from the segment ids;
+  the learnable sink, when given, is the last operand."""
   b, seq_q, h, _ = q.shape
   result = (jax.ShapeDtypeStruct((b, seq_q, h, variant.head_dim_v), q.dtype),
             jax.ShapeDtypeStruct((b, h, seq_q), jnp.float32))
@@ -48,6 +49,8 @@ def _ffi_call(q, k, v, variant, cfg, segment_ids=()):
   if variant.masked:
     operands = block_ranges.forward_operands(variant, cfg, b, seq_q, k.shape[1], k.shape[2],
                                              segment_ids)
+  if sink is not None:
+    operands = tuple(operands) + (sink,)
   return jax.ffi.ffi_call(FWD_TARGET, result)(q, k, v, *operands,
                                               **ffi.fwd_attributes(variant, cfg))
 
@@ -55,18 +58,19 @@ def _ffi_call(q, k, v, variant, cfg, segment_ids=()):
 # keep_unused: jit would otherwise drop the unread buffers, and their donation with them.
 @functools.partial(jax.jit, static_argnames=("variant", "cfg"), donate_argnums=(3, 4),
                    keep_unused=True)
-def _fwd_into(q, k, v, out_buffer, lse_buffer, *segment_ids, variant, cfg):
+def _fwd_into(q, k, v, out_buffer, lse_buffer, *segment_ids, variant, cfg, sink=None):
   del out_buffer, lse_buffer  # donated: XLA writes the results into their memory
-  return _ffi_call(q, k, v, variant, cfg, segment_ids)
+  return _ffi_call(q, k, v, variant, cfg, segment_ids, sink)
 
 
-def poisoned_fwd(q, k, v, variant, cfg, segment_ids=()):
+def poisoned_fwd(q, k, v, variant, cfg, segment_ids=(), sink=None):
   """The raw custom call, writing into NaN-filled buffers; fails if XLA did not reuse them."""
   b, seq_q, h, _ = q.shape
   out_buffer = jnp.full((b, seq_q, h, variant.head_dim_v), jnp.nan, q.dtype)
   lse_buffer = jnp.full((b, h, seq_q), jnp.nan, jnp.float32)
   pointers = (out_buffer.unsafe_buffer_pointer(), lse_buffer.unsafe_buffer_pointer())
-  out, lse = _fwd_into(q, k, v, out_buffer, lse_buffer, *segment_ids, variant=variant, cfg=cfg)
+  out, lse = _fwd_into(q, k, v, out_buffer, lse_buffer, *segment_ids, variant=variant, cfg=cfg,
+                       sink=sink)
   if out.size and lse.size:
     assert (out.unsafe_buffer_pointer(), lse.unsafe_buffer_pointer()) == pointers, (
         "XLA did not write into the poisoned buffers: the test would miss unwritten elements")
@@ -77,13 +81,16 @@ _naive = jax.jit(reference.naive_attention, static_argnums=(3,),
                  static_argnames=("compute_dtype",))
 
 
-def _oracle(q, k, v, cfg, segment_ids=(None, None)):
+def _oracle(q, k, v, cfg, segment_ids=(None, None), sink=None):
   """(float64 out, lse) of the rounded inputs, and the naive in-dtype (out, lse)."""
   cfg = cfg.replace(implementation="reference")
-  naive = _naive(q, k, v, cfg, *segment_ids, compute_dtype=np.dtype(q.dtype))
+  naive = _naive(q, k, v, cfg, *segment_ids, compute_dtype=np.dtype(q.dtype),
+                 learnable_sink=sink)
   with x64():
     q64, k64, v64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v))
-    exact = tuple(np.asarray(x) for x in _naive(q64, k64, v64, cfg, *segment_ids))
+    sink64 = None if sink is None else jnp.asarray(np.asarray(sink, np.float64))
+    exact = tuple(np.asarray(x) for x in _naive(q64, k64, v64, cfg, *segment_ids,
+                                                learnable_sink=sink64))
   return exact, tuple(np.asarray(x, np.float64) for x in naive)
 
 
@@ -574,7 +581,8 @@ def test_masked_backward_matches_float64_oracle(variant, case):
 
 
 # ---------------------------------------------------------------------------------------------
-# Learnable sinks on the kernel path: the kernels' (out, lse) rescaled per row (jaxflash/sink.py)
+# Learnable sinks on the kernel path: an operand of every forward variant, added to each row's
+# denominator in the epilogue; its gradient is a reduction in XLA (jaxflash/sink.py)
 
 SINK_CASES = {  # name -> (dtype, head_dim, (batch, seq_q, seq_k, heads, kv_heads), options)
     "bf16_d64_causal_q300_k200": ("bfloat16", 64, (2, 300, 200, 8, 1), {"causal": True}),
@@ -582,6 +590,55 @@ SINK_CASES = {  # name -> (dtype, head_dim, (batch, seq_q, seq_k, heads, kv_head
                              {"causal": True, "window_size": (128, None)}),
     "f16_d256_plain_q17_k300": ("float16", 256, (2, 17, 300, 4, 4), {}),
 }
+
+
+def _sink_logits(h, seed):
+  """One logit per head: -inf on head 0 (no sink), 40 on head 1 (the sink dominates every row,
+  beyond exp's float32 range relative to the scores), N(1, 2) on the rest."""
+  logits = np.random.default_rng(seed).normal(1.0, 2.0, h)
+  logits[0], logits[1] = -np.inf, 40.0
+  return jnp.asarray(logits, jnp.float32)
+
+
+_SINK_VARIANTS = [(v, None) for v in VARIANTS] + [(v, "padding_causal_q300_k500")
+                                                  for v in MASKED]
+
+
+@pytest.mark.parametrize("variant,case", _SINK_VARIANTS,
+                         ids=[v.key for v, _ in _SINK_VARIANTS])
+def test_sink_operand_of_every_forward_variant_matches_float64_oracle(variant, case):
+  """The sink operand in the kernel epilogue: NaN-poisoned outputs against the oracle, head 0
+  (-inf) bitwise equal to the call without the operand, rows without keys (padding) at lse =
+  their sink, and jaxflash.attention running the same kernel bitwise."""
+  if case is None:
+    b, seq_q, seq_k, h, h_kv = 2, 130, 200, 4, 2  # lengths straddle the tiles; GQA
+    q, k, v = make_qkv(zlib.crc32(f"sink{variant.key}".encode()), b, seq_q, seq_k, h, h_kv,
+                       variant.head_dim, head_dim_v=variant.head_dim_v,
+                       dtype=jnp.dtype(variant.dtype))
+    cfg, segment_ids, options = _config(variant), (None, None), {"causal": variant.causal}
+  else:
+    q, k, v, segment_ids, cfg = _masked_fwd_case(variant, case, f"sink{variant.key}")
+    options = dict(causal=cfg.causal, q_segment_ids=segment_ids[0],
+                   kv_segment_ids=segment_ids[1])
+    h = q.shape[2]
+  sink = _sink_logits(h, zlib.crc32(variant.key.encode()))
+  passed = () if segment_ids[0] is None else segment_ids
+  raw_out, raw_lse = poisoned_fwd(q, k, v, variant, cfg, passed, sink=sink)
+  (want_out, want_lse), (naive_out, naive_lse) = _oracle(q, k, v, cfg, segment_ids, sink)
+  assert_close_to_oracle(raw_out, want_out, naive_out, name="out")
+  assert_close_to_oracle(raw_lse, want_lse, naive_lse, name="lse")
+  plain_out, plain_lse = poisoned_fwd(q, k, v, variant, cfg, passed)
+  np.testing.assert_array_equal(raw_out[:, :, 0], plain_out[:, :, 0])
+  np.testing.assert_array_equal(raw_lse[:, 0], plain_lse[:, 0])
+  no_key = np.isneginf(np.asarray(plain_lse))  # rows that see no key: lse = the sink
+  if no_key.any():
+    assert not np.asarray(raw_out, np.float32)[np.moveaxis(no_key, 1, 2)].any()
+    sinks = np.broadcast_to(np.asarray(sink)[None, :, None], no_key.shape)
+    np.testing.assert_allclose(np.asarray(raw_lse)[no_key], sinks[no_key], rtol=1e-6)
+  out, lse = jaxflash.attention(q, k, v, learnable_sink=sink, return_lse=True,
+                                implementation="cute", **options)
+  np.testing.assert_array_equal(out, raw_out)
+  np.testing.assert_array_equal(lse, raw_lse)
 
 
 @pytest.mark.parametrize("case", SINK_CASES.keys())

@@ -93,6 +93,10 @@ def test_header_declares_wrapper_and_tensor_structs(exported, variant):
   for name in ("mQ", "mK", "mV", "mO", "mLSE"):
     assert re.search(rf"int32_t dynamic_shapes\[3\];\s*int64_t dynamic_strides\[2\];\s*\}}"
                      rf" {prefix}_Tensor_{name}_t;", header), name
+  # The learnable sink: a (num_heads,) vector of every variant, and the has_sink flag.
+  assert re.search(rf"int32_t dynamic_shapes\[1\];\s*\}} {prefix}_Tensor_mSink_t;", header)
+  wrapper = header[header.index(f"cute_dsl_{prefix}_wrapper("):]
+  assert re.search(r"_Tensor_mSink_t \*mSink, .*float softmax_scale, int32_t has_sink", wrapper)
 
 
 class _Info(ctypes.Structure):

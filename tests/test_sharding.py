@@ -68,6 +68,17 @@ def test_specs_follow_the_plan():
   assert results == (args[0], args[1], args[2])
 
 
+def test_the_sink_follows_the_query_heads():
+  plan = _resolve(q=P("data", None, "model"), kv_heads=2)
+  args, _ = sharding.fwd_specs(plan, has_segment_ids=True, has_sink=True)
+  assert len(args) == 6 and args[-1] == P("model")  # after the segment ids, as the operands
+  cfg = AttentionConfig(softmax_scale=1.0, has_sink=True)
+  rule, _ = sharding.fwd_sharding_rule(cfg, 8, 8, (2, 4))
+  assert rule.split(" -> ")[0].endswith(", heads")
+  rule, _ = sharding.fwd_sharding_rule(cfg, 8, 4, (2, 2))  # GQA: the compound head factor
+  assert rule.split(" -> ")[0].endswith(", (kv_heads q_per_kv)")
+
+
 def test_rule_strings_name_their_factors():
   cfg = AttentionConfig(softmax_scale=1.0, has_segment_ids=True)
   rule, kw = sharding.fwd_sharding_rule(cfg, 8, 8, (2, 4))

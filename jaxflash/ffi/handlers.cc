@@ -301,16 +301,18 @@ ffi::Error CheckExact(const CallAttrs& a, const char* name, const ffi::AnyBuffer
 
 // The masked variants' operands (kernel_abi.h JaxflashMask) after the tensors: their number,
 // dtypes and shapes against the variant and the call; fills `mask` and the band (causal folded
-// into window_right, as block_ranges.window_bounds does).
+// into window_right, as block_ranges.window_bounds does). A forward call may add one operand
+// after them, the learnable sink (CheckSink).
 ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
                      const ffi::RemainingArgs& extra, int64_t b, int64_t sq, int64_t sk,
                      JaxflashMask* mask, int32_t* window_left, int32_t* window_right) {
   const bool bwd = a.target == kBwdTarget;
   const size_t want = info.masked ? (bwd && info.deterministic ? 5 : 4) : 0;
-  if (extra.size() != want) {
-    return Invalid(a, std::to_string(extra.size()) + " mask operands after the tensors, "
-                          "expected " + std::to_string(want) + " for this variant "
-                          "(row_ids, col_ids, ranges, order, and ranks when deterministic)");
+  if (extra.size() != want && !(!bwd && extra.size() == want + 1)) {
+    return Invalid(a, std::to_string(extra.size()) + " operands after the tensors, expected " +
+                          std::to_string(want) + " mask operands for this variant (row_ids, "
+                          "col_ids, ranges, order, and ranks when deterministic)" +
+                          (bwd ? "" : ", then optionally the learnable sink"));
   }
   *mask = JaxflashMask{};
   *window_left = a.window_left;
@@ -343,6 +345,23 @@ ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
   return ffi::Error::Success();
 }
 
+// The forward's optional last operand after the mask operands: the learnable sink, float32
+// (num_heads,). Sets args->sink (NULL without one).
+ffi::Error CheckSink(const CallAttrs& a, const JaxflashVariantInfo& info,
+                     const ffi::RemainingArgs& extra, int64_t num_heads, JaxflashFwdArgs* args) {
+  const size_t mask_operands = info.masked ? 4 : 0;
+  args->sink = nullptr;
+  if (extra.size() == mask_operands) return ffi::Error::Success();
+  auto got = extra.get<ffi::AnyBuffer>(mask_operands);
+  if (got.has_error()) return got.error();
+  if (ffi::Error e = CheckExact(a, "sink", got.value(), {num_heads}, ffi::DataType::F32);
+      e.failure()) {
+    return e;
+  }
+  args->sink = static_cast<const float*>(got.value().untyped_data());
+  return ffi::Error::Success();
+}
+
 ffi::Error AttentionFwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer q,
                         ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::RemainingArgs mask_operands, ffi::Result<ffi::AnyBuffer> out,
@@ -365,10 +384,21 @@ ffi::Error AttentionFwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
       e.failure()) {
     return e;
   }
+  if (ffi::Error e = CheckSink(attrs, library->info, mask_operands, args.num_heads, &args);
+      e.failure()) {
+    return e;
+  }
   if (out->element_count() == 0) return ffi::Error::Success();  // b, sq or h is 0
 
   ScopedStreamDevice device(device_ordinal);
-  if (args.seqlen_k == 0) return FillEmptyRows(variant, stream, *out, *lse);
+  if (args.seqlen_k == 0) {
+    // lse of an empty row is its sink: a per-head fill, which jaxflash.attention does in XLA.
+    if (args.sink != nullptr) {
+      return Invalid(attrs, "seqlen_k is 0 and a sink is given: empty calls with a sink are "
+                            "handled before the custom call (jaxflash.attention)");
+    }
+    return FillEmptyRows(variant, stream, *out, *lse);
+  }
 
   args.q = q.untyped_data();
   args.k = k.untyped_data();
@@ -582,7 +612,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // q   (batch, seqlen_q, num_heads, head_dim)
         .Arg<ffi::AnyBuffer>()                     // k   (batch, seqlen_k, num_kv_heads, head_dim)
         .Arg<ffi::AnyBuffer>()                     // v   (batch, seqlen_k, num_kv_heads, dv)
-        .RemainingArgs()                           // masked variants: JaxflashMask operands
+        .RemainingArgs()                           // masked: JaxflashMask operands; then,
+                                                   // optional, the sink (num_heads,) float32
         .Ret<ffi::AnyBuffer>()                     // out (batch, seqlen_q, num_heads, head_dim_v)
         .Ret<ffi::AnyBuffer>()                     // lse (batch, num_heads, seqlen_q) float32
         .Attr<std::string_view>("variant")         // KernelVariant.key of the kernel to run

@@ -7,7 +7,7 @@
 
 #include <stdint.h>
 
-#define JAXFLASH_KERNEL_ABI_VERSION 4
+#define JAXFLASH_KERNEL_ABI_VERSION 5
 
 #ifdef __cplusplus
 extern "C" {
@@ -56,6 +56,9 @@ typedef struct {
 //   v   (batch, seqlen_k, num_kv_heads, head_dim_v)
 //   out (batch, seqlen_q, num_heads,    head_dim_v)  same dtype as q
 //   lse (batch, num_heads, seqlen_q)                  float32, natural log; -inf for empty rows
+//   sink (num_heads)                                  float32 learnable sink logits, or NULL:
+//       each row's softmax also runs over its head's sink (a column without a value), lse
+//       includes it, and an empty row has lse = its sink
 typedef struct {
   const void* q;
   const void* k;
@@ -68,6 +71,7 @@ typedef struct {
   float softcap;                      // > 0: scores become softcap * tanh(s / softcap)
                                       // (masked variants); 0: off
   JaxflashMask mask;                  // masked variants; all NULL otherwise
+  const float* sink;                  // every variant; NULL: no sink
 } JaxflashFwdArgs;
 
 // Backward call (jaxflash/ffi/variant_bwd.cc): preprocess, main kernel, postprocess, in order on

@@ -27,6 +27,7 @@ using TensorK = JF_NAME(_Tensor_mK_t);
 using TensorV = JF_NAME(_Tensor_mV_t);
 using TensorO = JF_NAME(_Tensor_mO_t);
 using TensorLse = JF_NAME(_Tensor_mLSE_t);
+using TensorSink = JF_NAME(_Tensor_mSink_t);
 #if JAXFLASH_MASKED
 using TensorQIds = JF_NAME(_Tensor_mQIds_t);
 using TensorKIds = JF_NAME(_Tensor_mKIds_t);
@@ -40,6 +41,8 @@ static_assert(kSignatureMatches<TensorQ> && kSignatureMatches<TensorK> &&
                   kSignatureMatches<TensorV> && kSignatureMatches<TensorO> &&
                   kSignatureMatches<TensorLse>,
               "exported tensor structs do not match jaxflash.kernels.compile.fwd_signature");
+static_assert(sizeof(TensorSink::dynamic_shapes) == sizeof(int32_t),
+              "the sink is a (num_heads,) vector in jaxflash.kernels.compile.fwd_signature");
 static_assert(JAXFLASH_DIRECTION == 0, "variant_fwd.cc builds forward variants");
 
 Module g_module = {};
@@ -76,7 +79,7 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
   if (tiles > INT32_MAX) return kInvalid;
   if (!Aligned(args->q, 16) || !Aligned(args->k, 16) ||
       !Aligned(args->v, 16) || !Aligned(args->out, 16) ||
-      !Aligned(args->lse, 16)) {
+      !Aligned(args->lse, 16) || !Aligned(args->sink, 4)) {
     return kInvalid;  // TMA needs 16-byte aligned global addresses
   }
   // Masked: every mask operand, 16-byte aligned (the key ids leave by bulk copies).
@@ -95,6 +98,9 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
   TensorV v = Dense4<TensorV>(args->v, b, sk, hk, JAXFLASH_HEAD_DIM_V);
   TensorO o = Dense4<TensorO>(args->out, b, sq, h, JAXFLASH_HEAD_DIM_V);
   TensorLse lse = Dense3<TensorLse>(args->lse, b, h, sq);  // (batch, heads, seqlen_q)
+  // The kernel reads the sink only when has_sink is 1; without one it gets a valid dummy.
+  const int32_t has_sink = args->sink != nullptr ? 1 : 0;
+  TensorSink sink = Vector<TensorSink>(has_sink ? args->sink : args->lse, h);
 #if JAXFLASH_MASKED
   const int32_t m_blocks = (sq + JAXFLASH_TILE_M - 1) / JAXFLASH_TILE_M;
   const int32_t n_blocks = (sk + JAXFLASH_TILE_N - 1) / JAXFLASH_TILE_N;
@@ -103,12 +109,13 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
   TensorKIds k_ids = Dense2<TensorKIds>(m.col_ids, b, n_blocks * JAXFLASH_TILE_N);
   TensorRanges ranges = Dense2Static<TensorRanges>(m.ranges, b, m_blocks, 4);
   TensorOrder order = Vector<TensorOrder>(m.order, b * m_blocks);
-  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &q_ids, &k_ids,
-                                          &ranges, &order, args->softmax_scale,
-                                          args->window_left, args->window_right, args->softcap,
-                                          static_cast<cudaStream_t>(stream));
+  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &sink, &q_ids,
+                                          &k_ids, &ranges, &order, args->softmax_scale,
+                                          has_sink, args->window_left, args->window_right,
+                                          args->softcap, static_cast<cudaStream_t>(stream));
 #else
-  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, args->softmax_scale,
+  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &sink,
+                                          args->softmax_scale, has_sink,
                                           static_cast<cudaStream_t>(stream));
 #endif
 }

@@ -120,9 +120,10 @@ _NO_MASK = dict.fromkeys(("row_ids", "col_ids", "ranges", "order", "window_left"
 
 
 def fwd_signature(variant: config.KernelVariant):
-  """Fake (q, k, v, out, lse, q_ids, k_ids, ranges, order) tensors and the (window_left,
+  """Fake (q, k, v, out, lse, sink, q_ids, k_ids, ranges, order) tensors and the (window_left,
   window_right, softcap) scalars of the forward kernel; shapes dynamic, head dims static. The
-  mask operands and softcap are None for dense variants.
+  mask operands and softcap are None for dense variants; sink (num_heads,) float32 is there for
+  every variant.
 
   Extents that must be equal share one SymInt. Strides are explicit 64-bit SymInts in mode
   order (batch, seq, heads) for q/k/v/out and (batch, heads) for lse, with a unit last stride:
@@ -139,9 +140,11 @@ def fwd_signature(variant: config.KernelVariant):
   out = _dense((batch, seqlen_q, num_heads, dv), dv, dtype)
   lse = make_fake_tensor(cutlass.Float32, (batch, num_heads, seqlen_q),
                          (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=_ASSUMED_ALIGN)
+  # The learnable sink: one logit per query head, read only when has_sink (run time) is 1.
+  sink = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), (1,), assumed_align=4)
   masking = (mask_signature(batch, variant.schedule.tile_m, variant.schedule.tile_n)
              if variant.masked else _NO_MASK)
-  return (q, k, v, out, lse, masking["row_ids"], masking["col_ids"], masking["ranges"],
+  return (q, k, v, out, lse, sink, masking["row_ids"], masking["col_ids"], masking["ranges"],
           masking["order"], masking["window_left"], masking["window_right"], masking["softcap"])
 
 
@@ -173,9 +176,11 @@ def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
   out_dir.mkdir(parents=True, exist_ok=True)
   prefix = function_prefix(variant)
   start = time.perf_counter()
-  q, k, v, out, lse, row_ids, col_ids, ranges, order, left, right, cap = fwd_signature(variant)
-  compiled = cute.compile(kernel, q, k, v, out, lse, row_ids, col_ids, ranges, order,
-                          cutlass.Float32(1.0), left, right, cap, make_fake_stream(),
+  q, k, v, out, lse, sink, row_ids, col_ids, ranges, order, left, right, cap = (
+      fwd_signature(variant))
+  compiled = cute.compile(kernel, q, k, v, out, lse, sink, row_ids, col_ids, ranges, order,
+                          cutlass.Float32(1.0), cutlass.Int32(0), left, right, cap,
+                          make_fake_stream(),
                           options=f"--gpu-arch {_GPU_ARCH[variant.arch]}")
   compiled.export_to_c(str(out_dir), variant.key, prefix)
   seconds = time.perf_counter() - start

@@ -57,6 +57,9 @@ class FlashAttentionForwardSm90:
   call's softcap as a run-time Float32: when > 0, each S becomes tanh(S * scale / softcap)
   (softmax.soft_cap) before the mask, behind a branch that is uniform across every warp, and the
   softmax then scales by softcap, so max, sums and lse stay in the capped domain.
+  Every variant takes the learnable sink at run time (mSink, one float32 logit per query head,
+  and has_sink): the epilogue adds the sink's term to each row's denominator
+  (OnlineSoftmax.finalize), so out and lse come out with the sink, in no extra pass.
   """
 
   def __init__(self, variant: config.KernelVariant):
@@ -145,11 +148,13 @@ class FlashAttentionForwardSm90:
       mV: cute.Tensor,  # (batch, seqlen_k, num_kv_heads, head_dim_v)
       mO: cute.Tensor,  # (batch, seqlen_q, num_heads, head_dim_v)
       mLSE: cute.Tensor,  # (batch, num_heads, seqlen_q) float32
+      mSink: cute.Tensor,  # (num_heads,) float32 learnable sink logits, read when has_sink
       mQIds: cute.Tensor,  # masked: (batch, m blocks * tile_m) int32 query segment ids, or None
       mKIds: cute.Tensor,  # masked: (batch, n blocks * tile_n) int32 key segment ids, or None
       mRanges: cute.Tensor,  # masked: (batch, m blocks, 4) int32 block ranges, or None
       mOrder: cute.Tensor,  # masked: (batch * m blocks,) int32 tile order, or None
       softmax_scale: Float32,
+      has_sink: Int32,  # 1: each row's softmax also runs over mSink[head]; 0: no sink
       window_left: Optional[Int32],  # masked: the band (block_ranges.window_bounds), or None
       window_right: Optional[Int32],
       softcap: Optional[Float32],  # masked: scores become softcap * tanh(s / softcap); 0: off
@@ -158,8 +163,9 @@ class FlashAttentionForwardSm90:
     if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
                        == mO.element_type == self.dtype)):
       raise TypeError(f"q, k, v and out must all be {self.dtype}")
-    if const_expr(mLSE.element_type != Float32):
-      raise TypeError(f"lse must be Float32, got {mLSE.element_type}")
+    if const_expr(mLSE.element_type != Float32 or mSink.element_type != Float32):
+      raise TypeError(f"lse and sink must be Float32, got {mLSE.element_type}, "
+                      f"{mSink.element_type}")
     if const_expr(self.masked != (mRanges is not None)):
       raise TypeError("the mask operands are passed exactly to masked variants")
     self._setup_attributes()
@@ -187,9 +193,9 @@ class FlashAttentionForwardSm90:
     grid = tile_scheduler.StaticTileScheduler.grid_shape(
         num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]), self.persistent)
     self.kernel(
-        tma_q, tma_k, tma_v, tma_o, mLSE,
+        tma_q, tma_k, tma_v, tma_o, mLSE, mSink,
         tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
-        softmax_scale,
+        softmax_scale, has_sink,
         self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout,
         self.tiled_mma_qk, self.tiled_mma_pv,
         mQIds, mKIds, mRanges, mOrder, window_left, window_right, softcap,
@@ -203,11 +209,13 @@ class FlashAttentionForwardSm90:
       mV: cute.Tensor,  # TMA coordinates of (head_dim_v, seqlen_k, num_kv_heads, batch)
       mO: cute.Tensor,  # TMA coordinates of (seqlen_q, head_dim_v, num_heads, batch)
       mLSE: cute.Tensor,  # (seqlen_q, num_heads, batch)
+      mSink: cute.Tensor,  # (num_heads,)
       tma_atom_q: cute.CopyAtom,
       tma_atom_k: cute.CopyAtom,
       tma_atom_v: cute.CopyAtom,
       tma_atom_o: cute.CopyAtom,
       softmax_scale: Float32,
+      has_sink: Int32,
       sQ_layout: cute.ComposedLayout,
       sK_layout: cute.ComposedLayout,
       sV_layout: cute.ComposedLayout,
@@ -263,8 +271,8 @@ class FlashAttentionForwardSm90:
                   pipeline_q, pipeline_k, pipeline_v, scheduler, masking)
     else:
       cute.arch.setmaxregister_increase(self.num_mma_regs)
-      self.mma(mO, mLSE, tma_atom_o, sQ, sK, sV, sO, tiled_mma_qk, tiled_mma_pv,
-               pipeline_q, pipeline_k, pipeline_v, softmax_scale, scheduler,
+      self.mma(mO, mLSE, mSink, has_sink, tma_atom_o, sQ, sK, sV, sO, tiled_mma_qk,
+               tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, softmax_scale, scheduler,
                mQ.shape[0], mK.shape[0], masking)
 
   def _make_pipelines(self, storage):
@@ -374,7 +382,8 @@ class FlashAttentionForwardSm90:
                                 self.tile_n * 4, pipeline_k.producer_get_barrier(kv_state))
 
   @cute.jit
-  def mma(self, mO: cute.Tensor, mLSE: cute.Tensor, tma_atom_o: cute.CopyAtom,
+  def mma(self, mO: cute.Tensor, mLSE: cute.Tensor, mSink: cute.Tensor, has_sink: Int32,
+          tma_atom_o: cute.CopyAtom,
           sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sO: cute.Tensor,
           tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
           pipeline_q, pipeline_k, pipeline_v, softmax_scale: Float32, scheduler,
@@ -457,8 +466,8 @@ class FlashAttentionForwardSm90:
                               seqlen_q, seqlen_k, False)
         self.last_block(c, kv_state)
         kv_state.advance()
-      self.epilogue(mO, mLSE, tma_atom_o, sO, tiled_mma_pv, thr_mma_pv, acc_o, online,
-                    pipeline_q, q_state, m_block, head, batch, seqlen_q)
+      self.epilogue(mO, mLSE, mSink, has_sink, tma_atom_o, sO, tiled_mma_pv, thr_mma_pv,
+                    acc_o, online, pipeline_q, q_state, m_block, head, batch, seqlen_q)
       q_state.advance()
       tile = scheduler.next_tile(tile)
 
@@ -585,19 +594,24 @@ class FlashAttentionForwardSm90:
     pipeline_v.consumer_release(kv_state)
 
   @cute.jit
-  def epilogue(self, mO: cute.Tensor, mLSE: cute.Tensor, tma_atom_o: cute.CopyAtom,
+  def epilogue(self, mO: cute.Tensor, mLSE: cute.Tensor, mSink: cute.Tensor, has_sink: Int32,
+               tma_atom_o: cute.CopyAtom,
                sO: cute.Tensor, tiled_mma_pv: cute.TiledMma, thr_mma_pv, acc_o: cute.Tensor,
                online, pipeline_q, q_state, m_block: Int32, head: Int32, batch: Int32,
                seqlen_q: Int32):
-    """Normalises O, writes LSE (rows < seqlen_q), stores O through shared memory + TMA, then
-    releases the Q slot (O used Q's buffer)."""
+    """Normalises O (the head's learnable sink joins each row's denominator), writes LSE (rows
+    < seqlen_q), stores O through shared memory + TMA, then releases the Q slot (O used Q's
+    buffer)."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WARPGROUP_THREADS
     acc_o_mn = softmax.make_acc_mn_view(acc_o)
     num_rows = cute.size(acc_o_mn, mode=[0])
     row_inv = cute.make_rmem_tensor(num_rows, Float32)
     lse = cute.make_rmem_tensor(num_rows, Float32)
-    online.finalize(row_inv, lse)
+    sink_log2 = -Float32.inf
+    if has_sink != 0:
+      sink_log2 = mSink[head] * softmax.LOG2_E
+    online.finalize(row_inv, lse, sink_log2)
     softmax.scale_rows(acc_o_mn, row_inv)
 
     tOcO_mn = softmax.make_acc_mn_view(

@@ -190,21 +190,29 @@ class OnlineSoftmax:
       scale_rows(acc_mn, row_scale)
 
   @cute.jit
-  def finalize(self, row_inv: cute.Tensor, lse: cute.Tensor):
-    """Writes 1/rowsum (0 for empty rows) and the natural-log LSE (-inf for empty rows).
+  def finalize(self, row_inv: cute.Tensor, lse: cute.Tensor, sink_log2: Float32):
+    """Writes each row's output factor and its natural-log LSE, with the learnable sink.
 
-    lse = max * softmax_scale + ln(sum) = (max * scale_log2 + log2(sum)) * ln(2).
+    The sink is one more logit in every row's softmax, in log2 units (sink * log2 e; -inf: no
+    sink), whose column has no value: with a = row_max * scale_log2 and m = max(a, sink_log2),
+    the denominator is 2^m (row_sum 2^(a - m) + 2^(sink_log2 - m)), so the output factor is
+    2^(a - m) / that sum and lse = (m + log2(sum)) * ln 2. Without a sink m = a, the factor is
+    1/rowsum and lse = (a + log2(rowsum)) * ln 2, bit for bit as without the operand. A row
+    with no usable key outputs 0 and has lse = the sink (-inf without one).
     """
     for i in cutlass.range_constexpr(self.num_rows):
       row_sum = cute.arch.warp_reduction_sum(self.row_sum[i], threads_in_group=_THREADS_PER_ROW)
       # Any visible key contributes exp2(0) = 1, so a sum that is not > 0 (0, or NaN from a
-      # caller's NaN input) means no usable key: output 0, lse -inf.
+      # caller's NaN input) means no usable key.
       inv = Float32(0.0)
-      row_lse = -Float32.inf
+      row_lse = sink_log2 * LN_2
       if row_sum > 0.0:
-        inv = cute.arch.rcp_approx(row_sum)
-        row_lse = (self.row_max[i] * self.scale_log2
-                   + cute.math.log2(row_sum, fastmath=True)) * LN_2
+        a = self.row_max[i] * self.scale_log2
+        m = cute.arch.fmax(a, sink_log2)
+        keep = cute.math.exp2(a - m, fastmath=True)  # 1 unless the sink dominates
+        total = row_sum * keep + cute.math.exp2(sink_log2 - m, fastmath=True)
+        inv = cute.arch.rcp_approx(total) * keep
+        row_lse = (m + cute.math.log2(total, fastmath=True)) * LN_2
       row_inv[i] = inv
       lse[i] = row_lse
 
