@@ -170,7 +170,7 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
     window_size: (left, right): query i sees keys in [i' - left, i' + right] where
       i' = i + seq_k - seq_q; None is unbounded. Negative values shift the band.
     softcap: if set, scores become softcap * tanh(scores / softcap) (after scaling). The
-      CuTe forward takes it (masked variants); its backward runs the reference.
+      CuTe kernels take it at run time (masked variants), forward and backward.
     q_segment_ids: (batch, seq_q) integers; with kv_segment_ids (batch, seq_k), tokens attend
       only to keys with an equal id (packed sequences, padding).
     learnable_sink: (num_heads,) float32 logits, one per query head (gpt-oss's attention

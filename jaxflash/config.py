@@ -236,8 +236,8 @@ class KernelVariant:
   schedule: Schedule
   deterministic: bool = False  # backward only
   # Windows and segment ids: run-time operands (block ranges, ids, window sizes) that the
-  # kernel masks and skips by; causal or not is then run-time data too. Forward variants also
-  # take softcap at run time.
+  # kernel masks and skips by; causal or not is then run-time data too. They also take softcap
+  # at run time.
   masked: bool = False
 
   @property
@@ -253,9 +253,8 @@ class KernelVariant:
                config: AttentionConfig) -> "KernelVariant":
     """The variant that runs one call (kernel_support must have accepted it)."""
     deterministic = config.deterministic and direction == "bwd"
-    # Soft-capping runs on the masked forward variants (a run-time value, like the window).
-    masked = (config.has_window or config.has_segment_ids
-              or (config.softcap is not None and direction == "fwd"))
+    # Soft-capping runs on the masked variants (a run-time value, like the window).
+    masked = config.has_window or config.has_segment_ids or config.softcap is not None
     causal = config.causal and not masked
     if direction == "fwd":
       schedule = fwd_schedule(head_dim, head_dim_v, causal, masked)
@@ -283,8 +282,6 @@ def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
     accepted = tuple(dv for d, dv in pairs if d == head_dim)
     return False, (f"head_dim_v {head_dim_v} with head_dim {head_dim} has no {direction} "
                    f"kernel; accepted head_dim_v: {accepted}")
-  if config is not None and config.softcap is not None and direction == "bwd":
-    return False, "softcap has no CuTe backward kernel yet (the forward kernel takes it)"
   return True, ""
 
 

@@ -162,7 +162,7 @@ def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
   """CUDA: the backward custom call when a backward kernel exists, the reference otherwise.
 
   The forward decides implementation='cute'; a backward the kernels lack (a head-dim pair
-  without one, softcap) falls back to the reference here. Masked variants get their block
+  without one) falls back to the reference here. Masked variants get their block
   ranges computed here, on the device (block_ranges.py).
   """
   q_aval, _, v_aval = ctx.avals_in[:3]

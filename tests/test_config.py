@@ -122,17 +122,19 @@ def test_kernel_support_accepts_the_table_and_names_what_it_refuses():
     assert not ok and reason in text, text
   ok, text = config.kernel_support("fwd", "bfloat16", 192, 64)
   assert not ok and "accepted head_dim_v: (128, 192)" in text
-  ok, text = config.kernel_support("bwd", "bfloat16", 128, 128, _cfg(softcap=5.0))
-  assert not ok and "softcap" in text
-  assert config.kernel_support("fwd", "bfloat16", 128, 128, _cfg(softcap=5.0)) == (True, "")
+  for direction in config.DIRECTIONS:
+    assert config.kernel_support(direction, "bfloat16", 128, 128, _cfg(softcap=5.0)) == (True, "")
   for options in ({"window_left": 4}, {"has_segment_ids": True, "causal": True}):
     assert config.kernel_support("bwd", "bfloat16", 128, 128, _cfg(**options)) == (True, "")
 
 
-def test_softcap_takes_the_masked_forward_variant():
-  for options in ({"softcap": 5.0}, {"softcap": 5.0, "causal": True}):
-    v = config.KernelVariant.for_call("fwd", "sm90a", "bfloat16", 128, 128, _cfg(**options))
-    assert v.masked and not v.causal and v in config.shipped_variants(direction="fwd")
+def test_softcap_takes_the_masked_variants():
+  for options in ({"softcap": 5.0}, {"softcap": 5.0, "causal": True},
+                  {"softcap": 5.0, "deterministic": True}):
+    for direction in config.DIRECTIONS:
+      v = config.KernelVariant.for_call(direction, "sm90a", "bfloat16", 128, 128, _cfg(**options))
+      assert v.masked and not v.causal and v in config.shipped_variants(direction=direction)
+      assert v.deterministic == (direction == "bwd" and options.get("deterministic", False))
 
 
 def test_windows_and_segment_ids_take_the_masked_variant():

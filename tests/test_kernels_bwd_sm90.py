@@ -264,3 +264,16 @@ def test_masked_backward_takes_the_query_ids_with_each_stage(exported, variant):
   if variant.schedule.swap_sdp:
     assert masked.count("UBLKCP.S.G") > dense.count("UBLKCP.S.G") > 0
   assert ("REDG" in e.ops()) == ("UBLKCP.G.S" in masked) == variant.deterministic
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.masked and v.dtype == "bfloat16"],
+                         ids=lambda v: v.key)
+def test_masked_backward_soft_caps_with_the_tanh_derivative(exported, variant):
+  """Masked variants take softcap at run time: per score of each step one MUFU.TANH (the
+  capped score) and one MUFU.LG2 (t recovered from P for dS's factor 1 - t^2), behind a branch
+  the call's softcap decides for the whole CTA; the dense variants have neither."""
+  ops = exported(variant).ops(modifiers=True)
+  assert ops.count("MUFU.TANH") == ops.count("MUFU.LG2") > 0
+  dense = exported(_find(head_dim=variant.head_dim, head_dim_v=variant.head_dim_v, causal=True,
+                         deterministic=variant.deterministic)).ops(modifiers=True)
+  assert "MUFU.TANH" not in dense and "MUFU.LG2" not in dense

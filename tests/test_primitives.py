@@ -203,12 +203,14 @@ def test_cuda_lowering_of_grad_without_a_bwd_kernel_keeps_the_reference_backward
   assert BWD_TARGET not in text
 
 
-def test_cuda_lowering_of_softcap_runs_the_masked_forward_and_the_reference_backward():
+def test_cuda_lowering_of_softcap_runs_the_masked_forward_and_backward():
   text = _grad_lowered_for_cuda(128, causal=True, softcap=5.0)
   (call,) = [line for line in text.splitlines() if f"@{FWD_TARGET}(" in line]
   assert 'variant = "fwd-sm90a-bf16-d128-dv128-masked-m128n128s2"' in call
   assert "softcap = 5.000000e+00" in call and "causal = true" in call
-  assert BWD_TARGET not in text
+  (call,) = [line for line in text.splitlines() if f"@{BWD_TARGET}(" in line]
+  assert 'variant = "bwd-sm90a-bf16-d128-dv128-masked-m80n128s2swap"' in call
+  assert "softcap = 5.000000e+00" in call and "causal = true" in call
 
 
 def test_bwd_kernel_primitive_carries_scratch_only_on_the_kernel_path():

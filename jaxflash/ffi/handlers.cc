@@ -114,13 +114,13 @@ ffi::Error CheckAttrs(const CallAttrs& a, const JaxflashVariantInfo& info, ffi::
                           std::to_string(a.window_right) + "): each side needs |w| <= " +
                           std::to_string(kUnbounded) + " (the unbounded value)");
   }
-  // Soft-capping: masked forward variants (0 = off); no backward variant yet.
-  const bool takes_softcap = info.masked && info.direction == 0;
+  // Soft-capping: masked variants, forward and backward (0 = off).
+  const bool takes_softcap = info.masked;
   if (a.softcap != 0 && !(takes_softcap && std::isfinite(a.softcap) && a.softcap > 0)) {
     return Invalid(a, "softcap " + std::to_string(a.softcap) + (takes_softcap
                           ? ": expected a finite value > 0, or 0 (off)"
                           : ": this variant runs without softcap only (0); softcap takes a "
-                            "masked forward variant"));
+                            "masked variant"));
   }
   if (!std::isfinite(a.softmax_scale)) {
     return Invalid(a, "softmax_scale " + std::to_string(a.softmax_scale) + " is not finite");

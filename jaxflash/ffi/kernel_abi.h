@@ -7,7 +7,7 @@
 
 #include <stdint.h>
 
-#define JAXFLASH_KERNEL_ABI_VERSION 5
+#define JAXFLASH_KERNEL_ABI_VERSION 6
 
 #ifdef __cplusplus
 extern "C" {
@@ -109,7 +109,7 @@ typedef struct {
   int32_t batch, seqlen_q, seqlen_k, num_heads, num_kv_heads, head_dim, head_dim_v;
   float softmax_scale;
   int32_t window_left, window_right;  // masked variants: the band (JaxflashMask)
-  float softcap;                      // 0: off (no backward variant reads it yet)
+  float softcap;                      // > 0: as in the forward (masked variants); 0: off
   int32_t dq_copies;                  // dQ accumulator copies in dq_accum / dq_semaphore
   JaxflashMask mask;                  // masked variants; all NULL otherwise
 } JaxflashBwdArgs;

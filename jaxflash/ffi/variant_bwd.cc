@@ -184,7 +184,7 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
     status = JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &dout, &lse2, &delta, &acc,
                                               &dk, &dvt, JF_SEM &q_ids, &k_ids, &ranges,
                                               &order, JF_RANKS a.softmax_scale, a.window_left,
-                                              a.window_right, stream);
+                                              a.window_right, a.softcap, stream);
 #else
     status = JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &dout, &lse2, &delta, &acc,
                                               &dk, &dvt, JF_SEM a.softmax_scale, stream);

@@ -62,6 +62,10 @@ class _Masking(mask.MaskOperands):
 
   ranks: cute.Tensor  # deterministic: (m blocks, n blocks, batch), else None
   query_ids_smem: cute.Tensor  # swap_sdp: (tile_m, num_stages) per Q/dO stage, else None
+  capped: Int32  # 1: soft-capping on (the call's softcap > 0)
+  tanh_scale: Float32  # softmax_scale / softcap: t = tanh(S * tanh_scale), in softcap units
+  p_scale_log2: Float32  # P = exp2(S' * p_scale_log2 - lse2): (softcap or softmax_scale) log2 e
+  inv_cap_log2: Float32  # 1 / (softcap * log2 e): t = (log2 P + lse2) * inv_cap_log2
 
 
 def _mma_slices(tiled_mmas, mma_tidx):
@@ -294,6 +298,7 @@ class FlashAttentionBackwardSm90:
       softmax_scale: Float32,
       window_left: Optional[Int32],  # masked: the band (block_ranges.window_bounds), or None
       window_right: Optional[Int32],
+      softcap: Optional[Float32],  # masked: scores are softcap * tanh(s / softcap); 0: off
       stream: cuda.CUstream,
   ):
     if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
@@ -346,7 +351,7 @@ class FlashAttentionBackwardSm90:
         softmax_scale,
         self.sQ_layout, self.sK_layout, self.sV_layout, self.sdO_layout, self.sPdS_layout,
         self.tiled_mma_sdp, self.tiled_mma_dk, self.tiled_mma_dv, self.tiled_mma_dq,
-        mQIds, mKIds, mRanges, mOrder, mRanks, window_left, window_right,
+        mQIds, mKIds, mRanges, mOrder, mRanks, window_left, window_right, softcap,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
   @cute.kernel
@@ -385,6 +390,7 @@ class FlashAttentionBackwardSm90:
       mRanks: cute.Tensor,  # deterministic: (m blocks, n blocks, batch)
       window_left: Optional[Int32],
       window_right: Optional[Int32],
+      softcap: Optional[Float32],
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -413,8 +419,19 @@ class FlashAttentionBackwardSm90:
       if const_expr(self.swap_sdp):
         query_ids_smem = storage.sQIds.get_tensor(cute.make_layout((self.tile_m,
                                                                     self.num_stages)))
+      # Soft-capping (the forward's): S' = softcap * tanh(S * softmax_scale / softcap). P takes
+      # t = tanh(S * tanh_scale) scaled by softcap; dS gets the chain factor 1 - t^2 (the
+      # softmax_scale factor is applied to dK and dQ as without softcap).
+      capped = softcap > Float32(0.0)
+      tanh_scale = Float32(0.0)
+      p_scale_log2 = softmax_scale * LOG2_E
+      inv_cap_log2 = Float32(0.0)
+      if capped:
+        tanh_scale = softmax_scale / softcap
+        p_scale_log2 = softcap * LOG2_E
+        inv_cap_log2 = Float32(1.0) / p_scale_log2
       masking = _Masking(mQIds, mKIds, mRanges, mOrder, window_left, window_right, mRanks,
-                         query_ids_smem)
+                         query_ids_smem, Int32(capped), tanh_scale, p_scale_log2, inv_cap_log2)
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -688,6 +705,10 @@ class FlashAttentionBackwardSm90:
     tScS_mn = softmax.make_acc_mn_view(
         thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
     scale_log2 = softmax_scale * LOG2_E
+    cap = None
+    if const_expr(self.masked):
+      scale_log2 = masking.p_scale_log2
+      cap = (masking.capped, masking.tanh_scale, masking.inv_cap_log2)
 
     qdo_state = self._wait_for_k_v(pipeline_kv)
     do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
@@ -718,7 +739,7 @@ class FlashAttentionBackwardSm90:
           self.mma_step(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, frags,
                         acc_dk, acc_dv, tScS_mn, sP, sdS, sdQ, lse2_head, delta_head,
                         pipeline_qdo, qdo_state, pipeline_do, do_state, scale_log2, m_block,
-                        n_block, seqlen_q, seqlen_k, wg_idx, is_masked, ids)
+                        n_block, seqlen_q, seqlen_k, wg_idx, is_masked, ids, cap)
           qdo_state.advance()
           do_state.advance()
 
@@ -732,10 +753,11 @@ class FlashAttentionBackwardSm90:
                sP: cute.Tensor, sdS: cute.Tensor, sdQ: cute.Tensor, lse2_head: cute.Tensor,
                delta_head: cute.Tensor, pipeline_qdo, qdo_state, pipeline_do, do_state,
                scale_log2: Float32, m_block: Int32, n_block: Int32, seqlen_q: Int32,
-               seqlen_k: Int32, wg_idx: Int32, is_masked: cutlass.Constexpr, ids=None):
+               seqlen_k: Int32, wg_idx: Int32, is_masked: cutlass.Constexpr, ids=None,
+               cap=None):
     """One (query head, query block) against this CTA's key block; `is_masked`: apply the mask.
     ids (masked variants): (query ids of the batch, key ids of the key block, window_left,
-    window_right)."""
+    window_right); cap (masked variants): (capped, tanh_scale, inv_cap_log2)."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WG
     stage = qdo_state.index
@@ -763,6 +785,9 @@ class FlashAttentionBackwardSm90:
     warpgroup.wait_group(1)
 
     # P = exp2(S * scale * log2(e) - lse * log2(e)); masked scores are -inf, so P = 0 there.
+    if const_expr(self.masked):
+      if cap[0] != 0:
+        softmax.soft_cap(acc_s, cap[1])
     acc_s_mn = softmax.make_acc_mn_view(acc_s)
     if const_expr(is_masked):
       if const_expr(self.masked):
@@ -786,6 +811,12 @@ class FlashAttentionBackwardSm90:
     for i in cutlass.range_constexpr(num_rows):
       for j in cutlass.range_constexpr(cute.size(acc_dp_mn, mode=[1])):
         acc_dp_mn[i, j] = acc_s_mn[i, j] * (acc_dp_mn[i, j] - delta[i])
+    if const_expr(self.masked):
+      if cap[0] != 0:
+        for i in cutlass.range_constexpr(num_rows):
+          for j in cutlass.range_constexpr(cute.size(acc_dp_mn, mode=[1])):
+            acc_dp_mn[i, j] = acc_dp_mn[i, j] * softmax.tanh_derivative(
+                acc_s_mn[i, j], lse2[i], cap[2])
     # The other warpgroup's dQ GEMM of the previous step reads all of dS.
     cute.arch.barrier(barrier_id=_DS_EMPTY_BARRIER, number_of_threads=self.num_mma_threads)
     # Both warpgroups' dV GEMMs read all of P; both finished (barrier above).
@@ -853,6 +884,10 @@ class FlashAttentionBackwardSm90:
     tStS_mn = softmax.make_acc_mn_view(
         thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))))
     scale_log2 = softmax_scale * LOG2_E
+    cap = None
+    if const_expr(self.masked):
+      scale_log2 = masking.p_scale_log2
+      cap = (masking.capped, masking.tanh_scale, masking.inv_cap_log2)
 
     ids = None
     if const_expr(self.masked):
@@ -884,11 +919,28 @@ class FlashAttentionBackwardSm90:
           self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
                                 frags, acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
                                 pipeline_qdo, qdo_state, scale_log2, m_block, n_block,
-                                seqlen_q, seqlen_k, wg_idx, is_masked, ids)
+                                seqlen_q, seqlen_k, wg_idx, is_masked, ids, cap)
           qdo_state.advance()
 
     self.epilogue(mdK, mdV, tma_atom_dk, tma_atom_dv, sK, sV, tiled_mma_dk, tiled_mma_dv,
                   acc_dk, acc_dv, softmax_scale, n_block, head_kv, batch)
+
+  @cute.jit
+  def _ds_transposed(self, acc_s_mn: cute.Tensor, acc_dp_mn: cute.Tensor, tStS_mn: cute.Tensor,
+                     sDelta: cute.Tensor, sLSE2: cute.Tensor, stage: Int32, inv_cap_log2,
+                     capped: cutlass.Constexpr):
+    """dS^T = P^T (dP^T - delta) into acc_dp_mn, delta of the column's query; `capped`: times
+    the soft-capping factor 1 - t^2 (softmax.tanh_derivative), in the same pass."""
+    for j in cutlass.range_constexpr(cute.size(acc_dp_mn, mode=[1])):
+      delta = sDelta[tStS_mn[0, j][1], stage]
+      if const_expr(capped):
+        lse2 = sLSE2[tStS_mn[0, j][1], stage]
+        for i in cutlass.range_constexpr(cute.size(acc_dp_mn, mode=[0])):
+          acc_dp_mn[i, j] = (acc_s_mn[i, j] * (acc_dp_mn[i, j] - delta)
+                             * softmax.tanh_derivative(acc_s_mn[i, j], lse2, inv_cap_log2))
+      else:
+        for i in cutlass.range_constexpr(cute.size(acc_dp_mn, mode=[0])):
+          acc_dp_mn[i, j] = acc_s_mn[i, j] * (acc_dp_mn[i, j] - delta)
 
   @cute.jit
   def mma_step_swapped(self, tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma,
@@ -897,7 +949,7 @@ class FlashAttentionBackwardSm90:
                        sdS: cute.Tensor, sdQ: cute.Tensor, sLSE2: cute.Tensor,
                        sDelta: cute.Tensor, pipeline_qdo, qdo_state, scale_log2: Float32,
                        m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                       wg_idx: Int32, is_masked: cutlass.Constexpr, ids=None):
+                       wg_idx: Int32, is_masked: cutlass.Constexpr, ids=None, cap=None):
     """mma_step with swap_sdp (FA-3/FA-4's "SdP swapAB" with register-operand dV / dK).
 
     Each warpgroup computes S^T = K Q^T and dP^T = V dO^T for its 64 keys (rows) x tile_m
@@ -928,6 +980,9 @@ class FlashAttentionBackwardSm90:
     warpgroup.wait_group(1)
 
     # P^T = exp2(S^T * scale * log2(e) - lse * log2(e)), lse of the column's query.
+    if const_expr(self.masked):
+      if cap[0] != 0:
+        softmax.soft_cap(acc_s, cap[1])
     acc_s_mn = softmax.make_acc_mn_view(acc_s)
     if const_expr(is_masked):
       if const_expr(self.masked):
@@ -951,7 +1006,11 @@ class FlashAttentionBackwardSm90:
     # dV += P^T dO, A from registers.
     t_p = cute.make_rmem_tensor(acc_shape, self.dtype)
     r_p = softmax.operand_a_view(t_p)
-    softmax.convert_p(acc_s, r_p)
+    # Masked variants with the dV GEMM after dS convert P after dS: the soft-capping factor's
+    # extra registers then fit (converted first, P in both precisions spilled).
+    late_p = self.masked and self.dv_after_ds
+    if const_expr(not late_p):
+      softmax.convert_p(acc_s, r_p)
     if const_expr(not self.dv_after_ds):
       # Issued now, it runs while dS is computed.
       self._dv_gemm(tiled_mma_dv, acc_dv, r_p, frags, stage)
@@ -960,10 +1019,15 @@ class FlashAttentionBackwardSm90:
     # pending.
     warpgroup.wait_group(0 if const_expr(self.dv_after_ds) else 1)
     acc_dp_mn = softmax.make_acc_mn_view(acc_dp)
-    for j in cutlass.range_constexpr(num_cols):
-      delta = sDelta[tStS_mn[0, j][1], stage]
-      for i in cutlass.range_constexpr(cute.size(acc_dp_mn, mode=[0])):
-        acc_dp_mn[i, j] = acc_s_mn[i, j] * (acc_dp_mn[i, j] - delta)
+    if const_expr(self.masked):
+      if cap[0] != 0:
+        self._ds_transposed(acc_s_mn, acc_dp_mn, tStS_mn, sDelta, sLSE2, stage, cap[2], True)
+      else:
+        self._ds_transposed(acc_s_mn, acc_dp_mn, tStS_mn, sDelta, sLSE2, stage, None, False)
+    else:
+      self._ds_transposed(acc_s_mn, acc_dp_mn, tStS_mn, sDelta, sLSE2, stage, None, False)
+    if const_expr(late_p):
+      softmax.convert_p(acc_s, r_p)
     t_ds = cute.make_rmem_tensor(acc_shape, self.dtype)
     r_ds = softmax.operand_a_view(t_ds)
     softmax.convert_p(acc_dp, r_ds)

@@ -98,7 +98,7 @@ def mask_signature(batch, row_tile: int, col_tile: int):
   row_ids (batch, tiles * row_tile) and col_ids (batch, blocks * col_tile) int32 segment ids
   padded to whole tiles / blocks of the tiled side and the other; ranges (batch, tiles, 4)
   int32; order (batch * tiles,) int32; window_left / window_right Int32 scalars; softcap a
-  Float32 scalar (the forward's; 0: off)."""
+  Float32 scalar (0: off)."""
   rows = cute.sym_int32(divisibility=row_tile)
   cols = cute.sym_int32(divisibility=col_tile)
   tiles = cute.sym_int32()
@@ -342,7 +342,8 @@ def bwd_signature(variant: config.KernelVariant) -> dict:
     ranks = rows((batch, cute.sym_int32(), cute.sym_int32()), cutlass.Int32, _ASSUMED_ALIGN)
   signature.update(key_ids=masking["row_ids"], query_ids=masking["col_ids"],
                    ranges=masking["ranges"], order=masking["order"], ranks=ranks,
-                   window_left=masking["window_left"], window_right=masking["window_right"])
+                   window_left=masking["window_left"], window_right=masking["window_right"],
+                   softcap=masking["softcap"])
   return signature
 
 
@@ -369,7 +370,7 @@ def export_bwd_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel
       "main": (main, sig["q"], sig["k"], sig["v"], sig["d_out"], sig["lse_log2"], sig["delta"],
                sig["dq_accum"], sig["dk"], sig["dv"], sig["dq_semaphore"], sig["query_ids"],
                sig["key_ids"], sig["ranges"], sig["order"], sig["ranks"], scale,
-               sig["window_left"], sig["window_right"], stream),
+               sig["window_left"], sig["window_right"], sig["softcap"], stream),
       "post": (post, sig["dq_accum"], sig["dq"], sig["dq_semaphore"], scale, stream),
   }
   start = time.perf_counter()

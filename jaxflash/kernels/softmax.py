@@ -226,6 +226,18 @@ def soft_cap(acc: cute.Tensor, tanh_scale: Float32):
 
 
 @cute.jit
+def tanh_derivative(p: Float32, lse2: Float32, inv_cap_log2: Float32) -> Float32:
+  """1 - t^2 for the soft-capped score t that gave P = exp2(t * softcap * log2 e - lse2).
+
+  The backward overwrites t with P, so t comes back as (log2 P + lse2) * inv_cap_log2 (one
+  MUFU.LG2). Where P = 0 (masked, underflowed, or a row with lse2 = +inf) t is +-inf or NaN;
+  the NaN-quiet min makes the factor 0 there, and dS = P (dP - delta) is 0 anyway.
+  """
+  t = (cute.math.log2(p, fastmath=True) + lse2) * inv_cap_log2
+  return Float32(1.0) - cute.arch.fmin(t * t, Float32(1.0))
+
+
+@cute.jit
 def scale_rows(acc_mn: cute.Tensor, row_scale: cute.Tensor):
   """acc_mn[i, j] *= row_scale[i] (rescales or normalises the O accumulator)."""
   for i in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
