@@ -11,49 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _jax_internal, fp8, primitives
+from jaxflash import _jax_internal, checks, fp8, primitives
 from jaxflash.sink import add_learnable_sink, check_learnable_sink
-from jaxflash.config import (AttentionConfig, IMPLEMENTATIONS, KernelVariant, REFERENCE_DTYPES,
-                             kernel_support)
+from jaxflash.config import AttentionConfig, IMPLEMENTATIONS, KernelVariant, kernel_support
 
 log = logging.getLogger("jaxflash")
-
-_RANK4 = "(batch, seq, heads, head_dim)"
-
-
-def _check_array(name: str, x, rank: int, layout: str):
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{name}: expected an array {layout}, got {type(x).__name__}")
-  if x.ndim != rank:
-    raise ValueError(f"{name}: expected rank {rank} {layout}, got shape {tuple(x.shape)}")
-
-
-def _check_tensors(query, key, value, allow_fp8: bool = True):
-  for name, x in (("query", query), ("key", key), ("value", value)):
-    _check_array(name, x, 4, _RANK4)
-  dtypes = {np.dtype(x.dtype).name for x in (query, key, value)}
-  if len(dtypes) != 1:
-    raise TypeError(f"query/key/value: dtypes must match, got {query.dtype}, {key.dtype}, "
-                    f"{value.dtype}")
-  dtype = dtypes.pop()
-  accepted = REFERENCE_DTYPES + ("float64",)  # float64 exists only with x64 on: oracle runs
-  accepted += (fp8.FP8_DTYPE,) if allow_fp8 else ()
-  if dtype not in accepted:
-    raise TypeError(f"query: dtype {dtype} not supported; accepted: {', '.join(accepted)}")
-  b, _, h, d = query.shape
-  if key.shape[0] != b or value.shape[0] != b:
-    raise ValueError(f"key/value: batch must equal query's {b}, got key {tuple(key.shape)}, "
-                     f"value {tuple(value.shape)}")
-  if key.shape[3] != d:
-    raise ValueError(f"key: head_dim must equal query's {d}, got key {tuple(key.shape)}")
-  if value.shape[1] != key.shape[1] or value.shape[2] != key.shape[2]:
-    raise ValueError(f"value: (seq_k, num_kv_heads) must equal key's {tuple(key.shape[1:3])}, "
-                     f"got value {tuple(value.shape)}")
-  h_kv = key.shape[2]
-  if h_kv == 0 or h % h_kv:
-    raise ValueError(f"key: num_heads {h} must be a multiple of num_kv_heads {h_kv} (MQA/GQA)")
-  return dtype
-
 
 def _check_segments(q_segment_ids, kv_segment_ids, query, key):
   if q_segment_ids is None and kv_segment_ids is None:
@@ -63,7 +25,7 @@ def _check_segments(q_segment_ids, kv_segment_ids, query, key):
                      "pass the same ids twice)")
   for name, ids, seq in (("q_segment_ids", q_segment_ids, query.shape[1]),
                          ("kv_segment_ids", kv_segment_ids, key.shape[1])):
-    _check_array(name, ids, 2, "(batch, seq)")
+    checks.check_array(name, ids, 2, "(batch, seq)")
     if tuple(ids.shape) != (query.shape[0], seq):
       raise ValueError(f"{name}: expected shape {(query.shape[0], seq)}, got {tuple(ids.shape)}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -203,7 +165,7 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
   denominator in their epilogue; its gradient is a reduction over (out, lse) in XLA
   (jaxflash/sink.py).
   """
-  dtype = _check_tensors(query, key, value)
+  dtype = checks.check_tensors(query, key, value, extra_dtypes=(fp8.FP8_DTYPE,))
   config = _check_options(causal, softmax_scale, window_size, softcap, deterministic,
                           return_lse, implementation, query.shape[-1])
   has_segments = _check_segments(q_segment_ids, kv_segment_ids, query, key)

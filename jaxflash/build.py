@@ -213,11 +213,13 @@ def _handler_stamp() -> dict:
   return {"sources_sha256": _sha256(_handler_sources()), "abi_version": abi_version()}
 
 
-def handler_library_is_current(folder: Path) -> bool:
-  """<folder>/libjaxflash_ffi.so was built from this package's handler sources and ABI."""
+def handler_library_is_current(folder: Path, stamp: Optional[dict] = None) -> bool:
+  """<folder>/libjaxflash_ffi.so was built from this package's handler sources and ABI
+  (`stamp`: _handler_stamp(), when the caller has it already)."""
   lib = Path(folder) / HANDLER_LIBRARY
   have = read_json(lib.with_suffix(".json")) or {}
-  return lib.is_file() and all(have.get(k) == v for k, v in _handler_stamp().items())
+  want = _handler_stamp() if stamp is None else stamp
+  return lib.is_file() and all(have.get(k) == v for k, v in want.items())
 
 
 def build_handler_library(cache: Path, *, force: bool = False,
@@ -228,7 +230,7 @@ def build_handler_library(cache: Path, *, force: bool = False,
   stamp = lib.with_suffix(".json")
   want = _handler_stamp()
   with _locked(cache / ".locks" / "handler.lock"):
-    if not force and handler_library_is_current(cache):
+    if not force and handler_library_is_current(cache, want):
       return lib, False
     tc = toolchain or find_toolchain()
     tmp = lib.with_name(f".{lib.name}.{os.getpid()}.tmp")

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import primitives
+from jaxflash import checks, primitives
 from jaxflash.config import AttentionConfig
 
 FP8_DTYPE = "float8_e4m3fn"
@@ -122,8 +122,7 @@ def quantize_fp8(query, key, value, *, block_size: Optional[int] = None, hadamar
     for query and key). Each descale is its group's max |x| / 448, so nothing saturates; an
     all-zero group gets 1. Jittable with the keyword arguments static.
   """
-  from jaxflash.attention import _check_tensors  # the call's own shape checks
-  _check_tensors(query, key, value, allow_fp8=False)
+  checks.check_tensors(query, key, value)
   _check_block_size(block_size)
   if not isinstance(hadamard, (bool, np.bool_)):
     raise TypeError(f"hadamard: expected a Python bool, got {hadamard!r}")
