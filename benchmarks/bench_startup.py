@@ -55,7 +55,7 @@ print("STARTUP " + json.dumps(out))
 
 def measure(kind: str) -> dict:
   proc = subprocess.run([sys.executable, "-c", _PROBE, kind], capture_output=True, text=True,
-                        env=dict(os.environ), timeout=600)
+                        timeout=600)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("STARTUP ")]
   if proc.returncode != 0 or not lines:
     raise RuntimeError(f"startup probe '{kind}' failed (exit {proc.returncode}):\n"

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import checks, primitives
+from jaxflash import checks, primitives, reference
 from jaxflash.config import AttentionConfig
 
 FP8_DTYPE = "float8_e4m3fn"
@@ -260,7 +260,7 @@ def naive_fp8_attention(q8, k8, v8, descales: Descales, config: AttentionConfig)
   s = s * jnp.transpose(qd.reshape(b, seq_q, hk, group), (0, 2, 3, 1))[..., None]
   s = s * jnp.transpose(kd, (0, 2, 1))[:, :, None, None, :] * config.softmax_scale
   if config.causal:
-    visible = jnp.arange(seq_k)[None, :] <= jnp.arange(seq_q)[:, None] + seq_k - seq_q
+    visible = reference.visible_mask(config, seq_q, seq_k, jnp.arange(seq_q), jnp.arange(seq_k))
     s = jnp.where(visible, s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)

@@ -98,8 +98,6 @@ def _load_handler() -> ctypes.CDLL:
   lib.jaxflash_ffi_prepare.restype = ctypes.c_int32
   lib.jaxflash_ffi_set_kernel_folders.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.c_int32]
   lib.jaxflash_ffi_set_kernel_folders.restype = ctypes.c_int32
-  lib.jaxflash_ffi_register_from_folders.argtypes = [ctypes.c_char_p]
-  lib.jaxflash_ffi_register_from_folders.restype = ctypes.c_int32
   _set_kernel_folders(lib)
   import jax.ffi
   from jaxlib import xla_client  # CustomCallTargetTraits: jax.ffi does not re-export it

@@ -258,6 +258,16 @@ class ScopedStreamDevice {
   bool restore_ = false;
 };
 
+// A call whose variant is in none of the kernel folders or did not load from them: `where`
+// names the call, `reason` is RegisterFromFolders' account; the message ends with the fixes.
+ffi::Error VariantMissing(const std::string& where, std::string_view key,
+                          const std::string& reason) {
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    where + reason + ". Build it with `python -m jaxflash.build --variants " +
+                        std::string(key) + "` (or install the kernel wheel), and call "
+                        "jaxflash.ffi.register() before running this program.");
+}
+
 // The library of the call's variant, which must export the target's entry point. A variant
 // this process has not registered yet is loaded from the kernel folders on its first call.
 ffi::Error FindLibrary(const CallAttrs& a, const VariantLibrary** library) {
@@ -266,12 +276,7 @@ ffi::Error FindLibrary(const CallAttrs& a, const VariantLibrary** library) {
   if (*library == nullptr) {
     std::string error = RegisterFromFolders(a.variant);
     *library = FindVariant(a.variant);
-    if (*library == nullptr) {
-      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                        Where(a) + error + ". Build it with `python -m jaxflash.build "
-                        "--variants " + key + "` (or install the kernel wheel), and call "
-                        "jaxflash.ffi.register() before running this program.");
-    }
+    if (*library == nullptr) return VariantMissing(Where(a), a.variant, error);
   }
   const bool bwd = a.target == kBwdTarget;
   if (bwd ? (*library)->bwd == nullptr : (*library)->fwd == nullptr) {
@@ -567,11 +572,7 @@ ffi::Error LoadCallVariant(ffi::Dictionary attrs) {
   ffi::ErrorOr<std::string_view> variant = attrs.get<std::string_view>("variant");
   if (variant.has_error()) return variant.error();
   if (std::string error = RegisterFromFolders(*variant); !error.empty()) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "jaxflash[variant=" + std::string(*variant) + "]: " + error +
-                          ". Build it with `python -m jaxflash.build --variants " +
-                          std::string(*variant) + "` (or install the kernel wheel), and call "
-                          "jaxflash.ffi.register() before running this program.");
+    return VariantMissing("jaxflash[variant=" + std::string(*variant) + "]: ", *variant, error);
   }
   return ffi::Error::Success();
 }
