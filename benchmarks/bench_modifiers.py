@@ -2,10 +2,11 @@
 and cuDNN without (it takes neither through jax), one run; table + JSON.
 
 Shapes as benchmarks/bench_attention.py: bf16, batch * seq = 16384 tokens, heads = 2048 /
-head_dim; causal or not (--causal). Implementations: "jaxflash" (plain), "softcap"
-(softcap=30.0: the masked forward variants take it at run time; its backward runs the
-reference), "sink" (learnable_sink: the kernels, then the per-row rescale in XLA), "cudnn"
-(jax.nn, plain). TFLOP/s count the plain call's flops for every column (forward 4 b h s^2 d,
+head_dim; causal or not (--causal). Implementations: "jaxflash" (plain), "masked" (segment ids
+that put every token in one document: the masked variant, which softcap runs on, without
+softcap; it separates the masked schedule's cost from the tanh's), "softcap" (softcap=30.0: the
+masked variants take it at run time, forward and backward), "sink" (learnable_sink: every
+forward variant's epilogue), "cudnn" (jax.nn, plain). TFLOP/s count the plain call's flops for every column (forward 4 b h s^2 d,
 halved when causal; forward + backward 3.5x), so columns compare as time ratios. Timing: that
 module's time_ms (warm-up, back-to-back calls, median). Needs the kernels in JAXFLASH_CACHE_DIR.
 """
@@ -28,7 +29,7 @@ import bench_attention  # noqa: E402
 
 TOKENS, WIDTH = 16384, 2048
 SOFTCAP = 30.0  # Gemma 2's attention softcap
-IMPLS = ("jaxflash", "softcap", "sink", "cudnn")
+IMPLS = ("jaxflash", "masked", "softcap", "sink", "cudnn")
 # gpt-oss's attention: head_dim 64, 64 query heads on 8 kv heads, a causal window of 128 keys
 # and one learnable sink per head, next to the same call without window and sinks.
 GPT_OSS = dict(head_dim=64, heads=64, kv_heads=8, window=128)
@@ -43,9 +44,15 @@ def attend_fn(impl: str, causal: bool, implementation: str = "cute"):
                                                               implementation="cudnn")
   options = {"softcap": SOFTCAP} if impl == "softcap" else {}
   use_sink = impl == "sink"
-  return lambda q, k, v, sink: jaxflash.attention(
-      q, k, v, causal=causal, learnable_sink=sink if use_sink else None,
-      implementation=implementation, **options)
+
+  def attend(q, k, v, sink):
+    ids = {}
+    if impl == "masked":  # one document: the masked variant with every block visible
+      ids = dict(q_segment_ids=jnp.zeros(q.shape[:2], jnp.int32),
+                 kv_segment_ids=jnp.zeros(k.shape[:2], jnp.int32))
+    return jaxflash.attention(q, k, v, causal=causal, learnable_sink=sink if use_sink else None,
+                              implementation=implementation, **options, **ids)
+  return attend
 
 
 def fwd_bwd_fn(attend, cotangent):
@@ -157,7 +164,7 @@ def main(argv=None) -> int:
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "bench_modifiers.json").write_text(json.dumps(records, indent=1))
   print("| head_dim | seq | mode | " + " | ".join(args.impls)
-        + " | softcap / plain | sink / plain |")
+        + " | masked / plain | softcap / plain | sink / plain |")
   for d in args.hdim:
     for s in args.seq:
       for mode in args.modes:
@@ -169,7 +176,7 @@ def main(argv=None) -> int:
                            if row.get(i, {}).get("ms") and row.get("jaxflash", {}).get("ms")
                            else "-")
         print(f"| {d} | {s} | {mode} | " + " | ".join(cells)
-              + f" | {ratio('softcap')} | {ratio('sink')} |")
+              + f" | {ratio('masked')} | {ratio('softcap')} | {ratio('sink')} |")
   return 0
 
 

@@ -62,12 +62,15 @@ def test_modifier_benchmark_columns_are_the_calls_they_name():
   q, k, v = (jnp.asarray(rng.standard_normal((1, 16, 2, 8)), jnp.float32) for _ in range(3))
   sink = jnp.asarray([0.5, -1.0], jnp.float32)
   run = lambda impl: modifiers.attend_fn(impl, True, "reference")(q, k, v, sink)
+  one_document = jnp.zeros((1, 16), jnp.int32)
   want = {"jaxflash": {}, "softcap": {"softcap": modifiers.SOFTCAP},
-          "sink": {"learnable_sink": sink}}
+          "sink": {"learnable_sink": sink},
+          "masked": {"q_segment_ids": one_document, "kv_segment_ids": one_document}}
   for impl, options in want.items():
     np.testing.assert_array_equal(run(impl), jaxflash.attention(
         q, k, v, causal=True, implementation="reference", **options))
   assert not np.array_equal(run("sink"), run("jaxflash"))
+  np.testing.assert_allclose(run("masked"), run("jaxflash"), rtol=1e-6, atol=1e-6)
   grads = modifiers.fwd_bwd_fn(modifiers.attend_fn("sink", True, "reference"), q)(q, k, v, sink)
   assert len(grads) == 4 and np.any(np.asarray(grads[3]) != 0)
 
