@@ -671,17 +671,18 @@ def test_learnable_sink_on_the_kernels_matches_float64_oracle(case):
                                                implementation="cute", **options)
   naive = lambda dt: lambda q, k, v, s: reference.naive_attention(
       q, k, v, cfg, compute_dtype=dt, learnable_sink=s)
+  # Every computation jitted: op-by-op oracle gradients took minutes per case on the GPU host.
+  grad = lambda attend: jax.jit(jax.grad(loss(attend), argnums=(0, 1, 2, 3)))
   fn = jax.jit(jax.value_and_grad(loss(cute), argnums=(0, 1, 2, 3)))
   assert "jaxflash_attention_fwd" in fn.lower(q, k, v, sink).as_text()
   out, lse = jax.jit(cute)(q, k, v, sink)
   grads = fn(q, k, v, sink)[1]
-  naive_out, naive_lse = naive(jnp.dtype(dtype))(q, k, v, sink)
-  naive_grads = jax.grad(loss(naive(jnp.dtype(dtype))), argnums=(0, 1, 2, 3))(q, k, v, sink)
+  naive_out, naive_lse = jax.jit(naive(jnp.dtype(dtype)))(q, k, v, sink)
+  naive_grads = grad(naive(jnp.dtype(dtype)))(q, k, v, sink)
   with x64():
     args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, sink)]
-    want_out, want_lse = (np.asarray(x) for x in naive(jnp.float64)(*args))
-    want_grads = [np.asarray(g) for g in jax.grad(loss(naive(jnp.float64)),
-                                                  argnums=(0, 1, 2, 3))(*args)]
+    want_out, want_lse = (np.asarray(x) for x in jax.jit(naive(jnp.float64))(*args))
+    want_grads = [np.asarray(g) for g in grad(naive(jnp.float64))(*args)]
   assert_close_to_oracle(out, want_out, naive_out, name="out")
   assert_close_to_oracle(lse, want_lse, naive_lse, name="lse")
   for name, g, w, n in zip(("dq", "dk", "dv", "dsink"), grads, want_grads, naive_grads):
