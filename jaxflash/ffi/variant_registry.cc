@@ -14,6 +14,9 @@
 namespace jaxflash {
 namespace {
 
+// A variant's library in its kernel folder: <folder>/<key>/<this> (config.VARIANT_LIBRARY).
+constexpr std::string_view kVariantLibrary = "libjaxflash_variant.so";
+
 // std::less<> allows lookups by string_view without allocating a std::string per call.
 using Registry = std::map<std::string, std::unique_ptr<VariantLibrary>, std::less<>>;
 
@@ -127,7 +130,7 @@ std::string RegisterFromFolders(std::string_view key) {
   }
   std::string errors;
   for (const std::string& folder : folders) {
-    std::string path = folder + "/" + std::string(key) + "/libjaxflash_variant.so";
+    std::string path = folder + "/" + std::string(key) + "/" + std::string(kVariantLibrary);
     if (access(path.c_str(), R_OK) != 0) continue;
     std::string error = RegisterVariant(key, path);
     if (error.empty()) return "";
