@@ -6,9 +6,10 @@ head_dim; causal or not (--causal). Implementations: "jaxflash" (plain), "masked
 that put every token in one document: the masked variant, which softcap runs on, without
 softcap; it separates the masked schedule's cost from the tanh's), "softcap" (softcap=30.0: the
 masked variants take it at run time, forward and backward), "sink" (learnable_sink: every
-forward variant's epilogue), "cudnn" (jax.nn, plain). TFLOP/s count the plain call's flops for every column (forward 4 b h s^2 d,
-halved when causal; forward + backward 3.5x), so columns compare as time ratios. Timing: that
-module's time_ms (warm-up, back-to-back calls, median). Needs the kernels in JAXFLASH_CACHE_DIR.
+forward variant's epilogue), "cudnn" (jax.nn, plain). TFLOP/s count the plain call's flops for
+every column (forward 4 b h s^2 d, halved when causal; forward + backward 3.5x), so columns
+compare as time ratios. Timing: that module's time_ms (warm-up, back-to-back calls, median).
+Needs the kernels in JAXFLASH_CACHE_DIR.
 """
 
 from __future__ import annotations
