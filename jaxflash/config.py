@@ -59,7 +59,7 @@ IMPLEMENTATIONS = ("cute", "reference")
 REFERENCE_DTYPES = ("float16", "bfloat16", "float32")
 DIRECTIONS = ("fwd", "bwd")
 
-_DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+_DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "e4m3"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +143,25 @@ class BwdSchedule:
 
 
 Schedule = Union[FwdSchedule, BwdSchedule]
+
+
+# The FP8 forward (kernels/fwd_fp8_sm90.py): e4m3 q, k, v, bf16 out; head_dim = head_dim_v.
+FP8_DTYPE = "float8_e4m3fn"
+FP8_HEAD_DIMS = (64, 128, 256)
+
+
+def fp8_fwd_schedule(head_dim: int, causal: bool) -> FwdSchedule:
+  """The FP8 forward's schedule: one CTA per tile (its descales are per tile), 128 query rows
+  in two ping-pong warpgroups; at head_dim 256, 64-key blocks keep the K, V and V^T rings and
+  the bf16 O buffer within shared memory."""
+  return FwdSchedule(tile_m=128, tile_n=64 if head_dim > 128 else 128, num_stages=2,
+                     pingpong=True, persistent=False, lpt=causal, rescale_o_before_pv=False)
+
+
+def fp8_fwd_variant(head_dim: int, causal: bool, arch: str = "sm90a") -> "KernelVariant":
+  return KernelVariant(direction="fwd", arch=arch, dtype=FP8_DTYPE, head_dim=head_dim,
+                       head_dim_v=head_dim, causal=causal,
+                       schedule=fp8_fwd_schedule(head_dim, causal))
 
 
 def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
