@@ -205,6 +205,14 @@ def _fp8_call(query, key, value, config: AttentionConfig, learnable_sink, descal
   checked = fp8.check_descales(query, key, value, *descales)
   impl = _resolve_implementation(implementation, fp8.FP8_DTYPE, query.shape[-1],
                                  value.shape[-1], config)
+  if impl == "cute" and (checked.block_size is not None or out_name != "bfloat16"):
+    if implementation == "cute":
+      raise ValueError(
+          f"implementation='cute': the FP8 kernel takes per-head descales (batch, "
+          f"num_kv_heads) and writes bfloat16; this call has "
+          f"{'block descales' if checked.block_size is not None else 'out_dtype ' + out_name}"
+          f"; use implementation=None (auto) or 'reference'")
+    impl = "reference"
   config = config.replace(implementation=impl)
   if 0 in query.shape[:3] or 0 in key.shape[:2]:
     out, lse = _empty_result(query, value, out_name)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import checks, primitives, reference
+from jaxflash import checks, fp8_kernel, primitives, reference
 from jaxflash.config import AttentionConfig
 
 FP8_DTYPE = "float8_e4m3fn"
@@ -278,7 +278,10 @@ def naive_fp8_attention(q8, k8, v8, descales: Descales, config: AttentionConfig)
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
 def fp8_attention(config: AttentionConfig, out_dtype: str, block_size: Optional[int], q8, k8, v8,
                   q_descale, k_descale, v_descale):
-  """(out in out_dtype, lse) of FP8 inputs: dequantized, then the float32 reference."""
+  """(out in out_dtype, lse) of FP8 inputs: the FP8 kernel (implementation 'cute': per-head
+  descales, bfloat16 out), else dequantized and the float32 reference."""
+  if config.implementation == "cute":
+    return fp8_kernel.fp8_forward(config, q8, k8, v8, q_descale, k_descale, v_descale)
   q, k, v = dequantize_inputs(q8, k8, v8, q_descale, k_descale, v_descale, block_size)
   out, lse = primitives.attention_core(config.replace(implementation="reference"), q, k, v,
                                        None, None)

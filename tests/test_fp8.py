@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import fp8, reference
+from jaxflash import config, fp8, reference
 from tests._cases import config_for, make_qkv, x64
 from tests._oracle import assert_close_to_oracle
 
@@ -218,7 +218,12 @@ def _fp8_inputs(shape=(20, 30, 4, 2, 64)):
     ({"out_dtype": jnp.float32}, "out_dtype: expected one of \\('bfloat16', 'float16'\\) for "
                                  "float8_e4m3fn inputs, got float32"),
     ({"out_dtype": "nonsense"}, "out_dtype: expected a dtype"),
-    ({"implementation": "cute"}, "implementation='cute': dtype float8_e4m3fn has no kernel"),
+    ({"implementation": "cute"}, "implementation='cute': the FP8 kernel needs an NVIDIA "
+                                 "Hopper GPU, but this computation is lowered for a platform "
+                                 "other than cuda"),
+    ({"implementation": "cute", "out_dtype": jnp.float16},
+     "implementation='cute': the FP8 kernel takes per-head descales \\(batch, num_kv_heads\\) "
+     "and writes bfloat16; this call has out_dtype float16"),
 ])
 def test_fp8_attention_rejects_what_it_does_not_support(kwargs, match):
   q8, k8, v8, qd, kd, vd = _fp8_inputs()
@@ -292,3 +297,45 @@ def test_naive_fp8_attention_rounds_only_p_beyond_the_dequantized_inputs(shape, 
     assert err < 1e-6
   else:
     assert 0 < err < 2.0 ** -4  # e4m3's relative rounding, averaged over each row
+
+
+def test_the_fp8_kernel_takes_per_head_descales_only():
+  q, k, v = _inputs(10, (20, 30, 4, 2, 64))
+  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=16)
+  with pytest.raises(ValueError, match="the FP8 kernel takes per-head descales .* this call "
+                                       "has block descales; use implementation=None"):
+    jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                       implementation="cute")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_kernel_call_lowers_to_the_forward_custom_call_with_the_descales(causal):
+  """On CUDA the FP8 kernel is the forward custom call of an e4m3 variant: q8, k8, v8, then
+  the (3, batch, num_kv_heads) float32 descales (q, k, v); bfloat16 out, float32 lse."""
+  q8, k8, v8, qd, kd, vd = _fp8_inputs((20, 30, 4, 2, 128))
+  f = jax.jit(lambda *a: jaxflash.attention(*a[:3], q_descale=a[3], k_descale=a[4],
+                                            v_descale=a[5], causal=causal, return_lse=True,
+                                            implementation="cute"))
+  text = f.trace(q8, k8, v8, qd, kd, vd).lower(lowering_platforms=("cuda",)).as_text()
+  call = next(line for line in text.splitlines() if "custom_call @jaxflash_attention_fwd" in line)
+  variant = config.fp8_fwd_variant(128, causal).key
+  assert f'variant = "{variant}"' in call and f"causal = {str(causal).lower()}" in call
+  assert "tensor<3x2x2xf32>" in call  # the stacked descales after q, k, v
+  assert "-> (tensor<2x20x4x128xbf16>, tensor<2x4x20xf32>)" in call
+
+
+def test_vmap_of_the_fp8_kernel_folds_the_mapped_axis_into_the_batch():
+  from jaxflash import fp8_kernel
+  q8, k8, v8, qd, kd, vd = _fp8_inputs((20, 30, 4, 2, 64))
+  cfg = config.AttentionConfig(softmax_scale=0.125, implementation="cute")
+  stack = lambda x: jnp.stack([x, x, x])
+  out, lse = jax.eval_shape(jax.vmap(lambda *a: fp8_kernel.fp8_forward(cfg, *a)),
+                            *(stack(x) for x in (q8, k8, v8, qd, kd, vd)))
+  assert (out.shape, out.dtype) == ((3, 2, 20, 4, 64), jnp.bfloat16)
+  assert (lse.shape, lse.dtype) == ((3, 2, 4, 20), jnp.float32)
+  text = jax.jit(jax.vmap(lambda *a: fp8_kernel.fp8_forward(cfg, *a),
+                          in_axes=(0, 0, 0, None, None, None))).trace(
+      stack(q8), stack(k8), stack(v8), qd, kd, vd).lower(
+      lowering_platforms=("cuda",)).as_text()
+  call = next(line for line in text.splitlines() if "custom_call @jaxflash_attention_fwd" in line)
+  assert "tensor<6x20x4x64xf8E4M3FN>" in call and "tensor<3x6x2xf32>" in call
