@@ -8,10 +8,10 @@ bfloat16 values. Rows:
 - "fp8 per-head": jaxflash.quantize_fp8, one descale per (batch, kv head);
 - "fp8 block B": quantize_fp8(block_size=B);
 - "fp8 block B + Hadamard": quantize_fp8(block_size=B, hadamard=True).
-Each FP8 row has two columns: "call", jaxflash.attention of the quantized inputs (today the
-dequantized float32 reference: the error of the quantization alone; an FP8 kernel once it
-ships), and "P in e4m3", jaxflash.fp8.naive_fp8_attention (what an FP8 kernel computes, P
-rounded to e4m3 too). Prints a table, writes JSON with --out.
+Each FP8 row has two columns: "call", jaxflash.attention of the quantized inputs (the FP8
+kernel on a Hopper GPU for per-head descales; otherwise the dequantized float32 reference, the
+error of the quantization alone), and "P in e4m3", jaxflash.fp8.naive_fp8_attention (what an
+FP8 kernel computes, P rounded to e4m3 too). Prints a table, writes JSON with --out.
 """
 
 from __future__ import annotations

@@ -150,8 +150,22 @@ def test_fp8_accuracy_baseline_is_one_descale_per_tensor():
                                              "fp8 block 32 + Hadamard"]
 
 
-@pytest.mark.parametrize("script", ["benchmarks/bench_masked.py", "benchmarks/bench_modifiers.py"])
+@pytest.mark.parametrize("script", ["benchmarks/bench_masked.py", "benchmarks/bench_modifiers.py",
+                                    "benchmarks/bench_fp8.py"])
 def test_every_benchmark_takes_the_checked_spin_up(script, capsys):
   with pytest.raises(SystemExit):
     load_script(script).main(["--spin-up", "-1"])
   assert "--spin-up" in capsys.readouterr().err
+
+
+def test_cudnn_fp8_column_passes_every_fp8_parameter_cudnn_checks():
+  """The cuDNN FP8 cell gives jax's cuDNN attention all of its fp8_params keys (unit scales)
+  and the call's mask; building it needs no GPU."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+  bench = load_script("benchmarks/bench_fp8.py")
+  attend = bench.cudnn_fp8_fn(True, 0.125)
+  params = dict(zip(attend.__code__.co_freevars,
+                    (c.cell_contents for c in attend.__closure__)))
+  assert set(params["params"]) == set(cudnn_attention.fp8_params_keys)
+  cudnn_attention.check_fp8_params(params["params"])
+  assert params["mask"] == cudnn_attention.MaskType.CAUSAL
