@@ -9,7 +9,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
 from jaxflash import config
 from jaxflash.kernels import fp8_operands
@@ -124,23 +124,9 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
                        == Float32)):
       raise TypeError("lse, sink and descales must be Float32")
     self._setup_attributes()
-    mQ, mK, mO = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
-    mVt = _select(mV, [3, 1, 2, 0])  # (head_dim_v, seqlen_k, num_kv_heads, batch)
-    mLSE = _select(mLSE, [2, 1, 0])
+    (tma_q, tma_k, tma_v, tma_o), (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), mLSE, grid = (
+        self._tma_operands(mQ, mK, mV, mO, mLSE))
     mDescale = _select(mDescale, [0, 2, 1])  # (3, num_kv_heads, batch)
-    load_op = cpasync.CopyBulkTensorTileG2SOp()
-    tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
-        load_op, mQ, self.sQ_layout, (self.tile_m, self.head_dim))
-    tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
-        load_op, mK, cute.slice_(self.sK_layout, (None, None, 0)), (self.tile_n, self.head_dim))
-    tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
-        load_op, mVt, cute.slice_(self.sV_layout, (None, None, 0)),
-        (self.head_dim_v, self.tile_n))
-    tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
-        cpasync.CopyBulkTensorTileS2GOp(), mO, self.sO_layout, (self.tile_m, self.head_dim_v))
-    num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
-    grid = tile_scheduler.StaticTileScheduler.grid_shape(
-        num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]), False)
     self.kernel(
         tma_q, tma_k, tma_v, tma_o, mLSE, mSink, mDescale,
         tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o, softmax_scale, has_sink,
@@ -174,9 +160,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    if warp_idx == 0:
-      for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
-        cpasync.prefetch_descriptor(atom)
+    self._prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o))
     storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
     pipeline_q, pipeline_k, pipeline_v = self._make_pipelines(storage, _TRANSPOSE_WARPS)
     pipeline_vt = pipeline.PipelineAsync.create(

@@ -170,14 +170,28 @@ class FlashAttentionForwardSm90:
     if const_expr(self.masked != (mRanges is not None)):
       raise TypeError("the mask operands are passed exactly to masked variants")
     self._setup_attributes()
-    # Kernel-side order puts the tile modes first: (seqlen, head_dim, heads, batch).
-    mQ, mK, mO = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
-    mVt = _select(mV, [3, 1, 2, 0])  # (head_dim_v, seqlen_k, num_kv_heads, batch)
-    mLSE = _select(mLSE, [2, 1, 0])  # (seqlen_q, num_heads, batch)
+    (tma_q, tma_k, tma_v, tma_o), (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), mLSE, grid = (
+        self._tma_operands(mQ, mK, mV, mO, mLSE))
     if const_expr(self.masked):
       mQIds, mKIds = [_select(t, [1, 0]) for t in (mQIds, mKIds)]  # (positions, batch)
       mRanges = _select(mRanges, [2, 1, 0])  # (4, m blocks, batch)
+    self.kernel(
+        tma_q, tma_k, tma_v, tma_o, mLSE, mSink,
+        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
+        softmax_scale, has_sink,
+        self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout,
+        self.tiled_mma_qk, self.tiled_mma_pv,
+        mQIds, mKIds, mRanges, mOrder, window_left, window_right, softcap,
+    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
+  def _tma_operands(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                    mLSE: cute.Tensor):
+    """The TMA coordinate tensors and atoms of Q, K, V (loads) and O (store), lse in kernel
+    order, and the grid. Kernel-side order puts the tile modes first: (seqlen, head_dim, heads,
+    batch); V as (head_dim_v, seqlen_k, num_kv_heads, batch); lse (seqlen_q, num_heads, batch).
+    """
+    mQ, mK, mO = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
+    mVt = _select(mV, [3, 1, 2, 0])
     load_op = cpasync.CopyBulkTensorTileG2SOp()
     tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
         load_op, mQ, self.sQ_layout, (self.tile_m, self.head_dim))
@@ -189,18 +203,11 @@ class FlashAttentionForwardSm90:
     # TMA stores clip at the tensor bounds: rows >= seqlen_q are never written.
     tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileS2GOp(), mO, self.sO_layout, (self.tile_m, self.head_dim_v))
-
     num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
     grid = tile_scheduler.StaticTileScheduler.grid_shape(
         num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]), self.persistent)
-    self.kernel(
-        tma_q, tma_k, tma_v, tma_o, mLSE, mSink,
-        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
-        softmax_scale, has_sink,
-        self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout,
-        self.tiled_mma_qk, self.tiled_mma_pv,
-        mQIds, mKIds, mRanges, mOrder, window_left, window_right, softcap,
-    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+    return ((tma_q, tma_k, tma_v, tma_o), (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o),
+            _select(mLSE, [2, 1, 0]), grid)
 
   @cute.kernel
   def kernel(
@@ -233,9 +240,7 @@ class FlashAttentionForwardSm90:
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    if warp_idx == 0:
-      for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
-        cpasync.prefetch_descriptor(atom)
+    self._prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o))
 
     storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
     pipeline_q, pipeline_k, pipeline_v = self._make_pipelines(storage)
@@ -275,6 +280,13 @@ class FlashAttentionForwardSm90:
       self.mma(mO, mLSE, mSink, has_sink, tma_atom_o, sQ, sK, sV, sO, tiled_mma_qk,
                tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, softmax_scale, scheduler,
                mQ.shape[0], mK.shape[0], masking)
+
+  @cute.jit
+  def _prefetch_descriptors(self, warp_idx: Int32, atoms):
+    """Warp 0 prefetches the TMA descriptors."""
+    if warp_idx == 0:
+      for atom in atoms:
+        cpasync.prefetch_descriptor(atom)
 
   def _make_pipelines(self, storage, v_consumer_warps: Optional[int] = None):
     """TMA pipelines: one elected producer thread arrives; consumers release per warp.
