@@ -200,8 +200,10 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
 def _fp8_call(query, key, value, config: AttentionConfig, learnable_sink, descales, out_dtype,
               return_lse: bool, implementation: Optional[str]):
   """attention() of float8_e4m3fn inputs (jaxflash/fp8.py)."""
-  out_name = fp8.check_fp8_call(config, query.shape[-1], value.shape[-1], learnable_sink,
-                                out_dtype)
+  out_name = fp8.check_fp8_call(config, query.shape[-1], value.shape[-1], out_dtype)
+  if learnable_sink is not None:
+    check_learnable_sink(learnable_sink, query.shape[2])
+  config = config.replace(has_sink=learnable_sink is not None)
   checked = fp8.check_descales(query, key, value, *descales)
   impl = _resolve_implementation(implementation, fp8.FP8_DTYPE, query.shape[-1],
                                  value.shape[-1], config)
@@ -216,7 +218,10 @@ def _fp8_call(query, key, value, config: AttentionConfig, learnable_sink, descal
   config = config.replace(implementation=impl)
   if 0 in query.shape[:3] or 0 in key.shape[:2]:
     out, lse = _empty_result(query, value, out_name)
+    if learnable_sink is not None:  # every row is empty: lse = its sink
+      out, lse = add_learnable_sink(out, lse, learnable_sink)
   else:
-    out, lse = fp8.fp8_attention(config, out_name, checked.block_size, query, key, value,
-                                 checked.q, checked.k, checked.v)
+    out, lse = fp8.fp8_attention(config.replace(has_sink=False), out_name, checked.block_size,
+                                 query, key, value, checked.q, checked.k, checked.v,
+                                 learnable_sink)
   return (out, lse) if return_lse else out

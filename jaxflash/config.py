@@ -318,8 +318,7 @@ def _fp8_kernel_support(direction: str, head_dim: int, head_dim_v: int,
   if config is not None:
     used = [name for name, on in (("window_size", config.has_window),
                                   ("segment ids", config.has_segment_ids),
-                                  ("softcap", config.softcap is not None),
-                                  ("learnable_sink", config.has_sink)) if on]
+                                  ("softcap", config.softcap is not None)) if on]
     if used:
       return False, f"the {FP8_DTYPE} kernels run dense or causal calls only, not {used}"
   return True, ""

@@ -3,9 +3,10 @@ bfloat16 out and float32 lse out.
 
 CUDA lowers it to the forward custom call (jaxflash_attention_fwd) of an FP8 variant
 (kernels/fwd_fp8_sm90.py), with the descales stacked as one (3, batch, num_kv_heads) operand
-after the tensors. Other platforms refuse it: jaxflash.attention sends FP8 calls here only
+after the tensors and, when config.has_sink, the learnable sink (num_heads,) last. Other platforms refuse it: jaxflash.attention sends FP8 calls here only
 with implementation 'cute' (and the reference path otherwise). vmap folds the mapped axis into
-the batch. There is no sharding rule: under jit with sharded inputs XLA gathers them.
+the batch (a mapped sink, one per folded element, rescales the rows in XLA instead:
+sink.add_learnable_sink). There is no sharding rule: under jit with sharded inputs XLA gathers them.
 Imports config, ffi (at lowering) and _jax_internal; never Flax.
 """
 
@@ -21,16 +22,20 @@ from jax.interpreters import batching, mlir
 
 from jaxflash import _jax_internal
 from jaxflash.config import FP8_DTYPE, FWD_TARGET, AttentionConfig, KernelVariant
+from jaxflash.sink import add_learnable_sink
 
 
-def fp8_forward(config: AttentionConfig, q8, k8, v8, q_descale, k_descale, v_descale):
-  """(out bfloat16, lse float32) of the FP8 kernel; descales (batch, num_kv_heads) float32."""
+def fp8_forward(config: AttentionConfig, q8, k8, v8, q_descale, k_descale, v_descale,
+                learnable_sink=None):
+  """(out bfloat16, lse float32) of the FP8 kernel; descales (batch, num_kv_heads) float32;
+  learnable_sink (num_heads,) float32 or None (config.has_sink must say which)."""
   descale = jnp.stack([q_descale, k_descale, v_descale])
-  return tuple(fp8_fwd_p.bind(q8, k8, v8, descale, config=config))
+  sink = () if learnable_sink is None else (learnable_sink,)
+  return tuple(fp8_fwd_p.bind(q8, k8, v8, descale, *sink, config=config))
 
 
-def _abstract(q8, k8, v8, descale, *, config):
-  del config
+def _abstract(q8, k8, v8, descale, *sink, config):
+  del sink, config
   b, seq_q, h, _ = q8.shape
   ins = (q8, k8, v8, descale)
   out = _jax_internal.shaped_like(q8, (b, seq_q, h, v8.shape[-1]), np.dtype(jnp.bfloat16), ins)
@@ -43,12 +48,12 @@ def _variant(q_aval, config: AttentionConfig) -> KernelVariant:
                                 config)
 
 
-def _lower_cuda(ctx, q8, k8, v8, descale, *, config):
+def _lower_cuda(ctx, q8, k8, v8, descale, *sink, config):
   variant = _variant(ctx.avals_in[0], config)
   from jaxflash import ffi  # imported on first CUDA lowering only: keeps `import jaxflash` light
   if _jax_internal.has_cuda_device():
     ffi.ensure_variant(variant)  # cross-lowering on a CPU host needs no library
-  return jax.ffi.ffi_lowering(FWD_TARGET)(ctx, q8, k8, v8, descale,
+  return jax.ffi.ffi_lowering(FWD_TARGET)(ctx, q8, k8, v8, descale, *sink,
                                           **ffi.fwd_attributes(variant, config))
 
 
@@ -61,16 +66,24 @@ def _refuse(platform):
 
 
 def _batch(args, dims, *, config):
-  """Folds the mapped axis into batch: q, k, v (batch first) and the descales (batch second)."""
-  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  """Folds the mapped axis into batch: q, k, v (batch first) and the descales (batch second).
+  An unmapped sink stays one logit per head; a mapped one rescales each element's rows."""
+  (*args, sink), (*dims, sink_dim) = ((args, dims) if config.has_sink
+                                      else ((*args, None), (*dims, None)))
+  size = next(a.shape[d] for a, d in zip((*args, sink), (*dims, sink_dim)) if d is not None)
   q8, k8, v8, descale = (jnp.broadcast_to(a, (size,) + a.shape) if d is None
                          else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims))
   fold = lambda x: x.reshape((size * x.shape[1],) + x.shape[2:])
   descale = jnp.moveaxis(descale, 0, 1)  # (3, size, batch, kv heads)
   descale = descale.reshape((3, size * descale.shape[2]) + descale.shape[3:])
-  out, lse = fp8_fwd_p.bind(fold(q8), fold(k8), fold(v8), descale, config=config)
+  in_kernel = () if sink is None or sink_dim is not None else (sink,)
+  out, lse = fp8_fwd_p.bind(fold(q8), fold(k8), fold(v8), descale, *in_kernel,
+                            config=config.replace(has_sink=bool(in_kernel)))
   unfold = lambda x: x.reshape((size, x.shape[0] // size) + x.shape[1:])
-  return (unfold(out), unfold(lse)), (0, 0)
+  out, lse = unfold(out), unfold(lse)
+  if sink is not None and sink_dim is not None:
+    out, lse = jax.vmap(add_learnable_sink)(out, lse, jnp.moveaxis(sink, sink_dim, 0))
+  return (out, lse), (0, 0)
 
 
 fp8_fwd_p = jax.extend.core.Primitive("jaxflash_fp8_fwd")
