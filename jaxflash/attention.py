@@ -143,9 +143,10 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
       descale), all three per (batch, num_kv_heads) or all per block: (batch, num_heads,
       ceil(seq_q / block)) for the query and (batch, num_kv_heads, ceil(seq_k / block)) for key
       and value, block a power of two; `jaxflash.quantize_fp8` makes them. None: 1. FP8 inputs
-      take dense or causal masks, GQA/MQA, seq_q != seq_k and head_dim 64/128/256 (=
-      head_dim_v); they run dequantized on the float32 reference (no FP8 kernel ships yet) and
-      have no gradient (differentiating raises).
+      take dense or causal masks, GQA/MQA, seq_q != seq_k, learnable sinks and head_dim
+      64/128/256 (= head_dim_v) and have no gradient (differentiating raises). On a Hopper GPU
+      per-head descales with bfloat16 out run the FP8 kernel; the rest runs dequantized on the
+      float32 reference.
     out_dtype: float8_e4m3fn inputs only: bfloat16 (default) or float16.
     deterministic: make the backward pass bitwise reproducible run to run. Without a causal
       mask at head_dim > 128 the CuTe backward then keeps two fp32 dQ accumulators (scratch of
