@@ -1,7 +1,7 @@
 """The FP8 forward kernels on a Hopper GPU against the float64 oracle of the dequantized inputs.
 
 Each call's error must be at most 2x that of the naive FP8 computation (fp8.naive_fp8_attention:
-S of the e4m3 inputs, P rounded to e4m3). Outputs are poisoned: the raw FFI call writes into
+S of the e4m3 inputs, P rounded to e4m3, out rounded to bf16 as the kernel's). Outputs are poisoned: the raw FFI call writes into
 donated NaN-filled buffers (checked to be the same memory).
 Run with prebuilt kernels (scripts/gpu_check.sh).
 """
@@ -83,6 +83,7 @@ def test_fp8_forward_matches_float64_oracle(variant, shape):
   raw_out, raw_lse = poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg)
   descales = fp8.check_descales(q8, k8, v8, qd, kd, vd)
   naive_out, naive_lse = fp8.naive_fp8_attention(q8, k8, v8, descales, cfg)
+  naive_out = naive_out.astype(jnp.bfloat16)  # the kernel writes bf16: round the naive out too
   deq = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, None)
   with x64():
     want_out, want_lse = (np.asarray(x) for x in reference.naive_attention(
@@ -125,6 +126,7 @@ def test_fp8_forward_with_learnable_sink_matches_float64_oracle(variant, shape):
   raw_out, raw_lse = poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg, sink)
   descales = fp8.check_descales(q8, k8, v8, qd, kd, vd)
   naive_out, naive_lse = fp8.naive_fp8_attention(q8, k8, v8, descales, cfg, sink)
+  naive_out = naive_out.astype(jnp.bfloat16)
   deq = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, None)
   with x64():
     want_out, want_lse = (np.asarray(x) for x in reference.naive_attention(
