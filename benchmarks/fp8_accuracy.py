@@ -8,10 +8,14 @@ bfloat16 values. Rows:
 - "fp8 per-head": jaxflash.quantize_fp8, one descale per (batch, kv head);
 - "fp8 block B": quantize_fp8(block_size=B);
 - "fp8 block B + Hadamard": quantize_fp8(block_size=B, hadamard=True).
-Each FP8 row has two columns: "call", jaxflash.attention of the quantized inputs (today the
-dequantized float32 reference: the error of the quantization alone; an FP8 kernel once it
-ships), and "P in e4m3", jaxflash.fp8.naive_fp8_attention (what an FP8 kernel computes, P
-rounded to e4m3 too). Prints a table, writes JSON with --out.
+Each FP8 row has two columns: "call", jaxflash.attention of the quantized inputs (the FP8
+kernel on a Hopper GPU for per-head descales; otherwise the dequantized float32 reference, the
+error of the quantization alone), and "P in e4m3", jaxflash.fp8.naive_fp8_attention (what an
+FP8 kernel computes, P rounded to e4m3 too). --sink-like S gives every query a key 0 whose scaled score is about S
+above the others (an attention-sink token): P of the other keys is then small next to the row
+max, the case where the order of the key blocks decides how many of them survive e4m3 (the
+kernel visits key 0 last; naive_fp8_attention rounds against the final max). Prints a table,
+writes JSON with --out.
 """
 
 from __future__ import annotations
@@ -43,6 +47,16 @@ def outlier_inputs(shape, seed: int):
   return one(), one(), one()
 
 
+def with_sink_like_key(q, k, score: float):
+  """q + u and k with key 0 = u * score / sqrt(d) (u all ones): every query's scaled score on
+  key 0 is about `score` (softmax_scale = 1 / sqrt(d)) above its mean over the other keys."""
+  d = q.shape[-1]
+  u = jnp.ones((d,), jnp.float32)
+  q = (q.astype(jnp.float32) + u).astype(jnp.bfloat16)
+  k = k.astype(jnp.float32).at[:, 0].set(u * score / np.sqrt(d)).astype(jnp.bfloat16)
+  return q, k
+
+
 def per_tensor(x, num_kv_heads: int):
   """The baseline: one descale for the whole tensor, in the per-head layout jaxflash takes."""
   x = x.astype(jnp.float32)
@@ -65,8 +79,10 @@ def schemes(q, k, v, block_size: int):
 
 
 def rmse_table(batch: int, seq: int, heads: int, head_dim: int, causal: bool, block_size: int,
-               seed: int = 0) -> dict:
+               seed: int = 0, sink_like: float = 0.0) -> dict:
   q, k, v = outlier_inputs((batch, seq, heads, head_dim), seed)
+  if sink_like:
+    q, k = with_sink_like_key(q, k, sink_like)
   cfg = AttentionConfig(softmax_scale=head_dim ** -0.5, causal=causal)
   with jax.enable_x64(True):  # the oracle only; every jaxflash call is 16/8-bit
     oracle = np.asarray(
@@ -94,13 +110,16 @@ def main(argv=None) -> int:
   parser.add_argument("--block-size", type=int, default=128)
   parser.add_argument("--causal", action="store_true")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--sink-like", type=float, default=0.0,
+                      help="key 0's scaled score above the others (0: no such key)")
   parser.add_argument("--out", type=Path, help="folder for fp8_accuracy.json")
   args = parser.parse_args(argv)
   rows = rmse_table(args.batch, args.seq, args.heads, args.head_dim, args.causal,
-                    args.block_size, args.seed)
+                    args.block_size, args.seed, args.sink_like)
   baseline = rows["fp8 per-tensor"]
   print(f"RMSE vs float64, {jax.devices()[0].platform}, batch {args.batch}, seq {args.seq}, "
-        f"heads {args.heads}, head_dim {args.head_dim}, causal {args.causal}")
+        f"heads {args.heads}, head_dim {args.head_dim}, causal {args.causal}, "
+        f"sink-like key {args.sink_like}")
   print(f"{'scheme':<28} {'call':>10} {'per-tensor/it':>14} {'P in e4m3':>10} "
         f"{'per-tensor/it':>14}")
   for name, value in rows.items():

@@ -143,9 +143,10 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
       descale), all three per (batch, num_kv_heads) or all per block: (batch, num_heads,
       ceil(seq_q / block)) for the query and (batch, num_kv_heads, ceil(seq_k / block)) for key
       and value, block a power of two; `jaxflash.quantize_fp8` makes them. None: 1. FP8 inputs
-      take dense or causal masks, GQA/MQA, seq_q != seq_k and head_dim 64/128/256 (=
-      head_dim_v); they run dequantized on the float32 reference (no FP8 kernel ships yet) and
-      have no gradient (differentiating raises).
+      take dense or causal masks, GQA/MQA, seq_q != seq_k, learnable sinks and head_dim
+      64/128/256 (= head_dim_v) and have no gradient (differentiating raises). On a Hopper GPU
+      per-head descales with bfloat16 out run the FP8 kernel; the rest runs dequantized on the
+      float32 reference.
     out_dtype: float8_e4m3fn inputs only: bfloat16 (default) or float16.
     deterministic: make the backward pass bitwise reproducible run to run. Without a causal
       mask at head_dim > 128 the CuTe backward then keeps two fp32 dQ accumulators (scratch of
@@ -200,15 +201,28 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
 def _fp8_call(query, key, value, config: AttentionConfig, learnable_sink, descales, out_dtype,
               return_lse: bool, implementation: Optional[str]):
   """attention() of float8_e4m3fn inputs (jaxflash/fp8.py)."""
-  out_name = fp8.check_fp8_call(config, query.shape[-1], value.shape[-1], learnable_sink,
-                                out_dtype)
+  out_name = fp8.check_fp8_call(config, query.shape[-1], value.shape[-1], out_dtype)
+  if learnable_sink is not None:
+    check_learnable_sink(learnable_sink, query.shape[2])
+  config = config.replace(has_sink=learnable_sink is not None)
   checked = fp8.check_descales(query, key, value, *descales)
   impl = _resolve_implementation(implementation, fp8.FP8_DTYPE, query.shape[-1],
                                  value.shape[-1], config)
+  if impl == "cute" and (checked.block_size is not None or out_name != "bfloat16"):
+    if implementation == "cute":
+      raise ValueError(
+          f"implementation='cute': the FP8 kernel takes per-head descales (batch, "
+          f"num_kv_heads) and writes bfloat16; this call has "
+          f"{'block descales' if checked.block_size is not None else 'out_dtype ' + out_name}"
+          f"; use implementation=None (auto) or 'reference'")
+    impl = "reference"
   config = config.replace(implementation=impl)
   if 0 in query.shape[:3] or 0 in key.shape[:2]:
     out, lse = _empty_result(query, value, out_name)
+    if learnable_sink is not None:  # every row is empty: lse = its sink
+      out, lse = add_learnable_sink(out, lse, learnable_sink)
   else:
-    out, lse = fp8.fp8_attention(config, out_name, checked.block_size, query, key, value,
-                                 checked.q, checked.k, checked.v)
+    out, lse = fp8.fp8_attention(config.replace(has_sink=False), out_name, checked.block_size,
+                                 query, key, value, checked.q, checked.k, checked.v,
+                                 learnable_sink)
   return (out, lse) if return_lse else out

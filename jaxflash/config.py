@@ -59,7 +59,7 @@ IMPLEMENTATIONS = ("cute", "reference")
 REFERENCE_DTYPES = ("float16", "bfloat16", "float32")
 DIRECTIONS = ("fwd", "bwd")
 
-_DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+_DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "e4m3"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +143,25 @@ class BwdSchedule:
 
 
 Schedule = Union[FwdSchedule, BwdSchedule]
+
+
+# The FP8 forward (kernels/fwd_fp8_sm90.py): e4m3 q, k, v, bf16 out; head_dim = head_dim_v.
+FP8_DTYPE = "float8_e4m3fn"
+FP8_HEAD_DIMS = (64, 128, 256)
+
+
+def fp8_fwd_schedule(head_dim: int, causal: bool) -> FwdSchedule:
+  """The FP8 forward's schedule: one CTA per tile (its descales are per tile), 128 query rows
+  in two ping-pong warpgroups; at head_dim 256, 64-key blocks keep the K, V and V^T rings and
+  the bf16 O buffer within shared memory."""
+  return FwdSchedule(tile_m=128, tile_n=64 if head_dim > 128 else 128, num_stages=2,
+                     pingpong=True, persistent=False, lpt=causal, rescale_o_before_pv=False)
+
+
+def fp8_fwd_variant(head_dim: int, causal: bool, arch: str = "sm90a") -> "KernelVariant":
+  return KernelVariant(direction="fwd", arch=arch, dtype=FP8_DTYPE, head_dim=head_dim,
+                       head_dim_v=head_dim, causal=causal,
+                       schedule=fp8_fwd_schedule(head_dim, causal))
 
 
 def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
@@ -229,7 +248,7 @@ class KernelVariant:
 
   direction: str  # "fwd" | "bwd"
   arch: str  # "sm90a"
-  dtype: str  # "float16" | "bfloat16"
+  dtype: str  # "float16" | "bfloat16" | FP8_DTYPE (forward)
   head_dim: int
   head_dim_v: int
   causal: bool  # the compile-time causal mask (masked variants take it at run time)
@@ -252,6 +271,8 @@ class KernelVariant:
   def for_call(cls, direction: str, arch: str, dtype: str, head_dim: int, head_dim_v: int,
                config: AttentionConfig) -> "KernelVariant":
     """The variant that runs one call (kernel_support must have accepted it)."""
+    if dtype == FP8_DTYPE:
+      return fp8_fwd_variant(head_dim, config.causal, arch)
     deterministic = config.deterministic and direction == "bwd"
     # Soft-capping runs on the masked variants (a run-time value, like the window).
     masked = config.has_window or config.has_segment_ids or config.softcap is not None
@@ -272,6 +293,8 @@ def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
   options (None: a plain call)."""
   if direction not in DIRECTIONS:
     return False, f"direction {direction!r} unknown; accepted: {DIRECTIONS}"
+  if dtype == FP8_DTYPE:
+    return _fp8_kernel_support(direction, head_dim, head_dim_v, config)
   if dtype not in KERNEL_DTYPES:
     return False, f"dtype {dtype} has no kernel; accepted: {', '.join(KERNEL_DTYPES)}"
   pairs = KERNEL_HEAD_DIM_PAIRS[direction]
@@ -282,6 +305,22 @@ def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
     accepted = tuple(dv for d, dv in pairs if d == head_dim)
     return False, (f"head_dim_v {head_dim_v} with head_dim {head_dim} has no {direction} "
                    f"kernel; accepted head_dim_v: {accepted}")
+  return True, ""
+
+
+def _fp8_kernel_support(direction: str, head_dim: int, head_dim_v: int,
+                        config: Optional[AttentionConfig]) -> tuple[bool, str]:
+  if direction != "fwd":
+    return False, f"{FP8_DTYPE} has a forward kernel only"
+  if head_dim not in FP8_HEAD_DIMS or head_dim_v != head_dim:
+    return False, (f"{FP8_DTYPE} kernels take head_dim {FP8_HEAD_DIMS} with head_dim_v equal "
+                   f"to it; got {head_dim}, {head_dim_v}")
+  if config is not None:
+    used = [name for name, on in (("window_size", config.has_window),
+                                  ("segment ids", config.has_segment_ids),
+                                  ("softcap", config.softcap is not None)) if on]
+    if used:
+      return False, f"the {FP8_DTYPE} kernels run dense or causal calls only, not {used}"
   return True, ""
 
 
@@ -301,6 +340,8 @@ def shipped_variants(arch: str = "sm90a", direction: str = "fwd") -> list[Kernel
         for deterministic in (False, True) if direction == "bwd" else (False,):
           cfg = AttentionConfig(softmax_scale=1.0, deterministic=deterministic, **mask)
           out.append(KernelVariant.for_call(direction, arch, dtype, head_dim, head_dim_v, cfg))
+  if direction == "fwd":  # FP8: dense, causal or not
+    out += [fp8_fwd_variant(d, causal, arch) for d in FP8_HEAD_DIMS for causal in (False, True)]
   return out
 
 

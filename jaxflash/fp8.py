@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import checks, primitives, reference
+from jaxflash import checks, fp8_kernel, primitives, reference
 from jaxflash.config import AttentionConfig
 
 FP8_DTYPE = "float8_e4m3fn"
@@ -207,17 +207,15 @@ def check_descales(query, key, value, q_descale, k_descale, v_descale) -> Descal
                    f"{', '.join(f'{n} {s}' for n, s in shapes.items())}")
 
 
-def check_fp8_call(config: AttentionConfig, head_dim: int, head_dim_v: int, learnable_sink,
-                   out_dtype) -> str:
+def check_fp8_call(config: AttentionConfig, head_dim: int, head_dim_v: int, out_dtype) -> str:
   """Raises for what FP8 inputs do not support; returns the output dtype's name."""
   unsupported = [name for name, used in (
       ("window_size", config.has_window), ("softcap", config.softcap is not None),
-      ("q_segment_ids/kv_segment_ids", config.has_segment_ids),
-      ("learnable_sink", learnable_sink is not None)) if used]
+      ("q_segment_ids/kv_segment_ids", config.has_segment_ids)) if used]
   if unsupported:
     raise ValueError(f"{', '.join(unsupported)}: not supported with float8_e4m3fn inputs; FP8 "
-                     f"attention takes dense or causal masks, GQA/MQA, seq_q != seq_k and "
-                     f"head_dim {HEAD_DIMS} (= head_dim_v)")
+                     f"attention takes dense or causal masks, GQA/MQA, seq_q != seq_k, "
+                     f"learnable sinks and head_dim {HEAD_DIMS} (= head_dim_v)")
   if head_dim not in HEAD_DIMS or head_dim_v != head_dim:
     raise ValueError(f"query/value: FP8 attention takes head_dim {HEAD_DIMS} with head_dim_v "
                      f"equal to it; got head_dim {head_dim}, head_dim_v {head_dim_v}")
@@ -238,12 +236,14 @@ def _dtype_name(dtype, argument: str) -> str:
 P_SCALE = 256.0  # P (<= 1 after the row max) times this before its e4m3 cast: no underflow
 
 
-def naive_fp8_attention(q8, k8, v8, descales: Descales, config: AttentionConfig):
+def naive_fp8_attention(q8, k8, v8, descales: Descales, config: AttentionConfig,
+                        learnable_sink=None):
   """(out float32, lse) as an FP8 kernel computes them, all scores at once: S from the e4m3
   q8 k8^T in float32 times the descales, P = exp(S - row max) rounded to e4m3 after scaling
   by P_SCALE (FlashAttention-3's P), O = P8 (v8 * v_descale) / (P_SCALE * row sum of the
-  unrounded P). Dense or causal. A kernel differs in the order of its sums and in rounding P
-  against a running row max, so this bounds an FP8 kernel's error in tests (2x rule) and
+  unrounded P). Dense or causal; a learnable sink (num_heads,) joins each row's sum (not its
+  max, as in the kernel's epilogue). A kernel differs in the order of its sums and in rounding
+  P against a running row max, so this bounds an FP8 kernel's error in tests (2x rule) and
   estimates it in benchmarks/fp8_accuracy.py.
   """
   b, seq_q, h, _ = q8.shape
@@ -265,23 +265,34 @@ def naive_fp8_attention(q8, k8, v8, descales: Descales, config: AttentionConfig)
   m = jnp.max(s, axis=-1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.exp(s - m)
-  row_sum = jnp.sum(p, axis=-1, keepdims=True)
+  row_sum = jnp.sum(p, axis=-1, keepdims=True)  # (b, hk, g, q, 1)
+  if learnable_sink is not None:
+    sink = jnp.asarray(learnable_sink, jnp.float32).reshape(1, hk, group, 1, 1)
+    row_sum = row_sum + jnp.exp(sink - m)  # rows without keys: m = 0, so exp(sink)
   p8 = (p * P_SCALE).astype(jnp.float8_e4m3fn).astype(jnp.float32)
   v = v8.astype(jnp.float32) * vd
   out = jnp.einsum("bhgqk,bkhd->bqhgd", p8, v, precision=jax.lax.Precision.HIGHEST)
   denom = jnp.transpose(row_sum[..., 0] * P_SCALE, (0, 3, 1, 2))[..., None]  # (b, q, hk, g, 1)
   out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
   lse = jnp.where(row_sum[..., 0] > 0, m[..., 0] + jnp.log(row_sum[..., 0]), -jnp.inf)
+  if learnable_sink is not None:  # a row without keys: out 0, lse = its sink
+    no_key = jnp.isneginf(jnp.max(s, axis=-1))
+    lse = jnp.where(no_key, jnp.broadcast_to(sink[..., 0], lse.shape), lse)
   return out.reshape(b, seq_q, h, -1), lse.reshape(b, h, seq_q)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
 def fp8_attention(config: AttentionConfig, out_dtype: str, block_size: Optional[int], q8, k8, v8,
-                  q_descale, k_descale, v_descale):
-  """(out in out_dtype, lse) of FP8 inputs: dequantized, then the float32 reference."""
+                  q_descale, k_descale, v_descale, learnable_sink=None):
+  """(out in out_dtype, lse) of FP8 inputs: the FP8 kernel (implementation 'cute': per-head
+  descales, bfloat16 out), else dequantized and the float32 reference."""
+  config = config.replace(has_sink=learnable_sink is not None)
+  if config.implementation == "cute":
+    return fp8_kernel.fp8_forward(config, q8, k8, v8, q_descale, k_descale, v_descale,
+                                  learnable_sink)
   q, k, v = dequantize_inputs(q8, k8, v8, q_descale, k_descale, v_descale, block_size)
   out, lse = primitives.attention_core(config.replace(implementation="reference"), q, k, v,
-                                       None, None)
+                                       None, None, learnable_sink)
   return out.astype(out_dtype), lse
 
 

@@ -150,8 +150,33 @@ def test_fp8_accuracy_baseline_is_one_descale_per_tensor():
                                              "fp8 block 32 + Hadamard"]
 
 
-@pytest.mark.parametrize("script", ["benchmarks/bench_masked.py", "benchmarks/bench_modifiers.py"])
+def test_fp8_accuracy_sink_like_key_leads_every_row_by_the_score():
+  import jax.numpy as jnp
+  import numpy as np
+  acc = load_script("benchmarks/fp8_accuracy.py")
+  q, k, _ = acc.outlier_inputs((1, 256, 2, 64), seed=1)
+  q, k = acc.with_sink_like_key(q, k, 12.0)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) / 8.0
+  lead = np.asarray(s[..., 0] - jnp.mean(s[..., 1:], axis=-1))
+  assert np.all(lead > 6.0) and 9.0 < np.median(lead) < 15.0
+
+
+@pytest.mark.parametrize("script", ["benchmarks/bench_masked.py", "benchmarks/bench_modifiers.py",
+                                    "benchmarks/bench_fp8.py"])
 def test_every_benchmark_takes_the_checked_spin_up(script, capsys):
   with pytest.raises(SystemExit):
     load_script(script).main(["--spin-up", "-1"])
   assert "--spin-up" in capsys.readouterr().err
+
+
+def test_cudnn_fp8_column_passes_every_fp8_parameter_cudnn_checks():
+  """The cuDNN FP8 cell gives jax's cuDNN attention all of its fp8_params keys (unit scales)
+  and the call's mask; building it needs no GPU."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+  bench = load_script("benchmarks/bench_fp8.py")
+  attend = bench.cudnn_fp8_fn(True, 0.125)
+  params = dict(zip(attend.__code__.co_freevars,
+                    (c.cell_contents for c in attend.__closure__)))
+  assert set(params["params"]) == set(cudnn_attention.fp8_params_keys)
+  cudnn_attention.check_fp8_params(params["params"])
+  assert params["mask"] == cudnn_attention.MaskType.CAUSAL

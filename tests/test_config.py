@@ -14,7 +14,7 @@ from jaxflash import config
 
 FWD = config.shipped_variants("sm90a", "fwd")
 BWD = config.shipped_variants("sm90a", "bwd")
-DENSE_FWD = [v for v in FWD if not v.masked]
+DENSE_FWD = [v for v in FWD if not v.masked and v.dtype != config.FP8_DTYPE]
 DENSE_BWD = [v for v in BWD if not v.masked]
 PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
 
@@ -31,12 +31,19 @@ def _bwd(head_dim, head_dim_v=None, causal=False, deterministic=False):
 
 def test_shipped_variants_cover_dtypes_head_dims_masks_and_determinism():
   """Dense (causal or not) and masked variants (windows, segment ids, causal at run time):
-  3 x 2 dtypes x 6 head-dim pairs forward, twice that backward (deterministic or not)."""
+  3 x 2 dtypes x 6 head-dim pairs forward, twice that backward (deterministic or not); and the
+  FP8 forward: head_dim 64 / 128 / 256, causal or not, one CTA per tile."""
   assert config.KERNEL_HEAD_DIM_PAIRS == {"fwd": PAIRS, "bwd": PAIRS}
-  assert len(FWD) == 2 * len(PAIRS) * 3 and len(BWD) == 2 * len(PAIRS) * 3 * 2
+  fp8 = [v for v in FWD if v.dtype == config.FP8_DTYPE]
+  assert [(v.head_dim, v.head_dim_v, v.causal) for v in fp8] == [
+      (d, d, c) for d in config.FP8_HEAD_DIMS for c in (False, True)]
+  assert not any(v.masked or v.schedule.persistent for v in fp8)
+  assert all(v.key.startswith("fwd-sm90a-e4m3-") for v in fp8)
+  assert len(FWD) == 2 * len(PAIRS) * 3 + len(fp8) and len(BWD) == 2 * len(PAIRS) * 3 * 2
   # The budget of the masked-attention and score-modifier work: at most 160 variants.
   assert len(FWD) + len(BWD) <= 160
   for variants, direction in ((FWD, "fwd"), (BWD, "bwd")):
+    variants = [v for v in variants if v.dtype != config.FP8_DTYPE]
     combos = {(v.dtype, v.head_dim, v.head_dim_v, v.causal, v.masked, v.deterministic)
               for v in variants}
     assert len(combos) == len(variants)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import fp8, reference
+from jaxflash import config, fp8, reference
 from tests._cases import config_for, make_qkv, x64
 from tests._oracle import assert_close_to_oracle
 
@@ -214,11 +214,16 @@ def _fp8_inputs(shape=(20, 30, 4, 2, 64)):
     ({"q_segment_ids": jnp.zeros((2, 20), jnp.int32),
       "kv_segment_ids": jnp.zeros((2, 30), jnp.int32)}, "q_segment_ids/kv_segment_ids: not "
                                                         "supported"),
-    ({"learnable_sink": jnp.zeros((4,), jnp.float32)}, "learnable_sink: not supported"),
+    ({"learnable_sink": jnp.zeros((3,), jnp.float32)}, "learnable_sink: expected shape"),
     ({"out_dtype": jnp.float32}, "out_dtype: expected one of \\('bfloat16', 'float16'\\) for "
                                  "float8_e4m3fn inputs, got float32"),
     ({"out_dtype": "nonsense"}, "out_dtype: expected a dtype"),
-    ({"implementation": "cute"}, "implementation='cute': dtype float8_e4m3fn has no kernel"),
+    ({"implementation": "cute"}, "implementation='cute': the FP8 kernel needs an NVIDIA "
+                                 "Hopper GPU, but this computation is lowered for a platform "
+                                 "other than cuda"),
+    ({"implementation": "cute", "out_dtype": jnp.float16},
+     "implementation='cute': the FP8 kernel takes per-head descales \\(batch, num_kv_heads\\) "
+     "and writes bfloat16; this call has out_dtype float16"),
 ])
 def test_fp8_attention_rejects_what_it_does_not_support(kwargs, match):
   q8, k8, v8, qd, kd, vd = _fp8_inputs()
@@ -292,3 +297,114 @@ def test_naive_fp8_attention_rounds_only_p_beyond_the_dequantized_inputs(shape, 
     assert err < 1e-6
   else:
     assert 0 < err < 2.0 ** -4  # e4m3's relative rounding, averaged over each row
+
+
+def test_the_fp8_kernel_takes_per_head_descales_only():
+  q, k, v = _inputs(10, (20, 30, 4, 2, 64))
+  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=16)
+  with pytest.raises(ValueError, match="the FP8 kernel takes per-head descales .* this call "
+                                       "has block descales; use implementation=None"):
+    jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                       implementation="cute")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_kernel_call_lowers_to_the_forward_custom_call_with_the_descales(causal):
+  """On CUDA the FP8 kernel is the forward custom call of an e4m3 variant: q8, k8, v8, then
+  the (3, batch, num_kv_heads) float32 descales (q, k, v); bfloat16 out, float32 lse."""
+  q8, k8, v8, qd, kd, vd = _fp8_inputs((20, 30, 4, 2, 128))
+  f = jax.jit(lambda *a: jaxflash.attention(*a[:3], q_descale=a[3], k_descale=a[4],
+                                            v_descale=a[5], causal=causal, return_lse=True,
+                                            implementation="cute"))
+  text = f.trace(q8, k8, v8, qd, kd, vd).lower(lowering_platforms=("cuda",)).as_text()
+  call = next(line for line in text.splitlines() if "custom_call @jaxflash_attention_fwd" in line)
+  variant = config.fp8_fwd_variant(128, causal).key
+  assert f'variant = "{variant}"' in call and f"causal = {str(causal).lower()}" in call
+  assert "tensor<3x2x2xf32>" in call  # the stacked descales after q, k, v
+  assert "-> (tensor<2x20x4x128xbf16>, tensor<2x4x20xf32>)" in call
+
+
+def test_vmap_of_the_fp8_kernel_folds_the_mapped_axis_into_the_batch():
+  from jaxflash import fp8_kernel
+  q8, k8, v8, qd, kd, vd = _fp8_inputs((20, 30, 4, 2, 64))
+  cfg = config.AttentionConfig(softmax_scale=0.125, implementation="cute")
+  stack = lambda x: jnp.stack([x, x, x])
+  out, lse = jax.eval_shape(jax.vmap(lambda *a: fp8_kernel.fp8_forward(cfg, *a)),
+                            *(stack(x) for x in (q8, k8, v8, qd, kd, vd)))
+  assert (out.shape, out.dtype) == ((3, 2, 20, 4, 64), jnp.bfloat16)
+  assert (lse.shape, lse.dtype) == ((3, 2, 4, 20), jnp.float32)
+  text = jax.jit(jax.vmap(lambda *a: fp8_kernel.fp8_forward(cfg, *a),
+                          in_axes=(0, 0, 0, None, None, None))).trace(
+      stack(q8), stack(k8), stack(v8), qd, kd, vd).lower(
+      lowering_platforms=("cuda",)).as_text()
+  call = next(line for line in text.splitlines() if "custom_call @jaxflash_attention_fwd" in line)
+  assert "tensor<6x20x4x64xf8E4M3FN>" in call and "tensor<3x6x2xf32>" in call
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_learnable_sink_is_the_dequantized_attention_with_the_sink(causal):
+  """The reference FP8 path with a sink is the dequantized call with it; rows that see no key
+  output zeros and have lse = their sink."""
+  q8, k8, v8, qd, kd, vd = _fp8_inputs((40, 20, 4, 2, 64))  # causal: 20 rows see no key
+  sink = jnp.asarray([0.5, -1.0, 3.0, -jnp.inf], jnp.float32)
+  out, lse = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                learnable_sink=sink, causal=causal, return_lse=True)
+  q, k, v = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, None)
+  want_out, want_lse = jaxflash.attention(q, k, v, learnable_sink=sink, causal=causal,
+                                          return_lse=True, implementation="reference")
+  np.testing.assert_array_equal(out, want_out.astype(jnp.bfloat16))
+  np.testing.assert_array_equal(lse, want_lse)
+  if causal:
+    assert not np.asarray(out[:, :20], np.float32).any()
+    np.testing.assert_array_equal(np.asarray(lse)[:, :, :20],
+                                  np.broadcast_to(np.asarray(sink)[None, :, None], (2, 4, 20)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_naive_fp8_attention_takes_the_sink_in_the_row_sums(causal):
+  q, k, v = _inputs(12, (40, 20, 4, 2, 64))
+  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v)
+  sink = jnp.asarray([0.5, -1.0, 30.0, -jnp.inf], jnp.float32)
+  cfg = config_for(64, {"causal": causal})
+  out, lse = fp8.naive_fp8_attention(q8, k8, v8, fp8.check_descales(q8, k8, v8, qd, kd, vd), cfg,
+                                     sink)
+  deq = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, None)
+  with x64():
+    want_out, want_lse = reference.naive_attention(*(x.astype(jnp.float64) for x in deq), cfg,
+                                                   learnable_sink=sink.astype(jnp.float64))
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+  want_out, out = np.asarray(want_out), np.asarray(out, np.float64)
+  assert np.linalg.norm(out - want_out) <= 2.0 ** -4 * np.linalg.norm(want_out)
+  # Head 2's sink dominates: its rows keep almost nothing of the values.
+  assert np.abs(out[:, :, 2]).max() < 1e-6 * np.abs(out[:, :, 0]).max() + 1e-12
+
+
+def test_fp8_kernel_call_takes_the_sink_after_the_descales():
+  q8, k8, v8, qd, kd, vd = _fp8_inputs((20, 30, 4, 2, 128))
+  sink = jnp.zeros((4,), jnp.float32)
+  f = jax.jit(lambda *a: jaxflash.attention(*a[:3], q_descale=a[3], k_descale=a[4],
+                                            v_descale=a[5], learnable_sink=a[6],
+                                            implementation="cute"))
+  text = f.trace(q8, k8, v8, qd, kd, vd, sink).lower(lowering_platforms=("cuda",)).as_text()
+  call = next(line for line in text.splitlines() if "custom_call @jaxflash_attention_fwd" in line)
+  assert "tensor<3x2x2xf32>, tensor<4xf32>) ->" in call
+
+
+@pytest.mark.parametrize("sink_axis", [None, 0])
+def test_vmap_of_the_fp8_kernel_keeps_an_unmapped_sink_in_the_kernel(sink_axis):
+  """One sink for every mapped element stays the kernel's operand; a sink per element runs the
+  kernel without it and rescales the rows in XLA."""
+  from jaxflash import fp8_kernel
+  q8, k8, v8, qd, kd, vd = _fp8_inputs((20, 30, 4, 2, 64))
+  cfg = config.AttentionConfig(softmax_scale=0.125, implementation="cute", has_sink=True)
+  stack = lambda x: jnp.stack([x, x, x])
+  sink = jnp.zeros((4,), jnp.float32)
+  sink = sink if sink_axis is None else stack(sink)
+  f = jax.jit(jax.vmap(lambda *a: fp8_kernel.fp8_forward(cfg, *a),
+                       in_axes=(0, 0, 0, None, None, None, sink_axis)))
+  args = (stack(q8), stack(k8), stack(v8), qd, kd, vd, sink)
+  out, lse = jax.eval_shape(f, *args)
+  assert (out.shape, out.dtype, lse.shape) == ((3, 2, 20, 4, 64), jnp.bfloat16, (3, 2, 4, 20))
+  text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  call = next(line for line in text.splitlines() if "custom_call @jaxflash_attention_fwd" in line)
+  assert ("tensor<4xf32>) ->" in call) == (sink_axis is None)

@@ -23,7 +23,8 @@ from tests.conftest import FWD_ONLY_PAIR
 
 pytestmark = pytest.mark.gpu
 
-VARIANTS = [v for v in config.shipped_variants() if not v.masked]  # dense; masked: below
+# Dense fp16/bf16; masked: below; FP8: tests/test_gpu_fp8.py.
+VARIANTS = [v for v in config.shipped_variants() if not v.masked and v.dtype != config.FP8_DTYPE]
 SHAPES = {  # name -> (batch, seq_q, seq_k, heads, kv_heads)
     "s1": (3, 1, 1, 4, 4),
     "s17_gqa": (2, 17, 17, 8, 2),

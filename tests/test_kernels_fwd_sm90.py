@@ -21,7 +21,8 @@ from tests import _sass  # noqa: E402
 
 pytestmark = pytest.mark.cutlass
 
-VARIANTS = config.shipped_variants("sm90a", "fwd")
+# The fp16/bf16 variants (the FP8 ones: tests/test_kernels_fwd_fp8_sm90.py).
+VARIANTS = [v for v in config.shipped_variants("sm90a", "fwd") if v.dtype != config.FP8_DTYPE]
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ constexpr std::string_view kBwdTarget = "jaxflash_attention_bwd";
 // A window side without a bound (config.WINDOW_UNBOUNDED); -1 also reads as unbounded for the
 // dense variants (programs serialized before the masked variants existed).
 constexpr int32_t kUnbounded = 1 << 30;
+// JaxflashVariantInfo.dtype of the FP8 forward variants (e4m3 q, k, v; bf16 out).
+constexpr int32_t kFp8Dtype = 2;
 
 // "jaxflash_attention_fwd[variant=<key>]: ": every error names the target and the variant.
 std::string Where(std::string_view target, std::string_view variant) {
@@ -57,6 +59,7 @@ const char* DtypeName(ffi::DataType dtype) {
     case ffi::DataType::F16: return "float16";
     case ffi::DataType::BF16: return "bfloat16";
     case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
     default: return "an unsupported dtype";
   }
 }
@@ -81,7 +84,9 @@ ffi::Error Invalid(const CallAttrs& a, const std::string& what) {
 
 // The attributes and q's dtype must describe the variant the library was built for.
 ffi::Error CheckAttrs(const CallAttrs& a, const JaxflashVariantInfo& info, ffi::DataType dtype) {
-  const ffi::DataType built_for = info.dtype == 1 ? ffi::DataType::BF16 : ffi::DataType::F16;
+  const ffi::DataType built_for = info.dtype == 2   ? ffi::DataType::F8E4M3FN
+                                  : info.dtype == 1 ? ffi::DataType::BF16
+                                                    : ffi::DataType::F16;
   if (dtype != built_for) {
     return Invalid(a, std::string("q has dtype ") + DtypeName(dtype) + ", the variant was built for " +
                           DtypeName(built_for));
@@ -143,15 +148,22 @@ ffi::Error CheckBuffers(const CallAttrs& a, const JaxflashVariantInfo& info,
     }
   }
   const ffi::DataType dtype = q.element_type();
-  if (dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16) {
+  const bool fp8 = dtype == ffi::DataType::F8E4M3FN;
+  if (dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16 && !fp8) {
     return Invalid(a, std::string("q has ") + DtypeName(dtype) +
-                            ", accepted: float16, bfloat16");
+                            ", accepted: float16, bfloat16, float8_e4m3fn");
   }
-  for (const Named& n : {Named{"k", &k, 4}, Named{"v", &v, 4}, Named{"out", &out, 4}}) {
+  for (const Named& n : {Named{"k", &k, 4}, Named{"v", &v, 4}}) {
     if (n.buffer->element_type() != dtype) {
       return Invalid(a, std::string(n.name) + " has " + DtypeName(n.buffer->element_type()) +
                               ", q has " + DtypeName(dtype));
     }
+  }
+  // FP8 calls write bfloat16.
+  const ffi::DataType out_dtype = fp8 ? ffi::DataType::BF16 : dtype;
+  if (out.element_type() != out_dtype) {
+    return Invalid(a, std::string("out has ") + DtypeName(out.element_type()) + ", expected " +
+                          DtypeName(out_dtype) + " for q of " + DtypeName(dtype));
   }
   if (lse.element_type() != ffi::DataType::F32) {
     return Invalid(a, std::string("lse has ") + DtypeName(lse.element_type()) +
@@ -313,10 +325,14 @@ ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
                      JaxflashMask* mask, int32_t* window_left, int32_t* window_right) {
   const bool bwd = a.target == kBwdTarget;
   const size_t want = info.masked ? (bwd && info.deterministic ? 5 : 4) : 0;
-  if (extra.size() != want && !(!bwd && extra.size() == want + 1)) {
+  const size_t fixed = want + (!bwd && info.dtype == kFp8Dtype ? 1 : 0);
+  if (extra.size() != fixed && !(!bwd && extra.size() == fixed + 1)) {
     return Invalid(a, std::to_string(extra.size()) + " operands after the tensors, expected " +
-                          std::to_string(want) + " mask operands for this variant (row_ids, "
-                          "col_ids, ranges, order, and ranks when deterministic)" +
+                          (info.dtype == kFp8Dtype
+                               ? std::string("the descales (3, batch, num_kv_heads) float32")
+                               : std::to_string(want) + " mask operands for this variant "
+                                 "(row_ids, col_ids, ranges, order, and ranks when "
+                                 "deterministic)") +
                           (bwd ? "" : ", then optionally the learnable sink"));
   }
   *mask = JaxflashMask{};
@@ -350,14 +366,31 @@ ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
   return ffi::Error::Success();
 }
 
-// The forward's optional last operand after the mask operands: the learnable sink, float32
-// (num_heads,). Sets args->sink (NULL without one).
+// FP8 variants: the operand after the tensors is the descales, float32 (3, batch, num_kv_heads)
+// (q, k, v). Sets args->descale (NULL for other variants).
+ffi::Error CheckDescale(const CallAttrs& a, const JaxflashVariantInfo& info,
+                        const ffi::RemainingArgs& extra, JaxflashFwdArgs* args) {
+  args->descale = nullptr;
+  if (info.dtype != kFp8Dtype) return ffi::Error::Success();
+  auto got = extra.get<ffi::AnyBuffer>(0);
+  if (got.has_error()) return got.error();
+  if (ffi::Error e = CheckExact(a, "descale", got.value(), {3, args->batch, args->num_kv_heads},
+                                ffi::DataType::F32);
+      e.failure()) {
+    return e;
+  }
+  args->descale = static_cast<const float*>(got.value().untyped_data());
+  return ffi::Error::Success();
+}
+
+// The forward's optional last operand after the mask operands (or the FP8 descales): the
+// learnable sink, float32 (num_heads,). Sets args->sink (NULL without one).
 ffi::Error CheckSink(const CallAttrs& a, const JaxflashVariantInfo& info,
                      const ffi::RemainingArgs& extra, int64_t num_heads, JaxflashFwdArgs* args) {
-  const size_t mask_operands = info.masked ? 4 : 0;
+  const size_t fixed = info.masked ? 4 : info.dtype == kFp8Dtype ? 1 : 0;
   args->sink = nullptr;
-  if (extra.size() == mask_operands) return ffi::Error::Success();
-  auto got = extra.get<ffi::AnyBuffer>(mask_operands);
+  if (extra.size() == fixed) return ffi::Error::Success();
+  auto got = extra.get<ffi::AnyBuffer>(fixed);
   if (got.has_error()) return got.error();
   if (ffi::Error e = CheckExact(a, "sink", got.value(), {num_heads}, ffi::DataType::F32);
       e.failure()) {
@@ -387,6 +420,9 @@ ffi::Error AttentionFwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
                                args.seqlen_k, &args.mask, &args.window_left,
                                &args.window_right);
       e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckDescale(attrs, library->info, mask_operands, &args); e.failure()) {
     return e;
   }
   if (ffi::Error e = CheckSink(attrs, library->info, mask_operands, args.num_heads, &args);

@@ -7,7 +7,7 @@
 
 #include <stdint.h>
 
-#define JAXFLASH_KERNEL_ABI_VERSION 6
+#define JAXFLASH_KERNEL_ABI_VERSION 7
 
 #ifdef __cplusplus
 extern "C" {
@@ -17,7 +17,8 @@ extern "C" {
 // against it; the variant key is only a name.
 typedef struct {
   int32_t direction;      // 0: forward (exports jaxflash_variant_fwd), 1: backward (_bwd)
-  int32_t dtype;          // 0: float16, 1: bfloat16 (q, k, v, out and the gradients)
+  int32_t dtype;          // 0: float16, 1: bfloat16 (q, k, v, out and the gradients);
+                          // 2: float8_e4m3fn q, k, v with bfloat16 out (forward only)
   int32_t head_dim;       // of q and k
   int32_t head_dim_v;     // of v and out
   int32_t causal;         // 1: bottom-right aligned causal mask
@@ -51,14 +52,16 @@ typedef struct {
 } JaxflashMask;
 
 // Forward call. Tensors are dense row-major, exactly as XLA hands them over:
-//   q   (batch, seqlen_q, num_heads,    head_dim)    fp16/bf16
+//   q   (batch, seqlen_q, num_heads,    head_dim)    fp16/bf16, or e4m3 (FP8 variants)
 //   k   (batch, seqlen_k, num_kv_heads, head_dim)
 //   v   (batch, seqlen_k, num_kv_heads, head_dim_v)
-//   out (batch, seqlen_q, num_heads,    head_dim_v)  same dtype as q
+//   out (batch, seqlen_q, num_heads,    head_dim_v)  same dtype as q; bf16 for FP8 variants
 //   lse (batch, num_heads, seqlen_q)                  float32, natural log; -inf for empty rows
 //   sink (num_heads)                                  float32 learnable sink logits, or NULL:
 //       each row's softmax also runs over its head's sink (a column without a value), lse
 //       includes it, and an empty row has lse = its sink
+//   descale (3, batch, num_kv_heads)                  FP8 variants: float32 q, k, v descales
+//       (x = x8 * descale; a query head takes its kv head's), NULL otherwise
 typedef struct {
   const void* q;
   const void* k;
@@ -72,6 +75,7 @@ typedef struct {
                                       // (masked variants); 0: off
   JaxflashMask mask;                  // masked variants; all NULL otherwise
   const float* sink;                  // every variant; NULL: no sink
+  const float* descale;               // FP8 variants; NULL otherwise
 } JaxflashFwdArgs;
 
 // Backward call (jaxflash/ffi/variant_bwd.cc): preprocess, main kernel, postprocess, in order on

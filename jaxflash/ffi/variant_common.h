@@ -4,7 +4,7 @@
 // The glue sources (variant_fwd.cc, variant_bwd.cc) are compiled once per KernelVariant; the
 // variant comes in through macros that `jaxflash.kernels.compile.glue_defines` lists:
 //   -DJAXFLASH_VARIANT_KEY="\"<key>\""   KernelVariant.key, as a quoted string
-//   -DJAXFLASH_DIRECTION=<0 fwd | 1 bwd>  -DJAXFLASH_DTYPE=<0 float16 | 1 bfloat16>
+//   -DJAXFLASH_DIRECTION=<0 fwd | 1 bwd>  -DJAXFLASH_DTYPE=<0 float16 | 1 bfloat16 | 2 e4m3>
 //   -DJAXFLASH_HEAD_DIM=<d>  -DJAXFLASH_HEAD_DIM_V=<dv>  -DJAXFLASH_CAUSAL=<0|1>
 //   -DJAXFLASH_DETERMINISTIC=<0|1>  -DJAXFLASH_TILE_M=<query rows per tile>
 //   -DJAXFLASH_TILE_N=<key rows per block>  -DJAXFLASH_MAX_DQ_COPIES=<1|2>

@@ -11,6 +11,8 @@
 #include JAXFLASH_HEADER_MAIN
 
 #define JF_NAME(suffix) JF_CAT(JAXFLASH_PREFIX_MAIN, suffix)
+// FP8 variants (float8_e4m3fn q, k, v; bf16 out) also take the descales.
+#define JAXFLASH_FP8 (JAXFLASH_DTYPE == 2)
 
 namespace {
 
@@ -28,6 +30,9 @@ using TensorV = JF_NAME(_Tensor_mV_t);
 using TensorO = JF_NAME(_Tensor_mO_t);
 using TensorLse = JF_NAME(_Tensor_mLSE_t);
 using TensorSink = JF_NAME(_Tensor_mSink_t);
+#if JAXFLASH_FP8
+using TensorDescale = JF_NAME(_Tensor_mDescale_t);
+#endif
 #if JAXFLASH_MASKED
 using TensorQIds = JF_NAME(_Tensor_mQIds_t);
 using TensorKIds = JF_NAME(_Tensor_mKIds_t);
@@ -88,6 +93,9 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
       !Aligned(args->mask.order, 16)) {
     return kInvalid;
   }
+#if JAXFLASH_FP8
+  if (args->descale == nullptr || !Aligned(args->descale, 4)) return kInvalid;
+#endif
   const int32_t status = jaxflash_variant_load();
   if (status != 0) return status;
 
@@ -113,6 +121,11 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
                                           &k_ids, &ranges, &order, args->softmax_scale,
                                           has_sink, args->window_left, args->window_right,
                                           args->softcap, static_cast<cudaStream_t>(stream));
+#elif JAXFLASH_FP8
+  TensorDescale descale = Dense3<TensorDescale>(args->descale, 3, b, hk);  // (3, batch, hk)
+  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &sink, &descale,
+                                          args->softmax_scale, has_sink,
+                                          static_cast<cudaStream_t>(stream));
 #else
   return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &sink,
                                           args->softmax_scale, has_sink,

@@ -23,6 +23,7 @@ from jaxflash import config
 from jaxflash.kernels.bwd_postprocess import FlashAttentionBackwardPostprocess
 from jaxflash.kernels.bwd_preprocess import FlashAttentionBackwardPreprocess
 from jaxflash.kernels.bwd_sm90 import FlashAttentionBackwardSm90
+from jaxflash.kernels.fwd_fp8_sm90 import FlashAttentionForwardFp8Sm90
 from jaxflash.kernels.fwd_sm90 import FlashAttentionForwardSm90
 from jaxflash.kernels.sm90_gemm import DTYPES
 
@@ -148,6 +149,25 @@ def fwd_signature(variant: config.KernelVariant):
           masking["order"], masking["window_left"], masking["window_right"], masking["softcap"])
 
 
+def fp8_fwd_signature(variant: config.KernelVariant):
+  """Fake (q, k, v, out, lse, sink, descale) of the FP8 forward: e4m3 q, k, v, bf16 out, and
+  descale (3, batch, num_kv_heads) float32 (all three extents dynamic, as the C glue's Dense3
+  fills them); the rest as fwd_signature."""
+  fp8, d, dv = cutlass.Float8E4M3FN, variant.head_dim, variant.head_dim_v
+  batch, seqlen_q, seqlen_k = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+  num_heads, num_kv_heads = cute.sym_int32(), cute.sym_int32()
+  q = _dense((batch, seqlen_q, num_heads, d), d, fp8)
+  k = _dense((batch, seqlen_k, num_kv_heads, d), d, fp8)
+  v = _dense((batch, seqlen_k, num_kv_heads, dv), dv, fp8)
+  out = _dense((batch, seqlen_q, num_heads, dv), dv, cutlass.BFloat16)
+  lse = make_fake_tensor(cutlass.Float32, (batch, num_heads, seqlen_q),
+                         (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=_ASSUMED_ALIGN)
+  sink = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), (1,), assumed_align=4)
+  descale = make_fake_tensor(cutlass.Float32, (cute.sym_int32(), batch, num_kv_heads),
+                             (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+  return q, k, v, out, lse, sink, descale
+
+
 def _checked(variant: config.KernelVariant, kernel_class) -> config.KernelVariant:
   """`variant`, or ValueError when its arch has no compiler target or the kernel refuses it."""
   if variant.arch not in _GPU_ARCH:
@@ -160,6 +180,8 @@ def _checked(variant: config.KernelVariant, kernel_class) -> config.KernelVarian
 
 def build_kernel(variant: config.KernelVariant) -> FlashAttentionForwardSm90:
   """The forward kernel object of a variant, or ValueError with the reason."""
+  if variant.dtype == config.FP8_DTYPE:
+    return FlashAttentionForwardFp8Sm90(_checked(variant, FlashAttentionForwardFp8Sm90))
   return FlashAttentionForwardSm90(_checked(variant, FlashAttentionForwardSm90))
 
 
@@ -176,12 +198,16 @@ def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
   out_dir.mkdir(parents=True, exist_ok=True)
   prefix = function_prefix(variant)
   start = time.perf_counter()
-  q, k, v, out, lse, sink, row_ids, col_ids, ranges, order, left, right, cap = (
-      fwd_signature(variant))
-  compiled = cute.compile(kernel, q, k, v, out, lse, sink, row_ids, col_ids, ranges, order,
-                          cutlass.Float32(1.0), cutlass.Int32(0), left, right, cap,
-                          make_fake_stream(),
-                          options=f"--gpu-arch {_GPU_ARCH[variant.arch]}")
+  options = f"--gpu-arch {_GPU_ARCH[variant.arch]}"
+  if variant.dtype == config.FP8_DTYPE:
+    compiled = cute.compile(kernel, *fp8_fwd_signature(variant), cutlass.Float32(1.0),
+                            cutlass.Int32(0), make_fake_stream(), options=options)
+  else:
+    q, k, v, out, lse, sink, row_ids, col_ids, ranges, order, left, right, cap = (
+        fwd_signature(variant))
+    compiled = cute.compile(kernel, q, k, v, out, lse, sink, row_ids, col_ids, ranges, order,
+                            cutlass.Float32(1.0), cutlass.Int32(0), left, right, cap,
+                            make_fake_stream(), options=options)
   compiled.export_to_c(str(out_dir), variant.key, prefix)
   seconds = time.perf_counter() - start
   object_path = out_dir / f"{variant.key}.o"
@@ -193,7 +219,7 @@ def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
 
 
 _DIRECTION_CODE = {"fwd": 0, "bwd": 1}
-_DTYPE_CODE = {"float16": 0, "bfloat16": 1}
+_DTYPE_CODE = {"float16": 0, "bfloat16": 1, config.FP8_DTYPE: 2}
 
 
 def glue_defines(variant: config.KernelVariant, parts: dict) -> tuple[str, ...]:

@@ -65,6 +65,7 @@ class FlashAttentionForwardSm90:
   def __init__(self, variant: config.KernelVariant):
     schedule = variant.schedule
     self.dtype = DTYPES[variant.dtype]
+    self.out_dtype = self.dtype  # O's type (the FP8 kernel writes bf16)
     self.head_dim = variant.head_dim
     self.head_dim_v = variant.head_dim_v
     # WGMMA's K step is 16 elements; the shipped head dims (64 to 256) are multiples of 32.
@@ -169,14 +170,28 @@ class FlashAttentionForwardSm90:
     if const_expr(self.masked != (mRanges is not None)):
       raise TypeError("the mask operands are passed exactly to masked variants")
     self._setup_attributes()
-    # Kernel-side order puts the tile modes first: (seqlen, head_dim, heads, batch).
-    mQ, mK, mO = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
-    mVt = _select(mV, [3, 1, 2, 0])  # (head_dim_v, seqlen_k, num_kv_heads, batch)
-    mLSE = _select(mLSE, [2, 1, 0])  # (seqlen_q, num_heads, batch)
+    (tma_q, tma_k, tma_v, tma_o), (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), mLSE, grid = (
+        self._tma_operands(mQ, mK, mV, mO, mLSE))
     if const_expr(self.masked):
       mQIds, mKIds = [_select(t, [1, 0]) for t in (mQIds, mKIds)]  # (positions, batch)
       mRanges = _select(mRanges, [2, 1, 0])  # (4, m blocks, batch)
+    self.kernel(
+        tma_q, tma_k, tma_v, tma_o, mLSE, mSink,
+        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
+        softmax_scale, has_sink,
+        self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout,
+        self.tiled_mma_qk, self.tiled_mma_pv,
+        mQIds, mKIds, mRanges, mOrder, window_left, window_right, softcap,
+    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
+  def _tma_operands(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                    mLSE: cute.Tensor):
+    """The TMA coordinate tensors and atoms of Q, K, V (loads) and O (store), lse in kernel
+    order, and the grid. Kernel-side order puts the tile modes first: (seqlen, head_dim, heads,
+    batch); V as (head_dim_v, seqlen_k, num_kv_heads, batch); lse (seqlen_q, num_heads, batch).
+    """
+    mQ, mK, mO = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
+    mVt = _select(mV, [3, 1, 2, 0])
     load_op = cpasync.CopyBulkTensorTileG2SOp()
     tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
         load_op, mQ, self.sQ_layout, (self.tile_m, self.head_dim))
@@ -188,18 +203,11 @@ class FlashAttentionForwardSm90:
     # TMA stores clip at the tensor bounds: rows >= seqlen_q are never written.
     tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
         cpasync.CopyBulkTensorTileS2GOp(), mO, self.sO_layout, (self.tile_m, self.head_dim_v))
-
     num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
     grid = tile_scheduler.StaticTileScheduler.grid_shape(
         num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]), self.persistent)
-    self.kernel(
-        tma_q, tma_k, tma_v, tma_o, mLSE, mSink,
-        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
-        softmax_scale, has_sink,
-        self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout,
-        self.tiled_mma_qk, self.tiled_mma_pv,
-        mQIds, mKIds, mRanges, mOrder, window_left, window_right, softcap,
-    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+    return ((tma_q, tma_k, tma_v, tma_o), (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o),
+            _select(mLSE, [2, 1, 0]), grid)
 
   @cute.kernel
   def kernel(
@@ -232,9 +240,7 @@ class FlashAttentionForwardSm90:
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    if warp_idx == 0:
-      for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
-        cpasync.prefetch_descriptor(atom)
+    self._prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o))
 
     storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
     pipeline_q, pipeline_k, pipeline_v = self._make_pipelines(storage)
@@ -275,19 +281,30 @@ class FlashAttentionForwardSm90:
                tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, softmax_scale, scheduler,
                mQ.shape[0], mK.shape[0], masking)
 
-  def _make_pipelines(self, storage):
+  @cute.jit
+  def _prefetch_descriptors(self, warp_idx: Int32, atoms):
+    """Warp 0 prefetches the TMA descriptors."""
+    if warp_idx == 0:
+      for atom in atoms:
+        cpasync.prefetch_descriptor(atom)
+
+  def _make_pipelines(self, storage, v_consumer_warps: Optional[int] = None):
     """TMA pipelines: one elected producer thread arrives; consumers release per warp.
 
-    K/V slots are released by lane 0 of every consumer warp; the Q slot only by the warp that
-    stores O (after the store has read shared memory, since O reuses Q's buffer).
+    K/V slots are released by lane 0 of every consumer warp (V's consumers: v_consumer_warps
+    warps, default the MMA warps); the Q slot only by the warp that stores O (after the store
+    has read shared memory, since O reuses Q's buffer).
     """
     producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
     consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                          self.num_mma_threads // _WARP_THREADS)
+    v_consumer = consumer if v_consumer_warps is None else pipeline.CooperativeGroup(
+        pipeline.Agent.Thread, v_consumer_warps)
     made = []
     for mbar, stages, tx, group in ((storage.mbar_q, 1, self.tma_bytes_q, producer),
                                     (storage.mbar_k, self.num_stages, self.tma_bytes_k, consumer),
-                                    (storage.mbar_v, self.num_stages, self.tma_bytes_v, consumer)):
+                                    (storage.mbar_v, self.num_stages, self.tma_bytes_v,
+                                     v_consumer)):
       made.append(pipeline.PipelineTmaAsync.create(
           barrier_storage=mbar.data_ptr(), num_stages=stages, producer_group=producer,
           consumer_group=group, tx_count=tx, defer_sync=True))
@@ -402,10 +419,10 @@ class FlashAttentionForwardSm90:
     tScS_mn = softmax.make_acc_mn_view(
         thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
     num_rows = cute.size(tScS_mn, mode=[0])
-    online = softmax.OnlineSoftmax.create(softmax_scale * softmax.LOG2_E, num_rows)
+    online = self._online_softmax(softmax_scale, num_rows, scheduler)
     row_scale = cute.make_rmem_tensor(num_rows, Float32)
     # P of the previous key block: with intra-warpgroup overlap it lives across iterations.
-    tOrP = softmax.make_p_fragment(acc_shape_s, self.dtype)
+    tOrP = self._p_fragment(thr_mma_pv, acc_shape_s)
     # Masked: the segment ids of this thread's query rows (per tile).
     row_ids = cute.make_rmem_tensor(num_rows, Int32) if const_expr(self.masked) else None
     c = _Consumer(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_s, acc_o, tOrP,
@@ -517,6 +534,16 @@ class FlashAttentionForwardSm90:
     if const_expr(after_softmax == (self.masked and is_masked)):
       c.pipeline_k.consumer_release(kv_state)
 
+  # P's registers and the softmax state: the FP8 kernel (fwd_fp8_sm90) replaces these.
+  def _p_fragment(self, thr_mma_pv, acc_shape_s):
+    return softmax.make_p_fragment(acc_shape_s, self.dtype)
+
+  def _convert_p(self, acc_s: cute.Tensor, p: cute.Tensor):
+    softmax.convert_p(acc_s, p)
+
+  def _online_softmax(self, softmax_scale: Float32, num_rows: int, scheduler):
+    return softmax.OnlineSoftmax.create(softmax_scale * softmax.LOG2_E, num_rows)
+
   # The consumer GEMMs and O rescale, one place each (first_block, overlap_step and last_block
   # order them differently).
   def _new_acc_s(self, c):
@@ -547,7 +574,7 @@ class FlashAttentionForwardSm90:
     self._release_k(c, kv_state, True, False)
     self._softmax(c, acc_s, m_block, n_block, seqlen_q, seqlen_k, True, kv_state)
     self._release_k(c, kv_state, True, True)
-    softmax.convert_p(acc_s, c.tOrP)
+    self._convert_p(acc_s, c.tOrP)
 
   @cute.jit
   def overlap_step(self, c, kv_state, v_state, wg: Int32, m_block: Int32, n_block: Int32,
@@ -578,7 +605,7 @@ class FlashAttentionForwardSm90:
     warpgroup.wait_group(0)
     pipeline_v.consumer_release(v_state)
     # P of the previous block is free only now (the PV GEMM read it from registers).
-    softmax.convert_p(acc_s, c.tOrP)
+    self._convert_p(acc_s, c.tOrP)
     if const_expr(not self.rescale_o_before_pv):
       self._rescale_o(c)
 
@@ -625,16 +652,16 @@ class FlashAttentionForwardSm90:
 
     # sO aliases sQ: every warpgroup must be past its last QK^T GEMM before anyone writes O.
     cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
-    r_o = cute.make_rmem_tensor(acc_o.layout.shape, self.dtype)
-    r_o.store(acc_o.load().to(self.dtype))
-    store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
+    r_o = cute.make_rmem_tensor(acc_o.layout.shape, self.out_dtype)
+    r_o.store(acc_o.load().to(self.out_dtype))
+    store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.out_dtype, Float32)
     tiled_copy_r2s = cute.make_tiled_copy_S(
         store_atom, cute.make_tiled_copy_C_atom(store_atom, tiled_mma_pv))
     thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
     # retile() orders the values as the copy consumes them but nests the modes differently from
     # the smem partition; copy them by flat index into a fragment of the partition's shape.
     tRS_rO_retiled = tiled_copy_r2s.retile(r_o)
-    tRS_rO = cute.make_rmem_tensor_like(thr_copy_r2s.partition_S(sO), self.dtype)
+    tRS_rO = cute.make_rmem_tensor_like(thr_copy_r2s.partition_S(sO), self.out_dtype)
     for i in cutlass.range_constexpr(cute.size(tRS_rO)):
       tRS_rO[i] = tRS_rO_retiled[i]
     cute.copy(tiled_copy_r2s, tRS_rO, thr_copy_r2s.partition_D(sO))

@@ -13,7 +13,8 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.utils import LayoutEnum
 
 # config.KERNEL_DTYPES -> the element types of the kernels.
-DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16,
+          "float8_e4m3fn": cutlass.Float8E4M3FN}
 # Each shared buffer starts on a 1 KiB boundary: the 128B swizzle pattern repeats every 1 KiB.
 SMEM_ALIGN = 1024
 # sm_90 opt-in shared memory per block: 227 KiB.

@@ -9,7 +9,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -106,11 +106,17 @@ class OnlineSoftmax:
   num_rows: int
   row_max: cute.Tensor
   row_sum: cute.Tensor
+  # Trace-time constants: how far a block's max may exceed row_max before row_max moves, and
+  # a power of two every P carries (log2 units; the FP8 kernel's P fills e4m3's range with 8
+  # and threshold 0, so P <= 2^8 < 448). row_sum carries it too, and finalize removes it.
+  threshold_log2: float = RESCALE_THRESHOLD_LOG2
+  p_offset_log2: float = 0.0
 
   @staticmethod
-  def create(scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
+  def create(scale_log2: Float32, num_rows: int, threshold_log2: float = RESCALE_THRESHOLD_LOG2,
+             p_offset_log2: float = 0.0) -> "OnlineSoftmax":
     s = OnlineSoftmax(scale_log2, num_rows, cute.make_rmem_tensor(num_rows, Float32),
-                      cute.make_rmem_tensor(num_rows, Float32))
+                      cute.make_rmem_tensor(num_rows, Float32), threshold_log2, p_offset_log2)
     s.reset()
     return s
 
@@ -145,7 +151,7 @@ class OnlineSoftmax:
       # has none: the max stays -inf and the row's p stay 0 (shift 0 below).
       grow = (cur_max - prev) * self.scale_log2
       new_max = prev
-      if grow > RESCALE_THRESHOLD_LOG2:
+      if grow > self.threshold_log2:
         new_max = cur_max
         moved = Int32(1)
       self.row_max[i] = new_max
@@ -153,6 +159,8 @@ class OnlineSoftmax:
       if new_max == -Float32.inf:
         safe_max = Float32(0.0)
       shift = safe_max * self.scale_log2
+      if const_expr(self.p_offset_log2 != 0.0):
+        shift = shift - self.p_offset_log2
       row_sum = Float32(0.0)
       for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
         p = cute.math.exp2(acc_s_mn[i, j] * self.scale_log2 - shift, fastmath=True)
@@ -208,6 +216,8 @@ class OnlineSoftmax:
       row_lse = sink_log2 * LN_2
       if row_sum > 0.0:
         a = self.row_max[i] * self.scale_log2
+        if const_expr(self.p_offset_log2 != 0.0):
+          a = a - self.p_offset_log2
         m = cute.arch.fmax(a, sink_log2)
         keep = cute.math.exp2(a - m, fastmath=True)  # 1 unless the sink dominates
         total = row_sum * keep + cute.math.exp2(sink_log2 - m, fastmath=True)

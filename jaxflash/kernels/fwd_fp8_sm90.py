@@ -1,0 +1,257 @@
+"""Hopper (sm_90a) FP8 forward: e4m3 Q, K, V with per-(batch, kv head) descales, bf16 O.
+
+Imports cutlass, jaxflash.config and the sibling helper modules only (never jax).
+"""
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import warpgroup
+
+from jaxflash import config
+from jaxflash.kernels import fp8_operands
+from jaxflash.kernels import sm90_gemm
+from jaxflash.kernels import softmax
+from jaxflash.kernels import tile_scheduler
+from jaxflash.kernels.fwd_sm90 import FlashAttentionForwardSm90
+
+_select = sm90_gemm.select_modes
+_WARPGROUP_THREADS = sm90_gemm.WARPGROUP_THREADS
+_WARP_THREADS = sm90_gemm.WARP_THREADS
+FP8 = cutlass.Float8E4M3FN
+# Warps 1-3 of the producer warpgroup transpose V (warp 0 issues the TMA loads).
+_TRANSPOSE_WARPS = 3
+# (producer, consumer) registers per thread: the transposing warps hold a few addresses and
+# four 32-bit registers per unit.
+_REGISTER_SPLIT = (40, 232)
+# P = 2^(s - max + 8) <= 256 < 448 (e4m3's largest): small probabilities keep their bits.
+_P_OFFSET_LOG2 = 8.0
+
+
+class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
+  """The forward of fwd_sm90 with e4m3 operands for both GEMMs.
+
+  - S = Q K^T in e4m3 (both K-major, as TMA loads them), scaled in the softmax by
+    softmax_scale * q_descale * k_descale of the tile's (batch, kv head).
+  - P: exp2 against the row max (rescaled whenever the max grows: threshold 0) times 2^8, then
+    packed to e4m3 in registers in the key order of fp8_operands; row sums and lse carry and
+    then drop the 2^8.
+  - V: TMA brings each key block with head_dim_v contiguous; warps 1-3 of the producer
+    warpgroup write V^T (keys contiguous, the same key order) into a second ring that the
+    consumers' P V GEMM reads. V ring: TMA -> transposers; V^T ring: transposers -> consumers.
+  - O = P V * v_descale / row sum, stored as bf16 through its own shared buffer.
+  One CTA per tile (the descales are per tile): dense, causal or not, GQA/MQA.
+  """
+
+  def __init__(self, variant: config.KernelVariant):
+    super().__init__(variant)
+    self.dtype = FP8
+    self.out_dtype = cutlass.BFloat16
+    self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT
+
+  @staticmethod
+  def smem_bytes(variant: config.KernelVariant, elem_bytes: int = 1) -> int:
+    """Q, the K, V and V^T rings (e4m3), O (bf16), mbarriers, alignment."""
+    aligned = sm90_gemm.smem_aligned
+    s, d, dv = variant.schedule, variant.head_dim, variant.head_dim_v
+    return (aligned(s.tile_m * d) + aligned(s.num_stages * s.tile_n * d)
+            + 2 * aligned(s.num_stages * s.tile_n * dv) + aligned(s.tile_m * dv * 2)
+            + sm90_gemm.SMEM_ALIGN)
+
+  @staticmethod
+  def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:
+    if variant.direction != "fwd" or variant.dtype != config.FP8_DTYPE:
+      return False, f"variant {variant.key} is not an FP8 forward variant"
+    if variant.masked or variant.schedule.persistent:
+      return False, f"variant {variant.key}: FP8 runs dense tiles, one CTA each"
+    if variant.schedule.tile_n % fp8_operands.UNIT_KEYS or (
+        variant.head_dim_v % fp8_operands.UNIT_DIMS):
+      return False, f"variant {variant.key}: tile_n % 16 and head_dim_v % 32 must be 0"
+    return True, ""
+
+  def _setup_attributes(self):
+    k_major = warpgroup.OperandMajorMode.K
+    atoms = (self.num_mma_warpgroups, 1, 1)
+    self.tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+        FP8, FP8, k_major, k_major, Float32, atoms, (64, self.tile_n))
+    self.tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+        FP8, FP8, k_major, k_major, Float32, atoms, (64, self.head_dim_v),
+        a_source=warpgroup.OperandSource.RMEM)
+    self.sQ_layout = sm90_gemm.smem_layout(FP8, self.tile_m, self.head_dim)
+    self.sK_layout = sm90_gemm.smem_layout(FP8, self.tile_n, self.head_dim, self.num_stages)
+    # The TMA tile of V: (head_dim_v, tile_n), head_dim_v contiguous; V^T: keys contiguous.
+    self.sV_layout = sm90_gemm.smem_layout(FP8, self.head_dim_v, self.tile_n, self.num_stages,
+                                           col_major=True)
+    self.sVt_layout = sm90_gemm.smem_layout(FP8, self.head_dim_v, self.tile_n, self.num_stages)
+    self.sO_layout = sm90_gemm.smem_layout(self.out_dtype, self.tile_m, self.head_dim_v)
+    self.tma_bytes_q = cute.size_in_bytes(FP8, self.sQ_layout)
+    self.tma_bytes_k = cute.size_in_bytes(FP8, cute.slice_(self.sK_layout, (None, None, 0)))
+    self.tma_bytes_v = cute.size_in_bytes(FP8, cute.slice_(self.sV_layout, (None, None, 0)))
+    stages = self.num_stages
+    fields = dict(
+        mbar_q=cute.struct.MemRange[cutlass.Int64, 2],
+        mbar_k=cute.struct.MemRange[cutlass.Int64, 2 * stages],
+        mbar_v=cute.struct.MemRange[cutlass.Int64, 2 * stages],
+        mbar_vt=cute.struct.MemRange[cutlass.Int64, 2 * stages],
+        sQ=sm90_gemm.smem_buffer(FP8, cute.cosize(self.sQ_layout)),
+        sK=sm90_gemm.smem_buffer(FP8, cute.cosize(self.sK_layout)),
+        sV=sm90_gemm.smem_buffer(FP8, cute.cosize(self.sV_layout)),
+        sVt=sm90_gemm.smem_buffer(FP8, cute.cosize(self.sVt_layout)),
+        sO=sm90_gemm.smem_buffer(self.out_dtype, cute.cosize(self.sO_layout)))
+    self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+  @cute.jit
+  def __call__(
+      self,
+      mQ: cute.Tensor,  # (batch, seqlen_q, num_heads, head_dim) e4m3
+      mK: cute.Tensor,  # (batch, seqlen_k, num_kv_heads, head_dim) e4m3
+      mV: cute.Tensor,  # (batch, seqlen_k, num_kv_heads, head_dim_v) e4m3
+      mO: cute.Tensor,  # (batch, seqlen_q, num_heads, head_dim_v) bf16
+      mLSE: cute.Tensor,  # (batch, num_heads, seqlen_q) float32
+      mSink: cute.Tensor,  # (num_heads,) float32, read when has_sink
+      mDescale: cute.Tensor,  # (3, batch, num_kv_heads) float32: q, k, v descales
+      softmax_scale: Float32,
+      has_sink: Int32,
+      stream: cuda.CUstream,
+  ):
+    if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == FP8
+                       and mO.element_type == self.out_dtype)):
+      raise TypeError(f"q, k, v must be {FP8} and out {self.out_dtype}")
+    if const_expr(not (mLSE.element_type == mSink.element_type == mDescale.element_type
+                       == Float32)):
+      raise TypeError("lse, sink and descales must be Float32")
+    self._setup_attributes()
+    (tma_q, tma_k, tma_v, tma_o), (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), mLSE, grid = (
+        self._tma_operands(mQ, mK, mV, mO, mLSE))
+    mDescale = _select(mDescale, [0, 2, 1])  # (3, num_kv_heads, batch)
+    self.kernel(
+        tma_q, tma_k, tma_v, tma_o, mLSE, mSink, mDescale,
+        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o, softmax_scale, has_sink,
+        self.sQ_layout, self.sK_layout, self.sV_layout, self.sVt_layout, self.sO_layout,
+        self.tiled_mma_qk, self.tiled_mma_pv,
+    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+  @cute.kernel
+  def kernel(
+      self,
+      mQ: cute.Tensor,
+      mK: cute.Tensor,
+      mV: cute.Tensor,
+      mO: cute.Tensor,
+      mLSE: cute.Tensor,
+      mSink: cute.Tensor,
+      mDescale: cute.Tensor,  # (3, num_kv_heads, batch)
+      tma_atom_q: cute.CopyAtom,
+      tma_atom_k: cute.CopyAtom,
+      tma_atom_v: cute.CopyAtom,
+      tma_atom_o: cute.CopyAtom,
+      softmax_scale: Float32,
+      has_sink: Int32,
+      sQ_layout: cute.ComposedLayout,
+      sK_layout: cute.ComposedLayout,
+      sV_layout: cute.ComposedLayout,
+      sVt_layout: cute.ComposedLayout,
+      sO_layout: cute.ComposedLayout,
+      tiled_mma_qk: cute.TiledMma,
+      tiled_mma_pv: cute.TiledMma,
+  ):
+    tidx, _, _ = cute.arch.thread_idx()
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    self._prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o))
+    storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+    pipeline_q, pipeline_k, pipeline_v = self._make_pipelines(storage, _TRANSPOSE_WARPS)
+    pipeline_vt = pipeline.PipelineAsync.create(
+        barrier_storage=storage.mbar_vt.data_ptr(), num_stages=self.num_stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                 _TRANSPOSE_WARPS * _WARP_THREADS),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+        defer_sync=True)
+    sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+    sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+    sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+    sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
+    sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+    cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+
+    scheduler = tile_scheduler.StaticTileScheduler(
+        cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3], mK.shape[0],
+        kv_bytes_per_key=self.head_dim + self.head_dim_v, lpt=self.lpt, persistent=False)
+    self.descale = mDescale
+    self.q_per_kv = mQ.shape[2] // mK.shape[2]
+    warpgroup_idx = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS)
+    if warpgroup_idx == 0:
+      cute.arch.setmaxregister_decrease(self.num_producer_regs)
+      if warp_idx == 0:
+        self.load(mQ, mK, mV, tma_atom_q, tma_atom_k, tma_atom_v, sQ, sK, sV,
+                  pipeline_q, pipeline_k, pipeline_v, scheduler, None)
+      else:
+        self.transpose_v(storage.sV.data_ptr(), sV_layout, storage.sVt.data_ptr(), sVt_layout,
+                         pipeline_v, pipeline_vt, scheduler, mQ.shape[0], mK.shape[0],
+                         warp_idx - 1)
+    else:
+      cute.arch.setmaxregister_increase(self.num_mma_regs)
+      self.mma(mO, mLSE, mSink, has_sink, tma_atom_o, sQ, sK, sVt, sO, tiled_mma_qk,
+               tiled_mma_pv, pipeline_q, pipeline_k, pipeline_vt, softmax_scale, scheduler,
+               mQ.shape[0], mK.shape[0], None)
+
+  @cute.jit
+  def transpose_v(self, v_ptr: cute.Pointer, sV_layout: cute.ComposedLayout,
+                  vt_ptr: cute.Pointer, sVt_layout: cute.ComposedLayout, pipeline_v,
+                  pipeline_vt, scheduler, seqlen_q: Int32, seqlen_k: Int32, warp: Int32):
+    """Warps 1-3: each V stage the TMA filled becomes a V^T stage (fp8_operands), in the order
+    the loader fills them (the key blocks of each tile, last first)."""
+    lane = cute.arch.lane_idx()
+    v_base = v_ptr.toint()
+    vt_base = vt_ptr.toint()
+    units_n = self.tile_n // fp8_operands.UNIT_KEYS
+    units = units_n * (self.head_dim_v // fp8_operands.UNIT_DIMS)
+    v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+    vt_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+    tile = scheduler.first_tile()
+    while tile < scheduler.total_tiles:
+      _, _, _, n_min, n_max = self._tile_and_key_blocks(scheduler, tile, None, seqlen_q,
+                                                        seqlen_k)
+      for _ in cutlass.range(n_max - n_min, unroll=1):
+        pipeline_v.consumer_wait(v_state)
+        pipeline_vt.producer_acquire(vt_state)
+        for u in cutlass.range(warp, units, _TRANSPOSE_WARPS, unroll=1):
+          fp8_operands.transpose_v_unit(
+              v_base, sV_layout, vt_base, sVt_layout, v_state.index,
+              (u % units_n) * fp8_operands.UNIT_KEYS, (u // units_n) * fp8_operands.UNIT_DIMS,
+              lane)
+        # stmatrix writes are generic-proxy; the consumers' WGMMA reads through the async one.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        pipeline_vt.producer_commit(vt_state)
+        pipeline_v.consumer_release(v_state)
+        v_state.advance()
+        vt_state.advance()
+      tile = scheduler.next_tile(tile)
+
+  def _p_fragment(self, thr_mma_pv, acc_shape_s):
+    return cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((self.tile_m, self.tile_n)), FP8)
+
+  def _convert_p(self, acc_s: cute.Tensor, p: cute.Tensor):
+    fp8_operands.convert_p(acc_s, p)
+
+  def _online_softmax(self, softmax_scale: Float32, num_rows: int, scheduler):
+    """The scores' scale of this CTA's one tile: softmax_scale * q_descale * k_descale."""
+    _, head, batch = scheduler.decode(scheduler.first_tile())
+    head_kv = head // self.q_per_kv
+    scale = softmax_scale * self.descale[0, head_kv, batch] * self.descale[1, head_kv, batch]
+    return softmax.OnlineSoftmax.create(scale * softmax.LOG2_E, num_rows, threshold_log2=0.0,
+                                        p_offset_log2=_P_OFFSET_LOG2)
+
+  def epilogue(self, mO: cute.Tensor, mLSE: cute.Tensor, mSink: cute.Tensor, has_sink: Int32,
+               tma_atom_o: cute.CopyAtom, sO: cute.Tensor, tiled_mma_pv: cute.TiledMma,
+               thr_mma_pv, acc_o: cute.Tensor, online, pipeline_q, q_state, m_block: Int32,
+               head: Int32, batch: Int32, seqlen_q: Int32):
+    """O *= v_descale, then fwd_sm90's epilogue (normalise, lse, bf16 store)."""
+    v_descale = self.descale[2, head // self.q_per_kv, batch]
+    for i in range(cute.size(acc_o)):
+      acc_o[i] = acc_o[i] * v_descale
+    super().epilogue(mO, mLSE, mSink, has_sink, tma_atom_o, sO, tiled_mma_pv, thr_mma_pv,
+                     acc_o, online, pipeline_q, q_state, m_block, head, batch, seqlen_q)

@@ -1,0 +1,149 @@
+"""The FP8 forward kernels on a Hopper GPU against the float64 oracle of the dequantized inputs.
+
+Each call's error must be at most 2x that of the naive FP8 computation (fp8.naive_fp8_attention:
+S of the e4m3 inputs, P rounded to e4m3, out rounded to bf16 as the kernel's). Outputs are poisoned: the raw FFI call writes into
+donated NaN-filled buffers (checked to be the same memory).
+Run with prebuilt kernels (scripts/gpu_check.sh).
+"""
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import config, ffi, fp8, reference
+from jaxflash.config import FWD_TARGET, AttentionConfig
+from tests._cases import x64
+from tests._oracle import assert_close_to_oracle
+
+pytestmark = pytest.mark.gpu
+
+VARIANTS = [v for v in config.shipped_variants() if v.dtype == config.FP8_DTYPE]
+SHAPES = {  # name -> (batch, seq_q, seq_k, heads, kv_heads)
+    "s1": (3, 1, 1, 4, 4),
+    "s17_gqa8": (2, 17, 17, 8, 1),
+    "q300_k200": (2, 300, 200, 4, 2),
+    "q200_k300_mqa": (1, 200, 300, 4, 1),
+    "s4097": (1, 4097, 4097, 2, 2),
+    "q1000_k17": (1, 1000, 17, 4, 4),  # causal: the first 983 rows see no key
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+  for variant in VARIANTS:
+    ffi.ensure_variant(variant)  # fails with the build command if the cache lacks one
+
+
+def _inputs(seed, shape, head_dim):
+  """Fresh bf16 inputs quantized per (batch, kv head)."""
+  b, seq_q, seq_k, h, hk = shape
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((b, seq_q, h, head_dim)), jnp.bfloat16)
+  k, v = (jnp.asarray(rng.standard_normal((b, seq_k, hk, head_dim)), jnp.bfloat16)
+          for _ in range(2))
+  return jaxflash.quantize_fp8(q, k, v)
+
+
+@functools.partial(jax.jit, static_argnames=("variant", "cfg"), donate_argnums=(4, 5),
+                   keep_unused=True)
+def _fwd_into(q8, k8, v8, descale, out_buffer, lse_buffer, *sink, variant, cfg):
+  del out_buffer, lse_buffer  # donated: XLA writes the results into their memory
+  b, seq_q, h, d = q8.shape
+  result = (jax.ShapeDtypeStruct((b, seq_q, h, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, h, seq_q), jnp.float32))
+  return jax.ffi.ffi_call(FWD_TARGET, result)(q8, k8, v8, descale, *sink,
+                                              **ffi.fwd_attributes(variant, cfg))
+
+
+def poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg, sink=None):
+  """The raw custom call (the sink, when given, after the descales) into NaN-filled buffers."""
+  b, seq_q, h, d = q8.shape
+  out_buffer = jnp.full((b, seq_q, h, d), jnp.nan, jnp.bfloat16)
+  lse_buffer = jnp.full((b, h, seq_q), jnp.nan, jnp.float32)
+  pointers = (out_buffer.unsafe_buffer_pointer(), lse_buffer.unsafe_buffer_pointer())
+  out, lse = _fwd_into(q8, k8, v8, jnp.stack([qd, kd, vd]), out_buffer, lse_buffer,
+                       *(() if sink is None else (sink,)), variant=variant, cfg=cfg)
+  assert (out.unsafe_buffer_pointer(), lse.unsafe_buffer_pointer()) == pointers, (
+      "XLA did not write into the poisoned buffers: the test would miss unwritten elements")
+  return out, lse
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.key for v in VARIANTS])
+def test_fp8_forward_matches_float64_oracle(variant, shape):
+  q8, k8, v8, qd, kd, vd = _inputs(zlib.crc32(f"{variant.key}{shape}".encode()), shape,
+                                   variant.head_dim)
+  cfg = AttentionConfig(softmax_scale=variant.head_dim ** -0.5, causal=variant.causal,
+                        implementation="cute")
+  raw_out, raw_lse = poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg)
+  descales = fp8.check_descales(q8, k8, v8, qd, kd, vd)
+  naive_out, naive_lse = fp8.naive_fp8_attention(q8, k8, v8, descales, cfg)
+  naive_out = naive_out.astype(jnp.bfloat16)  # the kernel writes bf16: round the naive out too
+  deq = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, None)
+  with x64():
+    want_out, want_lse = (np.asarray(x) for x in reference.naive_attention(
+        *(x.astype(jnp.float64) for x in deq), cfg.replace(implementation="reference")))
+  assert_close_to_oracle(raw_out, want_out, naive_out, name="out")
+  assert_close_to_oracle(raw_lse, want_lse, naive_lse, name="lse")
+  # The public path runs the same kernel: bitwise equal.
+  out, lse = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                causal=variant.causal, return_lse=True, implementation="cute")
+  np.testing.assert_array_equal(out, raw_out)
+  np.testing.assert_array_equal(lse, raw_lse)
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:2], ids=[v.key for v in VARIANTS[:2]])
+def test_fp8_forward_is_bitwise_reproducible(variant):
+  q8, k8, v8, qd, kd, vd = _inputs(7, (2, 700, 700, 4, 2), variant.head_dim)
+  cfg = AttentionConfig(softmax_scale=variant.head_dim ** -0.5, causal=variant.causal,
+                        implementation="cute")
+  first = poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg)
+  second = poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg)
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(a, b)
+
+
+SINK_SHAPES = {"q300_k200_gqa": (2, 300, 200, 4, 2), "q1000_k17": (1, 1000, 17, 4, 4)}
+
+
+@pytest.mark.parametrize("shape", SINK_SHAPES.values(), ids=SINK_SHAPES.keys())
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.key for v in VARIANTS])
+def test_fp8_forward_with_learnable_sink_matches_float64_oracle(variant, shape):
+  """Head 0 has no sink (-inf, bit-equal to the call without one), head 1's sink (40)
+  dominates every row, the rest N(1, 2); rows without keys output 0 with lse = their sink."""
+  q8, k8, v8, qd, kd, vd = _inputs(zlib.crc32(f"sink{variant.key}{shape}".encode()), shape,
+                                   variant.head_dim)
+  h = shape[3]
+  sink = jnp.asarray([-np.inf, 40.0, *np.random.default_rng(3).normal(1.0, 2.0, h - 2)],
+                     jnp.float32)
+  cfg = AttentionConfig(softmax_scale=variant.head_dim ** -0.5, causal=variant.causal,
+                        implementation="cute")
+  raw_out, raw_lse = poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg, sink)
+  descales = fp8.check_descales(q8, k8, v8, qd, kd, vd)
+  naive_out, naive_lse = fp8.naive_fp8_attention(q8, k8, v8, descales, cfg, sink)
+  naive_out = naive_out.astype(jnp.bfloat16)
+  deq = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, None)
+  with x64():
+    want_out, want_lse = (np.asarray(x) for x in reference.naive_attention(
+        *(x.astype(jnp.float64) for x in deq), cfg.replace(implementation="reference"),
+        learnable_sink=sink.astype(jnp.float64)))
+  assert_close_to_oracle(raw_out, want_out, naive_out, name="out")
+  assert_close_to_oracle(raw_lse, want_lse, naive_lse, name="lse")
+  plain_out, plain_lse = poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg)
+  np.testing.assert_array_equal(raw_out[:, :, 0], plain_out[:, :, 0])
+  np.testing.assert_array_equal(raw_lse[:, 0], plain_lse[:, 0])
+  no_key = np.isneginf(np.asarray(plain_lse))
+  if no_key.any():
+    assert not np.asarray(raw_out, np.float32)[np.moveaxis(no_key, 1, 2)].any()
+    sinks = np.broadcast_to(np.asarray(sink)[None, :, None], no_key.shape)
+    np.testing.assert_allclose(np.asarray(raw_lse)[no_key], sinks[no_key], rtol=1e-6)
+  out, lse = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                learnable_sink=sink, causal=variant.causal, return_lse=True,
+                                implementation="cute")
+  np.testing.assert_array_equal(out, raw_out)
+  np.testing.assert_array_equal(lse, raw_lse)
