@@ -1,8 +1,10 @@
 """The FP8 forward kernels on a Hopper GPU against the float64 oracle of the dequantized inputs.
 
-Each call's error must be at most 2x that of the naive FP8 computation (fp8.naive_fp8_attention:
-S of the e4m3 inputs, P rounded to e4m3, out rounded to bf16 as the kernel's). Outputs are poisoned: the raw FFI call writes into
-donated NaN-filled buffers (checked to be the same memory).
+Each call's out error must be at most 2x that of the naive FP8 computation
+(fp8.naive_fp8_attention: S of the e4m3 inputs, P rounded to e4m3, out rounded to bf16 as the
+kernel's). lse has its own bound (assert_lse_close): the e4m3 WGMMA sums a score's products with
+fewer bits than float32. Outputs are poisoned: the raw FFI call writes into donated NaN-filled
+buffers (checked to be the same memory).
 Run with prebuilt kernels (scripts/gpu_check.sh).
 """
 
@@ -73,6 +75,38 @@ def poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg, sink=None):
   return out, lse
 
 
+# The e4m3 WGMMA's float32 accumulator keeps fewer bits of a score's sum of products than a
+# float32 sum (one-key calls, whose lse is q.k: relative error 5e-5 at head_dim 64 up to 1.7e-4
+# at head_dim 256, docs/kernels.md "FP8 forward"). lse moves by at most its largest score
+# error, so a row's lse may miss by this fraction of its largest sum of |products|.
+SCORE_SUM_BITS = 13
+
+
+def assert_lse_close(lse, want64, naive, deq, cfg):
+  """Per row: |lse - oracle| <= 2 |naive - oracle| + 2^-SCORE_SUM_BITS * scale * max over
+  visible keys of sum_i |q_i k_i| (dequantized), + 1e-6 |oracle|. Rows without keys (and a
+  sink's rows) match the oracle's -inf exactly; NaN never passes."""
+  a, e, n = (np.asarray(x, np.float64) for x in (lse, want64, naive))
+  assert not np.isnan(a).any(), f"lse: {int(np.isnan(a).sum())} NaN entries"
+  inf = ~np.isfinite(e)
+  assert np.array_equal(a[inf], e[inf]), "lse: infinite oracle entries not matched"
+  q, k = (np.abs(np.asarray(x, np.float64)) for x in deq[:2])
+  group = q.shape[2] // k.shape[2]
+  terms = np.matmul(q.transpose(0, 2, 1, 3),  # (b, h, seq_q, seq_k)
+                    np.repeat(k, group, axis=2).transpose(0, 2, 3, 1)) * cfg.softmax_scale
+  seq_q, seq_k = q.shape[1], k.shape[1]
+  visible = np.asarray(reference.visible_mask(cfg, seq_q, seq_k, jnp.arange(seq_q),
+                                              jnp.arange(seq_k)))
+  largest = np.where(visible, terms, 0.0).max(axis=-1)  # (b, h, seq_q)
+  finite = lambda x: np.where(inf, 0.0, x)  # rows without keys: matched above
+  bound = finite(2 * np.abs(n - e) + 1e-6 * np.abs(e)) + 2.0 ** -SCORE_SUM_BITS * largest
+  err = finite(np.abs(a - e))
+  worst = np.unravel_index(np.argmax(err - bound), err.shape)
+  assert (err <= bound).all(), (
+      f"lse: {int((err > bound).sum())} rows over the bound; worst {worst}: error "
+      f"{err[worst]:.3e} > bound {bound[worst]:.3e}")
+
+
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v.key for v in VARIANTS])
 def test_fp8_forward_matches_float64_oracle(variant, shape):
@@ -89,7 +123,7 @@ def test_fp8_forward_matches_float64_oracle(variant, shape):
     want_out, want_lse = (np.asarray(x) for x in reference.naive_attention(
         *(x.astype(jnp.float64) for x in deq), cfg.replace(implementation="reference")))
   assert_close_to_oracle(raw_out, want_out, naive_out, name="out")
-  assert_close_to_oracle(raw_lse, want_lse, naive_lse, name="lse")
+  assert_lse_close(raw_lse, want_lse, naive_lse, deq, cfg)
   # The public path runs the same kernel: bitwise equal.
   out, lse = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
                                 causal=variant.causal, return_lse=True, implementation="cute")
@@ -133,7 +167,7 @@ def test_fp8_forward_with_learnable_sink_matches_float64_oracle(variant, shape):
         *(x.astype(jnp.float64) for x in deq), cfg.replace(implementation="reference"),
         learnable_sink=sink.astype(jnp.float64)))
   assert_close_to_oracle(raw_out, want_out, naive_out, name="out")
-  assert_close_to_oracle(raw_lse, want_lse, naive_lse, name="lse")
+  assert_lse_close(raw_lse, want_lse, naive_lse, deq, cfg)
   plain_out, plain_lse = poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg)
   np.testing.assert_array_equal(raw_out[:, :, 0], plain_out[:, :, 0])
   np.testing.assert_array_equal(raw_lse[:, 0], plain_lse[:, 0])

@@ -114,12 +114,14 @@ def test_sass_uses_e4m3_wgmma_tma_and_the_shared_memory_transpose(exported, vari
   assert shapes == {f"64x{variant.schedule.tile_n}x32", f"64x{variant.head_dim_v}x32"}
   qgmma = sum(op.startswith("QGMMA") for op in ops)
   assert 0 < ops.count("WARPGROUP.ARRIVE") <= qgmma // 2, "WGMMAs not serialized"
-  # The transpose unit: one ldmatrix.trans, four byte permutes, one stmatrix (one copy, in the
-  # transposing warps' loop); P leaves the accumulator through e4m3 packs, not shuffles.
-  assert ops.count("LDSM.16.MT88.4") == 1
+  # The transpose: per unit one ldmatrix.trans, four byte permutes, one stmatrix, unrolled over
+  # a warp's units (the transposing warps' loop); P leaves the accumulator through e4m3 packs,
+  # not shuffles.
+  rounds = -(-(variant.schedule.tile_n // 16) * (variant.head_dim_v // 32) // 3)
+  assert ops.count("LDSM.16.MT88.4") == rounds
+  assert ops.count("STSM.16.M88.4") >= rounds  # and the epilogue's bf16 O stores
   for selector in ("0x6420", "0x7531"):
-    assert len(re.findall(rf"PRMT R\d+, R\d+(?:\.reuse)?, {selector}, R\d+", sass)) == 2
-  assert "STSM.16.M88.4" in ops
+    assert len(re.findall(rf"PRMT R\d+, R\d+(?:\.reuse)?, {selector}, R\d+", sass)) == 2 * rounds
   assert ops.count("F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C") > 0
   assert "SHFL.IDX" not in ops
 

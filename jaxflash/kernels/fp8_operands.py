@@ -90,23 +90,31 @@ def _prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
 
 
 @cute.jit
-def transpose_v_unit(v_base: Int32, v_layout: cute.ComposedLayout, vt_base: Int32,
-                     vt_layout: cute.ComposedLayout, stage: Int32, n0: Int32, d0: Int32,
-                     lane: Int32):
-  """One warp: V^T rows d0..d0+31, k positions n0..n0+15 of a stage from V's keys n0..n0+15.
+def unit_offsets(v_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout, n0: Int32,
+                 d0: Int32, lane: Int32):
+  """A lane's byte offsets (in V's stage 0, in V^T's stage 0) for the transpose unit of keys
+  n0..n0+15 and head_dim d0..d0+31.
 
   v_layout: (head_dim_v, tile_n, stages) with head_dim_v contiguous (the TMA tile);
-  vt_layout: (head_dim_v, tile_n, stages) with tile_n contiguous (the GEMM's K-major B). Both
-  swizzled e4m3 byte layouts; the bases are shared-memory addresses (32-bit).
-  Lane 8i + r addresses row r of matrix i: keys n0 + 8 (i & 1) + r at head_dim d0 + 16 (i >> 1)
-  to load; V^T row d0 + 16 (i >> 1) + 2r + (i & 1) at k position n0 to store.
+  vt_layout: (head_dim_v, tile_n, stages) with tile_n contiguous (the GEMM's K-major B), both
+  swizzled e4m3 byte layouts. Lane 8i + r addresses row r of matrix i: keys n0 + 8 (i & 1) + r
+  at head_dim d0 + 16 (i >> 1) to load; V^T row d0 + 16 (i >> 1) + 2r + (i & 1) at k position
+  n0 to store. A stage's swizzle is stage 0's shifted by the stage size (a multiple of the
+  1024-byte swizzle period), so the offsets hold for every stage.
   """
   r = lane % 8
   i = lane // 8
-  src = v_base + cute.crd2idx((d0 + 16 * (i // 2), n0 + 8 * (i % 2) + r, stage), v_layout)
+  src = cute.crd2idx((d0 + 16 * (i // 2), n0 + 8 * (i % 2) + r, 0), v_layout)
+  dst = cute.crd2idx((d0 + 16 * (i // 2) + 2 * r + i % 2, n0, 0), vt_layout)
+  return Int32(src), Int32(dst)
+
+
+@cute.jit
+def transpose_v_unit(src: Int32, dst: Int32):
+  """One warp: the unit whose shared-memory addresses (unit_offsets plus the stage's base) are
+  src in V and dst in V^T: one ldmatrix.trans, four byte permutes, one stmatrix."""
   m0, m1, m2, m3 = _ldmatrix_x4_trans(src)
   # m0 / m1: keys 2j, 2j + 1 of the first 8 / last 8 keys, head_dim pair d0 + 2c (bytes lo, hi):
   # the even bytes are head_dim d0 + 2c, the odd ones d0 + 2c + 1 (m2 / m3: d0 + 16 + 2c).
-  dst = vt_base + cute.crd2idx((d0 + 16 * (i // 2) + 2 * r + i % 2, n0, stage), vt_layout)
   _stmatrix_x4(dst, _prmt(m0, m1, 0x6420), _prmt(m0, m1, 0x7531), _prmt(m2, m3, 0x6420),
                _prmt(m2, m3, 0x7531))

@@ -24,9 +24,9 @@ _WARP_THREADS = sm90_gemm.WARP_THREADS
 FP8 = cutlass.Float8E4M3FN
 # Warps 1-3 of the producer warpgroup transpose V (warp 0 issues the TMA loads).
 _TRANSPOSE_WARPS = 3
-# (producer, consumer) registers per thread: the transposing warps hold a few addresses and
-# four 32-bit registers per unit.
-_REGISTER_SPLIT = (40, 232)
+# (producer, consumer) registers per thread: the transposing warps hold two offsets per unit
+# (up to 11 units each) and four 32-bit registers per unit in flight.
+_REGISTER_SPLIT = (56, 224)
 # P = 2^(s - max + 8) <= 256 < 448 (e4m3's largest): small probabilities keep their bits.
 _P_OFFSET_LOG2 = 8.0
 
@@ -205,10 +205,19 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     """Warps 1-3: each V stage the TMA filled becomes a V^T stage (fp8_operands), in the order
     the loader fills them (the key blocks of each tile, last first)."""
     lane = cute.arch.lane_idx()
-    v_base = v_ptr.toint()
-    vt_base = vt_ptr.toint()
     units_n = self.tile_n // fp8_operands.UNIT_KEYS
     units = units_n * (self.head_dim_v // fp8_operands.UNIT_DIMS)
+    # This warp's units (u = warp, warp + 3, ...), their offsets computed once: the loop over
+    # stages adds the stage's base only.
+    per_warp = (units + _TRANSPOSE_WARPS - 1) // _TRANSPOSE_WARPS
+    offsets = []
+    for i in cutlass.range_constexpr(per_warp):
+      u = warp + _TRANSPOSE_WARPS * i
+      offsets.append(fp8_operands.unit_offsets(
+          sV_layout, sVt_layout, (u % units_n) * fp8_operands.UNIT_KEYS,
+          (u // units_n) * fp8_operands.UNIT_DIMS, lane))
+    v_stage_bytes = cute.cosize(sV_layout) // self.num_stages
+    vt_stage_bytes = cute.cosize(sVt_layout) // self.num_stages
     v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
     vt_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
     tile = scheduler.first_tile()
@@ -218,11 +227,15 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
       for _ in cutlass.range(n_max - n_min, unroll=1):
         pipeline_v.consumer_wait(v_state)
         pipeline_vt.producer_acquire(vt_state)
-        for u in cutlass.range(warp, units, _TRANSPOSE_WARPS, unroll=1):
-          fp8_operands.transpose_v_unit(
-              v_base, sV_layout, vt_base, sVt_layout, v_state.index,
-              (u % units_n) * fp8_operands.UNIT_KEYS, (u // units_n) * fp8_operands.UNIT_DIMS,
-              lane)
+        v_base = v_ptr.toint() + v_state.index * v_stage_bytes
+        vt_base = vt_ptr.toint() + vt_state.index * vt_stage_bytes
+        for i in cutlass.range_constexpr(per_warp):
+          src, dst = offsets[i]
+          if const_expr(units % _TRANSPOSE_WARPS == 0 or i < per_warp - 1):
+            fp8_operands.transpose_v_unit(v_base + src, vt_base + dst)
+          else:  # the last round: not every warp has a unit left
+            if warp + _TRANSPOSE_WARPS * i < units:
+              fp8_operands.transpose_v_unit(v_base + src, vt_base + dst)
         # stmatrix writes are generic-proxy; the consumers' WGMMA reads through the async one.
         cute.arch.fence_proxy("async.shared", space="cta")
         pipeline_vt.producer_commit(vt_state)
