@@ -101,6 +101,26 @@ def rmse_table(batch: int, seq: int, heads: int, head_dim: int, causal: bool, bl
   return rows
 
 
+def score_sum_table(head_dims=(64, 128, 256), seed: int = 0) -> dict:
+  """The precision of the e4m3 GEMM's score sums: calls with one query and one key (lse = the
+  scaled q8 . k8 times the descales), batch 64 x 8 heads of N(0, 1) inputs, per head_dim: lse's
+  largest error over scale * sum_i |q_i k_i| (the terms' magnitude) and its relative RMS."""
+  rows = {}
+  for d in head_dims:
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.standard_normal((64, 1, 8, d)), jnp.bfloat16) for _ in range(3))
+    q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v)
+    _, lse = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                return_lse=True)
+    deq = [np.asarray(x, np.float64) for x in fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, None)]
+    products = deq[0][:, 0] * deq[1][:, 0] * d ** -0.5  # (batch, heads, d)
+    want = products.sum(-1)
+    err = np.abs(np.asarray(lse, np.float64)[:, :, 0] - want)
+    rows[d] = {"max error / sum |terms|": float((err / np.abs(products).sum(-1)).max()),
+               "relative RMS": float(np.sqrt(np.mean(err ** 2) / np.mean(want ** 2)))}
+  return rows
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batch", type=int, default=1)
@@ -112,8 +132,19 @@ def main(argv=None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--sink-like", type=float, default=0.0,
                       help="key 0's scaled score above the others (0: no such key)")
+  parser.add_argument("--score-sums", action="store_true",
+                      help="instead: lse of one-query, one-key calls (score_sum_table)")
   parser.add_argument("--out", type=Path, help="folder for fp8_accuracy.json")
   args = parser.parse_args(argv)
+  if args.score_sums:
+    rows = score_sum_table(seed=args.seed)
+    print(f"lse of one-query, one-key FP8 calls vs float64, {jax.devices()[0].platform}")
+    for d, value in rows.items():
+      print(f"head_dim {d}: " + ", ".join(f"{k} {x:.2e}" for k, x in value.items()))
+    if args.out:
+      args.out.mkdir(parents=True, exist_ok=True)
+      (args.out / "fp8_score_sums.json").write_text(json.dumps(rows, indent=2))
+    return 0
   rows = rmse_table(args.batch, args.seq, args.heads, args.head_dim, args.causal,
                     args.block_size, args.seed, args.sink_like)
   baseline = rows["fp8 per-tensor"]

@@ -161,6 +161,18 @@ def test_fp8_accuracy_sink_like_key_leads_every_row_by_the_score():
   assert np.all(lead > 6.0) and 9.0 < np.median(lead) < 15.0
 
 
+def test_fp8_accuracy_score_sums_measure_the_one_key_lse(tmp_path, capsys):
+  """On the CPU the reference's float32 sums: errors at float32 rounding, not e4m3's 2^-13."""
+  import json
+  acc = load_script("benchmarks/fp8_accuracy.py")
+  assert acc.main(["--score-sums", "--out", str(tmp_path)]) == 0
+  rows = json.loads((tmp_path / "fp8_score_sums.json").read_text())
+  assert list(rows) == ["64", "128", "256"]
+  for value in rows.values():
+    assert 0 < value["max error / sum |terms|"] < 1e-6 and 0 < value["relative RMS"] < 1e-6
+  assert "head_dim 256: max error / sum |terms|" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("script", ["benchmarks/bench_masked.py", "benchmarks/bench_modifiers.py",
                                     "benchmarks/bench_fp8.py"])
 def test_every_benchmark_takes_the_checked_spin_up(script, capsys):
