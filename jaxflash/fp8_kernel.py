@@ -1,13 +1,17 @@
 """The FP8 forward kernel as a JAX primitive: e4m3 q, k, v and per-(batch, kv head) descales in,
 bfloat16 out and float32 lse out.
 
-CUDA lowers it to the forward custom call (jaxflash_attention_fwd) of an FP8 variant
+Two primitives, as the 16-bit ones (primitives.py): the outer `fp8_fwd_p` lowers through
+custom_partitioning (sharding.fp8_fwd_partition: batch and head sharding run shard-local, the
+descales sharded like the kv heads), whose per-shard function binds the inner kernel primitive.
+CUDA lowers that to the forward custom call (jaxflash_attention_fwd) of an FP8 variant
 (kernels/fwd_fp8_sm90.py), with the descales stacked as one (3, batch, num_kv_heads) operand
-after the tensors and, when config.has_sink, the learnable sink (num_heads,) last. Other platforms refuse it: jaxflash.attention sends FP8 calls here only
-with implementation 'cute' (and the reference path otherwise). vmap folds the mapped axis into
-the batch (a mapped sink, one per folded element, rescales the rows in XLA instead:
-sink.add_learnable_sink). There is no sharding rule: under jit with sharded inputs XLA gathers them.
-Imports config, ffi (at lowering) and _jax_internal; never Flax.
+after the tensors and, when config.has_sink, the learnable sink (num_heads,) last. Elsewhere it
+runs the dequantized float32 reference when config.implementation is 'reference' and refuses
+'cute': jaxflash.attention sends FP8 calls here only with implementation 'cute' (its reference
+path dequantizes before the 16-bit primitives). vmap folds the mapped axis into the batch (a
+mapped sink, one per folded element, rescales the rows in XLA instead: sink.add_learnable_sink).
+Imports config, primitives, reference, sharding, ffi (at lowering) and _jax_internal; never Flax.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import batching, mlir
 
-from jaxflash import _jax_internal
+from jaxflash import _jax_internal, primitives, reference, sharding
 from jaxflash.config import FP8_DTYPE, FWD_TARGET, AttentionConfig, KernelVariant
 from jaxflash.sink import add_learnable_sink
 
@@ -57,11 +61,27 @@ def _lower_cuda(ctx, q8, k8, v8, descale, *sink, config):
                                           **ffi.fwd_attributes(variant, config))
 
 
-def _refuse(platform):
+def _reference(q8, k8, v8, descale, *sink, config):
+  """The kernel's math in float32: dequantized inputs (each descale over its batch and kv head;
+  q's over the kv head's query heads), blocked attention, the sink, bf16 out."""
+  group = q8.shape[2] // k8.shape[2]
+  scale = lambda x, d, g: x.astype(jnp.float32) * jnp.repeat(d, g, axis=1)[:, None, :, None]
+  q, k, v = scale(q8, descale[0], group), scale(k8, descale[1], 1), scale(v8, descale[2], 1)
+  out, lse = reference.blocked_forward(q, k, v, config)
+  if sink:
+    out, lse = add_learnable_sink(out, lse, sink[0])
+  return out.astype(jnp.bfloat16), lse
+
+
+def _lower_off_gpu(platform):
+  lower_reference = mlir.lower_fun(_reference, multiple_results=True)
+
   def rule(ctx, *args, config):
-    raise ValueError(f"implementation='cute': the FP8 kernel needs an NVIDIA Hopper GPU, but "
-                     f"this computation is lowered for a platform {platform}; use "
-                     f"implementation=None (auto) or 'reference'")
+    if config.implementation == "cute":
+      raise ValueError(f"implementation='cute': the FP8 kernel needs an NVIDIA Hopper GPU, but "
+                       f"this computation is lowered for a platform {platform}; use "
+                       f"implementation=None (auto) or 'reference'")
+    return lower_reference(ctx, *args, config=config)
   return rule
 
 
@@ -86,10 +106,19 @@ def _batch(args, dims, *, config):
   return (out, lse), (0, 0)
 
 
-fp8_fwd_p = jax.extend.core.Primitive("jaxflash_fp8_fwd")
-fp8_fwd_p.multiple_results = True
-fp8_fwd_p.def_abstract_eval(_abstract)
-fp8_fwd_p.def_impl(functools.partial(_jax_internal.apply_primitive, fp8_fwd_p))
+def _primitive(name: str):
+  p = jax.extend.core.Primitive(name)
+  p.multiple_results = True
+  p.def_abstract_eval(_abstract)
+  p.def_impl(functools.partial(_jax_internal.apply_primitive, p))
+  return p
+
+
+_fp8_fwd_kernel_p = _primitive("jaxflash_fp8_fwd_kernel")
+mlir.register_lowering(_fp8_fwd_kernel_p, _lower_off_gpu("other than cuda"))
+mlir.register_lowering(_fp8_fwd_kernel_p, _lower_cuda, platform="cuda")
+fp8_fwd_p = _primitive("jaxflash_fp8_fwd")
 batching.primitive_batchers[fp8_fwd_p] = _batch
-mlir.register_lowering(fp8_fwd_p, _refuse("other than cuda"))
-mlir.register_lowering(fp8_fwd_p, _lower_cuda, platform="cuda")
+mlir.register_lowering(fp8_fwd_p, primitives.partitioned_lowering(
+    _fp8_fwd_kernel_p, sharding.fp8_fwd_sharding_rule, sharding.fp8_fwd_partition, 2))
+_jax_internal.require_devices_during_lowering(fp8_fwd_p)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Callable
 
 import jax
 import jax.extend
@@ -282,11 +283,9 @@ from jax.experimental.custom_partitioning import custom_partitioning  # noqa: E4
 from jaxflash import sharding  # noqa: E402
 
 
-def _partitioned(inner, direction: str):
-  """custom_partitioning of `inner` under the rules of jaxflash.sharding for `direction`."""
-  rule_fn = {"fwd": sharding.fwd_sharding_rule, "bwd": sharding.bwd_sharding_rule}[direction]
-  partition_fn = {"fwd": sharding.fwd_partition, "bwd": sharding.bwd_partition}[direction]
-  num_results = {"fwd": 2, "bwd": 3}[direction]  # (out, lse) / (dq, dk, dv): no scratch
+def _partitioned(inner, rule_fn: Callable, partition_fn: Callable, num_results: int):
+  """custom_partitioning of `inner` under a rule and partition function of jaxflash.sharding;
+  the first num_results results are kept (the kernels' scratch is dropped)."""
 
   def impl(config, *args):
     return tuple(inner.bind(*args, config=config))[:num_results]
@@ -307,8 +306,9 @@ def _partitioned(inner, direction: str):
   return partitioned
 
 
-def _outer_lowering(inner, direction: str):
-  partitioned = _partitioned(inner, direction)
+def partitioned_lowering(inner, rule_fn: Callable, partition_fn: Callable, num_results: int):
+  """The lowering of an outer primitive: `inner` per shard, through custom_partitioning."""
+  partitioned = _partitioned(inner, rule_fn, partition_fn, num_results)
 
   def lower(ctx, *args, config):
     return mlir.lower_fun(lambda *a: partitioned(config, *a), multiple_results=True)(ctx, *args)
@@ -316,8 +316,10 @@ def _outer_lowering(inner, direction: str):
   return lower
 
 
-mlir.register_lowering(flash_fwd_p, _outer_lowering(_flash_fwd_kernel_p, "fwd"))
-mlir.register_lowering(flash_bwd_p, _outer_lowering(_flash_bwd_kernel_p, "bwd"))
+mlir.register_lowering(flash_fwd_p, partitioned_lowering(
+    _flash_fwd_kernel_p, sharding.fwd_sharding_rule, sharding.fwd_partition, 2))  # (out, lse)
+mlir.register_lowering(flash_bwd_p, partitioned_lowering(
+    _flash_bwd_kernel_p, sharding.bwd_sharding_rule, sharding.bwd_partition, 3))  # dq, dk, dv
 _jax_internal.require_devices_during_lowering(flash_fwd_p, flash_bwd_p)
 # ---- end sharding wiring ----
 

@@ -27,6 +27,8 @@ HEADS, KV_HEADS, Q_PER_KV = "heads", "kv_heads", "q_per_kv"
 HEAD_DIM, HEAD_DIM_V = "head_dim", "head_dim_v"
 # The kernels hold a whole row of keys and a whole head: these factors are never sharded.
 REPLICATED_FACTORS = (SEQ_Q, SEQ_K, HEAD_DIM, HEAD_DIM_V)
+# The FP8 primitive's descales are stacked (q, k, v) x batch x kv heads: the first dim is whole.
+DESCALE_KIND = "descale_kind"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,12 +54,13 @@ def _operands(num_heads: int, num_kv_heads: int, has_segment_ids: bool, mesh_siz
   return q, k, v, out, lse, segments, sizes
 
 
-def _rule(operands: Sequence[str], results: Sequence[str], sizes: Mapping[str, int]):
+def _rule(operands: Sequence[str], results: Sequence[str], sizes: Mapping[str, int],
+          replicated: Sequence[str] = REPLICATED_FACTORS):
   rule = f"{', '.join(operands)} -> {', '.join(results)}"
   # Shardy's verifier wants special factors in order of first appearance in the rule.
   order = [f for f in rule.replace("(", " ").replace(")", " ").replace(",", " ").split()
            if f != "->"]
-  replicated = tuple(sorted(REPLICATED_FACTORS, key=order.index))
+  replicated = tuple(sorted(replicated, key=order.index))
   return rule, dict(sizes, need_replication_factors=replicated)
 
 
@@ -72,6 +75,17 @@ def fwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int
                                                  config.has_segment_ids, mesh_sizes)
   sink = [_head_factors(num_heads, num_kv_heads, mesh_sizes)[0]] if config.has_sink else []
   return _rule([q, k, v, *segments, *sink], [out, lse], sizes)
+
+
+def fp8_fwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int,
+                          mesh_sizes: Sequence[int] = ()):
+  """Rule of the FP8 forward primitive (fp8_kernel.fp8_fwd_p): (q8, k8, v8, descale (3, batch,
+  num_kv_heads)[, sink]) -> (out, lse)."""
+  q, k, v, out, lse, _, sizes = _operands(num_heads, num_kv_heads, False, mesh_sizes)
+  h, kv, _ = _head_factors(num_heads, num_kv_heads, mesh_sizes)
+  sink = [h] if config.has_sink else []
+  return _rule([q, k, v, f"{DESCALE_KIND} {BATCH} {kv}", *sink], [out, lse], sizes,
+               REPLICATED_FACTORS + (DESCALE_KIND,))
 
 
 def bwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int,
@@ -140,6 +154,10 @@ class Plan:
   def sink_spec(self) -> PartitionSpec:  # learnable_sink: one logit per query head
     return PartitionSpec(_entry(self.head_axes))
 
+  def descale_spec(self) -> PartitionSpec:  # the FP8 descales (3, batch, kv heads), as k's
+    heads = None if self.kv_replicated else _entry(self.head_axes)
+    return PartitionSpec(None, _entry(self.batch_axes), heads)
+
   # -- per-shard helpers (run inside custom_partitioning's per-shard function) --
 
   def _kv_index(self):
@@ -149,7 +167,8 @@ class Plan:
     return (shard * (self.num_heads // self.head_shards)) // group
 
   def select_kv(self, x):
-    """Local k or v: the slice of kv heads this shard's query heads read."""
+    """Local k, v or FP8 descales (kv heads in dim 2 of each): the slice of kv heads this
+    shard's query heads read."""
     if not self.kv_replicated:
       return x
     return lax.dynamic_slice_in_dim(x, self._kv_index(), 1, axis=2)
@@ -240,6 +259,22 @@ def fwd_partition(config: AttentionConfig, mesh, arg_shapes,
 
   def per_shard(q, k, v, *rest):  # rest: segment ids and sink, as the operands
     return tuple(compute(q, plan.select_kv(k), plan.select_kv(v), *rest))
+
+  return _named(mesh, arg_specs), _named(mesh, result_specs), per_shard
+
+
+def fp8_fwd_partition(config: AttentionConfig, mesh, arg_shapes,
+                      compute: Callable) -> tuple[tuple, tuple, Callable]:
+  """custom_partitioning's decision for the FP8 forward primitive: as flash_fwd_p's, with the
+  descales sharded (or sliced) like the kv heads of k and v."""
+  plan = plan_for(mesh, arg_shapes)
+  sink = (plan.sink_spec(),) if config.has_sink else ()
+  arg_specs = (plan.q_spec(), plan.kv_spec(), plan.kv_spec(), plan.descale_spec()) + sink
+  result_specs = (plan.q_spec(), plan.lse_spec())
+
+  def per_shard(q8, k8, v8, descale, *sink):
+    return tuple(compute(q8, plan.select_kv(k8), plan.select_kv(v8), plan.select_kv(descale),
+                         *sink))
 
   return _named(mesh, arg_specs), _named(mesh, result_specs), per_shard
 
