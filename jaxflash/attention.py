@@ -222,7 +222,6 @@ def _fp8_call(query, key, value, config: AttentionConfig, learnable_sink, descal
     if learnable_sink is not None:  # every row is empty: lse = its sink
       out, lse = add_learnable_sink(out, lse, learnable_sink)
   else:
-    out, lse = fp8.fp8_attention(config.replace(has_sink=False), out_name, checked.block_size,
-                                 query, key, value, checked.q, checked.k, checked.v,
-                                 learnable_sink)
+    out, lse = fp8.fp8_attention(config, out_name, checked.block_size, query, key, value,
+                                 checked.q, checked.k, checked.v, learnable_sink)
   return (out, lse) if return_lse else out

@@ -16,10 +16,7 @@ Imports config, primitives, reference, sharding, ffi (at lowering) and _jax_inte
 
 from __future__ import annotations
 
-import functools
-
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import batching, mlir
@@ -73,16 +70,6 @@ def _reference(q8, k8, v8, descale, *sink, config):
   return out.astype(jnp.bfloat16), lse
 
 
-def _lower_off_gpu(platform):
-  lower_reference = mlir.lower_fun(_reference, multiple_results=True)
-
-  def rule(ctx, *args, config):
-    if config.implementation == "cute":
-      raise ValueError(f"implementation='cute': the FP8 kernel needs an NVIDIA Hopper GPU, but "
-                       f"this computation is lowered for a platform {platform}; use "
-                       f"implementation=None (auto) or 'reference'")
-    return lower_reference(ctx, *args, config=config)
-  return rule
 
 
 def _batch(args, dims, *, config):
@@ -106,18 +93,13 @@ def _batch(args, dims, *, config):
   return (out, lse), (0, 0)
 
 
-def _primitive(name: str):
-  p = jax.extend.core.Primitive(name)
-  p.multiple_results = True
-  p.def_abstract_eval(_abstract)
-  p.def_impl(functools.partial(_jax_internal.apply_primitive, p))
-  return p
-
-
-_fp8_fwd_kernel_p = _primitive("jaxflash_fp8_fwd_kernel")
-mlir.register_lowering(_fp8_fwd_kernel_p, _lower_off_gpu("other than cuda"))
+_fp8_fwd_kernel_p = primitives.make_primitive("jaxflash_fp8_fwd_kernel", _abstract)
+mlir.register_lowering(_fp8_fwd_kernel_p, primitives.reject_cute_off_gpu(
+    mlir.lower_fun(_reference, multiple_results=True),
+    "implementation='cute': the FP8 kernel needs an NVIDIA Hopper GPU, but this computation is "
+    "lowered for a platform other than cuda; use implementation=None (auto) or 'reference'"))
 mlir.register_lowering(_fp8_fwd_kernel_p, _lower_cuda, platform="cuda")
-fp8_fwd_p = _primitive("jaxflash_fp8_fwd")
+fp8_fwd_p = primitives.make_primitive("jaxflash_fp8_fwd", _abstract)
 batching.primitive_batchers[fp8_fwd_p] = _batch
 mlir.register_lowering(fp8_fwd_p, primitives.partitioned_lowering(
     _fp8_fwd_kernel_p, sharding.fp8_fwd_sharding_rule, sharding.fp8_fwd_partition, 2))

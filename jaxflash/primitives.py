@@ -189,14 +189,13 @@ def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
                                                      *segment_ids)
 
 
-def _reject_cute_off_gpu(lower_reference, platform):
-  """Non-CUDA lowering: the reference, unless the caller insisted on the kernels."""
+def reject_cute_off_gpu(lower_reference, refusal: str):
+  """Non-CUDA lowering: the reference, unless the caller insisted on the kernels (then
+  ValueError(refusal))."""
 
   def rule(ctx, *args, config):
     if config.implementation == "cute":
-      raise ValueError(
-          f"implementation='cute' needs an NVIDIA Hopper GPU, but this computation is lowered for "
-          f"platform {platform!r}; use implementation=None (auto) or 'reference'")
+      raise ValueError(refusal)
     return lower_reference(ctx, *args, config=config)
 
   return rule
@@ -253,7 +252,7 @@ def _fwd_batch_rule(args, dims, *, config):
 # ---------------------------------------------------------------------------------------------
 # Registration
 
-def _make_primitive(name: str, abstract):
+def make_primitive(name: str, abstract):
   p = jax.extend.core.Primitive(name)
   p.multiple_results = True
   p.def_abstract_eval(abstract)
@@ -261,12 +260,14 @@ def _make_primitive(name: str, abstract):
   return p
 
 
-_flash_fwd_kernel_p = _make_primitive("jaxflash_fwd_kernel", _fwd_abstract)
-_flash_bwd_kernel_p = _make_primitive("jaxflash_bwd_kernel", _bwd_kernel_abstract)
-flash_fwd_p = _make_primitive("jaxflash_fwd", _fwd_abstract)
-flash_bwd_p = _make_primitive("jaxflash_bwd", _bwd_abstract)
+_flash_fwd_kernel_p = make_primitive("jaxflash_fwd_kernel", _fwd_abstract)
+_flash_bwd_kernel_p = make_primitive("jaxflash_bwd_kernel", _bwd_kernel_abstract)
+flash_fwd_p = make_primitive("jaxflash_fwd", _fwd_abstract)
+flash_bwd_p = make_primitive("jaxflash_bwd", _bwd_abstract)
 
-mlir.register_lowering(_flash_fwd_kernel_p, _reject_cute_off_gpu(_fwd_lower_reference, "cpu"))
+mlir.register_lowering(_flash_fwd_kernel_p, reject_cute_off_gpu(
+    _fwd_lower_reference, "implementation='cute' needs an NVIDIA Hopper GPU, but this computation "
+    "is lowered for platform 'cpu'; use implementation=None (auto) or 'reference'"))
 mlir.register_lowering(_flash_fwd_kernel_p, _fwd_lower_cuda, platform="cuda")
 mlir.register_lowering(_flash_bwd_kernel_p, _bwd_lower_reference)
 mlir.register_lowering(_flash_bwd_kernel_p, _bwd_lower_cuda, platform="cuda")

@@ -42,6 +42,12 @@ def emit(results: dict) -> None:
   print(_MARK + json.dumps(results), flush=True)
 
 
+def padded_spec(spec, ndim: int = 4) -> tuple:
+  """A PartitionSpec as JSON gives it back: ndim entries, a multi-axis entry as a list."""
+  entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+  return tuple(list(e) if isinstance(e, tuple) else e for e in entries)
+
+
 def collective_counts(hlo_text: str) -> dict:
   """Number of each collective in optimized HLO text (async -start ops count once)."""
   return {c: len(re.findall(rf"\s{c}(?:-start)?\(", hlo_text)) for c in COLLECTIVES}

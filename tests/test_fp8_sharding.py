@@ -70,8 +70,7 @@ def test_sharded_equals_unsharded(results, name):
 def test_batch_and_head_sharding_run_shard_local(results, name):
   r = results[name]
   assert r["collectives"] == dict.fromkeys(_multidevice.COLLECTIVES, 0), r
-  assert r["out_spec"] == [list(e) if isinstance(e, tuple) else e
-                           for e in tuple(CASES[name][2]) + (None,) * (4 - len(CASES[name][2]))]
+  assert tuple(r["out_spec"]) == _multidevice.padded_spec(CASES[name][2]), r
 
 
 def test_sequence_sharding_is_gathered(results):
@@ -113,10 +112,9 @@ def _run_case(heads, kv_heads, q_spec, kv_spec, with_sink):
   fn = jax.jit(attend)
   got = fn(*placed)
   hlo = fn.lower(*placed).compile().as_text()
-  spec = tuple(got[0].sharding.spec) + (None,) * (4 - len(tuple(got[0].sharding.spec)))
   return {"error": _multidevice.max_relative_l2(got, want),
           "collectives": _multidevice.collective_counts(hlo),
-          "out_spec": [list(e) if isinstance(e, tuple) else e for e in spec]}
+          "out_spec": _multidevice.padded_spec(got[0].sharding.spec)}
 
 
 def _worker():

@@ -152,8 +152,8 @@ def test_batch_and_head_sharding_adds_no_collective(results, name):
 def test_outputs_keep_the_input_sharding(results, name):
   q_spec, k_spec = CASES[name][2], CASES[name][3]
   r = results[name]
-  assert tuple(r["out_spec"]) == _padded(q_spec), r
-  assert tuple(r["dk_spec"]) == _padded(k_spec), r
+  assert tuple(r["out_spec"]) == _multidevice.padded_spec(q_spec), r
+  assert tuple(r["dk_spec"]) == _multidevice.padded_spec(k_spec), r
 
 
 @pytest.mark.parametrize("name", REPLICATED_KV)
@@ -205,16 +205,11 @@ def test_kernels_run_per_shard_on_gpus():
   assert _multidevice.max_relative_l2(got, want) <= 1e-6
 
 
-def _padded(spec):
-  entries = tuple(spec) + (None,) * (4 - len(tuple(spec)))
-  return tuple(list(e) if isinstance(e, tuple) else e for e in entries)
-
-
 # ---------------------------------------------------------------------------------------------
 # Worker (runs under `python -m tests.test_sharding` with 8 fake devices)
 
 def _spec_json(sharding_):
-  return _padded(sharding_.spec)
+  return _multidevice.padded_spec(sharding_.spec)
 
 
 def _run_case(name, heads, kv_heads, q_spec, kv_spec, options):
