@@ -274,7 +274,7 @@ def naive_fp8_attention(q8, k8, v8, descales: Descales, config: AttentionConfig,
   out = jnp.einsum("bhgqk,bkhd->bqhgd", p8, v, precision=jax.lax.Precision.HIGHEST)
   denom = jnp.transpose(row_sum[..., 0] * P_SCALE, (0, 3, 1, 2))[..., None]  # (b, q, hk, g, 1)
   out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
-  lse = jnp.where(row_sum[..., 0] > 0, m[..., 0] + jnp.log(row_sum[..., 0]), -jnp.inf)
+  lse = jnp.where(row_sum[..., 0] == 0, -jnp.inf, m[..., 0] + jnp.log(row_sum[..., 0]))
   if learnable_sink is not None:  # a row without keys: out 0, lse = its sink
     no_key = jnp.isneginf(jnp.max(s, axis=-1))
     lse = jnp.where(no_key, jnp.broadcast_to(sink[..., 0], lse.shape), lse)

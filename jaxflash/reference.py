@@ -98,7 +98,8 @@ def naive_attention(query, key, value, config: AttentionConfig, q_segment_ids=No
     p = p[..., :-1]  # the sink's column has no value
   out = jnp.einsum("bhgqk,bkhd->bqhgd", p, value.astype(cdt), precision=lax.Precision.HIGHEST)
   out = out.reshape(b, seq_q, h, value.shape[-1])
-  lse = jnp.where(l[..., 0] > 0, m_safe[..., 0] + jnp.log(l[..., 0]), -jnp.inf)
+  # No key: l = 0, lse -inf. A NaN score makes l NaN, and lse NaN like out.
+  lse = jnp.where(l[..., 0] == 0, -jnp.inf, m_safe[..., 0] + jnp.log(l[..., 0]))
   return out.astype(query.dtype), lse.reshape(b, h, seq_q).astype(_compute_dtype(cdt))
 
 
@@ -191,7 +192,9 @@ def blocked_forward(query, key, value, config: AttentionConfig, q_segment_ids=No
   seen = l > 0
   out = acc / jnp.where(seen, l, 1)[..., None]
   out = jnp.moveaxis(out, 3, 1).reshape(b, seq_q, h, dv)  # (b, s_q, h_kv, g, dv) -> BTNH
-  lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
+  # No key: l = 0, lse -inf. A NaN score makes l NaN, and lse NaN like out (the row max may
+  # have skipped the NaN: XLA's CPU max can return the other operand).
+  lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1, l)))
   return out.astype(query.dtype), lse.reshape(b, h, seq_q).astype(jnp.promote_types(cdt, jnp.float32))
 
 

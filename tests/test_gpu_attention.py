@@ -149,6 +149,27 @@ def test_no_keys_gives_zero_output_and_neg_inf_lse():
   assert np.all(np.asarray(lse) == -np.inf)
 
 
+@pytest.mark.parametrize("mask", ["plain", "causal", "segments"])
+def test_nan_inputs_give_nan_where_the_reference_does(mask):
+  """A NaN in one query row and one key (the dense, causal and masked kernels): out and lse are
+  NaN exactly where the reference's are, and match it elsewhere."""
+  q, k, v = make_qkv(11, 2, 300, 300, 4, 2, 128, dtype=jnp.bfloat16)
+  q = q.at[0, 5, 1, 3].set(jnp.nan)  # batch 0, query 5, head 1
+  k = k.at[1, 200, 0, 7].set(jnp.nan)  # batch 1, key 200, kv head 0: heads 0 and 1 see it
+  kwargs = {"causal": mask == "causal"}
+  if mask == "segments":
+    ids = jnp.broadcast_to((jnp.arange(300) >= 150).astype(jnp.int32), (2, 300))
+    kwargs.update(q_segment_ids=ids, kv_segment_ids=ids)
+  got = jaxflash.attention(q, k, v, return_lse=True, implementation="cute", **kwargs)
+  want = jaxflash.attention(q, k, v, return_lse=True, implementation="reference", **kwargs)
+  for name, g, w in zip(("out", "lse"), got, want):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    assert np.isnan(w).any(), f"{name}: the case must have NaN rows"
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=name)
+    finite = ~np.isnan(w)
+    np.testing.assert_allclose(g[finite], w[finite], rtol=2e-2, atol=2e-2, err_msg=name)
+
+
 def test_empty_batch_is_a_no_op():
   variant = VARIANTS[0]
   q, k, v = make_qkv(8, 0, 5, 6, 2, 2, variant.head_dim, dtype=jnp.dtype(variant.dtype))

@@ -9,6 +9,7 @@ from jax.test_util import check_grads
 
 import jaxflash
 from jaxflash import reference
+from jaxflash.config import AttentionConfig
 from tests._cases import OPTION_SETS, config_for, make_qkv, make_segments, oracle_for, x64
 from tests._oracle import assert_close_to_oracle, relative_l2
 
@@ -126,6 +127,28 @@ def test_rows_that_see_no_key_are_zero_in_forward_and_backward():
   for g in grads:
     assert np.all(np.isfinite(np.asarray(g)))
   assert np.all(np.asarray(grads[0])[empty] == 0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_inputs_give_nan_out_and_lse_in_the_rows_that_see_them(causal):
+  """A NaN in one query row and in one key: out and lse are NaN in exactly the rows whose
+  scores hold the NaN (the query's row; the rows that see the key), in the naive and the
+  blocked forward alike; rows without keys keep lse -inf."""
+  q, k, v = make_qkv(3, 2, 40, 32, 4, 2, 16, dtype=jnp.float32)
+  q = q.at[0, 15, 1, 3].set(jnp.nan)  # query 15 sees keys 0-7 when causal
+  k = k.at[1, 20, 0, 7].set(jnp.nan)  # kv head 0: query heads 0 and 1
+  cfg = AttentionConfig(softmax_scale=0.25, causal=causal)
+  want = np.zeros((2, 4, 40), bool)  # (batch, head, query)
+  want[0, 1, 15] = True
+  rows = np.arange(40) + 32 - 40 >= 20 if causal else np.ones(40, bool)  # bottom-right aligned
+  want[1, :2, rows] = True
+  for fn in (reference.naive_attention, reference.blocked_forward):
+    out, lse = fn(q, k, v, cfg)
+    np.testing.assert_array_equal(np.isnan(np.asarray(lse)), want, err_msg=fn.__name__)
+    np.testing.assert_array_equal(np.isnan(np.asarray(out)).any(-1),
+                                  np.moveaxis(want, 1, 2), err_msg=fn.__name__)
+    if causal:  # queries 0-7 see no key
+      assert np.all(np.isneginf(np.asarray(lse)[:, :, :8])), fn.__name__
 
 
 def test_no_key_at_all_gives_zeros():

@@ -24,9 +24,9 @@ _WARP_THREADS = sm90_gemm.WARP_THREADS
 FP8 = cutlass.Float8E4M3FN
 # Warps 1-3 of the producer warpgroup transpose V (warp 0 issues the TMA loads).
 _TRANSPOSE_WARPS = 3
-# (producer, consumer) registers per thread: the transposing warps hold two offsets per unit
-# (up to 11 units each) and four 32-bit registers per unit in flight.
-_REGISTER_SPLIT = (56, 224)
+# (producer, consumer) registers per thread by consumer warpgroups: the transposing warps hold
+# two offsets per unit (up to 16 units each) and four 32-bit registers per unit in flight.
+_REGISTER_SPLIT = {2: (56, 224), 3: (32, 160)}
 # P = 2^(s - max + 8) <= 256 < 448 (e4m3's largest): small probabilities keep their bits.
 _P_OFFSET_LOG2 = 8.0
 
@@ -50,7 +50,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     super().__init__(variant)
     self.dtype = FP8
     self.out_dtype = cutlass.BFloat16
-    self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT
+    self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT[self.num_mma_warpgroups]
 
   @staticmethod
   def smem_bytes(variant: config.KernelVariant, elem_bytes: int = 1) -> int:

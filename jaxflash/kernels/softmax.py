@@ -206,15 +206,16 @@ class OnlineSoftmax:
     the denominator is 2^m (row_sum 2^(a - m) + 2^(sink_log2 - m)), so the output factor is
     2^(a - m) / that sum and lse = (m + log2(sum)) * ln 2. Without a sink m = a, the factor is
     1/rowsum and lse = (a + log2(rowsum)) * ln 2, bit for bit as without the operand. A row
-    with no usable key outputs 0 and has lse = the sink (-inf without one).
+    with no visible key outputs 0 and has lse = the sink (-inf without one); a row whose sum is
+    NaN (a NaN in the caller's inputs) outputs NaN and lse NaN, as the reference does.
     """
     for i in cutlass.range_constexpr(self.num_rows):
       row_sum = cute.arch.warp_reduction_sum(self.row_sum[i], threads_in_group=_THREADS_PER_ROW)
-      # Any visible key contributes exp2(0) = 1, so a sum that is not > 0 (0, or NaN from a
-      # caller's NaN input) means no usable key.
+      # Any visible key contributes exp2(0) = 1: a sum of 0 means no visible key. NaN compares
+      # unequal to 0 and flows through the factor and lse.
       inv = Float32(0.0)
       row_lse = sink_log2 * LN_2
-      if row_sum > 0.0:
+      if row_sum != 0.0:
         a = self.row_max[i] * self.scale_log2
         if const_expr(self.p_offset_log2 != 0.0):
           a = a - self.p_offset_log2
