@@ -17,6 +17,22 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 # The 4 lanes of a quad hold the columns of one accumulator row (WGMMA C fragment layout).
 _THREADS_PER_ROW = 4
+# A row's max is taken in this many independent FMNMX chains, then combined: one chain is a
+# dependent sequence as long as the thread's columns (docs/kernels.md, "Online softmax").
+_MAX_CHAINS = 4
+
+
+def row_max(acc_s_mn: cute.Tensor, i: int, init: Float32) -> Float32:
+  """max(init, acc_s_mn[i, :]) over this thread's columns, in _MAX_CHAINS chains (exact: max
+  does not round, so the order changes nothing, NaN elements included)."""
+  ncols = cute.size(acc_s_mn, mode=[1])
+  chains = [acc_s_mn[i, j] for j in range(min(_MAX_CHAINS, ncols))]
+  for j in range(len(chains), ncols):
+    chains[j % _MAX_CHAINS] = cute.arch.fmax(chains[j % _MAX_CHAINS], acc_s_mn[i, j])
+  while len(chains) > 1:
+    chains = [cute.arch.fmax(chains[k], chains[k + 1]) if k + 1 < len(chains) else chains[k]
+              for k in range(0, len(chains), 2)]
+  return cute.arch.fmax(init, chains[0])
 
 
 def make_acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
@@ -143,9 +159,7 @@ class OnlineSoftmax:
     for i in cutlass.range_constexpr(num_rows):
       prev = self.row_max[i]
       prev_max[i] = prev
-      cur_max = prev
-      for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
-        cur_max = cute.arch.fmax(cur_max, acc_s_mn[i, j])
+      cur_max = row_max(acc_s_mn, i, prev)
       cur_max = cute.arch.warp_reduction_max(cur_max, threads_in_group=_THREADS_PER_ROW)
       # +inf when the row had no visible key yet (prev -inf): the max moves; NaN when it still
       # has none: the max stays -inf and the row's p stay 0 (shift 0 below).
