@@ -110,10 +110,14 @@ class FwdSchedule:
   persistent: bool  # grid = #SMs, each CTA walks a static tile list; else one CTA per tile
   lpt: bool  # tiles longest first, in (batch, head) sections whose K and V fit in L2
   rescale_o_before_pv: bool  # rescale O while Q K^T runs (else after the P V GEMM)
+  # Of every 8 score columns, this many take exp2 on the FMA pipe (kernels/softmax.exp2_fma)
+  # instead of MUFU.EX2.
+  fma_exp2_per_8: int = 0
 
   @property
   def key(self) -> str:
-    return f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
+    fma = f"e{self.fma_exp2_per_8}" if self.fma_exp2_per_8 else ""
+    return f"m{self.tile_m}n{self.tile_n}s{self.num_stages}{fma}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +161,8 @@ def fp8_fwd_schedule(head_dim: int, causal: bool) -> FwdSchedule:
   rings and the bf16 O buffer within shared memory."""
   return FwdSchedule(tile_m=192 if head_dim <= 64 else 128,
                      tile_n={64: 128, 128: 192}.get(head_dim, 64), num_stages=2,
-                     pingpong=True, persistent=False, lpt=causal, rescale_o_before_pv=False)
+                     pingpong=True, persistent=False, lpt=causal, rescale_o_before_pv=False,
+                     fma_exp2_per_8={64: 2, 128: 1}.get(head_dim, 0))
 
 
 def fp8_fwd_variant(head_dim: int, causal: bool, arch: str = "sm90a") -> "KernelVariant":
