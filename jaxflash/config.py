@@ -162,7 +162,7 @@ def fp8_fwd_schedule(head_dim: int, causal: bool) -> FwdSchedule:
   return FwdSchedule(tile_m=192 if head_dim <= 64 else 128,
                      tile_n={64: 128, 128: 192}.get(head_dim, 64), num_stages=2,
                      pingpong=True, persistent=False, lpt=causal, rescale_o_before_pv=False,
-                     fma_exp2_per_8={64: 2, 128: 1}.get(head_dim, 0))
+                     fma_exp2_per_8=2 if head_dim <= 64 else 0)
 
 
 def fp8_fwd_variant(head_dim: int, causal: bool, arch: str = "sm90a") -> "KernelVariant":
