@@ -18,22 +18,25 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 # The 4 lanes of a quad hold the columns of one accumulator row (WGMMA C fragment layout).
 _THREADS_PER_ROW = 4
-# A row's max is taken in this many independent FMNMX chains, then combined: one chain is a
-# dependent sequence as long as the thread's columns (docs/kernels.md, "Online softmax").
-_MAX_CHAINS = 4
 
 
-def row_max(acc_s_mn: cute.Tensor, i: int, init: Float32) -> Float32:
-  """max(init, acc_s_mn[i, :]) over this thread's columns, in _MAX_CHAINS chains (exact: max
-  does not round, so the order changes nothing, NaN elements included)."""
+def row_max(acc_s_mn: cute.Tensor, i: int, init: Float32, chains: int = 1) -> Float32:
+  """max(init, acc_s_mn[i, :]) over this thread's columns, in `chains` independent FMNMX chains
+  combined at the end (one chain is a dependent sequence as long as the thread's columns).
+  Exact: max does not round, so the order changes nothing, NaN elements included."""
   ncols = cute.size(acc_s_mn, mode=[1])
-  chains = [acc_s_mn[i, j] for j in range(min(_MAX_CHAINS, ncols))]
-  for j in range(len(chains), ncols):
-    chains[j % _MAX_CHAINS] = cute.arch.fmax(chains[j % _MAX_CHAINS], acc_s_mn[i, j])
-  while len(chains) > 1:
-    chains = [cute.arch.fmax(chains[k], chains[k + 1]) if k + 1 < len(chains) else chains[k]
-              for k in range(0, len(chains), 2)]
-  return cute.arch.fmax(init, chains[0])
+  if chains == 1:
+    m = init
+    for j in range(ncols):
+      m = cute.arch.fmax(m, acc_s_mn[i, j])
+    return m
+  parts = [acc_s_mn[i, j] for j in range(min(chains, ncols))]
+  for j in range(len(parts), ncols):
+    parts[j % chains] = cute.arch.fmax(parts[j % chains], acc_s_mn[i, j])
+  while len(parts) > 1:
+    parts = [cute.arch.fmax(parts[k], parts[k + 1]) if k + 1 < len(parts) else parts[k]
+             for k in range(0, len(parts), 2)]
+  return cute.arch.fmax(init, parts[0])
 
 
 def make_acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
@@ -161,15 +164,18 @@ class OnlineSoftmax:
   # and threshold 0, so P <= 2^8 < 448). row_sum carries it too, and finalize removes it.
   threshold_log2: float = RESCALE_THRESHOLD_LOG2
   p_offset_log2: float = 0.0
-  # Of every 8 columns, this many take exp2_fma instead of MUFU.EX2.
+  # Of every 8 columns, this many take exp2_fma instead of MUFU.EX2; a row's max runs in
+  # max_chains FMNMX chains (row_max).
   fma_exp2_per_8: int = 0
+  max_chains: int = 1
 
   @staticmethod
   def create(scale_log2: Float32, num_rows: int, threshold_log2: float = RESCALE_THRESHOLD_LOG2,
-             p_offset_log2: float = 0.0, fma_exp2_per_8: int = 0) -> "OnlineSoftmax":
+             p_offset_log2: float = 0.0, fma_exp2_per_8: int = 0,
+             max_chains: int = 1) -> "OnlineSoftmax":
     s = OnlineSoftmax(scale_log2, num_rows, cute.make_rmem_tensor(num_rows, Float32),
                       cute.make_rmem_tensor(num_rows, Float32), threshold_log2, p_offset_log2,
-                      fma_exp2_per_8)
+                      fma_exp2_per_8, max_chains)
     s.reset()
     return s
 
@@ -196,7 +202,7 @@ class OnlineSoftmax:
     for i in cutlass.range_constexpr(num_rows):
       prev = self.row_max[i]
       prev_max[i] = prev
-      cur_max = row_max(acc_s_mn, i, prev)
+      cur_max = row_max(acc_s_mn, i, prev, self.max_chains)
       cur_max = cute.arch.warp_reduction_max(cur_max, threads_in_group=_THREADS_PER_ROW)
       # +inf when the row had no visible key yet (prev -inf): the max moves; NaN when it still
       # has none: the max stays -inf and the row's p stay 0 (shift 0 below).
