@@ -110,10 +110,14 @@ class FwdSchedule:
   persistent: bool  # grid = #SMs, each CTA walks a static tile list; else one CTA per tile
   lpt: bool  # tiles longest first, in (batch, head) sections whose K and V fit in L2
   rescale_o_before_pv: bool  # rescale O while Q K^T runs (else after the P V GEMM)
+  # Of every 8 score columns, this many take exp2 on the FMA pipe (kernels/softmax.exp2_fma)
+  # instead of MUFU.EX2.
+  fma_exp2_per_8: int = 0
 
   @property
   def key(self) -> str:
-    return f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
+    fma = f"e{self.fma_exp2_per_8}" if self.fma_exp2_per_8 else ""
+    return f"m{self.tile_m}n{self.tile_n}s{self.num_stages}{fma}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,10 +158,13 @@ def fp8_fwd_schedule(head_dim: int, causal: bool) -> FwdSchedule:
   """The FP8 forward's schedule: one CTA per tile (its descales are per tile), ping-pong
   consumer warpgroups. head_dim 64: 192 x 128 (three warpgroups share the MUFU-bound softmax);
   128: 128 x 192 (224 key rows spill); 256: 128 x 64, where 64-key blocks keep the K, V and V^T
-  rings and the bf16 O buffer within shared memory."""
+  rings and the bf16 O buffer within shared memory. At head_dim 64 the softmax's MUFU.EX2 time
+  is twice the GEMMs': 2 of 8 exp2 go to the FMA pipe (1.10x; 3 of 8, and any share at 128,
+  measured slower: docs/kernels.md, "FP8 forward")."""
   return FwdSchedule(tile_m=192 if head_dim <= 64 else 128,
                      tile_n={64: 128, 128: 192}.get(head_dim, 64), num_stages=2,
-                     pingpong=True, persistent=False, lpt=causal, rescale_o_before_pv=False)
+                     pingpong=True, persistent=False, lpt=causal, rescale_o_before_pv=False,
+                     fma_exp2_per_8=2 if head_dim <= 64 else 0)
 
 
 def fp8_fwd_variant(head_dim: int, causal: bool, arch: str = "sm90a") -> "KernelVariant":

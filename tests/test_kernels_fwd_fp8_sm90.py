@@ -128,6 +128,21 @@ def test_sass_uses_e4m3_wgmma_tma_and_the_shared_memory_transpose(exported, vari
 
 @pytest.mark.cutlass
 @pytest.mark.parametrize("variant", FP8_VARIANTS, ids=lambda v: v.key)
+def test_sass_takes_the_schedules_share_of_exp2_on_the_fma_pipe(exported, variant):
+  """fma_exp2_per_8 of every 8 scores take softmax.exp2_fma (its clamp is the one FMNMX.NAN)
+  instead of MUFU.EX2, at each of the step's softmax sites (2; 3 when causal); the other
+  exp2s are the rescale's and the epilogue's."""
+  ops = exported(variant).ops(modifiers=True)
+  per_thread_scores = variant.schedule.tile_n // 2
+  share = variant.schedule.fma_exp2_per_8
+  sites = 3 if variant.causal else 2
+  assert ops.count("FMNMX.NAN") == sites * per_thread_scores * share // 8
+  score_ex2 = sites * per_thread_scores * (8 - share) // 8
+  assert 0 <= ops.count("MUFU.EX2") - score_ex2 <= 12
+
+
+@pytest.mark.cutlass
+@pytest.mark.parametrize("variant", FP8_VARIANTS, ids=lambda v: v.key)
 def test_fp8_variants_fit_shared_memory(variant):
   from jaxflash.kernels import sm90_gemm
   from jaxflash.kernels.fwd_fp8_sm90 import FlashAttentionForwardFp8Sm90

@@ -29,6 +29,10 @@ _TRANSPOSE_WARPS = 3
 _REGISTER_SPLIT = {2: (56, 224), 3: (32, 160)}
 # P = 2^(s - max + 8) <= 256 < 448 (e4m3's largest): small probabilities keep their bits.
 _P_OFFSET_LOG2 = 8.0
+# A row's max in four FMNMX chains (softmax.row_max): the FMA exp2 share at head_dim 64 was
+# measured with them; the 16-bit kernels keep one (four measured the same there, and the masked
+# head_dim 256 variant spills with them).
+_MAX_CHAINS = 4
 
 
 class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
@@ -51,6 +55,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     self.dtype = FP8
     self.out_dtype = cutlass.BFloat16
     self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT[self.num_mma_warpgroups]
+    self.fma_exp2_per_8 = variant.schedule.fma_exp2_per_8
 
   @staticmethod
   def smem_bytes(variant: config.KernelVariant, elem_bytes: int = 1) -> int:
@@ -256,7 +261,9 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     head_kv = head // self.q_per_kv
     scale = softmax_scale * self.descale[0, head_kv, batch] * self.descale[1, head_kv, batch]
     return softmax.OnlineSoftmax.create(scale * softmax.LOG2_E, num_rows, threshold_log2=0.0,
-                                        p_offset_log2=_P_OFFSET_LOG2)
+                                        p_offset_log2=_P_OFFSET_LOG2,
+                                        fma_exp2_per_8=self.fma_exp2_per_8,
+                                        max_chains=_MAX_CHAINS)
 
   def epilogue(self, mO: cute.Tensor, mLSE: cute.Tensor, mSink: cute.Tensor, has_sink: Int32,
                tma_atom_o: cute.CopyAtom, sO: cute.Tensor, tiled_mma_pv: cute.TiledMma,

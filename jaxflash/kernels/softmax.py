@@ -6,6 +6,7 @@ into one FFMA per element before ex2, so there is no separate scaling pass.
 
 import dataclasses
 import math
+import struct
 
 import cutlass
 import cutlass.cute as cute
@@ -17,6 +18,25 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 # The 4 lanes of a quad hold the columns of one accumulator row (WGMMA C fragment layout).
 _THREADS_PER_ROW = 4
+
+
+def row_max(acc_s_mn: cute.Tensor, i: int, init: Float32, chains: int = 1) -> Float32:
+  """max(init, acc_s_mn[i, :]) over this thread's columns, in `chains` independent FMNMX chains
+  combined at the end (one chain is a dependent sequence as long as the thread's columns).
+  Exact: max does not round, so the order changes nothing, NaN elements included."""
+  ncols = cute.size(acc_s_mn, mode=[1])
+  if chains == 1:
+    m = init
+    for j in range(ncols):
+      m = cute.arch.fmax(m, acc_s_mn[i, j])
+    return m
+  parts = [acc_s_mn[i, j] for j in range(min(chains, ncols))]
+  for j in range(len(parts), ncols):
+    parts[j % chains] = cute.arch.fmax(parts[j % chains], acc_s_mn[i, j])
+  while len(parts) > 1:
+    parts = [cute.arch.fmax(parts[k], parts[k + 1]) if k + 1 < len(parts) else parts[k]
+             for k in range(0, len(parts), 2)]
+  return cute.arch.fmax(init, parts[0])
 
 
 def make_acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
@@ -69,6 +89,39 @@ def _cvt_pack(lo: Float32, hi: Float32, to_bf16: bool, *, loc=None, ip=None) -> 
       asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+# 2^f on [-0.5, 0.5], degree 3, fitted for relative error (max 7.6e-5, below half an fp16 ulp).
+_EXP2_POLY = (0.99992818, 0.69326096, 0.24260935, 0.05517084)
+
+
+@dsl_user_op
+def exp2_fma(x: Float32, *, loc=None, ip=None) -> Float32:
+  """2^x on the FMA and integer pipes, without MUFU.EX2 (for x <= 127; NaN stays NaN).
+
+  x is clamped to -127 and split as n + f with n = round(x) (adding 1.5 * 2^23 leaves n in the
+  low mantissa bits) and f in [-0.5, 0.5]; 2^f is _EXP2_POLY, and 2^n is the float whose
+  exponent field is n + 127, so the result is one FMUL: +0 at n = -127 (so -inf gives 0 and a
+  row without keys keeps a zero sum), NaN for a NaN x. The FP8 forward takes part of each
+  step's exponentials here: its GEMMs take half the 16-bit time, so MUFU.EX2 (16 per clock per
+  SM) bounds the step.
+  """
+  c0, c1, c2, c3 = (f"0f{struct.unpack('<I', struct.pack('<f', c))[0]:08X}" for c in _EXP2_POLY)
+  return Float32(llvm.inline_asm(
+      T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)],
+      "{ .reg .f32 xc, t, n, f, p; .reg .b32 e;\n"
+      "max.NaN.f32 xc, $1, 0fC2FE0000;\n"  # -127: n = -127 gives 2^n = +0
+      "add.rn.f32 t, xc, 0f4B400000;\n"  # 1.5 * 2^23: round(xc) in t's low bits
+      "sub.rn.f32 n, t, 0f4B400000;\n"
+      "sub.rn.f32 f, xc, n;\n"
+      f"fma.rn.f32 p, f, {c3}, {c2};\n"
+      f"fma.rn.f32 p, p, f, {c1};\n"
+      f"fma.rn.f32 p, p, f, {c0};\n"
+      "shl.b32 e, t, 23;\n"  # n << 23: the 1.5 * 2^23 bits shift out
+      "add.s32 e, e, 1065353216;\n"  # + 127 << 23: the float 2^n
+      "mul.rn.f32 $0, p, e; }",
+      "=f,f", has_side_effects=False, is_align_stack=False,
+      asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 @cute.jit
 def convert_p(acc_s: cute.Tensor, p: cute.Tensor):
   """p = acc_s (fp32 accumulator layout) converted to p's type; p is in the A-operand layout."""
@@ -111,12 +164,18 @@ class OnlineSoftmax:
   # and threshold 0, so P <= 2^8 < 448). row_sum carries it too, and finalize removes it.
   threshold_log2: float = RESCALE_THRESHOLD_LOG2
   p_offset_log2: float = 0.0
+  # Of every 8 columns, this many take exp2_fma instead of MUFU.EX2; a row's max runs in
+  # max_chains FMNMX chains (row_max).
+  fma_exp2_per_8: int = 0
+  max_chains: int = 1
 
   @staticmethod
   def create(scale_log2: Float32, num_rows: int, threshold_log2: float = RESCALE_THRESHOLD_LOG2,
-             p_offset_log2: float = 0.0) -> "OnlineSoftmax":
+             p_offset_log2: float = 0.0, fma_exp2_per_8: int = 0,
+             max_chains: int = 1) -> "OnlineSoftmax":
     s = OnlineSoftmax(scale_log2, num_rows, cute.make_rmem_tensor(num_rows, Float32),
-                      cute.make_rmem_tensor(num_rows, Float32), threshold_log2, p_offset_log2)
+                      cute.make_rmem_tensor(num_rows, Float32), threshold_log2, p_offset_log2,
+                      fma_exp2_per_8, max_chains)
     s.reset()
     return s
 
@@ -143,9 +202,7 @@ class OnlineSoftmax:
     for i in cutlass.range_constexpr(num_rows):
       prev = self.row_max[i]
       prev_max[i] = prev
-      cur_max = prev
-      for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
-        cur_max = cute.arch.fmax(cur_max, acc_s_mn[i, j])
+      cur_max = row_max(acc_s_mn, i, prev, self.max_chains)
       cur_max = cute.arch.warp_reduction_max(cur_max, threads_in_group=_THREADS_PER_ROW)
       # +inf when the row had no visible key yet (prev -inf): the max moves; NaN when it still
       # has none: the max stays -inf and the row's p stay 0 (shift 0 below).
@@ -163,7 +220,11 @@ class OnlineSoftmax:
         shift = shift - self.p_offset_log2
       row_sum = Float32(0.0)
       for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
-        p = cute.math.exp2(acc_s_mn[i, j] * self.scale_log2 - shift, fastmath=True)
+        x = acc_s_mn[i, j] * self.scale_log2 - shift
+        if const_expr(j % 8 < self.fma_exp2_per_8):
+          p = exp2_fma(x)
+        else:
+          p = cute.math.exp2(x, fastmath=True)
         acc_s_mn[i, j] = p
         row_sum += p
       block_sum[i] = row_sum
