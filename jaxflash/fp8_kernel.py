@@ -70,8 +70,6 @@ def _reference(q8, k8, v8, descale, *sink, config):
   return out.astype(jnp.bfloat16), lse
 
 
-
-
 def _batch(args, dims, *, config):
   """Folds the mapped axis into batch: q, k, v (batch first) and the descales (batch second).
   An unmapped sink stays one logit per head; a mapped one rescales each element's rows."""
