@@ -2,8 +2,8 @@
 and FP8 forwards, one run; table + JSON.
 
 Shapes as benchmarks/bench_attention.py: batch * seq = 16384 tokens, heads = 2048 / head_dim,
-causal or not (--causal). Implementations: "fp8" (jaxflash.attention of quantize_fp8's per-head
-e4m3 tensors, bf16 out), "bf16" (jaxflash, bf16 inputs), "cudnn" (jax.nn, bf16), "cudnn-fp8"
+causal or not (--causal). Implementations: "fp8" (jaxflash.attention of quantize_fp8's e4m3
+tensors, bf16 out; per-head descales, or per block of --block-size tokens), "bf16" (jaxflash, bf16 inputs), "cudnn" (jax.nn, bf16), "cudnn-fp8"
 (jax's cuDNN attention with use_fp8=True, unit scales; it writes e4m3). TFLOP/s count the
 forward's flops (4 b h s^2 d, halved when causal). Timing: bench_attention.time_ms. Needs the
 kernels built (python -m jaxflash.build) and a Hopper GPU.
@@ -43,12 +43,13 @@ def cudnn_fp8_fn(causal: bool, scale: float):
   return attend
 
 
-def cells(head_dim: int, seq: int, causal: bool, rng) -> list:
+def cells(head_dim: int, seq: int, causal: bool, rng, block_size=None) -> list:
   """The timed cells of one shape, in IMPLS order."""
   b, h = TOKENS // seq, WIDTH // head_dim
   q, k, v = (jnp.asarray(rng.standard_normal((b, seq, h, head_dim)), jnp.bfloat16)
              for _ in range(3))
-  q8, k8, v8, qd, kd, vd = jax.jit(jaxflash.quantize_fp8)(q, k, v)
+  q8, k8, v8, qd, kd, vd = jax.jit(jaxflash.quantize_fp8, static_argnames="block_size")(
+      q, k, v, block_size=block_size)
   scale = head_dim ** -0.5
   fns = {
       "fp8": (lambda *a: jaxflash.attention(*a[:3], q_descale=a[3], k_descale=a[4],
@@ -70,11 +71,16 @@ def main(argv=None) -> int:
   p.add_argument("--hdim", type=int, nargs="+", default=[64, 128, 256])
   p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384])
   p.add_argument("--causal", action="store_true")
+  p.add_argument("--block-size", type=int, default=None,
+                 help="block descales of this many tokens for the fp8 column (default per head)")
   bench_attention.add_run_arguments(p)
   args = p.parse_args(argv)
   bench_attention.spin_up(args.spin_up)
   rng = np.random.default_rng(0)
-  records = [r for d in args.hdim for s in args.seq for r in cells(d, s, args.causal, rng)]
+  records = [r for d in args.hdim for s in args.seq
+             for r in cells(d, s, args.causal, rng, args.block_size)]
+  for r in records:
+    r["block_size"] = args.block_size
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "bench_fp8.json").write_text(json.dumps(records, indent=1))
   print("| head_dim | seq | " + " | ".join(IMPLS) + " | fp8 / bf16 | fp8 / cudnn-fp8 |")

@@ -144,9 +144,9 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
       ceil(seq_q / block)) for the query and (batch, num_kv_heads, ceil(seq_k / block)) for key
       and value, block a power of two; `jaxflash.quantize_fp8` makes them. None: 1. FP8 inputs
       take dense or causal masks, GQA/MQA, seq_q != seq_k, learnable sinks and head_dim
-      64/128/256 (= head_dim_v) and have no gradient (differentiating raises). On a Hopper GPU
-      per-head descales with bfloat16 out run the FP8 kernel; the rest runs dequantized on the
-      float32 reference.
+      64/128/256 (= head_dim_v) and have no gradient (differentiating raises). Descales must be
+      positive. On a Hopper GPU per-head descales and blocks of 64 tokens or more, with
+      bfloat16 out, run the FP8 kernel; the rest runs dequantized on the float32 reference.
     out_dtype: float8_e4m3fn inputs only: bfloat16 (default) or float16.
     deterministic: make the backward pass bitwise reproducible run to run. Without a causal
       mask at head_dim > 128 the CuTe backward then keeps two fp32 dQ accumulators (scratch of
@@ -208,12 +208,14 @@ def _fp8_call(query, key, value, config: AttentionConfig, learnable_sink, descal
   checked = fp8.check_descales(query, key, value, *descales)
   impl = _resolve_implementation(implementation, fp8.FP8_DTYPE, query.shape[-1],
                                  value.shape[-1], config)
-  if impl == "cute" and (checked.block_size is not None or out_name != "bfloat16"):
+  small_blocks = checked.block_size is not None and checked.block_size < fp8.KERNEL_MIN_BLOCK
+  if impl == "cute" and (small_blocks or out_name != "bfloat16"):
     if implementation == "cute":
       raise ValueError(
           f"implementation='cute': the FP8 kernel takes per-head descales (batch, "
-          f"num_kv_heads) and writes bfloat16; this call has "
-          f"{'block descales' if checked.block_size is not None else 'out_dtype ' + out_name}"
+          f"num_kv_heads) or blocks of {fp8.KERNEL_MIN_BLOCK} tokens or more, and writes "
+          f"bfloat16; this call has "
+          f"{f'blocks of {checked.block_size}' if small_blocks else 'out_dtype ' + out_name}"
           f"; use implementation=None (auto) or 'reference'")
     impl = "reference"
   config = config.replace(implementation=impl)

@@ -77,6 +77,9 @@ class AttentionConfig:
   has_sink: bool = False
   deterministic: bool = False
   implementation: str = "reference"  # resolved: "cute" or "reference"
+  # FP8 inputs: the descales vary along the sequence (block quantization), so the kernel takes
+  # one per 64 tokens (the -blk variants) instead of one per (batch, kv head).
+  block_descales: bool = False
 
   @property
   def has_window(self) -> bool:
@@ -152,10 +155,16 @@ Schedule = Union[FwdSchedule, BwdSchedule]
 # The FP8 forward (kernels/fwd_fp8_sm90.py): e4m3 q, k, v, bf16 out; head_dim = head_dim_v.
 FP8_DTYPE = "float8_e4m3fn"
 FP8_HEAD_DIMS = (64, 128, 256)
+# The FP8 kernel takes its descales per chunk of this many query rows or keys of a head: per
+# (batch, kv head) descales and block descales of a block this size or larger map onto it
+# exactly (jaxflash/fp8_kernel.py). Block descales run their own variants (-blk): scaling
+# scores and P per chunk measured 0.87x / 0.94x at head_dim 128 / 256 on per-head descales
+# (docs/kernels.md, "FP8 forward"), so per-head calls keep one scale per tile.
+FP8_DESCALE_ROWS = 64
 
 
 def fp8_fwd_schedule(head_dim: int, causal: bool) -> FwdSchedule:
-  """The FP8 forward's schedule: one CTA per tile (its descales are per tile), ping-pong
+  """The FP8 forward's schedule: one CTA per tile (its softmax state is set up per tile), ping-pong
   consumer warpgroups. head_dim 64: 192 x 128 (three warpgroups share the MUFU-bound softmax);
   128: 128 x 192 (224 key rows spill); 256: 128 x 64, where 64-key blocks keep the K, V and V^T
   rings and the bf16 O buffer within shared memory. At head_dim 64 the softmax's MUFU.EX2 time
@@ -167,10 +176,12 @@ def fp8_fwd_schedule(head_dim: int, causal: bool) -> FwdSchedule:
                      fma_exp2_per_8=2 if head_dim <= 64 else 0)
 
 
-def fp8_fwd_variant(head_dim: int, causal: bool, arch: str = "sm90a") -> "KernelVariant":
+def fp8_fwd_variant(head_dim: int, causal: bool, arch: str = "sm90a",
+                    block_descales: bool = False) -> "KernelVariant":
   return KernelVariant(direction="fwd", arch=arch, dtype=FP8_DTYPE, head_dim=head_dim,
                        head_dim_v=head_dim, causal=causal,
-                       schedule=fp8_fwd_schedule(head_dim, causal))
+                       schedule=fp8_fwd_schedule(head_dim, causal),
+                       block_descales=block_descales)
 
 
 def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
@@ -267,12 +278,15 @@ class KernelVariant:
   # kernel masks and skips by; causal or not is then run-time data too. They also take softcap
   # at run time.
   masked: bool = False
+  # FP8 forward only: descales per 64 tokens (block quantization), not per (batch, kv head).
+  block_descales: bool = False
 
   @property
   def key(self) -> str:
     """Readable, unique name: folder in the kernel cache and the FFI `variant` attribute."""
     flags = "".join(f for f, on in (("-causal", self.causal), ("-masked", self.masked),
-                                    ("-det", self.deterministic)) if on)
+                                    ("-det", self.deterministic),
+                                    ("-blk", self.block_descales)) if on)
     return (f"{self.direction}-{self.arch}-{_DTYPE_SHORT[self.dtype]}-d{self.head_dim}"
             f"-dv{self.head_dim_v}{flags}-{self.schedule.key}")
 
@@ -281,7 +295,7 @@ class KernelVariant:
                config: AttentionConfig) -> "KernelVariant":
     """The variant that runs one call (kernel_support must have accepted it)."""
     if dtype == FP8_DTYPE:
-      return fp8_fwd_variant(head_dim, config.causal, arch)
+      return fp8_fwd_variant(head_dim, config.causal, arch, config.block_descales)
     deterministic = config.deterministic and direction == "bwd"
     # Soft-capping runs on the masked variants (a run-time value, like the window).
     masked = config.has_window or config.has_segment_ids or config.softcap is not None
@@ -349,8 +363,9 @@ def shipped_variants(arch: str = "sm90a", direction: str = "fwd") -> list[Kernel
         for deterministic in (False, True) if direction == "bwd" else (False,):
           cfg = AttentionConfig(softmax_scale=1.0, deterministic=deterministic, **mask)
           out.append(KernelVariant.for_call(direction, arch, dtype, head_dim, head_dim_v, cfg))
-  if direction == "fwd":  # FP8: dense, causal or not
-    out += [fp8_fwd_variant(d, causal, arch) for d in FP8_HEAD_DIMS for causal in (False, True)]
+  if direction == "fwd":  # FP8: dense, causal or not; per-head or block descales
+    out += [fp8_fwd_variant(d, causal, arch, blocks) for blocks in (False, True)
+            for d in FP8_HEAD_DIMS for causal in (False, True)]
   return out
 
 

@@ -9,8 +9,10 @@ query, key and value in one call):
   head, `block` a power of two (FlashAttention-3's block quantization).
 `quantize_fp8` makes them, optionally after a random Hadamard rotation of query and key along
 head_dim (incoherent processing: QK^T is unchanged, outliers are spread over the dimension).
-The attention of FP8 inputs dequantizes them and runs the float32 reference (no FP8 kernel ships
-yet); it has no gradient. Imports jax only.
+The attention of FP8 inputs runs the FP8 kernel (jaxflash/fp8_kernel.py: per-head descales or
+blocks of KERNEL_MIN_BLOCK tokens or more, bfloat16 out) or, on the reference path, dequantizes
+them and runs the float32 reference; it has no gradient. Imports jax and the jaxflash layers
+below the public API.
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import checks, fp8_kernel, primitives, reference
-from jaxflash.config import AttentionConfig
+from jaxflash.config import FP8_DESCALE_ROWS, AttentionConfig
 
 FP8_DTYPE = "float8_e4m3fn"
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 HEAD_DIMS = (64, 128, 256)
 OUT_DTYPES = ("bfloat16", "float16")
 _BLOCK_SIZES = tuple(2 ** i for i in range(4, 21))  # 16 ... 2^20
+# The smallest block of block descales that the FP8 kernel takes (its descale chunk).
+KERNEL_MIN_BLOCK = FP8_DESCALE_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,11 +244,12 @@ def naive_fp8_attention(q8, k8, v8, descales: Descales, config: AttentionConfig,
                         learnable_sink=None):
   """(out float32, lse) as an FP8 kernel computes them, all scores at once: S from the e4m3
   q8 k8^T in float32 times the descales, P = exp(S - row max) rounded to e4m3 after scaling
-  by P_SCALE (FlashAttention-3's P), O = P8 (v8 * v_descale) / (P_SCALE * row sum of the
-  unrounded P). Dense or causal; a learnable sink (num_heads,) joins each row's sum (not its
-  max, as in the kernel's epilogue). A kernel differs in the order of its sums and in rounding
-  P against a running row max, so this bounds an FP8 kernel's error in tests (2x rule) and
-  estimates it in benchmarks/fp8_accuracy.py.
+  by P_SCALE (FlashAttention-3's P) and by each key's v descale / v max (v max: the largest
+  v descale of the (batch, kv head), so the ratio is 1 with per-head descales), O = P8 (v8 *
+  v max) / (P_SCALE * row sum of the unrounded P). Dense or causal; a learnable sink
+  (num_heads,) joins each row's sum (not its max, as in the kernel's epilogue). A kernel
+  differs in the order of its sums and in rounding P against a running row max, so this bounds
+  an FP8 kernel's error in tests (2x rule) and estimates it in benchmarks/fp8_accuracy.py.
   """
   b, seq_q, h, _ = q8.shape
   seq_k, hk = k8.shape[1], k8.shape[2]
@@ -269,8 +274,11 @@ def naive_fp8_attention(q8, k8, v8, descales: Descales, config: AttentionConfig,
   if learnable_sink is not None:
     sink = jnp.asarray(learnable_sink, jnp.float32).reshape(1, hk, group, 1, 1)
     row_sum = row_sum + jnp.exp(sink - m)  # rows without keys: m = 0, so exp(sink)
-  p8 = (p * P_SCALE).astype(jnp.float8_e4m3fn).astype(jnp.float32)
-  v = v8.astype(jnp.float32) * vd
+  v_max = jnp.max(vd, axis=1, keepdims=True)  # (b, 1, hk, 1)
+  ratio = jnp.where(v_max > 0, vd / jnp.where(v_max > 0, v_max, 1.0), 1.0)
+  ratio = jnp.transpose(ratio[..., 0], (0, 2, 1))[:, :, None, None, :]  # (b, hk, 1, 1, k)
+  p8 = (p * P_SCALE * ratio).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+  v = v8.astype(jnp.float32) * v_max
   out = jnp.einsum("bhgqk,bkhd->bqhgd", p8, v, precision=jax.lax.Precision.HIGHEST)
   denom = jnp.transpose(row_sum[..., 0] * P_SCALE, (0, 3, 1, 2))[..., None]  # (b, q, hk, g, 1)
   out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
@@ -285,11 +293,12 @@ def naive_fp8_attention(q8, k8, v8, descales: Descales, config: AttentionConfig,
 def fp8_attention(config: AttentionConfig, out_dtype: str, block_size: Optional[int], q8, k8, v8,
                   q_descale, k_descale, v_descale, learnable_sink=None):
   """(out in out_dtype, lse) of FP8 inputs: the FP8 kernel (implementation 'cute': per-head
-  descales, bfloat16 out), else dequantized and the float32 reference."""
+  descales or blocks of KERNEL_MIN_BLOCK tokens or more, bfloat16 out), else dequantized and the
+  float32 reference."""
   config = config.replace(has_sink=learnable_sink is not None)
   if config.implementation == "cute":
     return fp8_kernel.fp8_forward(config, q8, k8, v8, q_descale, k_descale, v_descale,
-                                  learnable_sink)
+                                  learnable_sink, block_size=block_size)
   q, k, v = dequantize_inputs(q8, k8, v8, q_descale, k_descale, v_descale, block_size)
   out, lse = primitives.attention_core(config.replace(implementation="reference"), q, k, v,
                                        None, None, learnable_sink)

@@ -27,8 +27,9 @@ HEADS, KV_HEADS, Q_PER_KV = "heads", "kv_heads", "q_per_kv"
 HEAD_DIM, HEAD_DIM_V = "head_dim", "head_dim_v"
 # The kernels hold a whole row of keys and a whole head: these factors are never sharded.
 REPLICATED_FACTORS = (SEQ_Q, SEQ_K, HEAD_DIM, HEAD_DIM_V)
-# The FP8 primitive's descales are stacked (q, k, v) x batch x kv heads: the first dim is whole.
-DESCALE_KIND = "descale_kind"
+# The FP8 primitive's descales: q_descale (batch, heads, query chunks) and kv_descale (batch,
+# kv heads, key chunks, 4 values); the chunk and value dims are whole.
+Q_CHUNKS, K_CHUNKS, CHUNK_VALUES = "q_chunks", "k_chunks", "chunk_values"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,13 +80,14 @@ def fwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int
 
 def fp8_fwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int,
                           mesh_sizes: Sequence[int] = ()):
-  """Rule of the FP8 forward primitive (fp8_kernel.fp8_fwd_p): (q8, k8, v8, descale (3, batch,
-  num_kv_heads)[, sink]) -> (out, lse)."""
+  """Rule of the FP8 forward primitive (fp8_kernel.fp8_fwd_p): (q8, k8, v8, q_descale (batch,
+  num_heads, q chunks), kv_descale (batch, num_kv_heads, k chunks, 4)[, sink]) -> (out, lse)."""
   q, k, v, out, lse, _, sizes = _operands(num_heads, num_kv_heads, False, mesh_sizes)
   h, kv, _ = _head_factors(num_heads, num_kv_heads, mesh_sizes)
   sink = [h] if config.has_sink else []
-  return _rule([q, k, v, f"{DESCALE_KIND} {BATCH} {kv}", *sink], [out, lse], sizes,
-               REPLICATED_FACTORS + (DESCALE_KIND,))
+  descales = [f"{BATCH} {h} {Q_CHUNKS}", f"{BATCH} {kv} {K_CHUNKS} {CHUNK_VALUES}"]
+  return _rule([q, k, v, *descales, *sink], [out, lse], sizes,
+               REPLICATED_FACTORS + (Q_CHUNKS, K_CHUNKS, CHUNK_VALUES))
 
 
 def bwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int,
@@ -154,9 +156,12 @@ class Plan:
   def sink_spec(self) -> PartitionSpec:  # learnable_sink: one logit per query head
     return PartitionSpec(_entry(self.head_axes))
 
-  def descale_spec(self) -> PartitionSpec:  # the FP8 descales (3, batch, kv heads), as k's
+  def q_descale_spec(self) -> PartitionSpec:  # FP8 q_descale (batch, heads, chunks), as q's
+    return PartitionSpec(_entry(self.batch_axes), _entry(self.head_axes), None)
+
+  def kv_descale_spec(self) -> PartitionSpec:  # FP8 kv_descale (batch, kv heads, chunks, 4)
     heads = None if self.kv_replicated else _entry(self.head_axes)
-    return PartitionSpec(None, _entry(self.batch_axes), heads)
+    return PartitionSpec(_entry(self.batch_axes), heads, None, None)
 
   # -- per-shard helpers (run inside custom_partitioning's per-shard function) --
 
@@ -166,12 +171,12 @@ class Plan:
     group = self.num_heads // self.num_kv_heads
     return (shard * (self.num_heads // self.head_shards)) // group
 
-  def select_kv(self, x):
-    """Local k, v or FP8 descales (kv heads in dim 2 of each): the slice of kv heads this
+  def select_kv(self, x, axis: int = 2):
+    """Local k, v (kv heads in dim 2) or FP8 kv_descale (axis=1): the slice of kv heads this
     shard's query heads read."""
     if not self.kv_replicated:
       return x
-    return lax.dynamic_slice_in_dim(x, self._kv_index(), 1, axis=2)
+    return lax.dynamic_slice_in_dim(x, self._kv_index(), 1, axis=axis)
 
   def reduce_dkv(self, dx):
     """dk or dv of the local kv slice -> the replicated gradient, summed over head shards."""
@@ -266,15 +271,16 @@ def fwd_partition(config: AttentionConfig, mesh, arg_shapes,
 def fp8_fwd_partition(config: AttentionConfig, mesh, arg_shapes,
                       compute: Callable) -> tuple[tuple, tuple, Callable]:
   """custom_partitioning's decision for the FP8 forward primitive: as flash_fwd_p's, with the
-  descales sharded (or sliced) like the kv heads of k and v."""
+  q_descale sharded like the query heads, kv_descale like the kv heads of k and v."""
   plan = plan_for(mesh, arg_shapes)
   sink = (plan.sink_spec(),) if config.has_sink else ()
-  arg_specs = (plan.q_spec(), plan.kv_spec(), plan.kv_spec(), plan.descale_spec()) + sink
+  arg_specs = (plan.q_spec(), plan.kv_spec(), plan.kv_spec(), plan.q_descale_spec(),
+               plan.kv_descale_spec()) + sink
   result_specs = (plan.q_spec(), plan.lse_spec())
 
-  def per_shard(q8, k8, v8, descale, *sink):
-    return tuple(compute(q8, plan.select_kv(k8), plan.select_kv(v8), plan.select_kv(descale),
-                         *sink))
+  def per_shard(q8, k8, v8, q_descale, kv_descale, *sink):
+    return tuple(compute(q8, plan.select_kv(k8), plan.select_kv(v8), q_descale,
+                         plan.select_kv(kv_descale, axis=1), *sink))
 
   return _named(mesh, arg_specs), _named(mesh, result_specs), per_shard
 

@@ -32,11 +32,14 @@ def _bwd(head_dim, head_dim_v=None, causal=False, deterministic=False):
 def test_shipped_variants_cover_dtypes_head_dims_masks_and_determinism():
   """Dense (causal or not) and masked variants (windows, segment ids, causal at run time):
   3 x 2 dtypes x 6 head-dim pairs forward, twice that backward (deterministic or not); and the
-  FP8 forward: head_dim 64 / 128 / 256, causal or not, one CTA per tile."""
+  FP8 forward: head_dim 64 / 128 / 256, causal or not, per-head or block descales (-blk), one
+  CTA per tile."""
   assert config.KERNEL_HEAD_DIM_PAIRS == {"fwd": PAIRS, "bwd": PAIRS}
   fp8 = [v for v in FWD if v.dtype == config.FP8_DTYPE]
-  assert [(v.head_dim, v.head_dim_v, v.causal) for v in fp8] == [
-      (d, d, c) for d in config.FP8_HEAD_DIMS for c in (False, True)]
+  assert [(v.head_dim, v.head_dim_v, v.causal, v.block_descales) for v in fp8] == [
+      (d, d, c, blocks) for blocks in (False, True) for d in config.FP8_HEAD_DIMS
+      for c in (False, True)]
+  assert all(v.key.endswith(f"-blk-{v.schedule.key}") == v.block_descales for v in fp8)
   assert not any(v.masked or v.schedule.persistent for v in fp8)
   assert all(v.key.startswith("fwd-sm90a-e4m3-") for v in fp8)
   assert len(FWD) == 2 * len(PAIRS) * 3 + len(fp8) and len(BWD) == 2 * len(PAIRS) * 3 * 2

@@ -223,7 +223,7 @@ def _fp8_inputs(shape=(20, 30, 4, 2, 64)):
                                  "other than cuda"),
     ({"implementation": "cute", "out_dtype": jnp.float16},
      "implementation='cute': the FP8 kernel takes per-head descales \\(batch, num_kv_heads\\) "
-     "and writes bfloat16; this call has out_dtype float16"),
+     "or blocks of 64 tokens or more, and writes bfloat16; this call has out_dtype float16"),
 ])
 def test_fp8_attention_rejects_what_it_does_not_support(kwargs, match):
   q8, k8, v8, qd, kd, vd = _fp8_inputs()
@@ -299,19 +299,75 @@ def test_naive_fp8_attention_rounds_only_p_beyond_the_dequantized_inputs(shape, 
     assert 0 < err < 2.0 ** -4  # e4m3's relative rounding, averaged over each row
 
 
-def test_the_fp8_kernel_takes_per_head_descales_only():
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_the_fp8_kernel_takes_blocks_of_64_tokens_or_more(block_size):
   q, k, v = _inputs(10, (20, 30, 4, 2, 64))
-  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=16)
-  with pytest.raises(ValueError, match="the FP8 kernel takes per-head descales .* this call "
-                                       "has block descales; use implementation=None"):
+  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=block_size)
+  with pytest.raises(ValueError, match=f"the FP8 kernel takes per-head descales .* or blocks of "
+                                       f"64 tokens or more, .* this call has blocks of "
+                                       f"{block_size}; use implementation=None"):
     jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
                        implementation="cute")
+
+
+@pytest.mark.parametrize("block_size", [None, 64, 128, 512])
+@pytest.mark.parametrize("head_dim", config.FP8_HEAD_DIMS)
+def test_kernel_descales_give_each_token_its_descale(block_size, head_dim):
+  """The kernel's per-64-token descales dequantize every token as the caller's do; the value
+  ratios are at most 1 and their log2 and inverse agree."""
+  from jaxflash import fp8_kernel
+  q, k, v = _inputs(13, (300, 200, 8, 2, head_dim))
+  scale = jnp.exp2(jnp.arange(300) // 64 % 5 - 2.0)[None, :, None, None]  # blocks differ
+  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q * scale, k * scale[:, :200],
+                                                 v * scale[:, :200], block_size=block_size)
+  q_chunks, kv = fp8_kernel.kernel_descales(qd, kd, vd, block_size, q8.shape, k8.shape, False)
+  schedule = config.fp8_fwd_schedule(head_dim, False)
+  assert q_chunks.shape == (2, 8, -(-300 // schedule.tile_m) * schedule.tile_m // 64)
+  assert kv.shape == (2, 2, -(-200 // schedule.tile_n) * schedule.tile_n // 64, 4)
+  got = fp8_kernel._dequantized(q8, k8, v8, q_chunks, kv)
+  want = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, block_size)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6)
+  ratio = np.exp2(np.asarray(kv[..., 1]))
+  assert (ratio <= 1).all() and np.allclose(ratio * np.asarray(kv[..., 2]), 1.0, rtol=1e-5)
+  assert (np.asarray(kv[..., 3]) == np.asarray(kv[..., 3:4, 3])).all()  # one v max per head
+  # v max is the largest v descale the caller gave (padding chunks add none), so the largest
+  # ratio is 1: P keeps e4m3's full range where the values are largest.
+  v_max = np.max(np.asarray(vd).reshape(2, 2, -1), axis=-1)
+  np.testing.assert_array_equal(np.asarray(kv[:, :, 0, 3]), v_max)
+  np.testing.assert_allclose(ratio.max(axis=2), 1.0, rtol=1e-6)
+  # Chunks past the sequence (masked keys and rows) still hold positive, finite descales.
+  for x in (q_chunks, kv[..., 0], kv[..., 2], kv[..., 3]):
+    assert np.isfinite(np.asarray(x)).all() and (np.asarray(x) > 0).all()
+
+
+@pytest.mark.parametrize("block_size", [None, 64, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_fp8_kernel_primitive_off_gpu_is_the_dequantized_attention(block_size, causal):
+  """The FP8 kernel primitive's reference lowering (GQA, seq_q != seq_k, block descales that
+  differ from block to block) is the attention of the dequantized inputs."""
+  from jaxflash import fp8_kernel
+  q, k, v = _inputs(14, (150, 250, 4, 2, 64))
+  scale = jnp.exp2(jnp.arange(250) // 64 % 3 - 1.0)[None, :, None, None]
+  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q * scale[:, :150], k * scale, v / scale,
+                                                 block_size=block_size)
+  cfg = config.AttentionConfig(softmax_scale=0.125, causal=causal, implementation="reference")
+  out, lse = jax.jit(lambda *a: fp8_kernel.fp8_forward(cfg, *a, block_size=block_size))(
+      q8, k8, v8, qd, kd, vd)
+  deq = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, block_size)
+  want_out, want_lse = jaxflash.attention(*deq, softmax_scale=0.125, causal=causal,
+                                          return_lse=True, implementation="reference")
+  np.testing.assert_allclose(np.asarray(out, np.float32),
+                             np.asarray(want_out.astype(jnp.bfloat16), np.float32),
+                             rtol=2e-2, atol=2e-2)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp8_kernel_call_lowers_to_the_forward_custom_call_with_the_descales(causal):
   """On CUDA the FP8 kernel is the forward custom call of an e4m3 variant: q8, k8, v8, then
-  the (3, batch, num_kv_heads) float32 descales (q, k, v); bfloat16 out, float32 lse."""
+  q_descale (batch, num_heads, query chunks of 64) and kv_descale (batch, num_kv_heads, key
+  chunks, 4) float32 over the variant's 128-row and 192-key tiles; bfloat16 out, float32 lse."""
   q8, k8, v8, qd, kd, vd = _fp8_inputs((20, 30, 4, 2, 128))
   f = jax.jit(lambda *a: jaxflash.attention(*a[:3], q_descale=a[3], k_descale=a[4],
                                             v_descale=a[5], causal=causal, return_lse=True,
@@ -320,7 +376,7 @@ def test_fp8_kernel_call_lowers_to_the_forward_custom_call_with_the_descales(cau
   call = next(line for line in text.splitlines() if "custom_call @jaxflash_attention_fwd" in line)
   variant = config.fp8_fwd_variant(128, causal).key
   assert f'variant = "{variant}"' in call and f"causal = {str(causal).lower()}" in call
-  assert "tensor<3x2x2xf32>" in call  # the stacked descales after q, k, v
+  assert "tensor<2x4x2xf32>, tensor<2x2x3x4xf32>)" in call  # the descales after q, k, v
   assert "-> (tensor<2x20x4x128xbf16>, tensor<2x4x20xf32>)" in call
 
 
@@ -338,7 +394,8 @@ def test_vmap_of_the_fp8_kernel_folds_the_mapped_axis_into_the_batch():
       stack(q8), stack(k8), stack(v8), qd, kd, vd).lower(
       lowering_platforms=("cuda",)).as_text()
   call = next(line for line in text.splitlines() if "custom_call @jaxflash_attention_fwd" in line)
-  assert "tensor<6x20x4x64xf8E4M3FN>" in call and "tensor<3x6x2xf32>" in call
+  # head_dim 64: 192-row and 128-key tiles, so 3 query chunks and 2 key chunks.
+  assert "tensor<6x20x4x64xf8E4M3FN>" in call and "tensor<6x4x3xf32>, tensor<6x2x2x4xf32>" in call
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -387,7 +444,7 @@ def test_fp8_kernel_call_takes_the_sink_after_the_descales():
                                             implementation="cute"))
   text = f.trace(q8, k8, v8, qd, kd, vd, sink).lower(lowering_platforms=("cuda",)).as_text()
   call = next(line for line in text.splitlines() if "custom_call @jaxflash_attention_fwd" in line)
-  assert "tensor<3x2x2xf32>, tensor<4xf32>) ->" in call
+  assert "tensor<2x2x3x4xf32>, tensor<4xf32>) ->" in call
 
 
 @pytest.mark.parametrize("sink_axis", [None, 0])

@@ -20,26 +20,30 @@ from tests import _multidevice
 MESH = {"data": 2, "model": 4}
 
 
-def test_rule_names_the_descales_by_batch_and_kv_heads():
+def test_rule_names_the_descales_by_batch_and_heads():
   cfg = AttentionConfig(softmax_scale=1.0)
   rule, kw = sharding.fp8_fwd_sharding_rule(cfg, 8, 4, (2, 2))
   assert rule == ("batch seq_q (kv_heads q_per_kv) head_dim, batch seq_k kv_heads head_dim, "
-                  "batch seq_k kv_heads head_dim_v, descale_kind batch kv_heads -> "
+                  "batch seq_k kv_heads head_dim_v, batch (kv_heads q_per_kv) q_chunks, "
+                  "batch kv_heads k_chunks chunk_values -> "
                   "batch seq_q (kv_heads q_per_kv) head_dim_v, batch (kv_heads q_per_kv) seq_q")
   assert kw == {"q_per_kv": 2, "need_replication_factors": (
-      "seq_q", "head_dim", "seq_k", "head_dim_v", "descale_kind")}
+      "seq_q", "head_dim", "seq_k", "head_dim_v", "q_chunks", "k_chunks", "chunk_values")}
   rule, _ = sharding.fp8_fwd_sharding_rule(cfg.replace(has_sink=True), 8, 8, (2, 4))
-  assert rule.split(" -> ")[0].endswith("descale_kind batch heads, heads")
+  assert rule.split(" -> ")[0].endswith(
+      "batch heads q_chunks, batch heads k_chunks chunk_values, heads")
 
 
 def test_descales_follow_the_kv_heads():
   ax = lambda spec: sharding.spec_axes(spec, 4)
   plan = sharding.resolve(MESH, ax(P("data", None, "model")), ax(P("data")), ax(P("data")),
                           batch=8, num_heads=8, num_kv_heads=4)
-  assert plan.descale_spec() == P(None, "data", "model")
+  assert plan.q_descale_spec() == P("data", "model", None)
+  assert plan.kv_descale_spec() == P("data", "model", None, None)
   plan = sharding.resolve(MESH, ax(P("data", None, "model")), ax(P("data")), ax(P("data")),
                           batch=8, num_heads=8, num_kv_heads=2)
-  assert plan.kv_replicated and plan.descale_spec() == P(None, "data", None)
+  assert plan.kv_replicated and plan.kv_descale_spec() == P("data", None, None, None)
+  assert plan.q_descale_spec() == P("data", "model", None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,14 +17,16 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import config, ffi, fp8, reference
+from jaxflash import config, ffi, fp8, fp8_kernel, reference
 from jaxflash.config import FWD_TARGET, AttentionConfig
 from tests._cases import x64
 from tests._oracle import assert_close_to_oracle
 
 pytestmark = pytest.mark.gpu
 
-VARIANTS = [v for v in config.shipped_variants() if v.dtype == config.FP8_DTYPE]
+FP8_VARIANTS = [v for v in config.shipped_variants() if v.dtype == config.FP8_DTYPE]
+VARIANTS = [v for v in FP8_VARIANTS if not v.block_descales]  # per-head descales
+BLOCK_VARIANTS = [v for v in FP8_VARIANTS if v.block_descales]
 SHAPES = {  # name -> (batch, seq_q, seq_k, heads, kv_heads)
     "s1": (3, 1, 1, 4, 4),
     "s17_gqa8": (2, 17, 17, 8, 1),
@@ -37,38 +39,49 @@ SHAPES = {  # name -> (batch, seq_q, seq_k, heads, kv_heads)
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-  for variant in VARIANTS:
+  for variant in FP8_VARIANTS:
     ffi.ensure_variant(variant)  # fails with the build command if the cache lacks one
 
 
-def _inputs(seed, shape, head_dim):
-  """Fresh bf16 inputs quantized per (batch, kv head)."""
+def _inputs(seed, shape, head_dim, block_size=None):
+  """Fresh bf16 inputs quantized per (batch, kv head), or per block with block descales that
+  differ: each block of 64 tokens of a head is scaled by 2^u, u uniform in [-1, 0] for the
+  query and [-1, 1] for key and value (value ratios down to 1/4), so the scores stay within
+  twice those of N(0, 1) inputs."""
   b, seq_q, seq_k, h, hk = shape
   rng = np.random.default_rng(seed)
-  q = jnp.asarray(rng.standard_normal((b, seq_q, h, head_dim)), jnp.bfloat16)
-  k, v = (jnp.asarray(rng.standard_normal((b, seq_k, hk, head_dim)), jnp.bfloat16)
-          for _ in range(2))
-  return jaxflash.quantize_fp8(q, k, v)
+
+  def draw(seq, heads, low, high):
+    x = rng.standard_normal((b, seq, heads, head_dim))
+    if block_size is not None:
+      x = x * np.repeat(np.exp2(rng.uniform(low, high, (b, -(-seq // 64), heads, 1))), 64,
+                        axis=1)[:, :seq]
+    return jnp.asarray(x, jnp.bfloat16)
+
+  return jaxflash.quantize_fp8(draw(seq_q, h, -1, 0), draw(seq_k, hk, -1, 1),
+                               draw(seq_k, hk, -1, 1), block_size=block_size)
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "cfg"), donate_argnums=(4, 5),
+@functools.partial(jax.jit, static_argnames=("variant", "cfg"), donate_argnums=(5, 6),
                    keep_unused=True)
-def _fwd_into(q8, k8, v8, descale, out_buffer, lse_buffer, *sink, variant, cfg):
+def _fwd_into(q8, k8, v8, q_chunks, kv_chunks, out_buffer, lse_buffer, *sink, variant, cfg):
   del out_buffer, lse_buffer  # donated: XLA writes the results into their memory
   b, seq_q, h, d = q8.shape
   result = (jax.ShapeDtypeStruct((b, seq_q, h, d), jnp.bfloat16),
             jax.ShapeDtypeStruct((b, h, seq_q), jnp.float32))
-  return jax.ffi.ffi_call(FWD_TARGET, result)(q8, k8, v8, descale, *sink,
+  return jax.ffi.ffi_call(FWD_TARGET, result)(q8, k8, v8, q_chunks, kv_chunks, *sink,
                                               **ffi.fwd_attributes(variant, cfg))
 
 
-def poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg, sink=None):
-  """The raw custom call (the sink, when given, after the descales) into NaN-filled buffers."""
+def poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg, sink=None, block_size=None):
+  """The raw custom call (the kernel's descales, then the sink when given) into NaN-filled
+  buffers."""
   b, seq_q, h, d = q8.shape
   out_buffer = jnp.full((b, seq_q, h, d), jnp.nan, jnp.bfloat16)
   lse_buffer = jnp.full((b, h, seq_q), jnp.nan, jnp.float32)
   pointers = (out_buffer.unsafe_buffer_pointer(), lse_buffer.unsafe_buffer_pointer())
-  out, lse = _fwd_into(q8, k8, v8, jnp.stack([qd, kd, vd]), out_buffer, lse_buffer,
+  descales = fp8_kernel.kernel_descales(qd, kd, vd, block_size, q8.shape, k8.shape, cfg.causal)
+  out, lse = _fwd_into(q8, k8, v8, *descales, out_buffer, lse_buffer,
                        *(() if sink is None else (sink,)), variant=variant, cfg=cfg)
   assert (out.unsafe_buffer_pointer(), lse.unsafe_buffer_pointer()) == pointers, (
       "XLA did not write into the poisoned buffers: the test would miss unwritten elements")
@@ -125,6 +138,37 @@ def test_fp8_forward_matches_float64_oracle(variant, shape):
   assert_close_to_oracle(raw_out, want_out, naive_out, name="out")
   assert_lse_close(raw_lse, want_lse, naive_lse, deq, cfg)
   # The public path runs the same kernel: bitwise equal.
+  out, lse = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+                                causal=variant.causal, return_lse=True, implementation="cute")
+  np.testing.assert_array_equal(out, raw_out)
+  np.testing.assert_array_equal(lse, raw_lse)
+
+
+BLOCK_SHAPES = {k: SHAPES[k] for k in ("s17_gqa8", "q300_k200", "q200_k300_mqa", "q1000_k17")}
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("shape", BLOCK_SHAPES.values(), ids=BLOCK_SHAPES.keys())
+@pytest.mark.parametrize("variant", BLOCK_VARIANTS, ids=[v.key for v in BLOCK_VARIANTS])
+def test_fp8_forward_with_block_descales_matches_float64_oracle(variant, shape, block_size):
+  """Block descales that differ by up to 4x between blocks: each query row and key takes its
+  block's descale, P carries each key's v descale / v max."""
+  q8, k8, v8, qd, kd, vd = _inputs(zlib.crc32(f"block{variant.key}{shape}{block_size}".encode()),
+                                   shape, variant.head_dim, block_size)
+  cfg = AttentionConfig(softmax_scale=variant.head_dim ** -0.5, causal=variant.causal,
+                        implementation="cute")
+  raw_out, raw_lse = poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg,
+                                      block_size=block_size)
+  descales = fp8.check_descales(q8, k8, v8, qd, kd, vd)
+  assert descales.block_size == block_size
+  naive_out, naive_lse = fp8.naive_fp8_attention(q8, k8, v8, descales, cfg)
+  naive_out = naive_out.astype(jnp.bfloat16)
+  deq = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, block_size)
+  with x64():
+    want_out, want_lse = (np.asarray(x) for x in reference.naive_attention(
+        *(x.astype(jnp.float64) for x in deq), cfg.replace(implementation="reference")))
+  assert_close_to_oracle(raw_out, want_out, naive_out, name="out")
+  assert_lse_close(raw_lse, want_lse, naive_lse, deq, cfg)
   out, lse = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
                                 causal=variant.causal, return_lse=True, implementation="cute")
   np.testing.assert_array_equal(out, raw_out)

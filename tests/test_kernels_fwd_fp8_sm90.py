@@ -124,6 +124,9 @@ def test_sass_uses_e4m3_wgmma_tma_and_the_shared_memory_transpose(exported, vari
     assert len(re.findall(rf"PRMT R\d+, R\d+(?:\.reuse)?, {selector}, R\d+", sass)) == 2 * rounds
   assert ops.count("F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C") > 0
   assert "SHFL.IDX" not in ops
+  # Block variants: each K stage's chunk descales, one bulk copy with the first key block and
+  # one in the loop; per-head variants read one k descale per tile.
+  assert ops.count("UBLKCP.S.G") == (2 if variant.block_descales else 0)
 
 
 @pytest.mark.cutlass
@@ -148,3 +151,18 @@ def test_fp8_variants_fit_shared_memory(variant):
   from jaxflash.kernels.fwd_fp8_sm90 import FlashAttentionForwardFp8Sm90
   assert FlashAttentionForwardFp8Sm90.can_implement(variant) == (True, "")
   assert FlashAttentionForwardFp8Sm90.smem_bytes(variant) <= sm90_gemm.SMEM_CAPACITY
+
+
+@pytest.mark.cutlass
+@pytest.mark.parametrize("variant", FP8_VARIANTS + [
+    v for v in config.shipped_variants("sm90a", "fwd") if v.dtype != config.FP8_DTYPE],
+    ids=lambda v: v.key)
+def test_register_split_fits_the_ctas_register_pool(variant):
+  """setmaxnreg moves registers inside the CTA's pool, which is what the launch allocated:
+  the threads times the registers per thread that 64K allow (a multiple of 8). A split that
+  asks for more makes the consumers' setmaxnreg.inc wait forever (a hang, not an error)."""
+  from jaxflash.kernels import compile as kernel_compile
+  kernel = kernel_compile.build_kernel(variant)
+  pool = 65536 // kernel.num_threads // 8 * 8 * kernel.num_threads
+  wanted = 128 * kernel.num_producer_regs + kernel.num_mma_threads * kernel.num_mma_regs
+  assert wanted <= pool, (variant.key, wanted, pool)

@@ -30,6 +30,8 @@ constexpr std::string_view kBwdTarget = "jaxflash_attention_bwd";
 constexpr int32_t kUnbounded = 1 << 30;
 // JaxflashVariantInfo.dtype of the FP8 forward variants (e4m3 q, k, v; bf16 out).
 constexpr int32_t kFp8Dtype = 2;
+// The FP8 descales come per this many query rows or keys (jaxflash.config.FP8_DESCALE_ROWS).
+constexpr int64_t kFp8DescaleRows = 64;
 
 // "jaxflash_attention_fwd[variant=<key>]: ": every error names the target and the variant.
 std::string Where(std::string_view target, std::string_view variant) {
@@ -325,11 +327,11 @@ ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
                      JaxflashMask* mask, int32_t* window_left, int32_t* window_right) {
   const bool bwd = a.target == kBwdTarget;
   const size_t want = info.masked ? (bwd && info.deterministic ? 5 : 4) : 0;
-  const size_t fixed = want + (!bwd && info.dtype == kFp8Dtype ? 1 : 0);
+  const size_t fixed = want + (!bwd && info.dtype == kFp8Dtype ? 2 : 0);
   if (extra.size() != fixed && !(!bwd && extra.size() == fixed + 1)) {
     return Invalid(a, std::to_string(extra.size()) + " operands after the tensors, expected " +
                           (info.dtype == kFp8Dtype
-                               ? std::string("the descales (3, batch, num_kv_heads) float32")
+                               ? std::string("the descales q_descale and kv_descale")
                                : std::to_string(want) + " mask operands for this variant "
                                  "(row_ids, col_ids, ranges, order, and ranks when "
                                  "deterministic)") +
@@ -366,20 +368,36 @@ ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
   return ffi::Error::Success();
 }
 
-// FP8 variants: the operand after the tensors is the descales, float32 (3, batch, num_kv_heads)
-// (q, k, v). Sets args->descale (NULL for other variants).
+// FP8 variants: the two operands after the tensors are the descales (kernel_abi.h), float32
+// q_descale (batch, num_heads, m_tiles * tile_m / 64) and kv_descale (batch, num_kv_heads,
+// n_tiles * tile_n / 64, 4). Sets args->q_descale and args->kv_descale (NULL for other
+// variants).
 ffi::Error CheckDescale(const CallAttrs& a, const JaxflashVariantInfo& info,
                         const ffi::RemainingArgs& extra, JaxflashFwdArgs* args) {
-  args->descale = nullptr;
+  args->q_descale = nullptr;
+  args->kv_descale = nullptr;
   if (info.dtype != kFp8Dtype) return ffi::Error::Success();
-  auto got = extra.get<ffi::AnyBuffer>(0);
-  if (got.has_error()) return got.error();
-  if (ffi::Error e = CheckExact(a, "descale", got.value(), {3, args->batch, args->num_kv_heads},
+  const int64_t q_chunks =
+      (args->seqlen_q + info.tile_m - 1) / info.tile_m * info.tile_m / kFp8DescaleRows;
+  const int64_t k_chunks =
+      (args->seqlen_k + info.tile_n - 1) / info.tile_n * info.tile_n / kFp8DescaleRows;
+  auto q_got = extra.get<ffi::AnyBuffer>(0);
+  if (q_got.has_error()) return q_got.error();
+  if (ffi::Error e = CheckExact(a, "q_descale", q_got.value(),
+                                {args->batch, args->num_heads, q_chunks}, ffi::DataType::F32);
+      e.failure()) {
+    return e;
+  }
+  auto kv_got = extra.get<ffi::AnyBuffer>(1);
+  if (kv_got.has_error()) return kv_got.error();
+  if (ffi::Error e = CheckExact(a, "kv_descale", kv_got.value(),
+                                {args->batch, args->num_kv_heads, k_chunks, 4},
                                 ffi::DataType::F32);
       e.failure()) {
     return e;
   }
-  args->descale = static_cast<const float*>(got.value().untyped_data());
+  args->q_descale = static_cast<const float*>(q_got.value().untyped_data());
+  args->kv_descale = static_cast<const float*>(kv_got.value().untyped_data());
   return ffi::Error::Success();
 }
 
@@ -387,7 +405,7 @@ ffi::Error CheckDescale(const CallAttrs& a, const JaxflashVariantInfo& info,
 // learnable sink, float32 (num_heads,). Sets args->sink (NULL without one).
 ffi::Error CheckSink(const CallAttrs& a, const JaxflashVariantInfo& info,
                      const ffi::RemainingArgs& extra, int64_t num_heads, JaxflashFwdArgs* args) {
-  const size_t fixed = info.masked ? 4 : info.dtype == kFp8Dtype ? 1 : 0;
+  const size_t fixed = info.masked ? 4 : info.dtype == kFp8Dtype ? 2 : 0;
   args->sink = nullptr;
   if (extra.size() == fixed) return ffi::Error::Success();
   auto got = extra.get<ffi::AnyBuffer>(fixed);

@@ -7,7 +7,7 @@
 
 #include <stdint.h>
 
-#define JAXFLASH_KERNEL_ABI_VERSION 7
+#define JAXFLASH_KERNEL_ABI_VERSION 8
 
 #ifdef __cplusplus
 extern "C" {
@@ -60,8 +60,12 @@ typedef struct {
 //   sink (num_heads)                                  float32 learnable sink logits, or NULL:
 //       each row's softmax also runs over its head's sink (a column without a value), lse
 //       includes it, and an empty row has lse = its sink
-//   descale (3, batch, num_kv_heads)                  FP8 variants: float32 q, k, v descales
-//       (x = x8 * descale; a query head takes its kv head's), NULL otherwise
+//   q_descale (batch, num_heads, m_tiles * tile_m / 64)           FP8 variants: float32, one per
+//       64 query rows (x = x8 * descale), NULL otherwise
+//   kv_descale (batch, num_kv_heads, n_tiles * tile_n / 64, 4)    FP8 variants: float32, per 64
+//       keys (k descale, log2(v descale / v max), v max / v descale, v max), v max the largest v
+//       descale of the (batch, kv head); NULL otherwise (m_tiles, n_tiles: the query and key
+//       tiles of the call, as for the mask operands)
 typedef struct {
   const void* q;
   const void* k;
@@ -75,7 +79,8 @@ typedef struct {
                                       // (masked variants); 0: off
   JaxflashMask mask;                  // masked variants; all NULL otherwise
   const float* sink;                  // every variant; NULL: no sink
-  const float* descale;               // FP8 variants; NULL otherwise
+  const float* q_descale;             // FP8 variants; NULL otherwise
+  const float* kv_descale;            // FP8 variants; NULL otherwise
 } JaxflashFwdArgs;
 
 // Backward call (jaxflash/ffi/variant_bwd.cc): preprocess, main kernel, postprocess, in order on

@@ -31,7 +31,10 @@ using TensorO = JF_NAME(_Tensor_mO_t);
 using TensorLse = JF_NAME(_Tensor_mLSE_t);
 using TensorSink = JF_NAME(_Tensor_mSink_t);
 #if JAXFLASH_FP8
-using TensorDescale = JF_NAME(_Tensor_mDescale_t);
+using TensorQDescale = JF_NAME(_Tensor_mQDescale_t);
+using TensorKVDescale = JF_NAME(_Tensor_mKVDescale_t);
+// Descales come per this many query rows or keys (jaxflash.config.FP8_DESCALE_ROWS).
+constexpr int32_t kDescaleRows = 64;
 #endif
 #if JAXFLASH_MASKED
 using TensorQIds = JF_NAME(_Tensor_mQIds_t);
@@ -94,7 +97,11 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
     return kInvalid;
   }
 #if JAXFLASH_FP8
-  if (args->descale == nullptr || !Aligned(args->descale, 4)) return kInvalid;
+  // 16 bytes: each key block's descales leave by one bulk copy.
+  if (args->q_descale == nullptr || args->kv_descale == nullptr ||
+      !Aligned(args->q_descale, 16) || !Aligned(args->kv_descale, 16)) {
+    return kInvalid;
+  }
 #endif
   const int32_t status = jaxflash_variant_load();
   if (status != 0) return status;
@@ -122,9 +129,15 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
                                           has_sink, args->window_left, args->window_right,
                                           args->softcap, static_cast<cudaStream_t>(stream));
 #elif JAXFLASH_FP8
-  TensorDescale descale = Dense3<TensorDescale>(args->descale, 3, b, hk);  // (3, batch, hk)
-  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &sink, &descale,
-                                          args->softmax_scale, has_sink,
+  const int32_t q_chunks = (sq + JAXFLASH_TILE_M - 1) / JAXFLASH_TILE_M * JAXFLASH_TILE_M /
+                           kDescaleRows;
+  const int32_t k_chunks = (sk + JAXFLASH_TILE_N - 1) / JAXFLASH_TILE_N * JAXFLASH_TILE_N /
+                           kDescaleRows;
+  TensorQDescale q_descale = Dense3<TensorQDescale>(args->q_descale, b, h, q_chunks);
+  // (batch, hk, k_chunks, 4) seen as (batch, hk, 4 * k_chunks).
+  TensorKVDescale kv_descale = Dense3<TensorKVDescale>(args->kv_descale, b, hk, 4 * k_chunks);
+  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &sink, &q_descale,
+                                          &kv_descale, args->softmax_scale, has_sink,
                                           static_cast<cudaStream_t>(stream));
 #else
   return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &sink,

@@ -150,9 +150,10 @@ def fwd_signature(variant: config.KernelVariant):
 
 
 def fp8_fwd_signature(variant: config.KernelVariant):
-  """Fake (q, k, v, out, lse, sink, descale) of the FP8 forward: e4m3 q, k, v, bf16 out, and
-  descale (3, batch, num_kv_heads) float32 (all three extents dynamic, as the C glue's Dense3
-  fills them); the rest as fwd_signature."""
+  """Fake (q, k, v, out, lse, sink, q_descale, kv_descale) of the FP8 forward: e4m3 q, k, v,
+  bf16 out, q_descale (batch, num_heads, q chunks) and kv_descale (batch, num_kv_heads,
+  4 * key chunks) float32 (chunk extents dynamic, as the C glue's Dense3 fills them); the rest
+  as fwd_signature."""
   fp8, d, dv = cutlass.Float8E4M3FN, variant.head_dim, variant.head_dim_v
   batch, seqlen_q, seqlen_k = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
   num_heads, num_kv_heads = cute.sym_int32(), cute.sym_int32()
@@ -163,9 +164,12 @@ def fp8_fwd_signature(variant: config.KernelVariant):
   lse = make_fake_tensor(cutlass.Float32, (batch, num_heads, seqlen_q),
                          (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=_ASSUMED_ALIGN)
   sink = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), (1,), assumed_align=4)
-  descale = make_fake_tensor(cutlass.Float32, (cute.sym_int32(), batch, num_kv_heads),
-                             (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
-  return q, k, v, out, lse, sink, descale
+  # 16-byte aligned: each key block's chunk values leave by one bulk copy.
+  q_descale = make_fake_tensor(cutlass.Float32, (batch, num_heads, cute.sym_int32()),
+                               (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=16)
+  kv_descale = make_fake_tensor(cutlass.Float32, (batch, num_kv_heads, cute.sym_int32()),
+                                (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=16)
+  return q, k, v, out, lse, sink, q_descale, kv_descale
 
 
 def _checked(variant: config.KernelVariant, kernel_class) -> config.KernelVariant:

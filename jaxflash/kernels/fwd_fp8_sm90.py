@@ -1,4 +1,4 @@
-"""Hopper (sm_90a) FP8 forward: e4m3 Q, K, V with per-(batch, kv head) descales, bf16 O.
+"""Hopper (sm_90a) FP8 forward: e4m3 Q, K, V with descales per 64 tokens of each head, bf16 O.
 
 Imports cutlass, jaxflash.config and the sibling helper modules only (never jax).
 """
@@ -29,6 +29,10 @@ _TRANSPOSE_WARPS = 3
 _REGISTER_SPLIT = {2: (56, 224), 3: (32, 160)}
 # P = 2^(s - max + 8) <= 256 < 448 (e4m3's largest): small probabilities keep their bits.
 _P_OFFSET_LOG2 = 8.0
+# Descales come per chunk of this many query rows or keys (config.FP8_DESCALE_ROWS); the
+# kv descale operand holds 4 floats per key chunk (softmax.ChunkScaledSoftmax).
+_CHUNK = config.FP8_DESCALE_ROWS
+_KV_VALUES = 4
 # A row's max in four FMNMX chains (softmax.row_max): the FMA exp2 share at head_dim 64 was
 # measured with them; the 16-bit kernels keep one (four measured the same there, and the masked
 # head_dim 256 variant spills with them).
@@ -38,16 +42,23 @@ _MAX_CHAINS = 4
 class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
   """The forward of fwd_sm90 with e4m3 operands for both GEMMs.
 
+  - Descales per chunk of 64 tokens: q_descale (batch, num_heads, chunks of the query tiles)
+    and, per key chunk, (k descale, log2 ratio, 1 / ratio, v max) with ratio = v descale / v
+    max of the (batch, kv head) (jaxflash/fp8_kernel.py builds both from per-head or block
+    descales). A warpgroup's 64 rows are one query chunk. Per-head variants read the first key
+    chunk's k descale once per tile; block variants (variant.block_descales) have the producer
+    copy each key block's chunk values into the K stage with the K tile.
   - S = Q K^T in e4m3 (both K-major, as TMA loads them), scaled in the softmax by
-    softmax_scale * q_descale * k_descale of the tile's (batch, kv head).
-  - P: exp2 against the row max (rescaled whenever the max grows: threshold 0) times 2^8, then
-    packed to e4m3 in registers in the key order of fp8_operands; row sums and lse carry and
-    then drop the 2^8.
+    softmax_scale * q_descale * k_descale (per chunk in block variants:
+    softmax.ChunkScaledSoftmax).
+  - P: exp2 against the row max (rescaled whenever the max grows: threshold 0) times 2^8 (times
+    the chunk's value ratio in block variants), then packed to e4m3 in registers in the key
+    order of fp8_operands; row sums and lse carry and then drop the 2^8.
   - V: TMA brings each key block with head_dim_v contiguous; warps 1-3 of the producer
     warpgroup write V^T (keys contiguous, the same key order) into a second ring that the
     consumers' P V GEMM reads. V ring: TMA -> transposers; V^T ring: transposers -> consumers.
-  - O = P V * v_descale / row sum, stored as bf16 through its own shared buffer.
-  One CTA per tile (the descales are per tile): dense, causal or not, GQA/MQA.
+  - O = P V * v max / row sum, stored as bf16 through its own shared buffer.
+  One CTA per tile (the softmax state is set up per tile): dense, causal or not, GQA/MQA.
   """
 
   def __init__(self, variant: config.KernelVariant):
@@ -56,14 +67,18 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     self.out_dtype = cutlass.BFloat16
     self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT[self.num_mma_warpgroups]
     self.fma_exp2_per_8 = variant.schedule.fma_exp2_per_8
+    self.block_descales = variant.block_descales
 
   @staticmethod
   def smem_bytes(variant: config.KernelVariant, elem_bytes: int = 1) -> int:
-    """Q, the K, V and V^T rings (e4m3), O (bf16), mbarriers, alignment."""
+    """Q, the K, V and V^T rings (e4m3), O (bf16), the key chunks' descales, mbarriers,
+    alignment."""
     aligned = sm90_gemm.smem_aligned
     s, d, dv = variant.schedule, variant.head_dim, variant.head_dim_v
     return (aligned(s.tile_m * d) + aligned(s.num_stages * s.tile_n * d)
             + 2 * aligned(s.num_stages * s.tile_n * dv) + aligned(s.tile_m * dv * 2)
+            + (aligned(s.num_stages * s.tile_n // _CHUNK * _KV_VALUES * 4)
+               if variant.block_descales else 0)
             + sm90_gemm.SMEM_ALIGN)
 
   @staticmethod
@@ -72,9 +87,10 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
       return False, f"variant {variant.key} is not an FP8 forward variant"
     if variant.masked or variant.schedule.persistent:
       return False, f"variant {variant.key}: FP8 runs dense tiles, one CTA each"
-    if variant.schedule.tile_n % fp8_operands.UNIT_KEYS or (
+    if variant.schedule.tile_n % _CHUNK or variant.schedule.tile_m % _CHUNK or (
         variant.head_dim_v % fp8_operands.UNIT_DIMS):
-      return False, f"variant {variant.key}: tile_n % 16 and head_dim_v % 32 must be 0"
+      return False, (f"variant {variant.key}: tile_m % {_CHUNK}, tile_n % {_CHUNK} and "
+                     f"head_dim_v % {fp8_operands.UNIT_DIMS} must be 0")
     return True, ""
 
   def _setup_attributes(self):
@@ -95,6 +111,10 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     self.tma_bytes_q = cute.size_in_bytes(FP8, self.sQ_layout)
     self.tma_bytes_k = cute.size_in_bytes(FP8, cute.slice_(self.sK_layout, (None, None, 0)))
     self.tma_bytes_v = cute.size_in_bytes(FP8, cute.slice_(self.sV_layout, (None, None, 0)))
+    # Block variants: each K stage also carries its key block's chunk descales (one bulk copy).
+    self.kv_descale_floats = self.tile_n // _CHUNK * _KV_VALUES
+    if self.block_descales:
+      self.tma_bytes_k += self.kv_descale_floats * 4
     stages = self.num_stages
     fields = dict(
         mbar_q=cute.struct.MemRange[cutlass.Int64, 2],
@@ -106,6 +126,8 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
         sV=sm90_gemm.smem_buffer(FP8, cute.cosize(self.sV_layout)),
         sVt=sm90_gemm.smem_buffer(FP8, cute.cosize(self.sVt_layout)),
         sO=sm90_gemm.smem_buffer(self.out_dtype, cute.cosize(self.sO_layout)))
+    if self.block_descales:
+      fields["sKVDescale"] = sm90_gemm.smem_buffer(Float32, self.kv_descale_floats * stages, 16)
     self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
   @cute.jit
@@ -117,7 +139,8 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
       mO: cute.Tensor,  # (batch, seqlen_q, num_heads, head_dim_v) bf16
       mLSE: cute.Tensor,  # (batch, num_heads, seqlen_q) float32
       mSink: cute.Tensor,  # (num_heads,) float32, read when has_sink
-      mDescale: cute.Tensor,  # (3, batch, num_kv_heads) float32: q, k, v descales
+      mQDescale: cute.Tensor,  # (batch, num_heads, q chunks) float32: per 64 query rows
+      mKVDescale: cute.Tensor,  # (batch, num_kv_heads, 4 * key chunks) float32: per 64 keys
       softmax_scale: Float32,
       has_sink: Int32,
       stream: cuda.CUstream,
@@ -125,15 +148,16 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == FP8
                        and mO.element_type == self.out_dtype)):
       raise TypeError(f"q, k, v must be {FP8} and out {self.out_dtype}")
-    if const_expr(not (mLSE.element_type == mSink.element_type == mDescale.element_type
-                       == Float32)):
+    if const_expr(not (mLSE.element_type == mSink.element_type == mQDescale.element_type
+                       == mKVDescale.element_type == Float32)):
       raise TypeError("lse, sink and descales must be Float32")
     self._setup_attributes()
     (tma_q, tma_k, tma_v, tma_o), (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), mLSE, grid = (
         self._tma_operands(mQ, mK, mV, mO, mLSE))
-    mDescale = _select(mDescale, [0, 2, 1])  # (3, num_kv_heads, batch)
+    mQDescale = _select(mQDescale, [2, 1, 0])  # (q chunks, num_heads, batch)
+    mKVDescale = _select(mKVDescale, [2, 1, 0])  # (4 * key chunks, num_kv_heads, batch)
     self.kernel(
-        tma_q, tma_k, tma_v, tma_o, mLSE, mSink, mDescale,
+        tma_q, tma_k, tma_v, tma_o, mLSE, mSink, mQDescale, mKVDescale,
         tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o, softmax_scale, has_sink,
         self.sQ_layout, self.sK_layout, self.sV_layout, self.sVt_layout, self.sO_layout,
         self.tiled_mma_qk, self.tiled_mma_pv,
@@ -148,7 +172,8 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
       mO: cute.Tensor,
       mLSE: cute.Tensor,
       mSink: cute.Tensor,
-      mDescale: cute.Tensor,  # (3, num_kv_heads, batch)
+      mQDescale: cute.Tensor,  # (q chunks, num_heads, batch)
+      mKVDescale: cute.Tensor,  # (4 * key chunks, num_kv_heads, batch)
       tma_atom_q: cute.CopyAtom,
       tma_atom_k: cute.CopyAtom,
       tma_atom_v: cute.CopyAtom,
@@ -179,17 +204,28 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
     sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
     sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+    sKVDescale = None
+    if const_expr(self.block_descales):
+      sKVDescale = storage.sKVDescale.get_tensor(
+          cute.make_layout((self.kv_descale_floats, self.num_stages)))
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
 
-    scheduler = tile_scheduler.StaticTileScheduler(
+    make_scheduler = lambda: tile_scheduler.StaticTileScheduler(
         cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3], mK.shape[0],
         kv_bytes_per_key=self.head_dim + self.head_dim_v, lpt=self.lpt, persistent=False)
-    self.descale = mDescale
+    # Block variants: each role builds the tile scheduler after its register reallocation;
+    # built before it, the scheduler's extents stayed live across the split and spilled in the
+    # producer warpgroup (56 registers) at head_dim 128.
+    shared_scheduler = None
+    if const_expr(not self.block_descales):
+      shared_scheduler = make_scheduler()
+    self.q_descale, self.kv_descale, self.kv_descale_smem = mQDescale, mKVDescale, sKVDescale
     self.q_per_kv = mQ.shape[2] // mK.shape[2]
     warpgroup_idx = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS)
     if warpgroup_idx == 0:
       cute.arch.setmaxregister_decrease(self.num_producer_regs)
+      scheduler = self._role_scheduler(shared_scheduler, make_scheduler)
       if warp_idx == 0:
         self.load(mQ, mK, mV, tma_atom_q, tma_atom_k, tma_atom_v, sQ, sK, sV,
                   pipeline_q, pipeline_k, pipeline_v, scheduler, None)
@@ -199,9 +235,14 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
                          warp_idx - 1)
     else:
       cute.arch.setmaxregister_increase(self.num_mma_regs)
+      scheduler = self._role_scheduler(shared_scheduler, make_scheduler)
       self.mma(mO, mLSE, mSink, has_sink, tma_atom_o, sQ, sK, sVt, sO, tiled_mma_qk,
                tiled_mma_pv, pipeline_q, pipeline_k, pipeline_vt, softmax_scale, scheduler,
                mQ.shape[0], mK.shape[0], None)
+
+  def _role_scheduler(self, shared_scheduler, make_scheduler):
+    """The scheduler a role uses: the one built before the split, or (block variants) its own."""
+    return make_scheduler() if self.block_descales else shared_scheduler
 
   @cute.jit
   def transpose_v(self, v_ptr: cute.Pointer, sV_layout: cute.ComposedLayout,
@@ -256,21 +297,65 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     fp8_operands.convert_p(acc_s, p)
 
   def _online_softmax(self, softmax_scale: Float32, num_rows: int, scheduler):
-    """The scores' scale of this CTA's one tile: softmax_scale * q_descale * k_descale."""
-    _, head, batch = scheduler.decode(scheduler.first_tile())
-    head_kv = head // self.q_per_kv
-    scale = softmax_scale * self.descale[0, head_kv, batch] * self.descale[1, head_kv, batch]
-    return softmax.OnlineSoftmax.create(scale * softmax.LOG2_E, num_rows, threshold_log2=0.0,
-                                        p_offset_log2=_P_OFFSET_LOG2,
-                                        fma_exp2_per_8=self.fma_exp2_per_8,
-                                        max_chains=_MAX_CHAINS)
+    """The softmax of this CTA's one tile: its rows' scale is softmax_scale times the query
+    descale of the warpgroup's 64 rows (one chunk), times the k descale (per-head variants) or
+    the key chunks' (block variants, per key block)."""
+    m_block, head, batch = scheduler.decode(scheduler.first_tile())
+    tidx, _, _ = cute.arch.thread_idx()
+    wg = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS) - 1
+    q_descale = self.q_descale[m_block * (self.tile_m // _CHUNK) + wg, head, batch]
+    if const_expr(not self.block_descales):
+      k_descale = self.kv_descale[0, head // self.q_per_kv, batch]
+      return softmax.OnlineSoftmax.create(
+          softmax_scale * q_descale * k_descale * softmax.LOG2_E, num_rows, threshold_log2=0.0,
+          p_offset_log2=_P_OFFSET_LOG2, fma_exp2_per_8=self.fma_exp2_per_8,
+          max_chains=_MAX_CHAINS)
+    return softmax.ChunkScaledSoftmax.create_chunked(
+        softmax_scale * q_descale * softmax.LOG2_E, num_rows, self.kv_descale_smem,
+        threshold_log2=0.0, p_offset_log2=_P_OFFSET_LOG2, fma_exp2_per_8=self.fma_exp2_per_8,
+        max_chains=_MAX_CHAINS)
+
+  @cute.jit
+  def _load_key_block_data(self, masking, pipeline_k, kv_state, n_block: Int32, head_kv: Int32,
+                           batch: Int32):
+    """The chunk descales of key block n_block into its K stage: one bulk copy on the K
+    stage's barrier (tma_bytes_k includes them). Block variants only."""
+    if const_expr(self.block_descales):
+      # 32-bit offsets (the operand is far below 2^31 floats): fewer registers for the
+      # producer warpgroup's 56.
+      stride = self.kv_descale.layout.stride
+      offset = (Int32(stride[1]) * head_kv + Int32(stride[2]) * batch
+                + n_block * self.kv_descale_floats)
+      with cute.arch.elect_one():
+        sm90_gemm.bulk_copy_g2s(self.kv_descale_smem[None, kv_state.index].iterator,
+                                self.kv_descale.iterator + offset, self.kv_descale_floats * 4,
+                                pipeline_k.producer_get_barrier(kv_state))
+
+  def _read_key_block_data(self, c, k_state):
+    if const_expr(self.block_descales):
+      c.online.set_stage(k_state.index)
+
+  def _epilogue_thread_index(self) -> Int32:
+    # Block variants: at head_dim 128 the epilogue addresses, computed at the start and kept
+    # live, spilled one register (224 per thread).
+    if const_expr(self.block_descales):
+      return fp8_operands.thread_index_here()
+    return super()._epilogue_thread_index()
+
+  @cute.jit
+  def _release_k(self, c, kv_state, is_masked: cutlass.Constexpr,
+                 after_softmax: cutlass.Constexpr):
+    """Block variants: after the softmax, which reads the stage's chunk descales."""
+    if const_expr(after_softmax == self.block_descales):
+      c.pipeline_k.consumer_release(kv_state)
 
   def epilogue(self, mO: cute.Tensor, mLSE: cute.Tensor, mSink: cute.Tensor, has_sink: Int32,
                tma_atom_o: cute.CopyAtom, sO: cute.Tensor, tiled_mma_pv: cute.TiledMma,
                thr_mma_pv, acc_o: cute.Tensor, online, pipeline_q, q_state, m_block: Int32,
                head: Int32, batch: Int32, seqlen_q: Int32):
-    """O *= v_descale, then fwd_sm90's epilogue (normalise, lse, bf16 store)."""
-    v_descale = self.descale[2, head // self.q_per_kv, batch]
+    """O *= the (batch, kv head)'s v max descale, then fwd_sm90's epilogue (normalise, lse,
+    bf16 store)."""
+    v_descale = self.kv_descale[_KV_VALUES - 1, head // self.q_per_kv, batch]
     for i in range(cute.size(acc_o)):
       acc_o[i] = acc_o[i] * v_descale
     super().epilogue(mO, mLSE, mSink, has_sink, tma_atom_o, sO, tiled_mma_pv, thr_mma_pv,

@@ -347,7 +347,7 @@ class FlashAttentionForwardSm90:
         pipeline_k.producer_acquire(kv_state)
         cute.copy(tma_atom_k, tKgK[None, n_max - 1], tKsK[None, kv_state.index],
                   tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-        self._load_key_ids(masking, pipeline_k, kv_state, n_max - 1, batch)
+        self._load_key_block_data(masking, pipeline_k, kv_state, n_max - 1, head_kv, batch)
       # Q is loaded even when no key block is visible: the consumers always wait for it, so no
       # TMA write into sQ can still be in flight when the epilogue reuses sQ for O.
       pipeline_q.producer_acquire(q_state)
@@ -360,7 +360,8 @@ class FlashAttentionForwardSm90:
         pipeline_k.producer_acquire(kv_state)
         cute.copy(tma_atom_k, tKgK[None, n_block - 1], tKsK[None, kv_state.index],
                   tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-        self._load_key_ids(masking, pipeline_k, kv_state, n_block - 1, batch)
+        self._load_key_block_data(masking, pipeline_k, kv_state, n_block - 1, head_kv,
+                                  batch)
         pipeline_v.producer_acquire(v_state)
         cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, v_state.index],
                   tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
@@ -389,9 +390,10 @@ class FlashAttentionForwardSm90:
     return m_block, head, batch, n_min, n_max
 
   @cute.jit
-  def _load_key_ids(self, masking, pipeline_k, kv_state, n_block: Int32, batch: Int32):
-    """Masked: the segment ids of key block n_block into its K stage, one bulk copy that
-    completes on the K stage's barrier (its transaction bytes include them)."""
+  def _load_key_block_data(self, masking, pipeline_k, kv_state, n_block: Int32, head_kv: Int32,
+                           batch: Int32):
+    """What a K stage carries besides K. Masked: the segment ids of key block n_block, one bulk
+    copy that completes on the K stage's barrier (its transaction bytes include them)."""
     if const_expr(self.masked):
       with cute.arch.elect_one():
         sm90_gemm.bulk_copy_g2s(masking.key_ids_smem[None, kv_state.index].iterator,
@@ -534,6 +536,15 @@ class FlashAttentionForwardSm90:
     if const_expr(after_softmax == (self.masked and is_masked)):
       c.pipeline_k.consumer_release(kv_state)
 
+  def _epilogue_thread_index(self) -> Int32:
+    """The thread index the epilogue's shared-memory addresses derive from."""
+    tidx, _, _ = cute.arch.thread_idx()
+    return tidx
+
+  def _read_key_block_data(self, c, k_state):
+    """Reads into registers what the softmax needs from K stage k_state before the stage is
+    released (nothing here; the FP8 kernel's chunk descales)."""
+
   # P's registers and the softmax state: the FP8 kernel (fwd_fp8_sm90) replaces these.
   def _p_fragment(self, thr_mma_pv, acc_shape_s):
     return softmax.make_p_fragment(acc_shape_s, self.dtype)
@@ -571,6 +582,7 @@ class FlashAttentionForwardSm90:
     pipeline_k.consumer_wait(kv_state)
     self._issue_qk(c, acc_s, kv_state)
     warpgroup.wait_group(0)
+    self._read_key_block_data(c, kv_state)
     self._release_k(c, kv_state, True, False)
     self._softmax(c, acc_s, m_block, n_block, seqlen_q, seqlen_k, True, kv_state)
     self._release_k(c, kv_state, True, True)
@@ -599,6 +611,7 @@ class FlashAttentionForwardSm90:
     self._issue_pv(c, v_state)
     self._scheduler_arrive(wg)
     warpgroup.wait_group(1)
+    self._read_key_block_data(c, kv_state)
     self._release_k(c, kv_state, is_masked, False)
     self._softmax(c, acc_s, m_block, n_block, seqlen_q, seqlen_k, is_masked, kv_state)
     self._release_k(c, kv_state, is_masked, True)
@@ -629,8 +642,7 @@ class FlashAttentionForwardSm90:
     """Normalises O (the head's learnable sink joins each row's denominator), writes LSE (rows
     < seqlen_q), stores O through shared memory + TMA, then releases the Q slot (O used Q's
     buffer)."""
-    tidx, _, _ = cute.arch.thread_idx()
-    mma_tidx = tidx - _WARPGROUP_THREADS
+    mma_tidx = self._epilogue_thread_index() - _WARPGROUP_THREADS
     acc_o_mn = softmax.make_acc_mn_view(acc_o)
     num_rows = cute.size(acc_o_mn, mode=[0])
     row_inv = cute.make_rmem_tensor(num_rows, Float32)

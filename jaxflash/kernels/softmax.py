@@ -20,23 +20,24 @@ LN_2 = math.log(2.0)
 _THREADS_PER_ROW = 4
 
 
-def row_max(acc_s_mn: cute.Tensor, i: int, init: Float32, chains: int = 1) -> Float32:
-  """max(init, acc_s_mn[i, :]) over this thread's columns, in `chains` independent FMNMX chains
-  combined at the end (one chain is a dependent sequence as long as the thread's columns).
-  Exact: max does not round, so the order changes nothing, NaN elements included."""
-  ncols = cute.size(acc_s_mn, mode=[1])
+def row_max(acc_s_mn: cute.Tensor, i: int, init, chains: int = 1, cols=None) -> Float32:
+  """max(init, acc_s_mn[i, lo:hi]) over this thread's columns (cols = (lo, hi), default all;
+  init None: no initial value), in `chains` independent FMNMX chains combined at the end (one chain
+  is a dependent sequence as long as the columns). Exact: max does not round, so the order
+  changes nothing, NaN elements included."""
+  cols = list(range(*cols)) if cols else list(range(cute.size(acc_s_mn, mode=[1])))
   if chains == 1:
-    m = init
-    for j in range(ncols):
+    m = acc_s_mn[i, cols[0]] if init is None else init
+    for j in cols[(1 if init is None else 0):]:
       m = cute.arch.fmax(m, acc_s_mn[i, j])
     return m
-  parts = [acc_s_mn[i, j] for j in range(min(chains, ncols))]
-  for j in range(len(parts), ncols):
-    parts[j % chains] = cute.arch.fmax(parts[j % chains], acc_s_mn[i, j])
+  parts = [acc_s_mn[i, j] for j in cols[:chains]]
+  for k in range(len(parts), len(cols)):
+    parts[k % chains] = cute.arch.fmax(parts[k % chains], acc_s_mn[i, cols[k]])
   while len(parts) > 1:
     parts = [cute.arch.fmax(parts[k], parts[k + 1]) if k + 1 < len(parts) else parts[k]
              for k in range(0, len(parts), 2)]
-  return cute.arch.fmax(init, parts[0])
+  return parts[0] if init is None else cute.arch.fmax(init, parts[0])
 
 
 def make_acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
@@ -229,20 +230,36 @@ class OnlineSoftmax:
         row_sum += p
       block_sum[i] = row_sum
       row_scale[i] = Float32(1.0)
+    self._commit(prev_max, block_sum, moved, row_scale)
+
+  @cute.jit
+  def _commit(self, prev_max: cute.Tensor, block_sum: cute.Tensor, moved: Int32,
+              row_scale: cute.Tensor):
+    """Ends a block: where a row's max moved, row_scale = 2^(old - new max) and the old row sum
+    shrinks by it; then the block's sums join the row sums."""
     # A quad agrees on each row (same reduced max), so lanes differ only across rows; the vote
     # makes the branch warp-uniform.
+    num_rows = cute.size(prev_max)
     if cute.arch.vote_any_sync(moved != 0):
       for i in cutlass.range_constexpr(num_rows):
         safe_max = self.row_max[i]
         if safe_max == -Float32.inf:
           safe_max = Float32(0.0)
-        scale = cute.math.exp2((prev_max[i] - safe_max) * self.scale_log2, fastmath=True)
+        scale = cute.math.exp2(self._gap_log2(prev_max[i], safe_max), fastmath=True)
         if prev_max[i] == self.row_max[i]:
           scale = Float32(1.0)
         row_scale[i] = scale
         self.row_sum[i] = self.row_sum[i] * scale
     for i in cutlass.range_constexpr(num_rows):
       self.row_sum[i] = self.row_sum[i] + block_sum[i]
+
+  def _gap_log2(self, old_max: Float32, new_max: Float32) -> Float32:
+    """old_max - new_max in log2 units (row_max is in raw-score units here)."""
+    return (old_max - new_max) * self.scale_log2
+
+  def _max_log2(self, i: int) -> Float32:
+    """Row i's max in log2 units."""
+    return self.row_max[i] * self.scale_log2
 
   @cute.jit
   def rescale(self, acc_mn: cute.Tensor, row_scale: cute.Tensor):
@@ -277,7 +294,7 @@ class OnlineSoftmax:
       inv = Float32(0.0)
       row_lse = sink_log2 * LN_2
       if row_sum != 0.0:
-        a = self.row_max[i] * self.scale_log2
+        a = self._max_log2(i)
         if const_expr(self.p_offset_log2 != 0.0):
           a = a - self.p_offset_log2
         m = cute.arch.fmax(a, sink_log2)
@@ -287,6 +304,98 @@ class OnlineSoftmax:
         row_lse = (m + cute.math.log2(total, fastmath=True)) * LN_2
       row_inv[i] = inv
       lse[i] = row_lse
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkScaledSoftmax(OnlineSoftmax):
+  """OnlineSoftmax of block-quantized scores: the columns of a block fall into `chunks` equal
+  chunks of keys, each with its own key descale and value ratio (FP8 block quantization).
+
+  Score j of chunk c is s * scale_log2 * k_descale[c] in log2 units (scale_log2 holds the
+  rows' query descale), so row_max is kept in log2 units of the scaled scores: a block's max is
+  the max over chunks of the chunk's raw max times its factor (descales are positive). P of
+  chunk c is 2^(x - max + p_offset) * ratio[c] (log2 ratio[c] joins the FFMA's shift, so each
+  score still costs one FFMA and one exp2), where ratio[c] = v_descale[c] / the head's largest
+  v_descale <= 1: the P V GEMM then sums P V8 in units of that largest descale, which the
+  epilogue applies. The row sums take each chunk's sum times 1 / ratio[c] (exact: the sum of
+  the unscaled P). chunk_values: shared memory (4 floats per chunk: k descale, log2 ratio,
+  1 / ratio, and the head's value max, unread here; one column per K stage); stage (a register)
+  names the current block's column (set_stage).
+  """
+
+  chunk_values: cute.Tensor = None
+  stage: cute.Tensor = None
+  chunks: int = 1
+
+  @staticmethod
+  def create_chunked(scale_log2: Float32, num_rows: int, chunk_values: cute.Tensor,
+                     threshold_log2: float, p_offset_log2: float, fma_exp2_per_8: int,
+                     max_chains: int) -> "ChunkScaledSoftmax":
+    chunks = cute.size(chunk_values, mode=[0]) // 4
+    s = ChunkScaledSoftmax(scale_log2, num_rows, cute.make_rmem_tensor(num_rows, Float32),
+                           cute.make_rmem_tensor(num_rows, Float32), threshold_log2,
+                           p_offset_log2, fma_exp2_per_8, max_chains, chunk_values,
+                           cute.make_rmem_tensor(1, Int32), chunks)
+    s.reset()
+    return s
+
+  def set_stage(self, stage: Int32):
+    """The next online_softmax reads the chunk values of K stage `stage`."""
+    self.stage[0] = stage
+
+  @cute.jit
+  def online_softmax(self, acc_s_mn: cute.Tensor, row_scale: cute.Tensor):
+    """OnlineSoftmax.online_softmax with the chunks' factors (see the class)."""
+    num_rows = cute.size(acc_s_mn, mode=[0])
+    per_chunk = cute.size(acc_s_mn, mode=[1]) // self.chunks
+    values = self.chunk_values[None, self.stage[0]]
+    factor = cute.make_rmem_tensor(self.chunks, Float32)
+    for c in cutlass.range_constexpr(self.chunks):
+      factor[c] = self.scale_log2 * values[4 * c]
+    prev_max = cute.make_rmem_tensor(num_rows, Float32)
+    block_sum = cute.make_rmem_tensor(num_rows, Float32)
+    moved = Int32(0)
+    for i in cutlass.range_constexpr(num_rows):
+      prev = self.row_max[i]
+      prev_max[i] = prev
+      cur_max = prev
+      for c in cutlass.range_constexpr(self.chunks):
+        chunk_max = row_max(acc_s_mn, i, None, self.max_chains,
+                            (c * per_chunk, (c + 1) * per_chunk))
+        cur_max = cute.arch.fmax(cur_max, chunk_max * factor[c])
+      cur_max = cute.arch.warp_reduction_max(cur_max, threads_in_group=_THREADS_PER_ROW)
+      # As OnlineSoftmax: +inf growth when the row had no visible key yet, NaN when it still
+      # has none (the max stays -inf and the shift is 0).
+      new_max = prev
+      if cur_max - prev > self.threshold_log2:
+        new_max = cur_max
+        moved = Int32(1)
+      self.row_max[i] = new_max
+      safe_max = new_max
+      if new_max == -Float32.inf:
+        safe_max = Float32(0.0)
+      total = Float32(0.0)
+      for c in cutlass.range_constexpr(self.chunks):
+        shift = safe_max - self.p_offset_log2 - values[4 * c + 1]
+        chunk_sum = Float32(0.0)
+        for j in cutlass.range_constexpr(c * per_chunk, (c + 1) * per_chunk):
+          x = acc_s_mn[i, j] * factor[c] - shift
+          if const_expr(j % 8 < self.fma_exp2_per_8):
+            p = exp2_fma(x)
+          else:
+            p = cute.math.exp2(x, fastmath=True)
+          acc_s_mn[i, j] = p
+          chunk_sum += p
+        total = total + chunk_sum * values[4 * c + 2]
+      block_sum[i] = total
+      row_scale[i] = Float32(1.0)
+    self._commit(prev_max, block_sum, moved, row_scale)
+
+  def _gap_log2(self, old_max: Float32, new_max: Float32) -> Float32:
+    return old_max - new_max  # row_max is in log2 units
+
+  def _max_log2(self, i: int) -> Float32:
+    return self.row_max[i]
 
 
 @cute.jit
