@@ -123,21 +123,27 @@ def assert_lse_close(lse, want64, naive, deq, cfg):
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v.key for v in VARIANTS])
 def test_fp8_forward_matches_float64_oracle(variant, shape):
-  q8, k8, v8, qd, kd, vd = _inputs(zlib.crc32(f"{variant.key}{shape}".encode()), shape,
-                                   variant.head_dim)
+  _assert_matches_oracle(variant, *_inputs(zlib.crc32(f"{variant.key}{shape}".encode()), shape,
+                                           variant.head_dim), None)
+
+
+def _assert_matches_oracle(variant, q8, k8, v8, qd, kd, vd, block_size):
+  """The raw call against the oracle (2x the naive FP8 error; assert_lse_close), and the public
+  path bitwise equal to it (the same kernel)."""
   cfg = AttentionConfig(softmax_scale=variant.head_dim ** -0.5, causal=variant.causal,
                         implementation="cute")
-  raw_out, raw_lse = poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg)
+  raw_out, raw_lse = poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg,
+                                      block_size=block_size)
   descales = fp8.check_descales(q8, k8, v8, qd, kd, vd)
+  assert descales.block_size == block_size
   naive_out, naive_lse = fp8.naive_fp8_attention(q8, k8, v8, descales, cfg)
   naive_out = naive_out.astype(jnp.bfloat16)  # the kernel writes bf16: round the naive out too
-  deq = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, None)
+  deq = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, block_size)
   with x64():
     want_out, want_lse = (np.asarray(x) for x in reference.naive_attention(
         *(x.astype(jnp.float64) for x in deq), cfg.replace(implementation="reference")))
   assert_close_to_oracle(raw_out, want_out, naive_out, name="out")
   assert_lse_close(raw_lse, want_lse, naive_lse, deq, cfg)
-  # The public path runs the same kernel: bitwise equal.
   out, lse = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
                                 causal=variant.causal, return_lse=True, implementation="cute")
   np.testing.assert_array_equal(out, raw_out)
@@ -153,26 +159,8 @@ BLOCK_SHAPES = {k: SHAPES[k] for k in ("s17_gqa8", "q300_k200", "q200_k300_mqa",
 def test_fp8_forward_with_block_descales_matches_float64_oracle(variant, shape, block_size):
   """Block descales that differ by up to 4x between blocks: each query row and key takes its
   block's descale, P carries each key's v descale / v max."""
-  q8, k8, v8, qd, kd, vd = _inputs(zlib.crc32(f"block{variant.key}{shape}{block_size}".encode()),
-                                   shape, variant.head_dim, block_size)
-  cfg = AttentionConfig(softmax_scale=variant.head_dim ** -0.5, causal=variant.causal,
-                        implementation="cute")
-  raw_out, raw_lse = poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg,
-                                      block_size=block_size)
-  descales = fp8.check_descales(q8, k8, v8, qd, kd, vd)
-  assert descales.block_size == block_size
-  naive_out, naive_lse = fp8.naive_fp8_attention(q8, k8, v8, descales, cfg)
-  naive_out = naive_out.astype(jnp.bfloat16)
-  deq = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, block_size)
-  with x64():
-    want_out, want_lse = (np.asarray(x) for x in reference.naive_attention(
-        *(x.astype(jnp.float64) for x in deq), cfg.replace(implementation="reference")))
-  assert_close_to_oracle(raw_out, want_out, naive_out, name="out")
-  assert_lse_close(raw_lse, want_lse, naive_lse, deq, cfg)
-  out, lse = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
-                                causal=variant.causal, return_lse=True, implementation="cute")
-  np.testing.assert_array_equal(out, raw_out)
-  np.testing.assert_array_equal(lse, raw_lse)
+  seed = zlib.crc32(f"block{variant.key}{shape}{block_size}".encode())
+  _assert_matches_oracle(variant, *_inputs(seed, shape, variant.head_dim, block_size), block_size)
 
 
 @pytest.mark.parametrize("variant", VARIANTS[:2], ids=[v.key for v in VARIANTS[:2]])
