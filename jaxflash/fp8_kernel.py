@@ -16,8 +16,8 @@ CUDA lowers that to the forward custom call (jaxflash_attention_fwd) of an FP8 v
 config.has_sink, the learnable sink (num_heads,) last. Elsewhere it
 runs the dequantized float32 reference when config.implementation is 'reference' and refuses
 'cute': jaxflash.attention sends FP8 calls here only with implementation 'cute' (its reference
-path dequantizes before the 16-bit primitives). vmap folds the mapped axis into the batch (a
-mapped sink, one per folded element, rescales the rows in XLA instead: sink.add_learnable_sink).
+path dequantizes before the 16-bit primitives). vmap folds the mapped axis into the batch
+(primitives.fwd_batch_rule: a mapped sink, one per folded element, rescales the rows in XLA).
 Imports config, primitives, reference, sharding, ffi (at lowering) and _jax_internal; never Flax.
 """
 
@@ -125,25 +125,6 @@ def _reference(q8, k8, v8, q_chunks, kv_chunks, *sink, config):
   return out.astype(jnp.bfloat16), lse
 
 
-def _batch(args, dims, *, config):
-  """Folds the mapped axis into batch: q, k, v and the descales (all batch first). An unmapped
-  sink stays one logit per head; a mapped one rescales each element's rows."""
-  (*args, sink), (*dims, sink_dim) = ((args, dims) if config.has_sink
-                                      else ((*args, None), (*dims, None)))
-  size = next(a.shape[d] for a, d in zip((*args, sink), (*dims, sink_dim)) if d is not None)
-  args = (jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
-          for a, d in zip(args, dims))
-  fold = lambda x: x.reshape((size * x.shape[1],) + x.shape[2:])
-  in_kernel = () if sink is None or sink_dim is not None else (sink,)
-  out, lse = fp8_fwd_p.bind(*map(fold, args), *in_kernel,
-                            config=config.replace(has_sink=bool(in_kernel)))
-  unfold = lambda x: x.reshape((size, x.shape[0] // size) + x.shape[1:])
-  out, lse = unfold(out), unfold(lse)
-  if sink is not None and sink_dim is not None:
-    out, lse = jax.vmap(add_learnable_sink)(out, lse, jnp.moveaxis(sink, sink_dim, 0))
-  return (out, lse), (0, 0)
-
-
 _fp8_fwd_kernel_p = primitives.make_primitive("jaxflash_fp8_fwd_kernel", _abstract)
 mlir.register_lowering(_fp8_fwd_kernel_p, primitives.reject_cute_off_gpu(
     mlir.lower_fun(_reference, multiple_results=True),
@@ -151,7 +132,7 @@ mlir.register_lowering(_fp8_fwd_kernel_p, primitives.reject_cute_off_gpu(
     "lowered for a platform other than cuda; use implementation=None (auto) or 'reference'"))
 mlir.register_lowering(_fp8_fwd_kernel_p, _lower_cuda, platform="cuda")
 fp8_fwd_p = primitives.make_primitive("jaxflash_fp8_fwd", _abstract)
-batching.primitive_batchers[fp8_fwd_p] = _batch
+batching.primitive_batchers[fp8_fwd_p] = primitives.fwd_batch_rule(fp8_fwd_p)
 mlir.register_lowering(fp8_fwd_p, primitives.partitioned_lowering(
     _fp8_fwd_kernel_p, sharding.fp8_fwd_sharding_rule, sharding.fp8_fwd_partition, 2))
 _jax_internal.require_devices_during_lowering(fp8_fwd_p)

@@ -227,26 +227,29 @@ def _batch_rule(prim):
   return rule
 
 
-def _fwd_batch_rule(args, dims, *, config):
-  """The forward's batching: the sink (one logit per head) stays out of the batch fold. A sink
-  that is itself mapped differs per folded batch element, which the kernel's one logit per
-  head cannot hold: the call then runs without it and the sink rescales each row in XLA
-  (sink.add_learnable_sink, exact)."""
-  if not config.has_sink:
-    return _batch_rule(flash_fwd_p)(args, dims, config=config)
-  (*args, sink), (*dims, sink_dim) = args, dims
-  if all(d is None for d in dims):  # only the sink is mapped
-    size = sink.shape[sink_dim]
-    args = [jnp.broadcast_to(a, (size,) + a.shape) for a in args]
-    dims = [0] * len(args)
-  size, folded = _fold_batch(args, dims)
-  if sink_dim is None:
-    outs = flash_fwd_p.bind(*folded, sink, config=config)
-    return _unfold(size, outs), (0, 0)
-  out, lse = _unfold(size, flash_fwd_p.bind(*folded, config=config.replace(has_sink=False)))
-  sink = jnp.moveaxis(sink, sink_dim, 0)  # (size, heads)
-  out, lse = jax.vmap(add_learnable_sink)(out, lse, sink)
-  return (out, lse), (0, 0)
+def fwd_batch_rule(prim):
+  """The batching of a forward primitive (flash_fwd_p, the FP8 one) whose operands all lead
+  with batch but the optional last, the sink: the sink (one logit per head) stays out of the
+  batch fold. A sink that is itself mapped differs per folded batch element, which the
+  kernel's one logit per head cannot hold: the call then runs without it and the sink rescales
+  each row in XLA (sink.add_learnable_sink, exact)."""
+  def rule(args, dims, *, config):
+    if not config.has_sink:
+      return _batch_rule(prim)(args, dims, config=config)
+    (*args, sink), (*dims, sink_dim) = args, dims
+    if all(d is None for d in dims):  # only the sink is mapped
+      size = sink.shape[sink_dim]
+      args = [jnp.broadcast_to(a, (size,) + a.shape) for a in args]
+      dims = [0] * len(args)
+    size, folded = _fold_batch(args, dims)
+    if sink_dim is None:
+      outs = prim.bind(*folded, sink, config=config)
+      return _unfold(size, outs), (0, 0)
+    out, lse = _unfold(size, prim.bind(*folded, config=config.replace(has_sink=False)))
+    sink = jnp.moveaxis(sink, sink_dim, 0)  # (size, heads)
+    out, lse = jax.vmap(add_learnable_sink)(out, lse, sink)
+    return (out, lse), (0, 0)
+  return rule
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,7 +275,7 @@ mlir.register_lowering(_flash_fwd_kernel_p, _fwd_lower_cuda, platform="cuda")
 mlir.register_lowering(_flash_bwd_kernel_p, _bwd_lower_reference)
 mlir.register_lowering(_flash_bwd_kernel_p, _bwd_lower_cuda, platform="cuda")
 
-batching.primitive_batchers[flash_fwd_p] = _fwd_batch_rule
+batching.primitive_batchers[flash_fwd_p] = fwd_batch_rule(flash_fwd_p)
 batching.primitive_batchers[flash_bwd_p] = _batch_rule(flash_bwd_p)
 
 
