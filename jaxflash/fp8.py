@@ -275,7 +275,7 @@ def naive_fp8_attention(q8, k8, v8, descales: Descales, config: AttentionConfig,
     sink = jnp.asarray(learnable_sink, jnp.float32).reshape(1, hk, group, 1, 1)
     row_sum = row_sum + jnp.exp(sink - m)  # rows without keys: m = 0, so exp(sink)
   v_max = jnp.max(vd, axis=1, keepdims=True)  # (b, 1, hk, 1)
-  ratio = jnp.where(v_max > 0, vd / jnp.where(v_max > 0, v_max, 1.0), 1.0)
+  ratio = fp8_kernel.value_ratio(vd, v_max)
   ratio = jnp.transpose(ratio[..., 0], (0, 2, 1))[:, :, None, None, :]  # (b, hk, 1, 1, k)
   p8 = (p * P_SCALE * ratio).astype(jnp.float8_e4m3fn).astype(jnp.float32)
   v = v8.astype(jnp.float32) * v_max

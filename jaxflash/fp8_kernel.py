@@ -76,10 +76,15 @@ def kernel_descales(q_descale, k_descale, v_descale, block_size, q_shape, k_shap
   q = per_chunk(q_descale, q_chunks, h // hk)
   k, v = per_chunk(k_descale, k_chunks), per_chunk(v_descale, k_chunks)
   v_max = jnp.max(v, axis=2, keepdims=True)
-  ratio = jnp.where(v_max > 0, v / jnp.where(v_max > 0, v_max, 1.0), 1.0)
-  ratio = jnp.maximum(ratio, _MIN_RATIO)
+  ratio = jnp.maximum(value_ratio(v, v_max), _MIN_RATIO)
   kv = jnp.stack([k, jnp.log2(ratio), 1.0 / ratio, jnp.broadcast_to(v_max, v.shape)], axis=-1)
   return q, kv
+
+
+def value_ratio(v_descale, v_max):
+  """v_descale / v_max (the head's largest v descale), 1 where v_max is 0: the factor P carries
+  in an FP8 kernel so that P V sums in units of v max."""
+  return jnp.where(v_max > 0, v_descale / jnp.where(v_max > 0, v_max, 1.0), 1.0)
 
 
 def _dequantized(q8, k8, v8, q_chunks, kv_chunks):

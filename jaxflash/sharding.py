@@ -156,8 +156,8 @@ class Plan:
   def sink_spec(self) -> PartitionSpec:  # learnable_sink: one logit per query head
     return PartitionSpec(_entry(self.head_axes))
 
-  def q_descale_spec(self) -> PartitionSpec:  # FP8 q_descale (batch, heads, chunks), as q's
-    return PartitionSpec(_entry(self.batch_axes), _entry(self.head_axes), None)
+  def q_descale_spec(self) -> PartitionSpec:  # FP8 q_descale (batch, heads, chunks)
+    return self.lse_spec()  # lse's layout: (batch, heads, a whole dim)
 
   def kv_descale_spec(self) -> PartitionSpec:  # FP8 kv_descale (batch, kv heads, chunks, 4)
     heads = None if self.kv_replicated else _entry(self.head_axes)

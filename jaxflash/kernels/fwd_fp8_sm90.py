@@ -30,9 +30,9 @@ _REGISTER_SPLIT = {2: (56, 224), 3: (32, 160)}
 # P = 2^(s - max + 8) <= 256 < 448 (e4m3's largest): small probabilities keep their bits.
 _P_OFFSET_LOG2 = 8.0
 # Descales come per chunk of this many query rows or keys (config.FP8_DESCALE_ROWS); the
-# kv descale operand holds 4 floats per key chunk (softmax.ChunkScaledSoftmax).
+# kv descale operand holds softmax.CHUNK_VALUES floats per key chunk.
 _CHUNK = config.FP8_DESCALE_ROWS
-_KV_VALUES = 4
+_KV_VALUES = softmax.CHUNK_VALUES
 # A row's max in four FMNMX chains (softmax.row_max): the FMA exp2 share at head_dim 64 was
 # measured with them; the 16-bit kernels keep one (four measured the same there, and the masked
 # head_dim 256 variant spills with them).

@@ -542,8 +542,8 @@ class FlashAttentionForwardSm90:
     return tidx
 
   def _read_key_block_data(self, c, k_state):
-    """Reads into registers what the softmax needs from K stage k_state before the stage is
-    released (nothing here; the FP8 kernel's chunk descales)."""
+    """Notes what the softmax needs of K stage k_state before the stage may be released
+    (nothing here; the FP8 block variants note the stage whose chunk descales they read)."""
 
   # P's registers and the softmax state: the FP8 kernel (fwd_fp8_sm90) replaces these.
   def _p_fragment(self, thr_mma_pv, acc_shape_s):

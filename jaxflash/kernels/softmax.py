@@ -306,6 +306,11 @@ class OnlineSoftmax:
       lse[i] = row_lse
 
 
+# Floats per key chunk in ChunkScaledSoftmax.chunk_values: k descale, log2 ratio, 1 / ratio, and
+# the head's v max (read by the FP8 epilogue, not here).
+CHUNK_VALUES = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkScaledSoftmax(OnlineSoftmax):
   """OnlineSoftmax of block-quantized scores: the columns of a block fall into `chunks` equal
@@ -318,8 +323,8 @@ class ChunkScaledSoftmax(OnlineSoftmax):
   score still costs one FFMA and one exp2), where ratio[c] = v_descale[c] / the head's largest
   v_descale <= 1: the P V GEMM then sums P V8 in units of that largest descale, which the
   epilogue applies. The row sums take each chunk's sum times 1 / ratio[c] (exact: the sum of
-  the unscaled P). chunk_values: shared memory (4 floats per chunk: k descale, log2 ratio,
-  1 / ratio, and the head's value max, unread here; one column per K stage); stage (a register)
+  the unscaled P). chunk_values: shared memory (CHUNK_VALUES floats per chunk, one column per
+  K stage); stage (a register)
   names the current block's column (set_stage).
   """
 
@@ -331,7 +336,7 @@ class ChunkScaledSoftmax(OnlineSoftmax):
   def create_chunked(scale_log2: Float32, num_rows: int, chunk_values: cute.Tensor,
                      threshold_log2: float, p_offset_log2: float, fma_exp2_per_8: int,
                      max_chains: int) -> "ChunkScaledSoftmax":
-    chunks = cute.size(chunk_values, mode=[0]) // 4
+    chunks = cute.size(chunk_values, mode=[0]) // CHUNK_VALUES
     s = ChunkScaledSoftmax(scale_log2, num_rows, cute.make_rmem_tensor(num_rows, Float32),
                            cute.make_rmem_tensor(num_rows, Float32), threshold_log2,
                            p_offset_log2, fma_exp2_per_8, max_chains, chunk_values,
@@ -351,7 +356,7 @@ class ChunkScaledSoftmax(OnlineSoftmax):
     values = self.chunk_values[None, self.stage[0]]
     factor = cute.make_rmem_tensor(self.chunks, Float32)
     for c in cutlass.range_constexpr(self.chunks):
-      factor[c] = self.scale_log2 * values[4 * c]
+      factor[c] = self.scale_log2 * values[CHUNK_VALUES * c]
     prev_max = cute.make_rmem_tensor(num_rows, Float32)
     block_sum = cute.make_rmem_tensor(num_rows, Float32)
     moved = Int32(0)
@@ -376,7 +381,7 @@ class ChunkScaledSoftmax(OnlineSoftmax):
         safe_max = Float32(0.0)
       total = Float32(0.0)
       for c in cutlass.range_constexpr(self.chunks):
-        shift = safe_max - self.p_offset_log2 - values[4 * c + 1]
+        shift = safe_max - self.p_offset_log2 - values[CHUNK_VALUES * c + 1]
         chunk_sum = Float32(0.0)
         for j in cutlass.range_constexpr(c * per_chunk, (c + 1) * per_chunk):
           x = acc_s_mn[i, j] * factor[c] - shift
@@ -386,7 +391,7 @@ class ChunkScaledSoftmax(OnlineSoftmax):
             p = cute.math.exp2(x, fastmath=True)
           acc_s_mn[i, j] = p
           chunk_sum += p
-        total = total + chunk_sum * values[4 * c + 2]
+        total = total + chunk_sum * values[CHUNK_VALUES * c + 2]
       block_sum[i] = total
       row_scale[i] = Float32(1.0)
     self._commit(prev_max, block_sum, moved, row_scale)
