@@ -142,7 +142,8 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
     q_descale, k_descale, v_descale: float8_e4m3fn inputs only: float32 descales (x = x8 *
       descale), all three per (batch, num_kv_heads) or all per block: (batch, num_heads,
       ceil(seq_q / block)) for the query and (batch, num_kv_heads, ceil(seq_k / block)) for key
-      and value, block a power of two; `jaxflash.quantize_fp8` makes them. None: 1. FP8 inputs
+      and value, block a power of two (the counts give it; one block on both sides is one
+      descale per head); `jaxflash.quantize_fp8` makes them. None: 1. FP8 inputs
       take dense or causal masks, GQA/MQA, seq_q != seq_k, learnable sinks and head_dim
       64/128/256 (= head_dim_v) and have no gradient (differentiating raises). Descales must be
       positive. On a Hopper GPU per-head descales and blocks of 64 tokens or more, with

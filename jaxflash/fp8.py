@@ -162,11 +162,13 @@ def dequantize_inputs(q8, k8, v8, q_descale, k_descale, v_descale, block_size: O
 # The attention call
 
 def _infer_block_size(seq_q: int, seq_k: int, blocks_q: int, blocks_k: int) -> Optional[int]:
-  """The power-of-two block that gives these block counts (unique when a count exceeds 1)."""
-  for block in _BLOCK_SIZES:
-    if -(-seq_q // block) == blocks_q and -(-seq_k // block) == blocks_k:
-      return block
-  return None
+  """The power-of-two block that gives these block counts. It is unique when a count exceeds 1;
+  when both are 1, every block that covers both sequences means one descale per head, and the
+  smallest of them the kernel takes (KERNEL_MIN_BLOCK or more) is chosen."""
+  fits = [block for block in _BLOCK_SIZES
+          if -(-seq_q // block) == blocks_q and -(-seq_k // block) == blocks_k]
+  for_kernel = [block for block in fits if block >= KERNEL_MIN_BLOCK]
+  return (for_kernel or fits or [None])[0]
 
 
 def check_descales(query, key, value, q_descale, k_descale, v_descale) -> Descales:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import config, fp8, reference
+from jaxflash import config, fp8, fp8_kernel, reference
 from tests._cases import config_for, make_qkv, x64
 from tests._oracle import assert_close_to_oracle
 
@@ -266,6 +266,24 @@ def test_descales_are_checked():
                             ones(2, 2, 2)).block_size == 16
 
 
+@pytest.mark.parametrize("block_size", [16, 64, 128])
+def test_one_block_per_sequence_runs_blocks_the_kernel_takes(block_size):
+  """Sequences of at most 64 tokens hold one block whatever its size: the descales mean one per
+  head, and the call takes blocks of 64 (the kernel's smallest), never the reference's 32."""
+  q, k, v = _inputs(12, (17, 33, 4, 2, 64))
+  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=block_size)
+  if block_size == 16:  # 2 and 3 blocks: the size is known
+    assert fp8.check_descales(q8, k8, v8, qd, kd, vd).block_size == 16
+    return
+  assert fp8.check_descales(q8, k8, v8, qd, kd, vd).block_size == fp8.KERNEL_MIN_BLOCK
+  q_chunks, kv = fp8_kernel.kernel_descales(qd, kd, vd, fp8.KERNEL_MIN_BLOCK, q8.shape,
+                                            k8.shape, False)
+  want_q, want_kv = fp8_kernel.kernel_descales(qd, kd, vd, block_size, q8.shape, k8.shape,
+                                               False)
+  np.testing.assert_array_equal(q_chunks, want_q)
+  np.testing.assert_array_equal(kv, want_kv)
+
+
 @pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale", "out_dtype"])
 def test_fp8_arguments_are_refused_for_other_dtypes(name):
   q, k, v = _inputs(10, (8, 8, 2, 2, 64))
@@ -301,7 +319,7 @@ def test_naive_fp8_attention_rounds_only_p_beyond_the_dequantized_inputs(shape, 
 
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_the_fp8_kernel_takes_blocks_of_64_tokens_or_more(block_size):
-  q, k, v = _inputs(10, (20, 30, 4, 2, 64))
+  q, k, v = _inputs(10, (70, 90, 4, 2, 64))  # more than one block: the size is known
   q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=block_size)
   with pytest.raises(ValueError, match=f"the FP8 kernel takes per-head descales .* or blocks of "
                                        f"64 tokens or more, .* this call has blocks of "
@@ -315,7 +333,6 @@ def test_the_fp8_kernel_takes_blocks_of_64_tokens_or_more(block_size):
 def test_kernel_descales_give_each_token_its_descale(block_size, head_dim):
   """The kernel's per-64-token descales dequantize every token as the caller's do; the value
   ratios are at most 1 and their log2 and inverse agree."""
-  from jaxflash import fp8_kernel
   q, k, v = _inputs(13, (300, 200, 8, 2, head_dim))
   scale = jnp.exp2(jnp.arange(300) // 64 % 5 - 2.0)[None, :, None, None]  # blocks differ
   q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q * scale, k * scale[:, :200],
@@ -346,7 +363,6 @@ def test_kernel_descales_give_each_token_its_descale(block_size, head_dim):
 def test_fp8_kernel_primitive_off_gpu_is_the_dequantized_attention(block_size, causal):
   """The FP8 kernel primitive's reference lowering (GQA, seq_q != seq_k, block descales that
   differ from block to block) is the attention of the dequantized inputs."""
-  from jaxflash import fp8_kernel
   q, k, v = _inputs(14, (150, 250, 4, 2, 64))
   scale = jnp.exp2(jnp.arange(250) // 64 % 3 - 1.0)[None, :, None, None]
   q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q * scale[:, :150], k * scale, v / scale,
@@ -381,7 +397,6 @@ def test_fp8_kernel_call_lowers_to_the_forward_custom_call_with_the_descales(cau
 
 
 def test_vmap_of_the_fp8_kernel_folds_the_mapped_axis_into_the_batch():
-  from jaxflash import fp8_kernel
   q8, k8, v8, qd, kd, vd = _fp8_inputs((20, 30, 4, 2, 64))
   cfg = config.AttentionConfig(softmax_scale=0.125, implementation="cute")
   stack = lambda x: jnp.stack([x, x, x])
@@ -451,7 +466,6 @@ def test_fp8_kernel_call_takes_the_sink_after_the_descales():
 def test_vmap_of_the_fp8_kernel_keeps_an_unmapped_sink_in_the_kernel(sink_axis):
   """One sink for every mapped element stays the kernel's operand; a sink per element runs the
   kernel without it and rescales the rows in XLA."""
-  from jaxflash import fp8_kernel
   q8, k8, v8, qd, kd, vd = _fp8_inputs((20, 30, 4, 2, 64))
   cfg = config.AttentionConfig(softmax_scale=0.125, implementation="cute", has_sink=True)
   stack = lambda x: jnp.stack([x, x, x])
