@@ -7,7 +7,9 @@ bfloat16 values. Rows:
 - "fp8 per-tensor": one descale per tensor (max |x| / 448), the baseline;
 - "fp8 per-head": jaxflash.quantize_fp8, one descale per (batch, kv head);
 - "fp8 block B": quantize_fp8(block_size=B);
-- "fp8 block B + Hadamard": quantize_fp8(block_size=B, hadamard=True).
+- "fp8 block B + Hadamard": quantize_fp8(block_size=B, hadamard=True);
+- "fp8 block B + Hadamard, value blocks": the same with the value quantized per block too
+  (fp8.quantize_tensor), so its descales differ between blocks and P carries their ratios.
 Each FP8 row has two columns: "call", jaxflash.attention of the quantized inputs (the FP8
 kernel on a Hopper GPU for per-head descales and blocks of 64 tokens or more; otherwise the
 dequantized float32 reference, the error of the quantization alone), and "P in e4m3", jaxflash.fp8.naive_fp8_attention (what an
@@ -69,12 +71,15 @@ def schemes(q, k, v, block_size: int):
   """name -> (q8, k8, v8, q_descale, k_descale, v_descale)."""
   hk = k.shape[2]
   (q8, qd), (k8, kd), (v8, vd) = (per_tensor(x, hk) for x in (q, k, v))
+  rotated = jaxflash.quantize_fp8(q, k, v, block_size=block_size, hadamard=True)
+  value_blocks = fp8.quantize_tensor(v, block_size)
   return {
       "fp8 per-tensor": (q8, k8, v8, qd, kd, vd),
       "fp8 per-head": jaxflash.quantize_fp8(q, k, v),
       f"fp8 block {block_size}": jaxflash.quantize_fp8(q, k, v, block_size=block_size),
-      f"fp8 block {block_size} + Hadamard": jaxflash.quantize_fp8(
-          q, k, v, block_size=block_size, hadamard=True),
+      f"fp8 block {block_size} + Hadamard": rotated,
+      f"fp8 block {block_size} + Hadamard, value blocks": (
+          *rotated[:2], value_blocks[0], *rotated[3:5], value_blocks[1]),
   }
 
 
@@ -151,14 +156,14 @@ def main(argv=None) -> int:
   print(f"RMSE vs float64, {jax.devices()[0].platform}, batch {args.batch}, seq {args.seq}, "
         f"heads {args.heads}, head_dim {args.head_dim}, causal {args.causal}, "
         f"sink-like key {args.sink_like}")
-  print(f"{'scheme':<28} {'call':>10} {'per-tensor/it':>14} {'P in e4m3':>10} "
+  print(f"{'scheme':<42} {'call':>10} {'per-tensor/it':>14} {'P in e4m3':>10} "
         f"{'per-tensor/it':>14}")
   for name, value in rows.items():
     cells = [f"{value['call']:>10.3e}", f"{baseline['call'] / value['call']:>14.2f}"]
     if "P in e4m3" in value:
       e = value["P in e4m3"]
       cells += [f"{e:>10.3e}", f"{baseline['P in e4m3'] / e:>14.2f}"]
-    print(f"{name:<28} " + " ".join(cells))
+    print(f"{name:<42} " + " ".join(cells))
   if args.out:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fp8_accuracy.json").write_text(json.dumps(

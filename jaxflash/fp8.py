@@ -8,7 +8,9 @@ query, key and value in one call):
   (batch, num_kv_heads, ceil(seq_k / block)): one descale per `block` consecutive tokens of one
   head, `block` a power of two (FlashAttention-3's block quantization).
 `quantize_fp8` makes them, optionally after a random Hadamard rotation of query and key along
-head_dim (incoherent processing: QK^T is unchanged, outliers are spread over the dimension).
+head_dim (incoherent processing: QK^T is unchanged, outliers are spread over the dimension);
+with blocks, the value's blocks all take its head's descale (quantize_fp8's docstring says why),
+and `quantize_tensor` quantizes any one tensor per block.
 The attention of FP8 inputs runs the FP8 kernel (jaxflash/fp8_kernel.py: per-head descales or
 blocks of KERNEL_MIN_BLOCK tokens or more, bfloat16 out) or, on the reference path, dequantizes
 them and runs the float32 reference; it has no gradient. Imports jax and the jaxflash layers
@@ -89,8 +91,11 @@ def _expand(descale, shape, block_size: Optional[int], group: int):
   return jnp.transpose(per_token, (0, 2, 1))[..., None]
 
 
-def _quantize(x, block_size: Optional[int], group: int):
-  """(x8, descale) of one (batch, seq, heads, dim) tensor; `group` query heads per kv head."""
+def quantize_tensor(x, block_size: Optional[int] = None, group: int = 1):
+  """(x8, descale) of one (batch, seq, heads, dim) tensor in the layouts above: one descale per
+  (batch, head) over `group` consecutive heads (a query's kv-head group), or per `block_size`
+  tokens of each head; each descale is its group's max |x| / 448, 1 for an all-zero group."""
+  _check_block_size(block_size)
   x = x.astype(jnp.float32)
   b, s, h, d = x.shape
   if block_size is None:
@@ -114,7 +119,12 @@ def quantize_fp8(query, key, value, *, block_size: Optional[int] = None, hadamar
       (float16, bfloat16 or float32); num_heads a multiple of num_kv_heads.
     block_size: None: one descale per (batch, kv head) over the whole sequence (the query's
       over its kv head's group of query heads); else one per `block_size` consecutive tokens of
-      each head, a power of two from 16 (FlashAttention-3's block quantization).
+      each head, a power of two from 16 (FlashAttention-3's block quantization) for query and
+      key, while the value's blocks all take its (batch, kv head)'s descale: e4m3 keeps 3
+      mantissa bits at any scale, so a block's own scale buys the value no precision, and the
+      kernel folds value descales that differ into P (each key's P times its v descale / the
+      head's largest), which costs P e4m3 range (docs/perf-notes.md, "FP8 accuracy"). Value
+      descales per block of its own are still accepted: `quantize_tensor(value, block_size)`.
     hadamard: first multiply query and key along head_dim by the same random orthogonal
       matrix (`hadamard_rotation`), which leaves QK^T unchanged and spreads outliers over the
       dimensions (incoherent processing). head_dim must then be a power of two.
@@ -139,9 +149,11 @@ def quantize_fp8(query, key, value, *, block_size: Optional[int] = None, hadamar
     key = jnp.einsum("bshd,de->bshe", key.astype(jnp.float32), rotation,
                      precision=jax.lax.Precision.HIGHEST)
   group = query.shape[2] // key.shape[2]
-  q8, q_descale = _quantize(query, block_size, group)
-  k8, k_descale = _quantize(key, block_size, 1)
-  v8, v_descale = _quantize(value, block_size, 1)
+  q8, q_descale = quantize_tensor(query, block_size, group)
+  k8, k_descale = quantize_tensor(key, block_size)
+  v8, v_descale = quantize_tensor(value)
+  if block_size is not None:  # the head's descale in each block of the value
+    v_descale = jnp.broadcast_to(v_descale[:, :, None], k_descale.shape)
   return q8, k8, v8, q_descale, k_descale, v_descale
 
 

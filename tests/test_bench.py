@@ -146,8 +146,16 @@ def test_fp8_accuracy_baseline_is_one_descale_per_tensor():
   np.testing.assert_allclose(float(descale[0, 0]),
                              float(jnp.max(jnp.abs(q.astype(jnp.float32)))) / 448.0, rtol=1e-6)
   assert float(jnp.max(jnp.abs(x8.astype(jnp.float32)))) == 448.0
-  assert list(acc.schemes(q, k, v, 32)) == ["fp8 per-tensor", "fp8 per-head", "fp8 block 32",
-                                             "fp8 block 32 + Hadamard"]
+  schemes = acc.schemes(q, k, v, 32)
+  assert list(schemes) == ["fp8 per-tensor", "fp8 per-head", "fp8 block 32",
+                           "fp8 block 32 + Hadamard", "fp8 block 32 + Hadamard, value blocks"]
+  rotated, value_blocks = schemes["fp8 block 32 + Hadamard"], schemes[
+      "fp8 block 32 + Hadamard, value blocks"]
+  for i in (0, 1, 3, 4):  # query and key as quantize_fp8 rotates and quantizes them
+    np.testing.assert_array_equal(np.asarray(rotated[i], np.float32),
+                                  np.asarray(value_blocks[i], np.float32))
+  assert np.unique(np.asarray(rotated[5][0, 0])).size == 1  # one value descale per head
+  assert np.unique(np.asarray(value_blocks[5][0, 0])).size == 2  # one per block of 32
 
 
 def test_fp8_accuracy_sink_like_key_leads_every_row_by_the_score():

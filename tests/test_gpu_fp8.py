@@ -58,8 +58,11 @@ def _inputs(seed, shape, head_dim, block_size=None):
                         axis=1)[:, :seq]
     return jnp.asarray(x, jnp.bfloat16)
 
-  return jaxflash.quantize_fp8(draw(seq_q, h, -1, 0), draw(seq_k, hk, -1, 1),
-                               draw(seq_k, hk, -1, 1), block_size=block_size)
+  q, k, v = draw(seq_q, h, -1, 0), draw(seq_k, hk, -1, 1), draw(seq_k, hk, -1, 1)
+  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=block_size)
+  if block_size is not None:  # the value per block of its own too: P carries the ratios
+    v8, vd = fp8.quantize_tensor(v, block_size)
+  return q8, k8, v8, qd, kd, vd
 
 
 @functools.partial(jax.jit, static_argnames=("variant", "cfg"), donate_argnums=(5, 6),
