@@ -63,7 +63,7 @@ def test_quantizer_layouts_and_scales_cover_each_groups_amax(block_size):
   if block_size is None:
     np.testing.assert_array_equal(per_group_max, fp8.FP8_MAX)
   else:  # the value's blocks take its head's descale; quantize_tensor gives it blocks of its own
-    v8_head, _, = fp8.quantize_tensor(v)
+    v8_head, _ = fp8.quantize_tensor(v)
     vd_head = jaxflash.quantize_fp8(q, k, v)[5]
     np.testing.assert_array_equal(v8, v8_head)
     np.testing.assert_array_equal(vd, jnp.broadcast_to(vd_head[:, :, None], vd.shape))
