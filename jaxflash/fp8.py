@@ -121,8 +121,8 @@ def quantize_fp8(query, key, value, *, block_size: Optional[int] = None, hadamar
       over its kv head's group of query heads); else one per `block_size` consecutive tokens of
       each head, a power of two from 16 (FlashAttention-3's block quantization) for query and
       key, while the value's blocks all take its (batch, kv head)'s descale: e4m3 keeps 3
-      mantissa bits at any scale, so a block's own scale buys the value no precision, and the
-      kernel folds value descales that differ into P (each key's P times its v descale / the
+      mantissa bits at any scale, so a block's own scale buys the value little precision, and
+      the kernel folds value descales that differ into P (each key's P times its v descale / the
       head's largest), which costs P e4m3 range (docs/perf-notes.md, "FP8 accuracy"). Value
       descales per block of its own are still accepted: `quantize_tensor(value, block_size)`.
     hadamard: first multiply query and key along head_dim by the same random orthogonal
