@@ -1,4 +1,5 @@
-"""Shared test inputs: fresh random q/k/v/segment ids, x64 scope, and readable option sets."""
+"""Shared test inputs: fresh random q/k/v/segment ids, FP8 tensors with value blocks, x64 scope,
+and readable option sets."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import reference
+import jaxflash
+from jaxflash import fp8, reference
 from jaxflash.config import AttentionConfig
 
 
@@ -26,6 +28,15 @@ def make_qkv(seed, batch=2, seq_q=37, seq_k=45, heads=4, kv_heads=2, head_dim=16
   shapes = ((batch, seq_q, heads, head_dim), (batch, seq_k, kv_heads, head_dim),
             (batch, seq_k, kv_heads, head_dim_v or head_dim))
   return tuple(jnp.asarray(rng.standard_normal(s), dtype) for s in shapes)
+
+
+def quantize_value_blocks_too(q, k, v, block_size=None):
+  """jaxflash.quantize_fp8's tensors with the value quantized per block of its own as well
+  (descales that differ between blocks: the FP8 kernel's P carries their ratios); per head
+  when block_size is None, as quantize_fp8's."""
+  q8, k8, _, qd, kd, _ = jaxflash.quantize_fp8(q, k, v, block_size=block_size)
+  v8, vd = fp8.quantize_tensor(v, block_size)
+  return q8, k8, v8, qd, kd, vd
 
 
 def make_segments(seed, batch, seq_q, seq_k, num_segments=3):

@@ -7,7 +7,7 @@ import pytest
 
 import jaxflash
 from jaxflash import config, fp8, fp8_kernel, reference
-from tests._cases import config_for, make_qkv, x64
+from tests._cases import config_for, make_qkv, quantize_value_blocks_too, x64
 from tests._oracle import assert_close_to_oracle
 
 FP8 = jnp.float8_e4m3fn
@@ -26,14 +26,6 @@ def _inputs(seed, shape, dtype=jnp.bfloat16):
 
 # ---------------------------------------------------------------------------------------------
 # Quantizer
-
-def _quantize_value_blocks_too(q, k, v, block_size):
-  """quantize_fp8's tensors with the value quantized per block of its own as well (descales
-  that differ between blocks: the kernel's P carries their ratios)."""
-  q8, k8, _, qd, kd, _ = jaxflash.quantize_fp8(q, k, v, block_size=block_size)
-  v8, vd = fp8.quantize_tensor(v, block_size)
-  return q8, k8, v8, qd, kd, vd
-
 
 @pytest.mark.parametrize("block_size", [None, 16, 64])
 def test_quantizer_layouts_and_scales_cover_each_groups_amax(block_size):
@@ -63,8 +55,7 @@ def test_quantizer_layouts_and_scales_cover_each_groups_amax(block_size):
   if block_size is None:
     np.testing.assert_array_equal(per_group_max, fp8.FP8_MAX)
   else:  # the value's blocks take its head's descale; quantize_tensor gives it blocks of its own
-    v8_head, _ = fp8.quantize_tensor(v)
-    vd_head = jaxflash.quantize_fp8(q, k, v)[5]
+    v8_head, vd_head = fp8.quantize_tensor(v)  # = quantize_fp8's per-head value
     np.testing.assert_array_equal(v8, v8_head)
     np.testing.assert_array_equal(vd, jnp.broadcast_to(vd_head[:, :, None], vd.shape))
     v8_blocks, vd_blocks = fp8.quantize_tensor(v, block_size)
@@ -174,7 +165,7 @@ def test_quantizer_jits_with_static_options():
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16])
 def test_fp8_attention_matches_the_dequantized_oracle(shape, block_size, causal, out_dtype):
   q, k, v = _inputs(4, shape)
-  q8, k8, v8, qd, kd, vd = _quantize_value_blocks_too(q, k, v, block_size)
+  q8, k8, v8, qd, kd, vd = quantize_value_blocks_too(q, k, v, block_size)
   deq = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, block_size)
   out, lse = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
                                 causal=causal, out_dtype=out_dtype, return_lse=True)
@@ -326,7 +317,7 @@ def test_naive_fp8_attention_rounds_only_p_beyond_the_dequantized_inputs(shape, 
   """The FP8-kernel oracle: the dequantized attention but for P rounded to e4m3 (scaled by
   P_SCALE); its lse comes from the unrounded P."""
   q, k, v = _inputs(11, shape)
-  q8, k8, v8, qd, kd, vd = _quantize_value_blocks_too(q, k, v, block_size)
+  q8, k8, v8, qd, kd, vd = quantize_value_blocks_too(q, k, v, block_size)
   descales = fp8.check_descales(q8, k8, v8, qd, kd, vd)
   cfg = config_for(shape[-1], {"causal": causal})
   out, lse = fp8.naive_fp8_attention(q8, k8, v8, descales, cfg)
@@ -360,9 +351,8 @@ def test_kernel_descales_give_each_token_its_descale(block_size, head_dim):
   ratios are at most 1 and their log2 and inverse agree."""
   q, k, v = _inputs(13, (300, 200, 8, 2, head_dim))
   scale = jnp.exp2(jnp.arange(300) // 64 % 5 - 2.0)[None, :, None, None]  # blocks differ
-  quantize = jaxflash.quantize_fp8 if block_size is None else _quantize_value_blocks_too
-  q8, k8, v8, qd, kd, vd = quantize(q * scale, k * scale[:, :200], v * scale[:, :200],
-                                    block_size=block_size)
+  q8, k8, v8, qd, kd, vd = quantize_value_blocks_too(q * scale, k * scale[:, :200],
+                                                     v * scale[:, :200], block_size)
   q_chunks, kv = fp8_kernel.kernel_descales(qd, kd, vd, block_size, q8.shape, k8.shape, False)
   schedule = config.fp8_fwd_schedule(head_dim, False)
   assert q_chunks.shape == (2, 8, -(-300 // schedule.tile_m) * schedule.tile_m // 64)
@@ -391,9 +381,8 @@ def test_fp8_kernel_primitive_off_gpu_is_the_dequantized_attention(block_size, c
   differ from block to block) is the attention of the dequantized inputs."""
   q, k, v = _inputs(14, (150, 250, 4, 2, 64))
   scale = jnp.exp2(jnp.arange(250) // 64 % 3 - 1.0)[None, :, None, None]
-  quantize = jaxflash.quantize_fp8 if block_size is None else _quantize_value_blocks_too
-  q8, k8, v8, qd, kd, vd = quantize(q * scale[:, :150], k * scale, v / scale,
-                                    block_size=block_size)
+  q8, k8, v8, qd, kd, vd = quantize_value_blocks_too(q * scale[:, :150], k * scale, v / scale,
+                                                     block_size)
   cfg = config.AttentionConfig(softmax_scale=0.125, causal=causal, implementation="reference")
   out, lse = jax.jit(lambda *a: fp8_kernel.fp8_forward(cfg, *a, block_size=block_size))(
       q8, k8, v8, qd, kd, vd)

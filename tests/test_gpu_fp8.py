@@ -19,7 +19,7 @@ import pytest
 import jaxflash
 from jaxflash import config, ffi, fp8, fp8_kernel, reference
 from jaxflash.config import FWD_TARGET, AttentionConfig
-from tests._cases import x64
+from tests._cases import quantize_value_blocks_too, x64
 from tests._oracle import assert_close_to_oracle
 
 pytestmark = pytest.mark.gpu
@@ -58,11 +58,9 @@ def _inputs(seed, shape, head_dim, block_size=None):
                         axis=1)[:, :seq]
     return jnp.asarray(x, jnp.bfloat16)
 
-  q, k, v = draw(seq_q, h, -1, 0), draw(seq_k, hk, -1, 1), draw(seq_k, hk, -1, 1)
-  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=block_size)
-  if block_size is not None:  # the value per block of its own too: P carries the ratios
-    v8, vd = fp8.quantize_tensor(v, block_size)
-  return q8, k8, v8, qd, kd, vd
+  # With blocks the value is quantized per block of its own too: P carries the ratios.
+  return quantize_value_blocks_too(draw(seq_q, h, -1, 0), draw(seq_k, hk, -1, 1),
+                                   draw(seq_k, hk, -1, 1), block_size)
 
 
 @functools.partial(jax.jit, static_argnames=("variant", "cfg"), donate_argnums=(5, 6),
