@@ -114,10 +114,14 @@ def test_sass_uses_e4m3_wgmma_tma_and_the_shared_memory_transpose(exported, vari
   assert shapes == {f"64x{variant.schedule.tile_n}x32", f"64x{variant.head_dim_v}x32"}
   qgmma = sum(op.startswith("QGMMA") for op in ops)
   assert 0 < ops.count("WARPGROUP.ARRIVE") <= qgmma // 2, "WGMMAs not serialized"
-  # The transpose: per unit one ldmatrix.trans, four byte permutes, one stmatrix, unrolled over
-  # a warp's units (the transposing warps' loop); P leaves the accumulator through e4m3 packs,
-  # not shuffles.
-  rounds = -(-(variant.schedule.tile_n // 16) * (variant.head_dim_v // 32) // 3)
+  # The transpose: per unit one ldmatrix.trans, four byte permutes, one stmatrix. With held
+  # offsets the warps share one unrolled loop of ceil(units / 3) rounds; with addresses in
+  # place every warp runs its own list, so each unit appears once. P leaves the accumulator
+  # through e4m3 packs, not shuffles.
+  from jaxflash.kernels import fwd_fp8_sm90
+  units = fwd_fp8_sm90.transpose_units(variant)
+  in_place = fwd_fp8_sm90.FlashAttentionForwardFp8Sm90(variant).addresses_in_place
+  rounds = units if in_place else -(-units // 3)
   assert ops.count("LDSM.16.MT88.4") == rounds
   assert ops.count("STSM.16.M88.4") >= rounds  # and the epilogue's bf16 O stores
   for selector in ("0x6420", "0x7531"):
@@ -166,3 +170,39 @@ def test_register_split_fits_the_ctas_register_pool(variant):
   pool = 65536 // kernel.num_threads // 8 * 8 * kernel.num_threads
   wanted = 128 * kernel.num_producer_regs + kernel.num_mma_threads * kernel.num_mma_regs
   assert wanted <= pool, (variant.key, wanted, pool)
+
+
+@pytest.mark.cutlass
+def test_transpose_addresses_swizzled_in_place_equal_the_layouts():
+  """The transposing warps' addresses (lane offset + unit constant, swizzled in place) equal
+  the swizzled layouts' offsets (fp8_operands.unit_offsets) for every lane and unit of each FP8
+  tile shape (evaluated at trace time: every coordinate is a Python int)."""
+  cutlass = pytest.importorskip("cutlass")
+  import cutlass.cute as cute
+
+  from jaxflash.kernels import fp8_operands, sm90_gemm
+  fp8 = cutlass.Float8E4M3FN
+  shapes = sorted({(v.head_dim_v, v.schedule.tile_n) for v in FP8_VARIANTS} | {(256, 64)})
+  pairs = []  # (where, got, want): compared after tracing
+
+  @cute.jit
+  def check():
+    for case in cutlass.range_constexpr(len(shapes)):
+      dv, tile_n = shapes[case]
+      v_layout = sm90_gemm.smem_layout(fp8, dv, tile_n, 2, col_major=True)
+      vt_layout = sm90_gemm.smem_layout(fp8, dv, tile_n, 2)
+      for lane in cutlass.range_constexpr(32):
+        lane_src, lane_dst = fp8_operands.lane_offsets(v_layout, vt_layout, lane)
+        for n0 in cutlass.range_constexpr(0, tile_n, 16):
+          for d0 in cutlass.range_constexpr(0, dv, 32):
+            want = fp8_operands.unit_offsets(v_layout, vt_layout, n0, d0, lane)
+            c_src, c_dst = fp8_operands.unit_base(v_layout, vt_layout, n0, d0)
+            got = (fp8_operands.swizzled(lane_src + c_src, v_layout),
+                   fp8_operands.swizzled(lane_dst + c_dst, vt_layout))
+            pairs.append(((dv, tile_n, lane, n0, d0), [int(x) for x in got],
+                          [int(x) for x in want]))
+
+  check()
+  assert len(pairs) == sum(32 * n // 16 * d // 32 for d, n in shapes)
+  mismatches = [where for where, got, want in pairs if got != want]
+  assert not mismatches, mismatches[:5]

@@ -118,6 +118,30 @@ def unit_offsets(v_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout, 
 
 
 @cute.jit
+def lane_offsets(v_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout, lane: Int32):
+  """A lane's unswizzled byte offsets (V, V^T) within any transpose unit (unit_offsets' lane
+  roles): a unit at keys n0, head_dim d0 adds its own unswizzled offset (unit_base), and the
+  swizzle applies to the sum (swizzled)."""
+  r = lane % 8
+  i = lane // 8
+  src = cute.crd2idx((16 * (i // 2), 8 * (i % 2) + r, 0), v_layout.outer)
+  dst = cute.crd2idx((16 * (i // 2) + 2 * r + i % 2, 0, 0), vt_layout.outer)
+  return Int32(src), Int32(dst)
+
+
+def unit_base(v_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout, n0: int, d0: int):
+  """The unswizzled offsets (V, V^T) of the unit at keys n0, head_dim d0 (compile-time)."""
+  return (cute.crd2idx((d0, n0, 0), v_layout.outer), cute.crd2idx((d0, n0, 0), vt_layout.outer))
+
+
+def swizzled(offset: Int32, layout: cute.ComposedLayout) -> Int32:
+  """The layout's swizzle of an offset from a swizzle-period-aligned base."""
+  sw = layout.inner
+  mask = ((1 << sw.num_bits) - 1) << (sw.num_base + sw.num_shift)
+  return offset ^ ((offset & mask) >> sw.num_shift)
+
+
+@cute.jit
 def transpose_v_unit(src: Int32, dst: Int32):
   """One warp: the unit whose shared-memory addresses (unit_offsets plus the stage's base) are
   src in V and dst in V^T: one ldmatrix.trans, four byte permutes, one stmatrix."""

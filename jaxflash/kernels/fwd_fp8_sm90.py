@@ -25,8 +25,15 @@ FP8 = cutlass.Float8E4M3FN
 # Warps 1-3 of the producer warpgroup transpose V (warp 0 issues the TMA loads).
 _TRANSPOSE_WARPS = 3
 # (producer, consumer) registers per thread by consumer warpgroups: the transposing warps hold
-# two offsets per unit (up to 16 units each) and four 32-bit registers per unit in flight.
+# two offsets per unit (up to _HELD_UNITS units each) and four 32-bit registers per unit in
+# flight. A warp with more units (head_dim 256's 128 x 128 tile: 22) computes each unit's address
+# in place instead, and its warpgroup fits 24 registers: the consumers get 240, which the
+# 128 x 128 tile needs (at 224 it spills). At head_dim 128 (16 units) the held offsets with
+# (56, 224) measured 1.09-1.10x the in-place form with O over the V ring (docs/kernels.md,
+# "FP8 forward").
 _REGISTER_SPLIT = {2: (56, 224), 3: (32, 160)}
+_REGISTER_SPLIT_IN_PLACE = (24, 240)
+_HELD_UNITS = 16
 # P = 2^(s - max + 8) <= 256 < 448 (e4m3's largest): small probabilities keep their bits.
 _P_OFFSET_LOG2 = 8.0
 # Descales come per chunk of this many query rows or keys (config.FP8_DESCALE_ROWS); the
@@ -37,6 +44,34 @@ _KV_VALUES = softmax.CHUNK_VALUES
 # measured with them; the 16-bit kernels keep one (four measured the same there, and the masked
 # head_dim 256 variant spills with them).
 _MAX_CHAINS = 4
+
+
+def transpose_units(variant: config.KernelVariant) -> int:
+  """The V^T units (fp8_operands.UNIT_KEYS x UNIT_DIMS) of one V stage."""
+  return (variant.schedule.tile_n // fp8_operands.UNIT_KEYS
+          * (variant.head_dim_v // fp8_operands.UNIT_DIMS))
+
+
+def _smem_parts(variant: config.KernelVariant) -> tuple[int, int]:
+  """(bytes of everything but O, bytes of O's bf16 tile), each aligned."""
+  aligned = sm90_gemm.smem_aligned
+  s, d, dv = variant.schedule, variant.head_dim, variant.head_dim_v
+  rest = (aligned(s.tile_m * d) + aligned(s.num_stages * s.tile_n * d)
+          + 2 * aligned(s.num_stages * s.tile_n * dv)
+          + (aligned(s.num_stages * s.tile_n // _CHUNK * _KV_VALUES * 4)
+             if variant.block_descales else 0)
+          + sm90_gemm.SMEM_ALIGN)
+  return rest, aligned(s.tile_m * dv * 2)
+
+
+def o_over_v_ring(variant: config.KernelVariant) -> bool:
+  """Whether O's bf16 tile takes the V ring's bytes: only where a buffer of its own would not
+  fit shared memory (head_dim 256 on 128 x 128 tiles). One CTA per tile, and the ring is done
+  once the last V stage was transposed, before either warpgroup's last P V GEMM."""
+  rest, o_bytes = _smem_parts(variant)
+  s = variant.schedule
+  return (rest + o_bytes > sm90_gemm.SMEM_CAPACITY
+          and o_bytes <= s.num_stages * s.tile_n * variant.head_dim_v)
 
 
 class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
@@ -57,7 +92,8 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
   - V: TMA brings each key block with head_dim_v contiguous; warps 1-3 of the producer
     warpgroup write V^T (keys contiguous, the same key order) into a second ring that the
     consumers' P V GEMM reads. V ring: TMA -> transposers; V^T ring: transposers -> consumers.
-  - O = P V * v max / row sum, stored as bf16 through its own shared buffer.
+  - O = P V * v max / row sum, stored as bf16 through a shared buffer: its own, or the V ring's
+    bytes where that would not fit (o_over_v_ring).
   One CTA per tile (the softmax state is set up per tile): dense, causal or not, GQA/MQA.
   """
 
@@ -66,20 +102,21 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     self.dtype = FP8
     self.out_dtype = cutlass.BFloat16
     self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT[self.num_mma_warpgroups]
+    self.units_per_warp = -(-transpose_units(variant) // _TRANSPOSE_WARPS)
+    self.addresses_in_place = self.units_per_warp > _HELD_UNITS
+    if self.addresses_in_place:
+      assert self.num_mma_warpgroups == 2, variant.key
+      self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT_IN_PLACE
+    self.o_in_v_ring = o_over_v_ring(variant)
     self.fma_exp2_per_8 = variant.schedule.fma_exp2_per_8
     self.block_descales = variant.block_descales
 
   @staticmethod
   def smem_bytes(variant: config.KernelVariant, elem_bytes: int = 1) -> int:
-    """Q, the K, V and V^T rings (e4m3), O (bf16), the key chunks' descales, mbarriers,
-    alignment."""
-    aligned = sm90_gemm.smem_aligned
-    s, d, dv = variant.schedule, variant.head_dim, variant.head_dim_v
-    return (aligned(s.tile_m * d) + aligned(s.num_stages * s.tile_n * d)
-            + 2 * aligned(s.num_stages * s.tile_n * dv) + aligned(s.tile_m * dv * 2)
-            + (aligned(s.num_stages * s.tile_n // _CHUNK * _KV_VALUES * 4)
-               if variant.block_descales else 0)
-            + sm90_gemm.SMEM_ALIGN)
+    """Q, the K, V and V^T rings (e4m3), O (bf16; over the V ring where o_over_v_ring), the key
+    chunks' descales, mbarriers, alignment."""
+    rest, o_bytes = _smem_parts(variant)
+    return rest + (0 if o_over_v_ring(variant) else o_bytes)
 
   @staticmethod
   def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:
@@ -124,8 +161,9 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
         sQ=sm90_gemm.smem_buffer(FP8, cute.cosize(self.sQ_layout)),
         sK=sm90_gemm.smem_buffer(FP8, cute.cosize(self.sK_layout)),
         sV=sm90_gemm.smem_buffer(FP8, cute.cosize(self.sV_layout)),
-        sVt=sm90_gemm.smem_buffer(FP8, cute.cosize(self.sVt_layout)),
-        sO=sm90_gemm.smem_buffer(self.out_dtype, cute.cosize(self.sO_layout)))
+        sVt=sm90_gemm.smem_buffer(FP8, cute.cosize(self.sVt_layout)))
+    if not self.o_in_v_ring:
+      fields["sO"] = sm90_gemm.smem_buffer(self.out_dtype, cute.cosize(self.sO_layout))
     if self.block_descales:
       fields["sKVDescale"] = sm90_gemm.smem_buffer(Float32, self.kv_descale_floats * stages, 16)
     self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
@@ -203,7 +241,11 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
     sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
     sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
-    sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+    if const_expr(self.o_in_v_ring):
+      sO = cute.make_tensor(cute.recast_ptr(storage.sV.data_ptr(), sO_layout.inner,
+                                            dtype=self.out_dtype), sO_layout.outer)
+    else:
+      sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
     sKVDescale = None
     if const_expr(self.block_descales):
       sKVDescale = storage.sKVDescale.get_tensor(
@@ -250,18 +292,20 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
                   pipeline_vt, scheduler, seqlen_q: Int32, seqlen_k: Int32, warp: Int32):
     """Warps 1-3: each V stage the TMA filled becomes a V^T stage (fp8_operands), in the order
     the loader fills them (the key blocks of each tile, last first)."""
-    lane = cute.arch.lane_idx()
     units_n = self.tile_n // fp8_operands.UNIT_KEYS
     units = units_n * (self.head_dim_v // fp8_operands.UNIT_DIMS)
-    # This warp's units (u = warp, warp + 3, ...), their offsets computed once: the loop over
-    # stages adds the stage's base only.
-    per_warp = (units + _TRANSPOSE_WARPS - 1) // _TRANSPOSE_WARPS
-    offsets = []
-    for i in cutlass.range_constexpr(per_warp):
-      u = warp + _TRANSPOSE_WARPS * i
-      offsets.append(fp8_operands.unit_offsets(
-          sV_layout, sVt_layout, (u % units_n) * fp8_operands.UNIT_KEYS,
-          (u // units_n) * fp8_operands.UNIT_DIMS, lane))
+    per_warp = self.units_per_warp
+    # Warp w takes units w, w + 3, ... Held: their offsets computed once, the loop over stages
+    # adds the stage's base only. In place: a compile-time unit list per warp, each address the
+    # lane's unswizzled offset plus the unit's constant, swizzled where it is used.
+    held = []
+    if const_expr(not self.addresses_in_place):
+      lane = cute.arch.lane_idx()
+      for i in cutlass.range_constexpr(per_warp):
+        held_unit = warp + _TRANSPOSE_WARPS * i
+        held.append(fp8_operands.unit_offsets(
+            sV_layout, sVt_layout, (held_unit % units_n) * fp8_operands.UNIT_KEYS,
+            (held_unit // units_n) * fp8_operands.UNIT_DIMS, lane))
     v_stage_bytes = cute.cosize(sV_layout) // self.num_stages
     vt_stage_bytes = cute.cosize(sVt_layout) // self.num_stages
     v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -275,13 +319,29 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
         pipeline_vt.producer_acquire(vt_state)
         v_base = v_ptr.toint() + v_state.index * v_stage_bytes
         vt_base = vt_ptr.toint() + vt_state.index * vt_stage_bytes
-        for i in cutlass.range_constexpr(per_warp):
-          src, dst = offsets[i]
-          if const_expr(units % _TRANSPOSE_WARPS == 0 or i < per_warp - 1):
-            fp8_operands.transpose_v_unit(v_base + src, vt_base + dst)
-          else:  # the last round: not every warp has a unit left
-            if warp + _TRANSPOSE_WARPS * i < units:
+        if const_expr(self.addresses_in_place):
+          # From a volatile %tid.x: hoisted out of the loop, the addresses stay live (spill).
+          lane_src, lane_dst = fp8_operands.lane_offsets(
+              sV_layout, sVt_layout, fp8_operands.thread_index_here() % _WARP_THREADS)
+          for w in cutlass.range_constexpr(_TRANSPOSE_WARPS):
+            if warp == w:
+              for i in cutlass.range_constexpr(per_warp):
+                u = w + _TRANSPOSE_WARPS * i
+                if const_expr(u < units):
+                  c_src, c_dst = fp8_operands.unit_base(
+                      sV_layout, sVt_layout, (u % units_n) * fp8_operands.UNIT_KEYS,
+                      (u // units_n) * fp8_operands.UNIT_DIMS)
+                  fp8_operands.transpose_v_unit(
+                      v_base + fp8_operands.swizzled(lane_src + c_src, sV_layout),
+                      vt_base + fp8_operands.swizzled(lane_dst + c_dst, sVt_layout))
+        else:
+          for i in cutlass.range_constexpr(per_warp):
+            src, dst = held[i]
+            if const_expr(units % _TRANSPOSE_WARPS == 0 or i < per_warp - 1):
               fp8_operands.transpose_v_unit(v_base + src, vt_base + dst)
+            else:  # the last round: not every warp has a unit left
+              if warp + _TRANSPOSE_WARPS * i < units:
+                fp8_operands.transpose_v_unit(v_base + src, vt_base + dst)
         # stmatrix writes are generic-proxy; the consumers' WGMMA reads through the async one.
         cute.arch.fence_proxy("async.shared", space="cta")
         pipeline_vt.producer_commit(vt_state)
