@@ -158,6 +158,16 @@ def test_fp8_variants_fit_shared_memory(variant):
 
 
 @pytest.mark.cutlass
+def test_largest_p_fits_e4m3():
+  """P = 2^(score - row max + offset) reaches 2^(offset + threshold) while the row max stays
+  behind a block's by up to the threshold: it must stay below e4m3's largest finite, 448 (the
+  saturating pack would clip it), with exp2.approx's relative error 2^-22 on top."""
+  from jaxflash.kernels import fwd_fp8_sm90
+  largest = 2.0 ** (fwd_fp8_sm90._P_OFFSET_LOG2 + fwd_fp8_sm90._THRESHOLD_LOG2)
+  assert largest * (1 + 2.0 ** -22) < 448.0, largest
+
+
+@pytest.mark.cutlass
 @pytest.mark.parametrize("variant", FP8_VARIANTS + [
     v for v in config.shipped_variants("sm90a", "fwd") if v.dtype != config.FP8_DTYPE],
     ids=lambda v: v.key)

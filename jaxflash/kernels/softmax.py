@@ -162,7 +162,7 @@ class OnlineSoftmax:
   row_sum: cute.Tensor
   # Trace-time constants: how far a block's max may exceed row_max before row_max moves, and
   # a power of two every P carries (log2 units; the FP8 kernel's P fills e4m3's range with 8
-  # and threshold 0, so P <= 2^8 < 448). row_sum carries it too, and finalize removes it.
+  # and threshold 0.8, so P <= 2^8.8 < 448). row_sum carries it too, and finalize removes it.
   threshold_log2: float = RESCALE_THRESHOLD_LOG2
   p_offset_log2: float = 0.0
   # Of every 8 columns, this many take exp2_fma instead of MUFU.EX2; a row's max runs in
