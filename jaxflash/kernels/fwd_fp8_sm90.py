@@ -37,7 +37,7 @@ _HELD_UNITS = 16
 # P = 2^(s - max + 8) <= 256 < 448 (e4m3's largest): small probabilities keep their bits.
 _P_OFFSET_LOG2 = 8.0
 # The row max moves only when a block's max exceeds it by more than this (log2 units): P then
-# stays <= 2^8.8 < 448, and warps skip more O rescales than with 0 (0.98-1.05x, the RMSE within
+# stays <= 2^8.8 < 448, and warps skip more O rescales than with 0 (1.00-1.05x, the RMSE within
 # 0.3 %: docs/kernels.md, "FP8 forward").
 _THRESHOLD_LOG2 = 0.8
 # Descales come per chunk of this many query rows or keys (config.FP8_DESCALE_ROWS); the
@@ -90,9 +90,10 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
   - S = Q K^T in e4m3 (both K-major, as TMA loads them), scaled in the softmax by
     softmax_scale * q_descale * k_descale (per chunk in block variants:
     softmax.ChunkScaledSoftmax).
-  - P: exp2 against the row max (which moves when a block's would raise P past 2^0.8) times 2^8
-    (times the chunk's value ratio in block variants), then packed to e4m3 in registers in the
-    key order of fp8_operands; row sums and lse carry and then drop the 2^8.
+  - P: exp2 against the row max (which moves only when a block's exceeds it by more than 0.8 in
+    log2 units) times 2^8 (times the chunk's value ratio in block variants), then packed to
+    e4m3 in registers in the key order of fp8_operands; row sums and lse carry and then drop
+    the 2^8.
   - V: TMA brings each key block with head_dim_v contiguous; warps 1-3 of the producer
     warpgroup write V^T (keys contiguous, the same key order) into a second ring that the
     consumers' P V GEMM reads. V ring: TMA -> transposers; V^T ring: transposers -> consumers.
