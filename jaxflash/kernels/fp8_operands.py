@@ -97,6 +97,28 @@ def _prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
       is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+def _v_coord(lane: Int32, n0, d0):
+  """The (head_dim, key, stage) coordinate lane 8i + r loads in V for the unit at keys n0,
+  head_dim d0 (unit_offsets)."""
+  r = lane % 8
+  i = lane // 8
+  return (d0 + 16 * (i // 2), n0 + 8 * (i % 2) + r, 0)
+
+
+def _vt_coord(lane: Int32, n0, d0):
+  """The (head_dim, key, stage) coordinate lane 8i + r stores in V^T for the unit at keys n0,
+  head_dim d0 (unit_offsets)."""
+  r = lane % 8
+  i = lane // 8
+  return (d0 + 16 * (i // 2) + 2 * r + i % 2, n0, 0)
+
+
+def unit_origin(unit, units_n: int):
+  """(n0, d0) of a stage's unit `unit`, the units numbered along the keys first (units_n per
+  UNIT_DIMS of head_dim)."""
+  return (unit % units_n) * UNIT_KEYS, (unit // units_n) * UNIT_DIMS
+
+
 @cute.jit
 def unit_offsets(v_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout, n0: Int32,
                  d0: Int32, lane: Int32):
@@ -110,10 +132,8 @@ def unit_offsets(v_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout, 
   n0 to store. A stage's swizzle is stage 0's shifted by the stage size (a multiple of the
   1024-byte swizzle period), so the offsets hold for every stage.
   """
-  r = lane % 8
-  i = lane // 8
-  src = cute.crd2idx((d0 + 16 * (i // 2), n0 + 8 * (i % 2) + r, 0), v_layout)
-  dst = cute.crd2idx((d0 + 16 * (i // 2) + 2 * r + i % 2, n0, 0), vt_layout)
+  src = cute.crd2idx(_v_coord(lane, n0, d0), v_layout)
+  dst = cute.crd2idx(_vt_coord(lane, n0, d0), vt_layout)
   return Int32(src), Int32(dst)
 
 
@@ -122,10 +142,8 @@ def lane_offsets(v_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout, 
   """A lane's unswizzled byte offsets (V, V^T) within any transpose unit (unit_offsets' lane
   roles): a unit at keys n0, head_dim d0 adds its own unswizzled offset (unit_base), and the
   swizzle applies to the sum (swizzled)."""
-  r = lane % 8
-  i = lane // 8
-  src = cute.crd2idx((16 * (i // 2), 8 * (i % 2) + r, 0), v_layout.outer)
-  dst = cute.crd2idx((16 * (i // 2) + 2 * r + i % 2, 0, 0), vt_layout.outer)
+  src = cute.crd2idx(_v_coord(lane, 0, 0), v_layout.outer)
+  dst = cute.crd2idx(_vt_coord(lane, 0, 0), vt_layout.outer)
   return Int32(src), Int32(dst)
 
 

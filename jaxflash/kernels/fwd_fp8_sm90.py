@@ -107,7 +107,8 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     self.dtype = FP8
     self.out_dtype = cutlass.BFloat16
     self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT[self.num_mma_warpgroups]
-    self.units_per_warp = -(-transpose_units(variant) // _TRANSPOSE_WARPS)
+    self.transpose_units = transpose_units(variant)
+    self.units_per_warp = -(-self.transpose_units // _TRANSPOSE_WARPS)
     self.addresses_in_place = self.units_per_warp > _HELD_UNITS
     if self.addresses_in_place:
       assert self.num_mma_warpgroups == 2, variant.key
@@ -298,8 +299,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     """Warps 1-3: each V stage the TMA filled becomes a V^T stage (fp8_operands), in the order
     the loader fills them (the key blocks of each tile, last first)."""
     units_n = self.tile_n // fp8_operands.UNIT_KEYS
-    units = units_n * (self.head_dim_v // fp8_operands.UNIT_DIMS)
-    per_warp = self.units_per_warp
+    units, per_warp = self.transpose_units, self.units_per_warp
     # Warp w takes units w, w + 3, ... Held: their offsets computed once, the loop over stages
     # adds the stage's base only. In place: a compile-time unit list per warp, each address the
     # lane's unswizzled offset plus the unit's constant, swizzled where it is used.
@@ -307,10 +307,8 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     if const_expr(not self.addresses_in_place):
       lane = cute.arch.lane_idx()
       for i in cutlass.range_constexpr(per_warp):
-        held_unit = warp + _TRANSPOSE_WARPS * i
-        held.append(fp8_operands.unit_offsets(
-            sV_layout, sVt_layout, (held_unit % units_n) * fp8_operands.UNIT_KEYS,
-            (held_unit // units_n) * fp8_operands.UNIT_DIMS, lane))
+        n0, d0 = fp8_operands.unit_origin(warp + _TRANSPOSE_WARPS * i, units_n)
+        held.append(fp8_operands.unit_offsets(sV_layout, sVt_layout, n0, d0, lane))
     v_stage_bytes = cute.cosize(sV_layout) // self.num_stages
     vt_stage_bytes = cute.cosize(sVt_layout) // self.num_stages
     v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -334,8 +332,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
                 u = w + _TRANSPOSE_WARPS * i
                 if const_expr(u < units):
                   c_src, c_dst = fp8_operands.unit_base(
-                      sV_layout, sVt_layout, (u % units_n) * fp8_operands.UNIT_KEYS,
-                      (u // units_n) * fp8_operands.UNIT_DIMS)
+                      sV_layout, sVt_layout, *fp8_operands.unit_origin(u, units_n))
                   fp8_operands.transpose_v_unit(
                       v_base + fp8_operands.swizzled(lane_src + c_src, sV_layout),
                       vt_base + fp8_operands.swizzled(lane_dst + c_dst, sVt_layout))
