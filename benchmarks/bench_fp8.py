@@ -43,8 +43,8 @@ def cudnn_fp8_fn(causal: bool, scale: float):
   return attend
 
 
-def cells(head_dim: int, seq: int, causal: bool, rng, block_size=None) -> list:
-  """The timed cells of one shape, in IMPLS order."""
+def cells(head_dim: int, seq: int, causal: bool, rng, block_size=None, impls=IMPLS) -> list:
+  """The timed cells of one shape, in the order of impls."""
   b, h = TOKENS // seq, WIDTH // head_dim
   q, k, v = (jnp.asarray(rng.standard_normal((b, seq, h, head_dim)), jnp.bfloat16)
              for _ in range(3))
@@ -63,7 +63,7 @@ def cells(head_dim: int, seq: int, causal: bool, rng, block_size=None) -> list:
   }
   flops = bench_attention.fwd_flops(b, h, seq, head_dim, head_dim, causal)
   return [timed_record(jax.jit(fns[impl][0]), fns[impl][1], flops, head_dim=head_dim, seq=seq,
-                       causal=causal, impl=impl) for impl in IMPLS]
+                       causal=causal, impl=impl) for impl in impls]
 
 
 def main(argv=None) -> int:
@@ -73,23 +73,25 @@ def main(argv=None) -> int:
   p.add_argument("--causal", action="store_true")
   p.add_argument("--block-size", type=int, default=None,
                  help="block descales of this many tokens for the fp8 column (default per head)")
+  p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS),
+                 help="the columns to time (default all)")
   bench_attention.add_run_arguments(p)
   args = p.parse_args(argv)
   bench_attention.spin_up(args.spin_up)
   rng = np.random.default_rng(0)
   records = [r for d in args.hdim for s in args.seq
-             for r in cells(d, s, args.causal, rng, args.block_size)]
+             for r in cells(d, s, args.causal, rng, args.block_size, args.impls)]
   for r in records:
     r["block_size"] = args.block_size
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "bench_fp8.json").write_text(json.dumps(records, indent=1))
-  print("| head_dim | seq | " + " | ".join(IMPLS) + " | fp8 / bf16 | fp8 / cudnn-fp8 |")
+  print("| head_dim | seq | " + " | ".join(args.impls) + " | fp8 / bf16 | fp8 / cudnn-fp8 |")
   for d in args.hdim:
     for s in args.seq:
       row = {r["impl"]: r for r in records if (r["head_dim"], r["seq"]) == (d, s)}
-      tf = lambda i: row[i]["tflops"]
+      tf = lambda i: row[i]["tflops"] if i in row else None
       ratio = lambda a, b: f"{tf(a) / tf(b):.2f}" if tf(a) and tf(b) else "-"
-      print(f"| {d} | {s} | " + " | ".join(f"{tf(i):.0f}" if tf(i) else "-" for i in IMPLS)
+      print(f"| {d} | {s} | " + " | ".join(f"{tf(i):.0f}" if tf(i) else "-" for i in args.impls)
             + f" | {ratio('fp8', 'bf16')} | {ratio('fp8', 'cudnn-fp8')} |")
   return 0
 

@@ -1,5 +1,7 @@
 """The benchmark script's CPU-checkable parts: the clock spin-up and its argument."""
 
+import json
+
 import pytest
 
 from tests._scripts import load_script
@@ -171,7 +173,6 @@ def test_fp8_accuracy_sink_like_key_leads_every_row_by_the_score():
 
 def test_fp8_accuracy_score_sums_measure_the_one_key_lse(tmp_path, capsys):
   """On the CPU the reference's float32 sums: errors at float32 rounding, not e4m3's 2^-13."""
-  import json
   acc = load_script("benchmarks/fp8_accuracy.py")
   assert acc.main(["--score-sums", "--out", str(tmp_path)]) == 0
   rows = json.loads((tmp_path / "fp8_score_sums.json").read_text())
@@ -200,3 +201,19 @@ def test_cudnn_fp8_column_passes_every_fp8_parameter_cudnn_checks():
   assert set(params["params"]) == set(cudnn_attention.fp8_params_keys)
   cudnn_attention.check_fp8_params(params["params"])
   assert params["mask"] == cudnn_attention.MaskType.CAUSAL
+
+
+def test_bench_fp8_times_only_the_columns_asked_for(tmp_path, capsys, monkeypatch):
+  """--impls fp8 times the fp8 cell alone (here it fails: no GPU) and the table has that column
+  only."""
+  bench = load_script("benchmarks/bench_fp8.py")
+  monkeypatch.setattr(bench, "TOKENS", 256)
+  monkeypatch.setattr(bench, "WIDTH", 128)
+  assert bench.main(["--impls", "fp8", "--hdim", "64", "--seq", "128", "--spin-up", "0",
+                     "--out", str(tmp_path)]) == 0
+  records = json.loads((tmp_path / "bench_fp8.json").read_text())
+  assert [r["impl"] for r in records] == ["fp8"]
+  assert records[0]["tflops"] is None and "failed" in records[0]["note"]
+  out = capsys.readouterr().out
+  assert "| head_dim | seq | fp8 | fp8 / bf16 | fp8 / cudnn-fp8 |" in out
+  assert "| 64 | 128 | - | - | - |" in out
