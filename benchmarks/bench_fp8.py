@@ -3,7 +3,8 @@ and FP8 forwards, one run; table + JSON.
 
 Shapes as benchmarks/bench_attention.py: batch * seq = 16384 tokens, heads = 2048 / head_dim,
 causal or not (--causal). Implementations: "fp8" (jaxflash.attention of quantize_fp8's e4m3
-tensors, bf16 out; per-head descales, or per block of --block-size tokens), "bf16" (jaxflash, bf16 inputs), "cudnn" (jax.nn, bf16), "cudnn-fp8"
+tensors, bf16 out or --out-dtype float16; per-head descales, or per block of --block-size
+tokens), "bf16" (jaxflash, bf16 inputs), "cudnn" (jax.nn, bf16), "cudnn-fp8"
 (jax's cuDNN attention with use_fp8=True, unit scales; it writes e4m3). TFLOP/s count the
 forward's flops (4 b h s^2 d, halved when causal). Timing: bench_attention.time_ms. Needs the
 kernels built (python -m jaxflash.build) and a Hopper GPU.
@@ -43,8 +44,9 @@ def cudnn_fp8_fn(causal: bool, scale: float):
   return attend
 
 
-def cells(head_dim: int, seq: int, causal: bool, rng, block_size=None, impls=IMPLS) -> list:
-  """The timed cells of one shape, in the order of impls."""
+def cells(head_dim: int, seq: int, causal: bool, rng, block_size=None, impls=IMPLS,
+          out_dtype="bfloat16") -> list:
+  """The timed cells of one shape, in the order of impls; the fp8 cell writes out_dtype."""
   b, h = TOKENS // seq, WIDTH // head_dim
   q, k, v = (jnp.asarray(rng.standard_normal((b, seq, h, head_dim)), jnp.bfloat16)
              for _ in range(3))
@@ -53,7 +55,7 @@ def cells(head_dim: int, seq: int, causal: bool, rng, block_size=None, impls=IMP
   scale = head_dim ** -0.5
   fns = {
       "fp8": (lambda *a: jaxflash.attention(*a[:3], q_descale=a[3], k_descale=a[4],
-                                            v_descale=a[5], causal=causal,
+                                            v_descale=a[5], causal=causal, out_dtype=out_dtype,
                                             implementation="cute"), (q8, k8, v8, qd, kd, vd)),
       "bf16": (lambda *a: jaxflash.attention(*a, causal=causal, implementation="cute"),
                (q, k, v)),
@@ -75,14 +77,17 @@ def main(argv=None) -> int:
                  help="block descales of this many tokens for the fp8 column (default per head)")
   p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS),
                  help="the columns to time (default all)")
+  p.add_argument("--out-dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                 help="the fp8 column's output dtype")
   bench_attention.add_run_arguments(p)
   args = p.parse_args(argv)
   bench_attention.spin_up(args.spin_up)
   rng = np.random.default_rng(0)
   records = [r for d in args.hdim for s in args.seq
-             for r in cells(d, s, args.causal, rng, args.block_size, args.impls)]
+             for r in cells(d, s, args.causal, rng, args.block_size, args.impls, args.out_dtype)]
   for r in records:
     r["block_size"] = args.block_size
+    r["fp8_out_dtype"] = args.out_dtype
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "bench_fp8.json").write_text(json.dumps(records, indent=1))
   print("| head_dim | seq | " + " | ".join(args.impls) + " | fp8 / bf16 | fp8 / cudnn-fp8 |")

@@ -146,8 +146,8 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
       descale per head); `jaxflash.quantize_fp8` makes them. None: 1. FP8 inputs
       take dense or causal masks, GQA/MQA, seq_q != seq_k, learnable sinks and head_dim
       64/128/256 (= head_dim_v) and have no gradient (differentiating raises). Descales must be
-      positive. On a Hopper GPU per-head descales and blocks of 64 tokens or more, with
-      bfloat16 out, run the FP8 kernel; the rest runs dequantized on the float32 reference.
+      positive. On a Hopper GPU per-head descales and blocks of 64 tokens or more run the FP8
+      kernel; smaller blocks run dequantized on the float32 reference.
     out_dtype: float8_e4m3fn inputs only: bfloat16 (default) or float16.
     deterministic: make the backward pass bitwise reproducible run to run. Without a causal
       mask at head_dim > 128 the CuTe backward then keeps two fp32 dQ accumulators (scratch of
@@ -210,14 +210,12 @@ def _fp8_call(query, key, value, config: AttentionConfig, learnable_sink, descal
   impl = _resolve_implementation(implementation, fp8.FP8_DTYPE, query.shape[-1],
                                  value.shape[-1], config)
   small_blocks = checked.block_size is not None and checked.block_size < fp8.KERNEL_MIN_BLOCK
-  if impl == "cute" and (small_blocks or out_name != "bfloat16"):
+  if impl == "cute" and small_blocks:
     if implementation == "cute":
       raise ValueError(
           f"implementation='cute': the FP8 kernel takes per-head descales (batch, "
-          f"num_kv_heads) or blocks of {fp8.KERNEL_MIN_BLOCK} tokens or more, and writes "
-          f"bfloat16; this call has "
-          f"{f'blocks of {checked.block_size}' if small_blocks else 'out_dtype ' + out_name}"
-          f"; use implementation=None (auto) or 'reference'")
+          f"num_kv_heads) or blocks of {fp8.KERNEL_MIN_BLOCK} tokens or more; this call has "
+          f"blocks of {checked.block_size}; use implementation=None (auto) or 'reference'")
     impl = "reference"
   config = config.replace(implementation=impl)
   if 0 in query.shape[:3] or 0 in key.shape[:2]:

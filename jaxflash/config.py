@@ -80,6 +80,9 @@ class AttentionConfig:
   # FP8 inputs: the descales vary along the sequence (block quantization), so the kernel takes
   # one per 64 tokens (the -blk variants) instead of one per (batch, kv head).
   block_descales: bool = False
+  # FP8 inputs: out is float16, else bfloat16 (the kernel's choice at run time, from the out
+  # buffer's dtype: no variant of its own).
+  out_float16: bool = False
 
   @property
   def has_window(self) -> bool:
@@ -152,7 +155,7 @@ class BwdSchedule:
 Schedule = Union[FwdSchedule, BwdSchedule]
 
 
-# The FP8 forward (kernels/fwd_fp8_sm90.py): e4m3 q, k, v, bf16 out; head_dim = head_dim_v.
+# The FP8 forward (kernels/fwd_fp8_sm90.py): e4m3 q, k, v, bf16 or fp16 out; head_dim = head_dim_v.
 FP8_DTYPE = "float8_e4m3fn"
 FP8_HEAD_DIMS = (64, 128, 256)
 # The FP8 kernel takes its descales per chunk of this many query rows or keys of a head: per

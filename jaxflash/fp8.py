@@ -12,8 +12,8 @@ head_dim (incoherent processing: QK^T is unchanged, outliers are spread over the
 with blocks, the value's blocks all take its head's descale (quantize_fp8's docstring says why),
 and `quantize_tensor` quantizes any one tensor per block.
 The attention of FP8 inputs runs the FP8 kernel (jaxflash/fp8_kernel.py: per-head descales or
-blocks of KERNEL_MIN_BLOCK tokens or more, bfloat16 out) or, on the reference path, dequantizes
-them and runs the float32 reference; it has no gradient. Imports jax and the jaxflash layers
+blocks of KERNEL_MIN_BLOCK tokens or more; bfloat16 or float16 out) or, on the reference path,
+dequantizes them and runs the float32 reference; it has no gradient. Imports jax and the jaxflash layers
 below the public API.
 """
 
@@ -307,9 +307,10 @@ def naive_fp8_attention(q8, k8, v8, descales: Descales, config: AttentionConfig,
 def fp8_attention(config: AttentionConfig, out_dtype: str, block_size: Optional[int], q8, k8, v8,
                   q_descale, k_descale, v_descale, learnable_sink=None):
   """(out in out_dtype, lse) of FP8 inputs: the FP8 kernel (implementation 'cute': per-head
-  descales or blocks of KERNEL_MIN_BLOCK tokens or more, bfloat16 out), else dequantized and the
-  float32 reference."""
-  config = config.replace(has_sink=learnable_sink is not None)
+  descales or blocks of KERNEL_MIN_BLOCK tokens or more), else dequantized and the float32
+  reference."""
+  config = config.replace(has_sink=learnable_sink is not None,
+                          out_float16=out_dtype == "float16")
   if config.implementation == "cute":
     return fp8_kernel.fp8_forward(config, q8, k8, v8, q_descale, k_descale, v_descale,
                                   learnable_sink, block_size=block_size)

@@ -1,5 +1,5 @@
-"""The FP8 forward kernel as a JAX primitive: e4m3 q, k, v and their descales in, bfloat16 out and
-float32 lse out.
+"""The FP8 forward kernel as a JAX primitive: e4m3 q, k, v and their descales in, bfloat16 out
+(float16 with config.out_float16) and float32 lse out.
 
 The kernel takes descales per chunk of config.FP8_DESCALE_ROWS (64) tokens of a head:
 `kernel_descales` maps per-(batch, kv head) descales and block descales of 64 tokens or more
@@ -40,9 +40,10 @@ _MIN_RATIO = 2.0 ** -24
 
 def fp8_forward(config: AttentionConfig, q8, k8, v8, q_descale, k_descale, v_descale,
                 learnable_sink=None, block_size=None):
-  """(out bfloat16, lse float32) of the FP8 kernel; descales (batch, num_kv_heads) float32
-  when block_size is None, else per block (fp8.check_descales) with block_size >= 64;
-  learnable_sink (num_heads,) float32 or None (config.has_sink must say which)."""
+  """(out bfloat16, or float16 with config.out_float16; lse float32) of the FP8 kernel;
+  descales (batch, num_kv_heads) float32 when block_size is None, else per block
+  (fp8.check_descales) with block_size >= 64; learnable_sink (num_heads,) float32 or None
+  (config.has_sink must say which)."""
   q_chunks, kv_chunks = kernel_descales(q_descale, k_descale, v_descale, block_size,
                                         q8.shape, k8.shape, config.causal)
   config = config.replace(block_descales=block_size is not None)  # the -blk variants
@@ -98,11 +99,16 @@ def _dequantized(q8, k8, v8, q_chunks, kv_chunks):
           v8.astype(jnp.float32) * per_token(v_descale, seq_k))
 
 
+def _out_dtype(config: AttentionConfig):
+  return jnp.float16 if config.out_float16 else jnp.bfloat16
+
+
 def _abstract(q8, k8, v8, q_chunks, kv_chunks, *sink, config):
-  del sink, config
+  del sink
   b, seq_q, h, _ = q8.shape
   ins = (q8, k8, v8, q_chunks, kv_chunks)
-  out = _jax_internal.shaped_like(q8, (b, seq_q, h, v8.shape[-1]), np.dtype(jnp.bfloat16), ins)
+  out = _jax_internal.shaped_like(q8, (b, seq_q, h, v8.shape[-1]), np.dtype(_out_dtype(config)),
+                                  ins)
   lse = _jax_internal.shaped_like(q8, (b, h, seq_q), np.dtype(np.float32), ins)
   return out, lse
 
@@ -122,12 +128,12 @@ def _lower_cuda(ctx, q8, k8, v8, q_chunks, kv_chunks, *sink, config):
 
 
 def _reference(q8, k8, v8, q_chunks, kv_chunks, *sink, config):
-  """The kernel's math in float32: dequantized inputs, blocked attention, the sink, bf16 out."""
+  """The kernel's math in float32: dequantized inputs, blocked attention, the sink, 16-bit out."""
   q, k, v = _dequantized(q8, k8, v8, q_chunks, kv_chunks)
   out, lse = reference.blocked_forward(q, k, v, config)
   if sink:
     out, lse = add_learnable_sink(out, lse, sink[0])
-  return out.astype(jnp.bfloat16), lse
+  return out.astype(_out_dtype(config)), lse
 
 
 _fp8_fwd_kernel_p = primitives.make_primitive("jaxflash_fp8_fwd_kernel", _abstract)

@@ -205,14 +205,14 @@ def test_cudnn_fp8_column_passes_every_fp8_parameter_cudnn_checks():
 
 def test_bench_fp8_times_only_the_columns_asked_for(tmp_path, capsys, monkeypatch):
   """--impls fp8 times the fp8 cell alone (here it fails: no GPU) and the table has that column
-  only."""
+  only; --out-dtype is recorded."""
   bench = load_script("benchmarks/bench_fp8.py")
   monkeypatch.setattr(bench, "TOKENS", 256)
   monkeypatch.setattr(bench, "WIDTH", 128)
   assert bench.main(["--impls", "fp8", "--hdim", "64", "--seq", "128", "--spin-up", "0",
-                     "--out", str(tmp_path)]) == 0
+                     "--out-dtype", "float16", "--out", str(tmp_path)]) == 0
   records = json.loads((tmp_path / "bench_fp8.json").read_text())
-  assert [r["impl"] for r in records] == ["fp8"]
+  assert [r["impl"] for r in records] == ["fp8"] and records[0]["fp8_out_dtype"] == "float16"
   assert records[0]["tflops"] is None and "failed" in records[0]["note"]
   out = capsys.readouterr().out
   assert "| head_dim | seq | fp8 | fp8 / bf16 | fp8 / cudnn-fp8 |" in out

@@ -236,9 +236,6 @@ def _fp8_inputs(shape=(20, 30, 4, 2, 64)):
     ({"implementation": "cute"}, "implementation='cute': the FP8 kernel needs an NVIDIA "
                                  "Hopper GPU, but this computation is lowered for a platform "
                                  "other than cuda"),
-    ({"implementation": "cute", "out_dtype": jnp.float16},
-     "implementation='cute': the FP8 kernel takes per-head descales \\(batch, num_kv_heads\\) "
-     "or blocks of 64 tokens or more, and writes bfloat16; this call has out_dtype float16"),
 ])
 def test_fp8_attention_rejects_what_it_does_not_support(kwargs, match):
   q8, k8, v8, qd, kd, vd = _fp8_inputs()
@@ -338,7 +335,7 @@ def test_the_fp8_kernel_takes_blocks_of_64_tokens_or_more(block_size):
   q, k, v = _inputs(10, (70, 90, 4, 2, 64))  # more than one block: the size is known
   q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=block_size)
   with pytest.raises(ValueError, match=f"the FP8 kernel takes per-head descales .* or blocks of "
-                                       f"64 tokens or more, .* this call has blocks of "
+                                       f"64 tokens or more; this call has blocks of "
                                        f"{block_size}; use implementation=None"):
     jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
                        implementation="cute")
@@ -395,21 +392,24 @@ def test_fp8_kernel_primitive_off_gpu_is_the_dequantized_attention(block_size, c
   np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_fp8_kernel_call_lowers_to_the_forward_custom_call_with_the_descales(causal):
+@pytest.mark.parametrize("causal,out_dtype", [(False, None), (True, None),
+                                              (False, jnp.float16)])
+def test_fp8_kernel_call_lowers_to_the_forward_custom_call_with_the_descales(causal, out_dtype):
   """On CUDA the FP8 kernel is the forward custom call of an e4m3 variant: q8, k8, v8, then
   q_descale (batch, num_heads, query chunks of 64) and kv_descale (batch, num_kv_heads, key
-  chunks, 4) float32 over the variant's 128-row and 192-key tiles; bfloat16 out, float32 lse."""
+  chunks, 4) float32 over the variant's 128-row and 192-key tiles; bfloat16 out (float16 when
+  asked: the same variant, the out buffer's dtype tells the kernel), float32 lse."""
   q8, k8, v8, qd, kd, vd = _fp8_inputs((20, 30, 4, 2, 128))
   f = jax.jit(lambda *a: jaxflash.attention(*a[:3], q_descale=a[3], k_descale=a[4],
                                             v_descale=a[5], causal=causal, return_lse=True,
-                                            implementation="cute"))
+                                            out_dtype=out_dtype, implementation="cute"))
   text = f.trace(q8, k8, v8, qd, kd, vd).lower(lowering_platforms=("cuda",)).as_text()
   call = next(line for line in text.splitlines() if "custom_call @jaxflash_attention_fwd" in line)
   variant = config.fp8_fwd_variant(128, causal).key
   assert f'variant = "{variant}"' in call and f"causal = {str(causal).lower()}" in call
   assert "tensor<2x4x2xf32>, tensor<2x2x3x4xf32>)" in call  # the descales after q, k, v
-  assert "-> (tensor<2x20x4x128xbf16>, tensor<2x4x20xf32>)" in call
+  out_type = "f16" if out_dtype == jnp.float16 else "bf16"
+  assert f"-> (tensor<2x20x4x128x{out_type}>, tensor<2x4x20xf32>)" in call
 
 
 def test_vmap_of_the_fp8_kernel_folds_the_mapped_axis_into_the_batch():

@@ -1,8 +1,8 @@
 """The FP8 forward kernels on a Hopper GPU against the float64 oracle of the dequantized inputs.
 
 Each call's out error must be at most 2x that of the naive FP8 computation
-(fp8.naive_fp8_attention: S of the e4m3 inputs, P rounded to e4m3, out rounded to bf16 as the
-kernel's). lse has its own bound (assert_lse_close): the e4m3 WGMMA sums a score's products with
+(fp8.naive_fp8_attention: S of the e4m3 inputs, P rounded to e4m3, out rounded to the kernel's
+bf16 or fp16). lse has its own bound (assert_lse_close): the e4m3 WGMMA sums a score's products with
 fewer bits than float32. Outputs are poisoned: the raw FFI call writes into donated NaN-filled
 buffers (checked to be the same memory).
 Run with prebuilt kernels (scripts/gpu_check.sh).
@@ -66,19 +66,21 @@ def _inputs(seed, shape, head_dim, block_size=None):
 @functools.partial(jax.jit, static_argnames=("variant", "cfg"), donate_argnums=(5, 6),
                    keep_unused=True)
 def _fwd_into(q8, k8, v8, q_chunks, kv_chunks, out_buffer, lse_buffer, *sink, variant, cfg):
-  del out_buffer, lse_buffer  # donated: XLA writes the results into their memory
   b, seq_q, h, d = q8.shape
-  result = (jax.ShapeDtypeStruct((b, seq_q, h, d), jnp.bfloat16),
+  # The out buffer's dtype (bf16 or fp16) is the one the handler hands the kernel.
+  result = (jax.ShapeDtypeStruct((b, seq_q, h, d), out_buffer.dtype),
             jax.ShapeDtypeStruct((b, h, seq_q), jnp.float32))
+  del out_buffer, lse_buffer  # donated: XLA writes the results into their memory
   return jax.ffi.ffi_call(FWD_TARGET, result)(q8, k8, v8, q_chunks, kv_chunks, *sink,
                                               **ffi.fwd_attributes(variant, cfg))
 
 
-def poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg, sink=None, block_size=None):
+def poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg, sink=None, block_size=None,
+                     out_dtype=jnp.bfloat16):
   """The raw custom call (the kernel's descales, then the sink when given) into NaN-filled
-  buffers."""
+  buffers; out in out_dtype (bfloat16 or float16)."""
   b, seq_q, h, d = q8.shape
-  out_buffer = jnp.full((b, seq_q, h, d), jnp.nan, jnp.bfloat16)
+  out_buffer = jnp.full((b, seq_q, h, d), jnp.nan, out_dtype)
   lse_buffer = jnp.full((b, h, seq_q), jnp.nan, jnp.float32)
   pointers = (out_buffer.unsafe_buffer_pointer(), lse_buffer.unsafe_buffer_pointer())
   descales = fp8_kernel.kernel_descales(qd, kd, vd, block_size, q8.shape, k8.shape, cfg.causal)
@@ -128,20 +130,22 @@ def test_fp8_forward_matches_float64_oracle(variant, shape):
                                            variant.head_dim), None)
 
 
-def _assert_matches_oracle(variant, q8, k8, v8, qd, kd, vd, block_size):
+def _assert_matches_oracle(variant, q8, k8, v8, qd, kd, vd, block_size,
+                           out_dtype=jnp.bfloat16):
   """The raw call against the oracle (2x the naive FP8 error; assert_lse_close), and the public
-  path bitwise equal to it (the same kernel)."""
+  path bitwise equal to it (the same kernel); returns (out, lse)."""
   cfg = AttentionConfig(softmax_scale=variant.head_dim ** -0.5, causal=variant.causal,
                         implementation="cute")
   raw_out, raw_lse = poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg,
-                                      block_size=block_size)
+                                      block_size=block_size, out_dtype=out_dtype)
+  assert raw_out.dtype == out_dtype
   descales = fp8.check_descales(q8, k8, v8, qd, kd, vd)
   # Sequences within one block infer the kernel's smallest block: the same descales per token.
   assert descales.block_size == block_size or (
       block_size and descales.block_size == fp8.KERNEL_MIN_BLOCK and max(
           q8.shape[1], k8.shape[1]) <= fp8.KERNEL_MIN_BLOCK)
   naive_out, naive_lse = fp8.naive_fp8_attention(q8, k8, v8, descales, cfg)
-  naive_out = naive_out.astype(jnp.bfloat16)  # the kernel writes bf16: round the naive out too
+  naive_out = naive_out.astype(out_dtype)  # round the naive out as the kernel rounds its own
   deq = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, block_size)
   with x64():
     want_out, want_lse = (np.asarray(x) for x in reference.naive_attention(
@@ -149,9 +153,11 @@ def _assert_matches_oracle(variant, q8, k8, v8, qd, kd, vd, block_size):
   assert_close_to_oracle(raw_out, want_out, naive_out, name="out")
   assert_lse_close(raw_lse, want_lse, naive_lse, deq, cfg)
   out, lse = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
-                                causal=variant.causal, return_lse=True, implementation="cute")
+                                causal=variant.causal, out_dtype=out_dtype, return_lse=True,
+                                implementation="cute")
   np.testing.assert_array_equal(out, raw_out)
   np.testing.assert_array_equal(lse, raw_lse)
+  return raw_out, raw_lse
 
 
 BLOCK_SHAPES = {k: SHAPES[k] for k in ("s17_gqa8", "q300_k200", "q200_k300_mqa", "q1000_k17")}
@@ -165,6 +171,34 @@ def test_fp8_forward_with_block_descales_matches_float64_oracle(variant, shape, 
   block's descale, P carries each key's v descale / v max."""
   seed = zlib.crc32(f"block{variant.key}{shape}{block_size}".encode())
   _assert_matches_oracle(variant, *_inputs(seed, shape, variant.head_dim, block_size), block_size)
+
+
+@pytest.mark.parametrize("variant", FP8_VARIANTS, ids=[v.key for v in FP8_VARIANTS])
+def test_fp8_forward_writes_float16_out(variant):
+  """out_dtype float16: the same kernel, its O converted to float16 (the naive error rounded to
+  float16: a bound tighter than bf16's); each value within bf16's rounding of the bf16 call's
+  (the bits are float16 of the same sums, not bf16 words read as float16), lse bit-equal."""
+  block_size = 64 if variant.block_descales else None
+  inputs = _inputs(zlib.crc32(f"f16{variant.key}".encode()), SHAPES["q300_k200"],
+                   variant.head_dim, block_size)
+  out16, lse16 = _assert_matches_oracle(variant, *inputs, block_size, out_dtype=jnp.float16)
+  out_bf16, lse_bf16 = _assert_matches_oracle(variant, *inputs, block_size)
+  np.testing.assert_array_equal(lse16, lse_bf16)
+  a, b = np.asarray(out16, np.float32), np.asarray(out_bf16, np.float32)
+  assert np.all(np.abs(a - b) <= 2.0 ** -8 * np.abs(a) + 2.0 ** -24), "fp16 and bf16 outs differ"
+  nonzero = b != 0  # rows without keys are 0 in both
+  assert np.mean(a[nonzero] != b[nonzero]) > 0.5, "float16 out has no more precision than bf16"
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:1], ids=[v.key for v in VARIANTS[:1]])
+def test_handler_refuses_an_fp8_out_other_than_bfloat16_or_float16(variant):
+  q8, k8, v8, qd, kd, vd = _inputs(5, SHAPES["s17_gqa8"], variant.head_dim)
+  cfg = AttentionConfig(softmax_scale=variant.head_dim ** -0.5, causal=variant.causal,
+                        implementation="cute")
+  with pytest.raises(Exception, match="out has float32, expected bfloat16 or float16 for q of "
+                                      "float8_e4m3fn"):
+    jax.block_until_ready(poisoned_fp8_fwd(q8, k8, v8, qd, kd, vd, variant, cfg,
+                                           out_dtype=jnp.float32))
 
 
 @pytest.mark.parametrize("variant", VARIANTS[:2], ids=[v.key for v in VARIANTS[:2]])

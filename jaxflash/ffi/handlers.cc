@@ -28,7 +28,7 @@ constexpr std::string_view kBwdTarget = "jaxflash_attention_bwd";
 // A window side without a bound (config.WINDOW_UNBOUNDED); -1 also reads as unbounded for the
 // dense variants (programs serialized before the masked variants existed).
 constexpr int32_t kUnbounded = 1 << 30;
-// JaxflashVariantInfo.dtype of the FP8 forward variants (e4m3 q, k, v; bf16 out).
+// JaxflashVariantInfo.dtype of the FP8 forward variants (e4m3 q, k, v; bf16 or fp16 out).
 constexpr int32_t kFp8Dtype = 2;
 // The FP8 descales come per this many query rows or keys (jaxflash.config.FP8_DESCALE_ROWS).
 constexpr int64_t kFp8DescaleRows = 64;
@@ -161,12 +161,15 @@ ffi::Error CheckBuffers(const CallAttrs& a, const JaxflashVariantInfo& info,
                               ", q has " + DtypeName(dtype));
     }
   }
-  // FP8 calls write bfloat16.
-  const ffi::DataType out_dtype = fp8 ? ffi::DataType::BF16 : dtype;
-  if (out.element_type() != out_dtype) {
-    return Invalid(a, std::string("out has ") + DtypeName(out.element_type()) + ", expected " +
-                          DtypeName(out_dtype) + " for q of " + DtypeName(dtype));
+  // FP8 calls write bfloat16 or float16 (a run-time choice of the kernel), 16-bit ones q's dtype.
+  const ffi::DataType out_dtype = out.element_type();
+  if (fp8 ? out_dtype != ffi::DataType::BF16 && out_dtype != ffi::DataType::F16
+          : out_dtype != dtype) {
+    return Invalid(a, std::string("out has ") + DtypeName(out_dtype) + ", expected " +
+                          (fp8 ? "bfloat16 or float16" : DtypeName(dtype)) + " for q of " +
+                          DtypeName(dtype));
   }
+  args->out_float16 = fp8 && out_dtype == ffi::DataType::F16 ? 1 : 0;
   if (lse.element_type() != ffi::DataType::F32) {
     return Invalid(a, std::string("lse has ") + DtypeName(lse.element_type()) +
                             ", expected float32");

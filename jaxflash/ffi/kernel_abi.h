@@ -7,7 +7,7 @@
 
 #include <stdint.h>
 
-#define JAXFLASH_KERNEL_ABI_VERSION 8
+#define JAXFLASH_KERNEL_ABI_VERSION 9
 
 #ifdef __cplusplus
 extern "C" {
@@ -18,7 +18,8 @@ extern "C" {
 typedef struct {
   int32_t direction;      // 0: forward (exports jaxflash_variant_fwd), 1: backward (_bwd)
   int32_t dtype;          // 0: float16, 1: bfloat16 (q, k, v, out and the gradients);
-                          // 2: float8_e4m3fn q, k, v with bfloat16 out (forward only)
+                          // 2: float8_e4m3fn q, k, v with bfloat16 or float16 out
+                          // (forward only; JaxflashFwdArgs.out_float16)
   int32_t head_dim;       // of q and k
   int32_t head_dim_v;     // of v and out
   int32_t causal;         // 1: bottom-right aligned causal mask
@@ -55,7 +56,8 @@ typedef struct {
 //   q   (batch, seqlen_q, num_heads,    head_dim)    fp16/bf16, or e4m3 (FP8 variants)
 //   k   (batch, seqlen_k, num_kv_heads, head_dim)
 //   v   (batch, seqlen_k, num_kv_heads, head_dim_v)
-//   out (batch, seqlen_q, num_heads,    head_dim_v)  same dtype as q; bf16 for FP8 variants
+//   out (batch, seqlen_q, num_heads,    head_dim_v)  same dtype as q; bf16 or fp16 for FP8
+//                                                    variants (out_float16)
 //   lse (batch, num_heads, seqlen_q)                  float32, natural log; -inf for empty rows
 //   sink (num_heads)                                  float32 learnable sink logits, or NULL:
 //       each row's softmax also runs over its head's sink (a column without a value), lse
@@ -81,6 +83,7 @@ typedef struct {
   const float* sink;                  // every variant; NULL: no sink
   const float* q_descale;             // FP8 variants; NULL otherwise
   const float* kv_descale;            // FP8 variants; NULL otherwise
+  int32_t out_float16;                // FP8 variants: 1 writes out as float16, 0 as bfloat16
 } JaxflashFwdArgs;
 
 // Backward call (jaxflash/ffi/variant_bwd.cc): preprocess, main kernel, postprocess, in order on

@@ -11,7 +11,8 @@
 #include JAXFLASH_HEADER_MAIN
 
 #define JF_NAME(suffix) JF_CAT(JAXFLASH_PREFIX_MAIN, suffix)
-// FP8 variants (float8_e4m3fn q, k, v; bf16 out) also take the descales.
+// FP8 variants (float8_e4m3fn q, k, v; bf16 or fp16 out) also take the descales and the out
+// dtype.
 #define JAXFLASH_FP8 (JAXFLASH_DTYPE == 2)
 
 namespace {
@@ -138,6 +139,7 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
   TensorKVDescale kv_descale = Dense3<TensorKVDescale>(args->kv_descale, b, hk, 4 * k_chunks);
   return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &sink, &q_descale,
                                           &kv_descale, args->softmax_scale, has_sink,
+                                          args->out_float16 != 0 ? 1 : 0,
                                           static_cast<cudaStream_t>(stream));
 #else
   return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &sink,

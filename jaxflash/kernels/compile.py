@@ -151,9 +151,9 @@ def fwd_signature(variant: config.KernelVariant):
 
 def fp8_fwd_signature(variant: config.KernelVariant):
   """Fake (q, k, v, out, lse, sink, q_descale, kv_descale) of the FP8 forward: e4m3 q, k, v,
-  bf16 out, q_descale (batch, num_heads, q chunks) and kv_descale (batch, num_kv_heads,
-  4 * key chunks) float32 (chunk extents dynamic, as the C glue's Dense3 fills them); the rest
-  as fwd_signature."""
+  bf16 out (it carries float16 bits when the kernel's out_float16 is 1), q_descale (batch,
+  num_heads, q chunks) and kv_descale (batch, num_kv_heads, 4 * key chunks) float32 (chunk
+  extents dynamic, as the C glue's Dense3 fills them); the rest as fwd_signature."""
   fp8, d, dv = cutlass.Float8E4M3FN, variant.head_dim, variant.head_dim_v
   batch, seqlen_q, seqlen_k = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
   num_heads, num_kv_heads = cute.sym_int32(), cute.sym_int32()
@@ -205,7 +205,8 @@ def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
   options = f"--gpu-arch {_GPU_ARCH[variant.arch]}"
   if variant.dtype == config.FP8_DTYPE:
     compiled = cute.compile(kernel, *fp8_fwd_signature(variant), cutlass.Float32(1.0),
-                            cutlass.Int32(0), make_fake_stream(), options=options)
+                            cutlass.Int32(0), cutlass.Int32(0), make_fake_stream(),
+                            options=options)
   else:
     q, k, v, out, lse, sink, row_ids, col_ids, ranges, order, left, right, cap = (
         fwd_signature(variant))

@@ -1,4 +1,5 @@
-"""Hopper (sm_90a) FP8 forward: e4m3 Q, K, V with descales per 64 tokens of each head, bf16 O.
+"""Hopper (sm_90a) FP8 forward: e4m3 Q, K, V with descales per 64 tokens of each head; bf16 or
+fp16 O (a run-time choice).
 
 Imports cutlass, jaxflash.config and the sibling helper modules only (never jax).
 """
@@ -97,8 +98,8 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
   - V: TMA brings each key block with head_dim_v contiguous; warps 1-3 of the producer
     warpgroup write V^T (keys contiguous, the same key order) into a second ring that the
     consumers' P V GEMM reads. V ring: TMA -> transposers; V^T ring: transposers -> consumers.
-  - O = P V * v max / row sum, stored as bf16 through a shared buffer: its own, or the V ring's
-    bytes where that would not fit (o_over_v_ring).
+  - O = P V * v max / row sum, stored as bf16 or fp16 (out_float16, run time) through a shared
+    buffer: its own, or the V ring's bytes where that would not fit (o_over_v_ring).
   One CTA per tile (the softmax state is set up per tile): dense, causal or not, GQA/MQA.
   """
 
@@ -187,6 +188,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
       mKVDescale: cute.Tensor,  # (batch, num_kv_heads, 4 * key chunks) float32: per 64 keys
       softmax_scale: Float32,
       has_sink: Int32,
+      out_float16: Int32,  # 1: O's bits are float16 (mO's bfloat16 type only carries them)
       stream: cuda.CUstream,
   ):
     if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == FP8
@@ -202,7 +204,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     mKVDescale = _select(mKVDescale, [2, 1, 0])  # (4 * key chunks, num_kv_heads, batch)
     self.kernel(
         tma_q, tma_k, tma_v, tma_o, mLSE, mSink, mQDescale, mKVDescale,
-        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o, softmax_scale, has_sink,
+        tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o, softmax_scale, has_sink, out_float16,
         self.sQ_layout, self.sK_layout, self.sV_layout, self.sVt_layout, self.sO_layout,
         self.tiled_mma_qk, self.tiled_mma_pv,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -224,6 +226,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
       tma_atom_o: cute.CopyAtom,
       softmax_scale: Float32,
       has_sink: Int32,
+      out_float16: Int32,
       sQ_layout: cute.ComposedLayout,
       sK_layout: cute.ComposedLayout,
       sV_layout: cute.ComposedLayout,
@@ -269,6 +272,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     if const_expr(not self.block_descales):
       shared_scheduler = make_scheduler()
     self.q_descale, self.kv_descale, self.kv_descale_smem = mQDescale, mKVDescale, sKVDescale
+    self.out_float16 = out_float16
     self.q_per_kv = mQ.shape[2] // mK.shape[2]
     warpgroup_idx = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS)
     if warpgroup_idx == 0:
@@ -397,6 +401,17 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     if const_expr(self.block_descales):
       c.online.set_stage(k_state.index)
 
+  @cute.jit
+  def _output_fragment(self, acc_o: cute.Tensor) -> cute.Tensor:
+    """O as bfloat16, or as float16 bits in the same registers (out_float16): shared memory and
+    the TMA store move 16-bit words whatever they hold."""
+    r_o = cute.make_rmem_tensor(acc_o.layout.shape, self.out_dtype)
+    if self.out_float16 != 0:
+      cute.recast_tensor(r_o, cutlass.Float16).store(acc_o.load().to(cutlass.Float16))
+    else:
+      r_o.store(acc_o.load().to(self.out_dtype))
+    return r_o
+
   def _epilogue_thread_index(self) -> Int32:
     # Block variants: at head_dim 128 the epilogue addresses, computed at the start and kept
     # live, spilled one register (224 per thread).
@@ -416,7 +431,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
                thr_mma_pv, acc_o: cute.Tensor, online, pipeline_q, q_state, m_block: Int32,
                head: Int32, batch: Int32, seqlen_q: Int32):
     """O *= the (batch, kv head)'s v max descale, then fwd_sm90's epilogue (normalise, lse,
-    bf16 store)."""
+    16-bit store: _output_fragment)."""
     v_descale = self.kv_descale[_KV_VALUES - 1, head // self.q_per_kv, batch]
     for i in range(cute.size(acc_o)):
       acc_o[i] = acc_o[i] * v_descale

@@ -536,6 +536,12 @@ class FlashAttentionForwardSm90:
     if const_expr(after_softmax == (self.masked and is_masked)):
       c.pipeline_k.consumer_release(kv_state)
 
+  def _output_fragment(self, acc_o: cute.Tensor) -> cute.Tensor:
+    """O (float32) in the registers the epilogue stores, as out_dtype."""
+    r_o = cute.make_rmem_tensor(acc_o.layout.shape, self.out_dtype)
+    r_o.store(acc_o.load().to(self.out_dtype))
+    return r_o
+
   def _epilogue_thread_index(self) -> Int32:
     """The thread index the epilogue's shared-memory addresses derive from."""
     tidx, _, _ = cute.arch.thread_idx()
@@ -664,8 +670,7 @@ class FlashAttentionForwardSm90:
 
     # sO aliases sQ: every warpgroup must be past its last QK^T GEMM before anyone writes O.
     cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
-    r_o = cute.make_rmem_tensor(acc_o.layout.shape, self.out_dtype)
-    r_o.store(acc_o.load().to(self.out_dtype))
+    r_o = self._output_fragment(acc_o)
     store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.out_dtype, Float32)
     tiled_copy_r2s = cute.make_tiled_copy_S(
         store_atom, cute.make_tiled_copy_C_atom(store_atom, tiled_mma_pv))
