@@ -3,7 +3,7 @@
 FlashAttention-3's setup: entries N(0, 1) plus N(0, 100) on 0.1 % of them (outliers), rounded
 to bfloat16, which are the inputs a user has; the oracle is float64 attention of exactly those
 bfloat16 values. Rows:
-- "bf16": jaxflash.attention of the bfloat16 inputs (the kernel on a Hopper GPU);
+- "bf16": jaxflash.attention of the bfloat16 inputs (the kernel on a Hopper GPU, or an error);
 - "fp8 per-tensor": one descale per tensor (max |x| / 448), the baseline;
 - "fp8 per-head": jaxflash.quantize_fp8, one descale per (batch, kv head);
 - "fp8 block B": quantize_fp8(block_size=B);
@@ -11,9 +11,9 @@ bfloat16 values. Rows:
 - "fp8 block B + Hadamard, value blocks": the same with the value quantized per block too
   (fp8.quantize_tensor), so its descales differ between blocks and P carries their ratios.
 Each FP8 row has two columns: "call", jaxflash.attention of the quantized inputs (the FP8
-kernel on a Hopper GPU for per-head descales and blocks of 64 tokens or more; otherwise the
-dequantized float32 reference, the error of the quantization alone), and "P in e4m3", jaxflash.fp8.naive_fp8_attention (what an
-FP8 kernel computes, P rounded to e4m3 too). --sink-like S gives every query a key 0 whose
+kernel on a Hopper GPU for per-head descales and blocks of 64 tokens or more, or an error;
+otherwise the dequantized float32 reference, the error of the quantization alone), and "P in
+e4m3", jaxflash.fp8.naive_fp8_attention (what an FP8 kernel computes, P rounded to e4m3 too). --sink-like S gives every query a key 0 whose
 scaled score is about S above the others (an attention-sink token): P of the other keys is then
 small next to the row max, the case where the order of the key blocks decides how many of them
 survive e4m3 (the kernel visits key 0 last; naive_fp8_attention rounds against the final max).
@@ -83,6 +83,15 @@ def schemes(q, k, v, block_size: int):
   }
 
 
+def call_implementation(block_size: int):
+  """The implementation of the "call" column: on a GPU the kernels ("cute": a missing kernel is
+  an error, where auto would quietly run the reference; blocks under the FP8 kernel's smallest
+  run auto, which dequantizes), elsewhere auto (the reference)."""
+  if jax.default_backend() == "gpu" and block_size >= fp8.KERNEL_MIN_BLOCK:
+    return "cute"
+  return None
+
+
 def rmse_table(batch: int, seq: int, heads: int, head_dim: int, causal: bool, block_size: int,
                seed: int = 0, sink_like: float = 0.0) -> dict:
   q, k, v = outlier_inputs((batch, seq, heads, head_dim), seed)
@@ -96,10 +105,13 @@ def rmse_table(batch: int, seq: int, heads: int, head_dim: int, causal: bool, bl
   def rmse(out):
     return float(np.sqrt(np.mean((np.asarray(out, np.float64) - oracle) ** 2)))
 
-  rows = {"bf16": {"call": rmse(jaxflash.attention(q, k, v, causal=causal))}}
+  impl = call_implementation(block_size)
+  bf16_impl = "cute" if jax.default_backend() == "gpu" else None
+  rows = {"bf16": {"call": rmse(jaxflash.attention(q, k, v, causal=causal,
+                                                   implementation=bf16_impl))}}
   for name, (q8, k8, v8, qd, kd, vd) in schemes(q, k, v, block_size).items():
     call = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
-                              causal=causal)
+                              causal=causal, implementation=impl)
     emulated = fp8.naive_fp8_attention(q8, k8, v8, fp8.check_descales(q8, k8, v8, qd, kd, vd),
                                        cfg)[0]
     rows[name] = {"call": rmse(call), "P in e4m3": rmse(emulated.astype(jnp.bfloat16))}

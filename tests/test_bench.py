@@ -217,3 +217,13 @@ def test_bench_fp8_times_only_the_columns_asked_for(tmp_path, capsys, monkeypatc
   out = capsys.readouterr().out
   assert "| head_dim | seq | fp8 | fp8 / bf16 | fp8 / cudnn-fp8 |" in out
   assert "| 64 | 128 | - | - | - |" in out
+
+
+@pytest.mark.parametrize("backend,block_size,want", [("gpu", 128, "cute"), ("gpu", 64, "cute"),
+                                                     ("gpu", 32, None), ("cpu", 128, None)])
+def test_fp8_accuracy_calls_the_kernels_on_a_gpu(backend, block_size, want, monkeypatch):
+  """On a GPU the "call" column names the kernels (a missing one is an error, not a quiet
+  reference run); blocks under 64 tokens and CPUs run auto."""
+  acc = load_script("benchmarks/fp8_accuracy.py")
+  monkeypatch.setattr(acc.jax, "default_backend", lambda: backend)
+  assert acc.call_implementation(block_size) == want
