@@ -13,10 +13,11 @@ bfloat16 values. Rows:
 Each FP8 row has two columns: "call", jaxflash.attention of the quantized inputs (the FP8
 kernel on a Hopper GPU for per-head descales and blocks of 64 tokens or more, or an error;
 otherwise the dequantized float32 reference, the error of the quantization alone), and "P in
-e4m3", jaxflash.fp8.naive_fp8_attention (what an FP8 kernel computes, P rounded to e4m3 too). --sink-like S gives every query a key 0 whose
-scaled score is about S above the others (an attention-sink token): P of the other keys is then
-small next to the row max, the case where the order of the key blocks decides how many of them
-survive e4m3 (the kernel visits key 0 last; naive_fp8_attention rounds against the final max).
+e4m3", jaxflash.fp8.naive_fp8_attention (what an FP8 kernel computes, P rounded to e4m3 too).
+--sink-like S gives every query a key 0 whose scaled score is about S above the others (an
+attention-sink token): P of the other keys is then small next to the row max, the case where
+the order of the key blocks decides how many of them survive e4m3 (the kernel visits key 0
+last; naive_fp8_attention rounds against the final max).
 Prints a table, writes JSON with --out.
 """
 

@@ -155,7 +155,8 @@ class BwdSchedule:
 Schedule = Union[FwdSchedule, BwdSchedule]
 
 
-# The FP8 forward (kernels/fwd_fp8_sm90.py): e4m3 q, k, v, bf16 or fp16 out; head_dim = head_dim_v.
+# The FP8 forward (kernels/fwd_fp8_sm90.py): e4m3 q, k, v, bf16 or fp16 out (a run-time choice);
+# head_dim = head_dim_v.
 FP8_DTYPE = "float8_e4m3fn"
 FP8_HEAD_DIMS = (64, 128, 256)
 # The FP8 kernel takes its descales per chunk of this many query rows or keys of a head: per

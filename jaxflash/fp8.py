@@ -13,8 +13,8 @@ with blocks, the value's blocks all take its head's descale (quantize_fp8's docs
 and `quantize_tensor` quantizes any one tensor per block.
 The attention of FP8 inputs runs the FP8 kernel (jaxflash/fp8_kernel.py: per-head descales or
 blocks of KERNEL_MIN_BLOCK tokens or more; bfloat16 or float16 out) or, on the reference path,
-dequantizes them and runs the float32 reference; it has no gradient. Imports jax and the jaxflash layers
-below the public API.
+dequantizes them and runs the float32 reference; it has no gradient. Imports jax and the
+jaxflash layers below the public API.
 """
 
 from __future__ import annotations
