@@ -84,11 +84,13 @@ def schemes(q, k, v, block_size: int):
   }
 
 
-def call_implementation(block_size: int):
-  """The implementation of the "call" column: on a GPU the kernels ("cute": a missing kernel is
-  an error, where auto would quietly run the reference; blocks under the FP8 kernel's smallest
-  run auto, which dequantizes), elsewhere auto (the reference)."""
-  if jax.default_backend() == "gpu" and block_size >= fp8.KERNEL_MIN_BLOCK:
+def call_implementation(block_size=None):
+  """The implementation of a "call" (block_size: the FP8 inputs' blocks; None for the bf16 row):
+  on a GPU the kernels ("cute": a missing kernel is an error, where auto would quietly run the
+  reference; blocks under the FP8 kernel's smallest run auto, which dequantizes), elsewhere
+  auto (the reference)."""
+  if jax.default_backend() == "gpu" and (block_size is None
+                                         or block_size >= fp8.KERNEL_MIN_BLOCK):
     return "cute"
   return None
 
@@ -107,9 +109,8 @@ def rmse_table(batch: int, seq: int, heads: int, head_dim: int, causal: bool, bl
     return float(np.sqrt(np.mean((np.asarray(out, np.float64) - oracle) ** 2)))
 
   impl = call_implementation(block_size)
-  bf16_impl = "cute" if jax.default_backend() == "gpu" else None
   rows = {"bf16": {"call": rmse(jaxflash.attention(q, k, v, causal=causal,
-                                                   implementation=bf16_impl))}}
+                                                   implementation=call_implementation()))}}
   for name, (q8, k8, v8, qd, kd, vd) in schemes(q, k, v, block_size).items():
     call = jaxflash.attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
                               causal=causal, implementation=impl)

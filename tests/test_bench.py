@@ -219,8 +219,9 @@ def test_bench_fp8_times_only_the_columns_asked_for(tmp_path, capsys, monkeypatc
   assert "| 64 | 128 | - | - | - |" in out
 
 
-@pytest.mark.parametrize("backend,block_size,want", [("gpu", 128, "cute"), ("gpu", 64, "cute"),
-                                                     ("gpu", 32, None), ("cpu", 128, None)])
+@pytest.mark.parametrize("backend,block_size,want", [
+    ("gpu", 128, "cute"), ("gpu", 64, "cute"), ("gpu", 32, None), ("gpu", None, "cute"),
+    ("cpu", 128, None), ("cpu", None, None)])
 def test_fp8_accuracy_calls_the_kernels_on_a_gpu(backend, block_size, want, monkeypatch):
   """On a GPU the "call" column names the kernels (a missing one is an error, not a quiet
   reference run); blocks under 64 tokens and CPUs run auto."""
