@@ -94,6 +94,18 @@ def test_forward_schedule_table():
       assert v.schedule == dataclasses.replace(causal, lpt=False)
 
 
+def test_fp8_forward_schedule_table():
+  """One schedule per head_dim, causal or not and per-head or block descales alike; ping-pong
+  except at head_dim 128; causal tiles launched longest first."""
+  fp8 = [v for v in FWD if v.dtype == config.FP8_DTYPE]
+  for v in fp8:
+    s = v.schedule
+    assert (s.tile_m, s.tile_n, s.num_stages, s.fma_exp2_per_8) == {
+        64: (192, 128, 2, 2), 128: (128, 192, 2, 0), 256: (128, 128, 2, 0)}[v.head_dim]
+    assert s.pingpong == (v.head_dim != 128)
+    assert (s.persistent, s.lpt, s.rescale_o_before_pv) == (False, v.causal, False)
+
+
 def test_backward_schedule_table():
   for v in DENSE_BWD:
     s, d = v.schedule, v.head_dim

@@ -131,6 +131,9 @@ def test_sass_uses_e4m3_wgmma_tma_and_the_shared_memory_transpose(exported, vari
   # Block variants: each K stage's chunk descales, one bulk copy with the first key block and
   # one in the loop; per-head variants read one k descale per tile.
   assert ops.count("UBLKCP.S.G") == (2 if variant.block_descales else 0)
+  # Ping-pong GEMM turns where the schedule asks for them (not at head_dim 128).
+  turns = _sass.pingpong_turns(sass)
+  assert bool(turns) == variant.schedule.pingpong, turns
 
 
 @pytest.mark.cutlass

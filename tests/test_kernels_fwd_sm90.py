@@ -73,8 +73,7 @@ def test_overlapped_step_and_warp_uniform_rescale(exported, variant):
 def test_pingpong_turns_are_named_barriers(exported, variant):
   """Ping-pong (up to hdim 128): each consumer warpgroup waits for its GEMM turn on named
   barrier 2 + w and hands it on with an arrive."""
-  sass = exported(variant).sass["main"]
-  turns = re.findall(r"BAR\.(SYNC\S*|ARV) (?:R\d+|0x[23]), 0x100", sass)
+  turns = _sass.pingpong_turns(exported(variant).sass["main"])
   assert bool(turns) == variant.schedule.pingpong, turns
 
 
