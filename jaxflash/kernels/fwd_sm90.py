@@ -601,10 +601,11 @@ class FlashAttentionForwardSm90:
     in flight together; the softmax of n_block runs while the PV GEMM is still going.
 
     SASS (ptxas 13): ptxas places the WARPGROUP.DEPBAR of the wait_group(0) below after the
-    block's exps at every shipped tile but hdim 128's 128 x 176, where it lands after the first
-    two (the other warpgroup's GEMMs still hide that softmax: ping-pong). Predicating the wait
-    made ptxas serialise every WGMMA; two P buffers (no wait here at all) spilled at 240
-    registers.
+    block's exps at every shipped 16-bit tile but hdim 128's 128 x 176, where it lands after the
+    first two (the other warpgroup's GEMMs still hide that softmax: ping-pong); in the FP8
+    kernel, above all of them (keeping them above it measured no faster: docs/kernels.md,
+    "Experiments that lost"). Predicating the wait made ptxas serialise every WGMMA; two P
+    buffers (no wait here at all) spilled at 240 registers.
     """
     pipeline_k, pipeline_v = c.pipeline_k, c.pipeline_v
     acc_s = self._new_acc_s(c)
