@@ -171,7 +171,7 @@ def fp8_fwd_schedule(head_dim: int, causal: bool) -> FwdSchedule:
   """The FP8 forward's schedule: one CTA per tile (its softmax state is set up per tile), ping-pong
   consumer warpgroups except at head_dim 128. head_dim 64: 192 x 128 (three warpgroups share
   the MUFU-bound softmax); 128: 128 x 192 (224 key rows spill), the two warpgroups issuing
-  freely (1.02-1.04x ping-pong); 256: 128 x 128 (1.12-1.14x 128 x 64), with O's bf16 tile over
+  freely (0.99-1.05x ping-pong); 256: 128 x 128 (1.12-1.14x 128 x 64), with O's bf16 tile over
   the V ring (Q, K, V and V^T fill 224 KiB). At head_dim 64 the softmax's MUFU.EX2 time is
   twice the GEMMs': 2 of 8 exp2 go to the FMA pipe (1.10x; 3 of 8, and any share at 128,
   measured slower: docs/kernels.md, "FP8 forward")."""
