@@ -82,4 +82,4 @@ def wgmma_shapes(sass: str) -> set[str]:
 def pingpong_turns(sass: str) -> list[str]:
   """The ping-pong GEMM turns: each consumer warpgroup waits on named barrier 2 + w and hands
   the turn on with an arrive (256 threads); empty when the warpgroups issue freely."""
-  return re.findall(r"BAR\.(SYNC\S*|ARV) (?:R\d+|0x[234]), 0x100", sass)
+  return re.findall(r"BAR\.(SYNC\S*|ARV) (?:R\d+|0x[23]), 0x100", sass)
