@@ -30,7 +30,7 @@ from jax.interpreters import batching, mlir
 
 from jaxflash import _jax_internal, primitives, reference, sharding
 from jaxflash.config import (FP8_DESCALE_ROWS, FP8_DTYPE, FWD_TARGET, AttentionConfig,
-                             KernelVariant, fp8_fwd_schedule)
+                             KernelVariant, fp8_descale_chunks, fp8_fwd_schedule)
 from jaxflash.sink import add_learnable_sink
 
 # The smallest value ratio kept (log2 -24): P times a smaller one is below e4m3's smallest
@@ -57,9 +57,9 @@ def kernel_descales(q_descale, k_descale, v_descale, block_size, q_shape, k_shap
   4)) of the kernel (module docstring) from per-head (block_size None) or block descales."""
   b, seq_q, h, d = q_shape
   seq_k, hk = k_shape[1], k_shape[2]
-  schedule = fp8_fwd_schedule(d, causal)
-  q_chunks = -(-seq_q // schedule.tile_m) * schedule.tile_m // FP8_DESCALE_ROWS
-  k_chunks = -(-seq_k // schedule.tile_n) * schedule.tile_n // FP8_DESCALE_ROWS
+  schedule = fp8_fwd_schedule(d, causal, block_size is not None)
+  q_chunks = fp8_descale_chunks(seq_q, schedule.tile_m)
+  k_chunks = fp8_descale_chunks(seq_k, schedule.tile_n)
 
   def per_chunk(descale, chunks, group=1):
     descale = jnp.asarray(descale, jnp.float32)

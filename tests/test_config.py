@@ -95,13 +95,17 @@ def test_forward_schedule_table():
 
 
 def test_fp8_forward_schedule_table():
-  """One schedule per head_dim, causal or not and per-head or block descales alike; ping-pong
-  except at head_dim 128; causal tiles launched longest first."""
+  """One schedule per head_dim, causal or not alike, and per-head or block descales alike but at
+  head_dim 128 (block descales need whole chunks of 64 keys per key block); ping-pong except at
+  head_dim 128; causal tiles launched longest first."""
   fp8 = [v for v in FWD if v.dtype == config.FP8_DTYPE]
+  assert len(fp8) == 12
   for v in fp8:
     s = v.schedule
+    tile_n_128 = 192 if v.block_descales else 224
     assert (s.tile_m, s.tile_n, s.num_stages, s.fma_exp2_per_8) == {
-        64: (192, 128, 2, 2), 128: (128, 192, 2, 0), 256: (128, 128, 2, 0)}[v.head_dim]
+        64: (192, 128, 2, 2), 128: (128, tile_n_128, 2, 0), 256: (128, 128, 2, 0)}[v.head_dim]
+    assert s.tile_n % config.FP8_DESCALE_ROWS == 0 or not v.block_descales
     assert s.pingpong == (v.head_dim != 128)
     assert (s.persistent, s.lpt, s.rescale_o_before_pv) == (False, v.causal, False)
 
@@ -216,6 +220,28 @@ def test_deterministic_scratch_holds_two_dq_copies_above_hdim_128(head_dim, head
     assert shapes["dq_accum"] == (2, 3, copies * rows, head_dim)
     assert shapes["lse_log2"] == shapes["delta"] == (2, 3, rows)
     assert shapes.get("dq_semaphore") == ((2, 3, copies * rows // 64) if deterministic else None)
+
+
+def test_the_ffi_library_counts_the_fp8_descale_chunks_as_python_does():
+  """The handler checks, and the variant wrapper lays out, the FP8 descales with kernel_abi.h's
+  jaxflash_fp8_descale_chunks, whose integer arithmetic equals config.fp8_descale_chunks (also
+  for tiles that are no multiple of 64, such as head_dim 128's 224 keys)."""
+  ffi = pathlib.Path(config.__file__).parent / "ffi"
+  abi = (ffi / "kernel_abi.h").read_text()
+  body = re.search(r"jaxflash_fp8_descale_chunks\(int64_t length, int64_t tile\) \{\s*return "
+                   r"(.*?);", abi, re.S).group(1)
+  rows = int(re.search(r"#define JAXFLASH_FP8_DESCALE_ROWS (\d+)", abi).group(1))
+  assert rows == config.FP8_DESCALE_ROWS
+  expr = " ".join(body.replace("JAXFLASH_FP8_DESCALE_ROWS", str(rows)).replace("/", "//").split())
+  for length in (1, 17, 63, 64, 65, 200, 224, 225, 4097, 16384):
+    for tile in (64, 128, 192, 224):
+      assert eval(expr, {"length": length, "tile": tile}) == config.fp8_descale_chunks(
+          length, tile), (length, tile)
+  assert config.fp8_descale_chunks(200, 224) == 4  # the tile's 224 keys need a fourth chunk
+  for source in ("handlers.cc", "variant_fwd.cc"):
+    text = (ffi / source).read_text()
+    assert len(re.findall(r"jaxflash_fp8_descale_chunks\(", text)) == 2, source
+    assert "DescaleRows" not in text, source
 
 
 def test_the_kernel_abi_takes_the_dq_copies_from_the_library():

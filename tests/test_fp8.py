@@ -351,9 +351,9 @@ def test_kernel_descales_give_each_token_its_descale(block_size, head_dim):
   q8, k8, v8, qd, kd, vd = quantize_value_blocks_too(q * scale, k * scale[:, :200],
                                                      v * scale[:, :200], block_size)
   q_chunks, kv = fp8_kernel.kernel_descales(qd, kd, vd, block_size, q8.shape, k8.shape, False)
-  schedule = config.fp8_fwd_schedule(head_dim, False)
+  schedule = config.fp8_fwd_schedule(head_dim, False, block_size is not None)
   assert q_chunks.shape == (2, 8, -(-300 // schedule.tile_m) * schedule.tile_m // 64)
-  assert kv.shape == (2, 2, -(-200 // schedule.tile_n) * schedule.tile_n // 64, 4)
+  assert kv.shape == (2, 2, -(-(-(-200 // schedule.tile_n) * schedule.tile_n) // 64), 4)
   got = fp8_kernel._dequantized(q8, k8, v8, q_chunks, kv)
   want = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, block_size)
   for g, w in zip(got, want):
@@ -397,7 +397,7 @@ def test_fp8_kernel_primitive_off_gpu_is_the_dequantized_attention(block_size, c
 def test_fp8_kernel_call_lowers_to_the_forward_custom_call_with_the_descales(causal, out_dtype):
   """On CUDA the FP8 kernel is the forward custom call of an e4m3 variant: q8, k8, v8, then
   q_descale (batch, num_heads, query chunks of 64) and kv_descale (batch, num_kv_heads, key
-  chunks, 4) float32 over the variant's 128-row and 192-key tiles; bfloat16 out (float16 when
+  chunks, 4) float32 over the variant's 128-row and 224-key tiles; bfloat16 out (float16 when
   asked: the same variant, the out buffer's dtype tells the kernel), float32 lse."""
   q8, k8, v8, qd, kd, vd = _fp8_inputs((20, 30, 4, 2, 128))
   f = jax.jit(lambda *a: jaxflash.attention(*a[:3], q_descale=a[3], k_descale=a[4],
@@ -407,7 +407,8 @@ def test_fp8_kernel_call_lowers_to_the_forward_custom_call_with_the_descales(cau
   call = next(line for line in text.splitlines() if "custom_call @jaxflash_attention_fwd" in line)
   variant = config.fp8_fwd_variant(128, causal).key
   assert f'variant = "{variant}"' in call and f"causal = {str(causal).lower()}" in call
-  assert "tensor<2x4x2xf32>, tensor<2x2x3x4xf32>)" in call  # the descales after q, k, v
+  # The descales after q, k, v: 2 chunks cover a 128-row tile, 4 a 224-key tile.
+  assert "tensor<2x4x2xf32>, tensor<2x2x4x4xf32>)" in call
   out_type = "f16" if out_dtype == jnp.float16 else "bf16"
   assert f"-> (tensor<2x20x4x128x{out_type}>, tensor<2x4x20xf32>)" in call
 
@@ -475,7 +476,7 @@ def test_fp8_kernel_call_takes_the_sink_after_the_descales():
                                             implementation="cute"))
   text = f.trace(q8, k8, v8, qd, kd, vd, sink).lower(lowering_platforms=("cuda",)).as_text()
   call = next(line for line in text.splitlines() if "custom_call @jaxflash_attention_fwd" in line)
-  assert "tensor<2x2x3x4xf32>, tensor<4xf32>) ->" in call
+  assert "tensor<2x2x4x4xf32>, tensor<4xf32>) ->" in call
 
 
 @pytest.mark.parametrize("sink_axis", [None, 0])

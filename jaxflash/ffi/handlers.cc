@@ -30,8 +30,6 @@ constexpr std::string_view kBwdTarget = "jaxflash_attention_bwd";
 constexpr int32_t kUnbounded = 1 << 30;
 // JaxflashVariantInfo.dtype of the FP8 forward variants (e4m3 q, k, v; bf16 or fp16 out).
 constexpr int32_t kFp8Dtype = 2;
-// The FP8 descales come per this many query rows or keys (jaxflash.config.FP8_DESCALE_ROWS).
-constexpr int64_t kFp8DescaleRows = 64;
 
 // "jaxflash_attention_fwd[variant=<key>]: ": every error names the target and the variant.
 std::string Where(std::string_view target, std::string_view variant) {
@@ -372,18 +370,15 @@ ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
 }
 
 // FP8 variants: the two operands after the tensors are the descales (kernel_abi.h), float32
-// q_descale (batch, num_heads, m_tiles * tile_m / 64) and kv_descale (batch, num_kv_heads,
-// n_tiles * tile_n / 64, 4). Sets args->q_descale and args->kv_descale (NULL for other
-// variants).
+// q_descale (batch, num_heads, q chunks) and kv_descale (batch, num_kv_heads, k chunks, 4).
+// Sets args->q_descale and args->kv_descale (NULL for other variants).
 ffi::Error CheckDescale(const CallAttrs& a, const JaxflashVariantInfo& info,
                         const ffi::RemainingArgs& extra, JaxflashFwdArgs* args) {
   args->q_descale = nullptr;
   args->kv_descale = nullptr;
   if (info.dtype != kFp8Dtype) return ffi::Error::Success();
-  const int64_t q_chunks =
-      (args->seqlen_q + info.tile_m - 1) / info.tile_m * info.tile_m / kFp8DescaleRows;
-  const int64_t k_chunks =
-      (args->seqlen_k + info.tile_n - 1) / info.tile_n * info.tile_n / kFp8DescaleRows;
+  const int64_t q_chunks = jaxflash_fp8_descale_chunks(args->seqlen_q, info.tile_m);
+  const int64_t k_chunks = jaxflash_fp8_descale_chunks(args->seqlen_k, info.tile_n);
   auto q_got = extra.get<ffi::AnyBuffer>(0);
   if (q_got.has_error()) return q_got.error();
   if (ffi::Error e = CheckExact(a, "q_descale", q_got.value(),

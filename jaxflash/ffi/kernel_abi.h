@@ -52,6 +52,16 @@ typedef struct {
   const int32_t* ranks;
 } JaxflashMask;
 
+// The FP8 descales come per this many query rows or keys (jaxflash.config.FP8_DESCALE_ROWS).
+#define JAXFLASH_FP8_DESCALE_ROWS 64
+
+// The descale chunks that cover `length` query rows or keys in whole tiles of `tile` (a
+// per-head variant's key tile may end inside a chunk): jaxflash.config.fp8_descale_chunks.
+static inline int64_t jaxflash_fp8_descale_chunks(int64_t length, int64_t tile) {
+  return ((length + tile - 1) / tile * tile + JAXFLASH_FP8_DESCALE_ROWS - 1) /
+         JAXFLASH_FP8_DESCALE_ROWS;
+}
+
 // Forward call. Tensors are dense row-major, exactly as XLA hands them over:
 //   q   (batch, seqlen_q, num_heads,    head_dim)    fp16/bf16, or e4m3 (FP8 variants)
 //   k   (batch, seqlen_k, num_kv_heads, head_dim)
@@ -62,12 +72,13 @@ typedef struct {
 //   sink (num_heads)                                  float32 learnable sink logits, or NULL:
 //       each row's softmax also runs over its head's sink (a column without a value), lse
 //       includes it, and an empty row has lse = its sink
-//   q_descale (batch, num_heads, m_tiles * tile_m / 64)           FP8 variants: float32, one per
-//       64 query rows (x = x8 * descale), NULL otherwise
-//   kv_descale (batch, num_kv_heads, n_tiles * tile_n / 64, 4)    FP8 variants: float32, per 64
-//       keys (k descale, log2(v descale / v max), v max / v descale, v max), v max the largest v
-//       descale of the (batch, kv head); NULL otherwise (m_tiles, n_tiles: the query and key
-//       tiles of the call, as for the mask operands)
+//   q_descale (batch, num_heads, q chunks)            FP8 variants: float32, one per 64 query
+//       rows (x = x8 * descale), NULL otherwise
+//   kv_descale (batch, num_kv_heads, k chunks, 4)     FP8 variants: float32, per 64 keys (k
+//       descale, log2(v descale / v max), v max / v descale, v max), v max the largest v descale
+//       of the (batch, kv head); NULL otherwise
+//   (q chunks = jaxflash_fp8_descale_chunks(seqlen_q, tile_m), k chunks the same of seqlen_k
+//   and tile_n)
 typedef struct {
   const void* q;
   const void* k;

@@ -34,8 +34,6 @@ using TensorSink = JF_NAME(_Tensor_mSink_t);
 #if JAXFLASH_FP8
 using TensorQDescale = JF_NAME(_Tensor_mQDescale_t);
 using TensorKVDescale = JF_NAME(_Tensor_mKVDescale_t);
-// Descales come per this many query rows or keys (jaxflash.config.FP8_DESCALE_ROWS).
-constexpr int32_t kDescaleRows = 64;
 #endif
 #if JAXFLASH_MASKED
 using TensorQIds = JF_NAME(_Tensor_mQIds_t);
@@ -130,10 +128,8 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
                                           has_sink, args->window_left, args->window_right,
                                           args->softcap, static_cast<cudaStream_t>(stream));
 #elif JAXFLASH_FP8
-  const int32_t q_chunks = (sq + JAXFLASH_TILE_M - 1) / JAXFLASH_TILE_M * JAXFLASH_TILE_M /
-                           kDescaleRows;
-  const int32_t k_chunks = (sk + JAXFLASH_TILE_N - 1) / JAXFLASH_TILE_N * JAXFLASH_TILE_N /
-                           kDescaleRows;
+  const int32_t q_chunks = static_cast<int32_t>(jaxflash_fp8_descale_chunks(sq, JAXFLASH_TILE_M));
+  const int32_t k_chunks = static_cast<int32_t>(jaxflash_fp8_descale_chunks(sk, JAXFLASH_TILE_N));
   TensorQDescale q_descale = Dense3<TensorQDescale>(args->q_descale, b, h, q_chunks);
   // (batch, hk, k_chunks, 4) seen as (batch, hk, 4 * k_chunks).
   TensorKVDescale kv_descale = Dense3<TensorKVDescale>(args->kv_descale, b, hk, 4 * k_chunks);

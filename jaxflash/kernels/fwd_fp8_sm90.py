@@ -27,11 +27,11 @@ FP8 = cutlass.Float8E4M3FN
 _TRANSPOSE_WARPS = 3
 # (producer, consumer) registers per thread by consumer warpgroups: the transposing warps hold
 # two offsets per unit (up to _HELD_UNITS units each) and four 32-bit registers per unit in
-# flight. A warp with more units (head_dim 256's 128 x 128 tile: 22) computes each unit's address
-# in place instead, and its warpgroup fits 24 registers: the consumers get 240, which the
-# 128 x 128 tile needs (at 224 it spills). At head_dim 128 (16 units) the held offsets with
-# (56, 224) measured 1.09-1.10x the in-place form with O over the V ring (docs/kernels.md,
-# "FP8 forward").
+# flight. A warp with more units (head_dim 256's 128 x 128 tile: 22; head_dim 128's 128 x 224:
+# 19) computes each unit's address in place instead, and its warpgroup fits 24 registers: the
+# consumers get 240, which those tiles need (at 224 they spill). On 128 x 192 (16 units, head_dim
+# 128 block variants) the held offsets with (56, 224) measured 1.09-1.10x the in-place form with
+# O over the V ring (docs/kernels.md, "FP8 forward").
 _REGISTER_SPLIT = {2: (56, 224), 3: (32, 160)}
 _REGISTER_SPLIT_IN_PLACE = (24, 240)
 _HELD_UNITS = 16
@@ -49,6 +49,8 @@ _KV_VALUES = softmax.CHUNK_VALUES
 # measured with them; the 16-bit kernels keep one (four measured the same there, and the masked
 # head_dim 256 variant spills with them).
 _MAX_CHAINS = 4
+# The K extent of one e4m3 WGMMA (32 bytes).
+_PV_K = 32
 
 
 def transpose_units(variant: config.KernelVariant) -> int:
@@ -131,10 +133,13 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
       return False, f"variant {variant.key} is not an FP8 forward variant"
     if variant.masked or variant.schedule.persistent:
       return False, f"variant {variant.key}: FP8 runs dense tiles, one CTA each"
-    if variant.schedule.tile_n % _CHUNK or variant.schedule.tile_m % _CHUNK or (
-        variant.head_dim_v % fp8_operands.UNIT_DIMS):
-      return False, (f"variant {variant.key}: tile_m % {_CHUNK}, tile_n % {_CHUNK} and "
-                     f"head_dim_v % {fp8_operands.UNIT_DIMS} must be 0")
+    s = variant.schedule
+    # A warpgroup's 64 rows are one query chunk; block variants read whole key chunks; the
+    # P V GEMM steps over keys _PV_K at a time.
+    if (s.tile_m % _CHUNK or s.tile_n % (_CHUNK if variant.block_descales else _PV_K)
+        or variant.head_dim_v % fp8_operands.UNIT_DIMS):
+      return False, (f"variant {variant.key}: tile_m % {_CHUNK}, tile_n % {_PV_K} (% {_CHUNK} "
+                     f"with block descales) and head_dim_v % {fp8_operands.UNIT_DIMS} must be 0")
     return True, ""
 
   def _setup_attributes(self):
