@@ -177,12 +177,13 @@ def fp8_descale_chunks(length: int, tile: int) -> int:
 def fp8_fwd_schedule(head_dim: int, causal: bool, block_descales: bool = False) -> FwdSchedule:
   """The FP8 forward's schedule: one CTA per tile (its softmax state is set up per tile), ping-pong
   consumer warpgroups except at head_dim 128. head_dim 64: 192 x 128 (three warpgroups share
-  the MUFU-bound softmax); 128: 128 x 224 (FA-3's FP8 tile; 1.06-1.11x 128 x 192 causal, equal
-  not causal), the two warpgroups issuing freely (0.99-1.05x ping-pong), and 128 x 192 with
-  block descales, whose chunks of 64 keys must tile a key block; 256: 128 x 128 (1.12-1.14x
-  128 x 64), with O's bf16 tile over the V ring (Q, K, V and V^T fill 224 KiB). At head_dim 64
-  the softmax's MUFU.EX2 time is twice the GEMMs': 2 of 8 exp2 go to the FMA pipe (1.10x; 3 of
-  8, and any share at 128, measured slower: docs/kernels.md, "FP8 forward")."""
+  the MUFU-bound softmax); 128: 128 x 224 (FA-3's FP8 tile; 1.02-1.09x 128 x 192 causal at
+  seq 4k and 16k, 0.98-1.06x not causal), the two warpgroups issuing freely (0.99-1.05x
+  ping-pong), and 128 x 192 with block descales, whose chunks of 64 keys must tile a key
+  block; 256: 128 x 128 (1.12-1.14x 128 x 64), with O's bf16 tile over the V ring (Q, K, V and
+  V^T fill 224 KiB). At head_dim 64 the softmax's MUFU.EX2 time is twice the GEMMs': 2 of 8
+  exp2 go to the FMA pipe (1.10x; 3 of 8, and any share at 128, measured slower:
+  docs/kernels.md, "FP8 forward")."""
   tile_n = {64: 128, 128: 192 if block_descales else 224}.get(head_dim, 128)
   return FwdSchedule(tile_m=192 if head_dim <= 64 else 128, tile_n=tile_n, num_stages=2,
                      pingpong=head_dim != 128, persistent=False, lpt=causal,
