@@ -30,8 +30,8 @@ _TRANSPOSE_WARPS = 3
 # flight. A warp with more units (head_dim 256's 128 x 128 tile: 22; head_dim 128's 128 x 224:
 # 19) computes each unit's address in place instead, and its warpgroup fits 24 registers: the
 # consumers get 240, which those tiles need (at 224 they spill). On 128 x 192 (16 units, head_dim
-# 128 block variants) the held offsets with (56, 224) measured 1.09-1.10x the in-place form, with
-# or without O over the V ring (docs/kernels.md, "FP8 forward").
+# 128 block variants) the held offsets with (56, 224) measured 1.09-1.10x the in-place form at seq
+# 16k, with or without O over the V ring (docs/kernels.md, "FP8 forward").
 _REGISTER_SPLIT = {2: (56, 224), 3: (32, 160)}
 _REGISTER_SPLIT_IN_PLACE = (24, 240)
 _HELD_UNITS = 16
