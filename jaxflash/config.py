@@ -171,7 +171,8 @@ def fp8_descale_chunks(length: int, tile: int) -> int:
   """The FP8 kernel's descale chunks over `length` query rows or keys in tiles of `tile`: enough
   to cover every tile (a per-head variant's key tile may end inside a chunk). The FFI library
   counts them the same way (ffi/kernel_abi.h, jaxflash_fp8_descale_chunks)."""
-  return -(-(-(-length // tile) * tile) // FP8_DESCALE_ROWS)
+  covered = -(-length // tile) * tile  # whole tiles
+  return -(-covered // FP8_DESCALE_ROWS)
 
 
 def fp8_fwd_schedule(head_dim: int, causal: bool, block_descales: bool = False) -> FwdSchedule:

@@ -352,8 +352,8 @@ def test_kernel_descales_give_each_token_its_descale(block_size, head_dim):
                                                      v * scale[:, :200], block_size)
   q_chunks, kv = fp8_kernel.kernel_descales(qd, kd, vd, block_size, q8.shape, k8.shape, False)
   schedule = config.fp8_fwd_schedule(head_dim, False, block_size is not None)
-  assert q_chunks.shape == (2, 8, -(-300 // schedule.tile_m) * schedule.tile_m // 64)
-  assert kv.shape == (2, 2, -(-(-(-200 // schedule.tile_n) * schedule.tile_n) // 64), 4)
+  assert q_chunks.shape == (2, 8, config.fp8_descale_chunks(300, schedule.tile_m))
+  assert kv.shape == (2, 2, config.fp8_descale_chunks(200, schedule.tile_n), 4)
   got = fp8_kernel._dequantized(q8, k8, v8, q_chunks, kv)
   want = fp8.dequantize_inputs(q8, k8, v8, qd, kd, vd, block_size)
   for g, w in zip(got, want):
