@@ -78,6 +78,12 @@ def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
     if not ok:
       raise ValueError(f"implementation='cute': {reason}; use implementation=None (auto) or "
                        f"'reference'")
+    # The lowering loads the kernels where a CUDA device is (cross-lowering needs none).
+    if _jax_internal.has_cuda_device():
+      missing = _missing_kernel(dtype, head_dim, head_dim_v, config)
+      if missing:
+        raise ValueError(f"implementation='cute': {missing}\nimplementation=None (auto) runs "
+                         f"the reference meanwhile.")
     return "cute"
   if not _jax_internal.has_hopper_device():
     return "reference"
@@ -94,13 +100,19 @@ def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
 
 
 def _missing_kernel(dtype: str, head_dim: int, head_dim_v: int, config: AttentionConfig) -> str:
-  """Why a kernel this call needs (forward, and backward where one exists) is unavailable here."""
-  from jaxflash import ffi  # only on a Hopper host: keeps `import jaxflash` light
+  """Why a kernel this call needs (forward, and backward where one exists) is unavailable here.
+
+  The forward must be found or buildable (its lowering, right after the trace, builds it). The
+  backward is built now where it is missing: its lowering comes with the gradient, possibly in
+  a later trace, too late to choose the reference for this call if its build failed.
+  """
+  from jaxflash import ffi  # only on a CUDA host: keeps `import jaxflash` light
   for direction in ("fwd", "bwd"):
     if not kernel_support(direction, dtype, head_dim, head_dim_v, config)[0]:
       continue  # that direction runs the reference anyway
     variant = KernelVariant.for_call(direction, "sm90a", dtype, head_dim, head_dim_v, config)
-    ok, why = ffi.variant_available(variant)
+    available = ffi.variant_available if direction == "fwd" else ffi.provide_variant
+    ok, why = available(variant)
     if not ok:
       return why
   return ""
@@ -157,7 +169,9 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
       It is differentiable.
     implementation: None (CuTe kernels on a Hopper GPU when they cover the call and are built
       or buildable here, else the reference; a RuntimeWarning names the build command when only
-      the build is missing), "cute" (kernels or an error), "reference" (pure JAX).
+      the build is missing, or the error of a backward kernel's build, which runs when the
+      call is traced), "cute" (kernels or an error, raised when the call is traced),
+      "reference" (pure JAX).
 
   Returns:
     out (batch, seq_q, num_heads, head_dim_v) in the query dtype, or (out, lse). Rows that see

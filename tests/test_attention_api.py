@@ -108,8 +108,9 @@ def test_import_needs_jax_only():
 def _pretend_hopper(monkeypatch, available):
   from jaxflash import _jax_internal, ffi
   monkeypatch.setattr(_jax_internal, "has_hopper_device", lambda: True)
-  monkeypatch.setattr(ffi, "variant_available",
-                      lambda v: (available, "" if available else f"missing {v.key}: build it"))
+  answer = lambda v: (available, "" if available else f"missing {v.key}: build it")
+  monkeypatch.setattr(ffi, "variant_available", answer)
+  monkeypatch.setattr(ffi, "provide_variant", answer)  # the backward, built at trace time
 
 
 def test_auto_on_hopper_without_built_kernels_warns_and_runs_the_reference(monkeypatch):

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import zipfile
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from jaxflash import build, config, ffi
@@ -48,6 +50,29 @@ def test_handler_library_builds_once_and_hides_the_cuda_runtime(cache):
   mtime = lib.stat().st_mtime_ns
   assert build.build_handler_library(cache) == (lib, False)
   assert lib.stat().st_mtime_ns == mtime
+
+
+def test_instantiate_errors_name_the_target(cache, tmp_path):
+  """A call whose variant is in no kernel folder fails when XLA instantiates it, with an error
+  that names the call's target, as execute's errors do. XLA's CPU runtime runs the instantiate
+  stage too: CPU copies of the two targets show it on this host."""
+  build.build_handler_library(cache)
+  lib = ctypes.CDLL(str(cache / HANDLER_LIBRARY))
+  lib.jaxflash_ffi_set_kernel_folders.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.c_int32]
+  assert lib.jaxflash_ffi_set_kernel_folders((ctypes.c_char_p * 1)(str(tmp_path).encode()), 1) == 0
+  x = jnp.zeros((1, 4), jnp.float32)
+  for target, instantiate, execute in (
+      (config.FWD_TARGET, ffi._FWD_INSTANTIATE_SYMBOL, ffi._FWD_HANDLER_SYMBOL),
+      (config.BWD_TARGET, ffi._BWD_INSTANTIATE_SYMBOL, ffi._BWD_HANDLER_SYMBOL)):
+    name = f"{target}_instantiate_on_cpu"
+    jax.ffi.register_ffi_target(name, {"instantiate": jax.ffi.pycapsule(getattr(lib, instantiate)),
+                                       "execute": jax.ffi.pycapsule(getattr(lib, execute))},
+                                platform="cpu")
+    call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    with pytest.raises(Exception, match=re.escape(
+        f"{target}[variant=fwd-missing]: kernel variant 'fwd-missing' is in none of the kernel "
+        f"folders ({tmp_path}). Build it with `python -m jaxflash.build --variants fwd-missing`")):
+      jax.jit(lambda x: call(x, variant="fwd-missing"))(x)
 
 
 @pytest.mark.cutlass

@@ -37,7 +37,7 @@ def test_target_and_symbol_names_match_the_cpp_source():
   assert f'kFwdTarget = "{config.FWD_TARGET}"' in text
   assert f'kBwdTarget = "{config.BWD_TARGET}"' in text
   for symbol in (ffi._FWD_HANDLER_SYMBOL, ffi._BWD_HANDLER_SYMBOL,
-                 ffi._INSTANTIATE_HANDLER_SYMBOL):
+                 ffi._FWD_INSTANTIATE_SYMBOL, ffi._BWD_INSTANTIATE_SYMBOL):
     assert re.search(rf"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*{symbol},", text)
 
 

@@ -246,8 +246,8 @@ def test_handler_checks_v_and_out_against_head_dim_v():
   v = v_wrong[..., :dv]
   result = (jax.ShapeDtypeStruct((1, 16, 2, d), q.dtype),
             jax.ShapeDtypeStruct((1, 2, 16), jnp.float32))
-  with pytest.raises(Exception, match=rf"out has shape \(1, 16, 2, {d}\), expected "
-                                      rf"\(1, 16, 2, {dv}\)"):
+  with pytest.raises(Exception, match=rf"out is {variant.dtype} \(1, 16, 2, {d}\), expected "
+                                      rf"{variant.dtype} \(1, 16, 2, {dv}\)"):
     jax.block_until_ready(jax.jit(lambda *a: jax.ffi.ffi_call(FWD_TARGET, result)(
         *a, **ffi.fwd_attributes(variant, cfg)))(q, k, v))
 

@@ -8,10 +8,13 @@ import importlib
 import json
 import warnings
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import build, config, ffi, kernel_store
+from jaxflash import _jax_internal, build, config, ffi, kernel_store
 from jaxflash.config import HANDLER_LIBRARY, VARIANT_LIBRARY, VARIANT_MANIFEST
 
 
@@ -225,3 +228,63 @@ def test_handler_library_prefers_a_current_one_in_search_order(folders, monkeypa
   assert ffi._handler_library() == wheel / HANDLER_LIBRARY
   (wheel / HANDLER_LIBRARY).with_suffix(".json").write_text("{}")
   assert ffi._handler_library() == wheel / HANDLER_LIBRARY  # no toolchain: first existing one
+
+
+def _hopper_call_variants(folders, monkeypatch):
+  """A Hopper host (pretended) whose kernel folders hold the forward variant of a causal
+  bfloat16 head_dim 64 call but not its backward one: (query, forward, backward)."""
+  monkeypatch.setattr(_jax_internal, "has_cuda_device", lambda: True)
+  monkeypatch.setattr(_jax_internal, "has_hopper_device", lambda: True)
+  monkeypatch.setattr(ffi, "_variants", {})
+  monkeypatch.setattr(ffi, "_provided", {})
+  cfg = config.AttentionConfig(softmax_scale=64 ** -0.5, causal=True)
+  fwd, bwd = (config.KernelVariant.for_call(d, "sm90a", "bfloat16", 64, 64, cfg)
+              for d in ("fwd", "bwd"))
+  _put_variant(folders["env"], fwd.key)
+  q = jnp.asarray(np.random.default_rng(3).standard_normal((1, 8, 2, 64)), jnp.bfloat16)
+  return q, fwd, bwd
+
+
+def _failing_build(built):
+  def build_(variant):
+    built.append(variant.key)
+    raise RuntimeError(f"jaxflash: building kernel variant {variant.key} failed (exit 1) running\n"
+                       f"  python -m jaxflash.build\nptxas error")
+  return build_
+
+
+def test_auto_runs_the_reference_when_the_backward_fails_to_build(folders, monkeypatch):
+  """The backward is built when the call is traced, so that a failed build picks the
+  reference for the call, with a warning, as a missing forward does (not an error when the
+  gradient lowers). The failure is kept: tracing the call again does not rebuild."""
+  q, _, bwd = _hopper_call_variants(folders, monkeypatch)
+  _toolchain(monkeypatch)
+  built = []
+  monkeypatch.setattr(ffi, "_build_on_demand", _failing_build(built))
+  expected = jaxflash.attention(q, q, q, causal=True, implementation="reference")
+  for _ in range(2):
+    with pytest.warns(RuntimeWarning, match=f"(?s)building kernel variant {bwd.key} failed.*"
+                                            f"ptxas error.*running the reference"):
+      out = jaxflash.attention(q, q, q, causal=True)
+    np.testing.assert_array_equal(out, expected)
+  assert built == [bwd.key]
+
+
+@pytest.mark.parametrize("cause", ["build fails", "not buildable"])
+def test_cute_names_an_unavailable_backward_when_the_call_is_traced(folders, monkeypatch, cause):
+  """implementation='cute' raises at trace time (make_jaxpr lowers nothing) for a backward
+  kernel that it cannot have, naming the variant and why."""
+  q, _, bwd = _hopper_call_variants(folders, monkeypatch)
+  built = []
+  if cause == "build fails":
+    _toolchain(monkeypatch)
+    monkeypatch.setattr(ffi, "_build_on_demand", _failing_build(built))
+    why = f"building kernel variant {bwd.key} failed.*ptxas error"
+  else:
+    monkeypatch.setenv(config.BUILD_ON_DEMAND_ENV, "0")
+    monkeypatch.setattr(ffi, "_build_on_demand", lambda v: pytest.fail("built"))
+    why = f"kernel variant {bwd.key} is in none of the kernel folders.*on-demand builds are off"
+  call = lambda q: jaxflash.attention(q, q, q, causal=True, implementation="cute")
+  with pytest.raises(ValueError, match="(?s)implementation='cute': .*" + why):
+    jax.make_jaxpr(call)(q)
+  assert built == ([bwd.key] if cause == "build fails" else [])

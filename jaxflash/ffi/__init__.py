@@ -31,10 +31,14 @@ log = logging.getLogger("jaxflash")
 # XLA_FFI_DEFINE_HANDLER_SYMBOL names in handlers.cc
 _FWD_HANDLER_SYMBOL = "JaxflashAttentionFwd"
 _BWD_HANDLER_SYMBOL = "JaxflashAttentionBwd"
-_INSTANTIATE_HANDLER_SYMBOL = "JaxflashAttentionInstantiate"  # both targets' instantiate stage
+# The targets' instantiate stages: one per target, so that their errors name it.
+_FWD_INSTANTIATE_SYMBOL = "JaxflashAttentionFwdInstantiate"
+_BWD_INSTANTIATE_SYMBOL = "JaxflashAttentionBwdInstantiate"
 _lock = threading.RLock()
 _handler: Optional[ctypes.CDLL] = None
 _variants: dict[str, Path] = {}  # key -> library registered in this process
+# key -> "" (in a kernel folder) or why its on-demand build failed, as provide_variant found.
+_provided: dict[str, str] = {}
 _prepared = False  # jaxflash_ffi_prepare ran (GPU hosts only)
 
 
@@ -104,9 +108,11 @@ def _load_handler() -> ctypes.CDLL:
   # The instantiate stage loads each call's variant when XLA creates the executable, so execute
   # only launches and XLA may record the calls into command buffers (CUDA graphs).
   # Without a CUDA plugin (CPU-only jaxlib) jax queues this registration; nothing runs it.
-  instantiate = jax.ffi.pycapsule(getattr(lib, _INSTANTIATE_HANDLER_SYMBOL))
-  for target, symbol in ((FWD_TARGET, _FWD_HANDLER_SYMBOL), (BWD_TARGET, _BWD_HANDLER_SYMBOL)):
-    stages = {"instantiate": instantiate, "execute": jax.ffi.pycapsule(getattr(lib, symbol))}
+  for target, instantiate, execute in (
+      (FWD_TARGET, _FWD_INSTANTIATE_SYMBOL, _FWD_HANDLER_SYMBOL),
+      (BWD_TARGET, _BWD_INSTANTIATE_SYMBOL, _BWD_HANDLER_SYMBOL)):
+    stages = {"instantiate": jax.ffi.pycapsule(getattr(lib, instantiate)),
+              "execute": jax.ffi.pycapsule(getattr(lib, execute))}
     jax.ffi.register_ffi_target(
         target, stages, platform="CUDA",
         traits=xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE)
@@ -240,6 +246,55 @@ def _build_on_demand(variant: KernelVariant) -> Path:
   return cache
 
 
+def _locate_or_build(variant: KernelVariant) -> kernel_store.KernelFolder:
+  """The first kernel folder (search order) that holds `variant`, after building it into the
+  cache where it is missing, or its cached build is stale on a build host (the kernel sources
+  or tools changed), unless `on_demand_blocker()` says no.
+
+  Raises:
+    RuntimeError: the variant is nowhere and cannot be built here (the message says how to get
+      it), or the build failed.
+  """
+  key = variant.key
+  with _lock:
+    found = kernel_store.locate(key, variant.arch)
+    stale = False
+    if found is not None and found.kind == "cache" and _cutlass_available():
+      from jaxflash import build
+      stale = not build.manifest_is_current(variant, found.path)
+    if found is None or stale:
+      blocker = on_demand_blocker()
+      if not blocker:
+        found = kernel_store.KernelFolder("cache", _build_on_demand(variant))
+      elif found is None:
+        raise RuntimeError(_missing_message(key, blocker))
+    return found
+
+
+def provide_variant(variant: KernelVariant) -> tuple[bool, str]:
+  """Makes `variant` present in a kernel folder, as ensure_variant does, without loading it.
+
+  Returns (ok, reason): the reason says how to get the kernels (as variant_available's) or why
+  the on-demand build failed. The outcome of a build, or of finding the variant, is kept for
+  the process: a call traced again neither rebuilds nor looks again (a missing variant that
+  cannot be built is looked for again, as a kernel wheel or the build tools may come).
+  """
+  key = variant.key
+  with _lock:
+    if key in _variants or key in _provided:
+      why = _provided.get(key, "")
+      return not why, why
+    ok, why = variant_available(variant)
+    if not ok:
+      return False, why
+    try:
+      _locate_or_build(variant)
+    except RuntimeError as e:
+      why = str(e)
+    _provided[key] = why
+    return not why, why
+
+
 def ensure_variant(variant: KernelVariant) -> Path:
   """Makes `variant` runnable in this process and returns its library path.
 
@@ -256,18 +311,7 @@ def ensure_variant(variant: KernelVariant) -> Path:
   with _lock:
     if key in _variants:
       return _variants[key]
-    found = kernel_store.locate(key, variant.arch)
-    stale = False
-    if found is not None and found.kind == "cache" and _cutlass_available():
-      from jaxflash import build
-      stale = not build.manifest_is_current(variant, found.path)
-    if found is None or stale:
-      blocker = on_demand_blocker()
-      if not blocker:
-        found = kernel_store.KernelFolder("cache", _build_on_demand(variant))
-      elif found is None:
-        raise RuntimeError(_missing_message(key, blocker))
-    library = found.path / key / VARIANT_LIBRARY
+    library = _locate_or_build(variant).path / key / VARIANT_LIBRARY
     _register_variant(key, library)
     return library
 

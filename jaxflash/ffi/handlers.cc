@@ -133,6 +133,21 @@ ffi::Error CheckAttrs(const CallAttrs& a, const JaxflashVariantInfo& info, ffi::
   return ffi::Error::Success();
 }
 
+// `buffer` must have exactly `dims` and `dtype`.
+ffi::Error CheckExact(const CallAttrs& a, const char* name, const ffi::AnyBuffer& buffer,
+                      std::initializer_list<int64_t> dims, ffi::DataType dtype) {
+  auto have = buffer.dimensions();
+  bool ok = have.size() == dims.size() && buffer.element_type() == dtype;
+  size_t i = 0;
+  for (int64_t d : dims) ok = ok && have[i++] == d;
+  if (ok) return ffi::Error::Success();
+  std::string want = "(";
+  i = 0;
+  for (int64_t d : dims) want += (i++ ? ", " : "") + std::to_string(d);
+  return Invalid(a, std::string(name) + " is " + DtypeName(buffer.element_type()) + " " +
+                        Shape(buffer) + ", expected " + DtypeName(dtype) + " " + want + ")");
+}
+
 // Checks ranks, dtypes and dims of every buffer against the attributes and each other, then
 // fills the shape fields of `args`.
 ffi::Error CheckBuffers(const CallAttrs& a, const JaxflashVariantInfo& info,
@@ -189,15 +204,13 @@ ffi::Error CheckBuffers(const CallAttrs& a, const JaxflashVariantInfo& info,
     return Invalid(a, "num_heads " + std::to_string(h) + " is not a multiple of num_kv_heads " +
                             std::to_string(hk));
   }
-  auto od = out.dimensions(), ld = lse.dimensions();
-  if (od[0] != b || od[1] != sq || od[2] != h || od[3] != a.head_dim_v) {
-    return Invalid(a, "out has shape " + Shape(out) + ", expected (" + std::to_string(b) + ", " +
-                            std::to_string(sq) + ", " + std::to_string(h) + ", " +
-                            std::to_string(a.head_dim_v) + ")");
+  // The dtypes of out and lse are checked above.
+  if (ffi::Error e = CheckExact(a, "out", out, {b, sq, h, a.head_dim_v}, out_dtype);
+      e.failure()) {
+    return e;
   }
-  if (ld[0] != b || ld[1] != h || ld[2] != sq) {
-    return Invalid(a, "lse has shape " + Shape(lse) + ", expected (" + std::to_string(b) + ", " +
-                            std::to_string(h) + ", " + std::to_string(sq) + ")");
+  if (ffi::Error e = CheckExact(a, "lse", lse, {b, h, sq}, ffi::DataType::F32); e.failure()) {
+    return e;
   }
   for (int64_t d : {b, sq, sk, h, hk}) {
     // The kernel ABI takes int32 extents; larger ones would silently wrap.
@@ -302,21 +315,6 @@ ffi::Error FindLibrary(const CallAttrs& a, const VariantLibrary** library) {
                           key + "`");
   }
   return ffi::Error::Success();
-}
-
-// `buffer` must have exactly `dims` and `dtype`.
-ffi::Error CheckExact(const CallAttrs& a, const char* name, const ffi::AnyBuffer& buffer,
-                      std::initializer_list<int64_t> dims, ffi::DataType dtype) {
-  auto have = buffer.dimensions();
-  bool ok = have.size() == dims.size() && buffer.element_type() == dtype;
-  size_t i = 0;
-  for (int64_t d : dims) ok = ok && have[i++] == d;
-  if (ok) return ffi::Error::Success();
-  std::string want = "(";
-  i = 0;
-  for (int64_t d : dims) want += (i++ ? ", " : "") + std::to_string(d);
-  return Invalid(a, std::string(name) + " is " + DtypeName(buffer.element_type()) + " " +
-                        Shape(buffer) + ", expected " + DtypeName(dtype) + " " + want + ")");
 }
 
 // The masked variants' operands (kernel_abi.h JaxflashMask) after the tensors: their number,
@@ -618,16 +616,21 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
-// The instantiate stage: registers the call's variant from the kernel folders unless Python
-// already did (jaxflash.attention's lowering does; a deserialized program's calls arrive here).
-ffi::Error LoadCallVariant(ffi::Dictionary attrs) {
+// The instantiate stage of `target`: registers the call's variant from the kernel folders
+// unless Python already did (jaxflash.attention's lowering does; a deserialized program's calls
+// arrive here).
+ffi::Error LoadCallVariant(std::string_view target, ffi::Dictionary attrs) {
   ffi::ErrorOr<std::string_view> variant = attrs.get<std::string_view>("variant");
   if (variant.has_error()) return variant.error();
   if (std::string error = RegisterFromFolders(*variant); !error.empty()) {
-    return VariantMissing("jaxflash[variant=" + std::string(*variant) + "]: ", *variant, error);
+    return VariantMissing(Where(target, *variant), *variant, error);
   }
   return ffi::Error::Success();
 }
+
+// One instantiate handler per target, so that its errors name the target like execute's do.
+ffi::Error LoadFwdCallVariant(ffi::Dictionary attrs) { return LoadCallVariant(kFwdTarget, attrs); }
+ffi::Error LoadBwdCallVariant(ffi::Dictionary attrs) { return LoadCallVariant(kBwdTarget, attrs); }
 
 }  // namespace
 }  // namespace jaxflash
@@ -646,13 +649,16 @@ int32_t jaxflash_ffi_prepare(void) {
 
 }  // extern "C"
 
-// Instantiate stage of both targets: XLA calls it once per custom call when it creates the
+// Instantiate stage of each target: XLA calls it once per custom call when it creates the
 // executable's thunks, before the first run and before any command-buffer recording. It loads
 // the call's variant library (dlopen and module load), so that execute only looks the variant
 // up and launches: nothing in execute is illegal under stream capture, which is what lets the
 // handlers below be recorded into XLA's command buffers (CUDA graphs).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxflashAttentionInstantiate, jaxflash::LoadCallVariant,
+    JaxflashAttentionFwdInstantiate, jaxflash::LoadFwdCallVariant,
+    ffi::Ffi::BindInstantiate().Attrs());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxflashAttentionBwdInstantiate, jaxflash::LoadBwdCallVariant,
     ffi::Ffi::BindInstantiate().Attrs());
 
 // Command-buffer compatible: each call launches the same device work for the same attributes

@@ -4,74 +4,41 @@
 #ifndef JAXFLASH_FFI_TENSOR_ARGS_H_
 #define JAXFLASH_FFI_TENSOR_ARGS_H_
 
+#include <stddef.h>
 #include <stdint.h>
 
 namespace jaxflash {
 
-// Every tensor of the kernels' fake signatures (jaxflash.kernels.compile) has 3 dynamic extents
-// and 2 dynamic strides; the glue checks each exported struct, so that a changed signature
-// fails to compile instead of at run time.
+// The 3- and 4-mode tensors of the kernels' fake signatures (jaxflash.kernels.compile) have 3
+// dynamic extents and 2 dynamic strides; the glue checks each such exported struct, so that a
+// changed signature fails to compile instead of at run time (Dense checks every struct it fills
+// against the extents it is given).
 template <typename T>
 constexpr bool kSignatureMatches =
     sizeof(T::dynamic_shapes) == 3 * sizeof(int32_t) &&
     sizeof(T::dynamic_strides) == 2 * sizeof(int64_t);
 
-// (d0, d1, d2, dim) dense row-major: dynamic extents (d0, d1, d2), dynamic strides of d0, d1;
-// the stride of d2 (dim) and the unit stride are static in the kernel signature.
-template <typename T>
-T Dense4(const void* data, int32_t d0, int32_t d1, int32_t d2, int32_t dim) {
+// A dense row-major tensor (e[0], ..., e[N-1], inner): the N extents e are dynamic in the
+// kernel signature, the `inner` trailing elements of each index of e[N-1] static (a head dim,
+// the 4 entries of a block range; 1 when e[N-1] is the contiguous mode). Fills the N extents
+// and the N - 1 dynamic strides, of e[0] to e[N-2]; the stride of e[N-1] (inner) is static.
+// The struct must have exactly that many of each.
+template <typename T, size_t N>
+T Dense(const void* data, const int32_t (&extents)[N], int32_t inner = 1) {
+  static_assert(sizeof(T::dynamic_shapes) == N * sizeof(int32_t),
+                "the struct has another number of dynamic extents");
   T t = {};
   t.data = const_cast<void*>(data);
-  t.dynamic_shapes[0] = d0;
-  t.dynamic_shapes[1] = d1;
-  t.dynamic_shapes[2] = d2;
-  t.dynamic_strides[0] = static_cast<int64_t>(d1) * d2 * dim;
-  t.dynamic_strides[1] = static_cast<int64_t>(d2) * dim;
-  return t;
-}
-
-// (d0, d1, d2) dense row-major: all extents dynamic, strides of d0 and d1 dynamic.
-template <typename T>
-T Dense3(const void* data, int32_t d0, int32_t d1, int32_t d2) {
-  T t = {};
-  t.data = const_cast<void*>(data);
-  t.dynamic_shapes[0] = d0;
-  t.dynamic_shapes[1] = d1;
-  t.dynamic_shapes[2] = d2;
-  t.dynamic_strides[0] = static_cast<int64_t>(d1) * d2;
-  t.dynamic_strides[1] = d2;
-  return t;
-}
-
-// (d0, d1) dense row-major: both extents dynamic, the stride of d0 dynamic.
-template <typename T>
-T Dense2(const void* data, int32_t d0, int32_t d1) {
-  T t = {};
-  t.data = const_cast<void*>(data);
-  t.dynamic_shapes[0] = d0;
-  t.dynamic_shapes[1] = d1;
-  t.dynamic_strides[0] = d1;
-  return t;
-}
-
-// (d0, d1, dim) dense row-major with a static last extent: extents d0, d1 and the stride of d0
-// dynamic (the masked variants' block ranges, dim = 4).
-template <typename T>
-T Dense2Static(const void* data, int32_t d0, int32_t d1, int32_t dim) {
-  T t = {};
-  t.data = const_cast<void*>(data);
-  t.dynamic_shapes[0] = d0;
-  t.dynamic_shapes[1] = d1;
-  t.dynamic_strides[0] = static_cast<int64_t>(d1) * dim;
-  return t;
-}
-
-// (n,) contiguous: the extent dynamic.
-template <typename T>
-T Vector(const void* data, int32_t n) {
-  T t = {};
-  t.data = const_cast<void*>(data);
-  t.dynamic_shapes[0] = n;
+  for (size_t i = 0; i < N; ++i) t.dynamic_shapes[i] = extents[i];
+  if constexpr (N > 1) {  // a 1-mode struct has no dynamic_strides member
+    static_assert(sizeof(T::dynamic_strides) == (N - 1) * sizeof(int64_t),
+                  "the struct has another number of dynamic strides");
+    int64_t stride = inner;
+    for (size_t i = N - 1; i-- > 0;) {
+      stride *= extents[i + 1];
+      t.dynamic_strides[i] = stride;
+    }
+  }
   return t;
 }
 

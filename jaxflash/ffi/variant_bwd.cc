@@ -25,11 +25,7 @@ static_assert(JAXFLASH_DIRECTION == 1, "variant_bwd.cc builds backward variants"
 namespace {
 
 using jaxflash::Aligned;
-using jaxflash::Dense2;
-using jaxflash::Dense2Static;
-using jaxflash::Dense3;
-using jaxflash::Dense4;
-using jaxflash::Vector;
+using jaxflash::Dense;
 
 using jaxflash::kSignatureMatches;
 
@@ -131,16 +127,16 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
 
   {  // delta, lse * log2(e), zeroed dQ semaphores (deterministic) or accumulator (default)
-    auto o = Dense4<JF_PRE(_Tensor_mO_t)>(a.out, b, sq, h, dv);
-    auto dout = Dense4<JF_PRE(_Tensor_mdO_t)>(a.d_out, b, sq, h, dv);
-    auto lse = Dense3<JF_PRE(_Tensor_mLSE_t)>(a.lse, b, h, sq);
-    auto dlse = Dense3<JF_PRE(_Tensor_mdLSE_t)>(a.d_lse, b, h, sq);
-    auto lse2 = Dense3<JF_PRE(_Tensor_mLSE2_t)>(a.lse_log2, b, h, sqr);
-    auto delta = Dense3<JF_PRE(_Tensor_mDelta_t)>(a.delta, b, h, sqr);
-    auto acc = Dense4<JF_PRE(_Tensor_mdQaccum_t)>(a.dq_accum, b, h, acc_rows, d);
+    auto o = Dense<JF_PRE(_Tensor_mO_t)>(a.out, {b, sq, h}, dv);
+    auto dout = Dense<JF_PRE(_Tensor_mdO_t)>(a.d_out, {b, sq, h}, dv);
+    auto lse = Dense<JF_PRE(_Tensor_mLSE_t)>(a.lse, {b, h, sq});
+    auto dlse = Dense<JF_PRE(_Tensor_mdLSE_t)>(a.d_lse, {b, h, sq});
+    auto lse2 = Dense<JF_PRE(_Tensor_mLSE2_t)>(a.lse_log2, {b, h, sqr});
+    auto delta = Dense<JF_PRE(_Tensor_mDelta_t)>(a.delta, {b, h, sqr});
+    auto acc = Dense<JF_PRE(_Tensor_mdQaccum_t)>(a.dq_accum, {b, h, acc_rows}, d);
 #if JAXFLASH_DETERMINISTIC
     auto sem =
-        Dense3<JF_PRE(_Tensor_mSem_t)>(a.dq_semaphore, b, h, acc_rows / JAXFLASH_TILE_M);
+        Dense<JF_PRE(_Tensor_mSem_t)>(a.dq_semaphore, {b, h, acc_rows / JAXFLASH_TILE_M});
     status = JF_WRAPPER(JAXFLASH_PREFIX_PRE)(&g_pre, &o, &dout, &lse, &dlse, &lse2, &delta, &acc,
                                              &sem, stream);
 #else
@@ -150,18 +146,18 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
     if (status != 0) return status;
   }
   {  // dK, dV, and dQ into the fp32 accumulator
-    auto q = Dense4<JF_MAIN(_Tensor_mQ_t)>(a.q, b, sq, h, d);
-    auto k = Dense4<JF_MAIN(_Tensor_mK_t)>(a.k, b, sk, hk, d);
-    auto v = Dense4<JF_MAIN(_Tensor_mV_t)>(a.v, b, sk, hk, dv);
-    auto dout = Dense4<JF_MAIN(_Tensor_mdO_t)>(a.d_out, b, sq, h, dv);
-    auto lse2 = Dense3<JF_MAIN(_Tensor_mLSE2_t)>(a.lse_log2, b, h, sqr);
-    auto delta = Dense3<JF_MAIN(_Tensor_mDelta_t)>(a.delta, b, h, sqr);
-    auto acc = Dense4<JF_MAIN(_Tensor_mdQaccum_t)>(a.dq_accum, b, h, acc_rows, d);
-    auto dk = Dense4<JF_MAIN(_Tensor_mdK_t)>(a.dk, b, sk, hk, d);
-    auto dvt = Dense4<JF_MAIN(_Tensor_mdV_t)>(a.dv, b, sk, hk, dv);
+    auto q = Dense<JF_MAIN(_Tensor_mQ_t)>(a.q, {b, sq, h}, d);
+    auto k = Dense<JF_MAIN(_Tensor_mK_t)>(a.k, {b, sk, hk}, d);
+    auto v = Dense<JF_MAIN(_Tensor_mV_t)>(a.v, {b, sk, hk}, dv);
+    auto dout = Dense<JF_MAIN(_Tensor_mdO_t)>(a.d_out, {b, sq, h}, dv);
+    auto lse2 = Dense<JF_MAIN(_Tensor_mLSE2_t)>(a.lse_log2, {b, h, sqr});
+    auto delta = Dense<JF_MAIN(_Tensor_mDelta_t)>(a.delta, {b, h, sqr});
+    auto acc = Dense<JF_MAIN(_Tensor_mdQaccum_t)>(a.dq_accum, {b, h, acc_rows}, d);
+    auto dk = Dense<JF_MAIN(_Tensor_mdK_t)>(a.dk, {b, sk, hk}, d);
+    auto dvt = Dense<JF_MAIN(_Tensor_mdV_t)>(a.dv, {b, sk, hk}, dv);
 #if JAXFLASH_DETERMINISTIC
     auto sem =
-        Dense3<JF_MAIN(_Tensor_mSem_t)>(a.dq_semaphore, b, h, acc_rows / JAXFLASH_TILE_M);
+        Dense<JF_MAIN(_Tensor_mSem_t)>(a.dq_semaphore, {b, h, acc_rows / JAXFLASH_TILE_M});
 #define JF_SEM &sem,
 #else
 #define JF_SEM
@@ -171,12 +167,12 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
     const int32_t m_blocks = sqr / JAXFLASH_TILE_M;
     const int32_t n_blocks = (sk + JAXFLASH_TILE_N - 1) / JAXFLASH_TILE_N;
     const JaxflashMask& m = a.mask;
-    auto q_ids = Dense2<JF_MAIN(_Tensor_mQIds_t)>(m.col_ids, b, sqr);
-    auto k_ids = Dense2<JF_MAIN(_Tensor_mKIds_t)>(m.row_ids, b, n_blocks * JAXFLASH_TILE_N);
-    auto ranges = Dense2Static<JF_MAIN(_Tensor_mRanges_t)>(m.ranges, b, n_blocks, 4);
-    auto order = Vector<JF_MAIN(_Tensor_mOrder_t)>(m.order, b * n_blocks);
+    auto q_ids = Dense<JF_MAIN(_Tensor_mQIds_t)>(m.col_ids, {b, sqr});
+    auto k_ids = Dense<JF_MAIN(_Tensor_mKIds_t)>(m.row_ids, {b, n_blocks * JAXFLASH_TILE_N});
+    auto ranges = Dense<JF_MAIN(_Tensor_mRanges_t)>(m.ranges, {b, n_blocks}, 4);
+    auto order = Dense<JF_MAIN(_Tensor_mOrder_t)>(m.order, {b * n_blocks});
 #if JAXFLASH_DETERMINISTIC
-    auto ranks = Dense3<JF_MAIN(_Tensor_mRanks_t)>(m.ranks, b, n_blocks, m_blocks);
+    auto ranks = Dense<JF_MAIN(_Tensor_mRanks_t)>(m.ranks, {b, n_blocks, m_blocks});
 #define JF_RANKS &ranks,
 #else
 #define JF_RANKS
@@ -192,12 +188,12 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
     if (status != 0) return status;
   }
   {  // dQ = softmax_scale * accumulator, in the input dtype
-    auto acc = Dense4<JF_POST(_Tensor_mdQaccum_t)>(a.dq_accum, b, h, acc_rows, d);
-    auto dq = Dense4<JF_POST(_Tensor_mdQ_t)>(a.dq, b, sq, h, d);
+    auto acc = Dense<JF_POST(_Tensor_mdQaccum_t)>(a.dq_accum, {b, h, acc_rows}, d);
+    auto dq = Dense<JF_POST(_Tensor_mdQ_t)>(a.dq, {b, sq, h}, d);
 #if JAXFLASH_DETERMINISTIC
     // The accumulator was not zeroed: blocks whose semaphore counts no contribution read as 0.
     auto sem =
-        Dense3<JF_POST(_Tensor_mSem_t)>(a.dq_semaphore, b, h, acc_rows / JAXFLASH_TILE_M);
+        Dense<JF_POST(_Tensor_mSem_t)>(a.dq_semaphore, {b, h, acc_rows / JAXFLASH_TILE_M});
     status = JF_WRAPPER(JAXFLASH_PREFIX_POST)(&g_post, &acc, &dq, &sem, a.softmax_scale, stream);
 #else
     status = JF_WRAPPER(JAXFLASH_PREFIX_POST)(&g_post, &acc, &dq, a.softmax_scale, stream);

@@ -18,11 +18,7 @@
 namespace {
 
 using jaxflash::Aligned;
-using jaxflash::Dense2;
-using jaxflash::Dense2Static;
-using jaxflash::Dense3;
-using jaxflash::Dense4;
-using jaxflash::Vector;
+using jaxflash::Dense;
 
 using Module = JF_NAME(_Kernel_Module_t);
 using TensorQ = JF_NAME(_Tensor_mQ_t);
@@ -107,22 +103,22 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
 
   const int32_t b = args->batch, sq = args->seqlen_q, sk = args->seqlen_k;
   const int32_t h = args->num_heads, hk = args->num_kv_heads;
-  TensorQ q = Dense4<TensorQ>(args->q, b, sq, h, JAXFLASH_HEAD_DIM);
-  TensorK k = Dense4<TensorK>(args->k, b, sk, hk, JAXFLASH_HEAD_DIM);
-  TensorV v = Dense4<TensorV>(args->v, b, sk, hk, JAXFLASH_HEAD_DIM_V);
-  TensorO o = Dense4<TensorO>(args->out, b, sq, h, JAXFLASH_HEAD_DIM_V);
-  TensorLse lse = Dense3<TensorLse>(args->lse, b, h, sq);  // (batch, heads, seqlen_q)
+  TensorQ q = Dense<TensorQ>(args->q, {b, sq, h}, JAXFLASH_HEAD_DIM);
+  TensorK k = Dense<TensorK>(args->k, {b, sk, hk}, JAXFLASH_HEAD_DIM);
+  TensorV v = Dense<TensorV>(args->v, {b, sk, hk}, JAXFLASH_HEAD_DIM_V);
+  TensorO o = Dense<TensorO>(args->out, {b, sq, h}, JAXFLASH_HEAD_DIM_V);
+  TensorLse lse = Dense<TensorLse>(args->lse, {b, h, sq});  // (batch, heads, seqlen_q)
   // The kernel reads the sink only when has_sink is 1; without one it gets a valid dummy.
   const int32_t has_sink = args->sink != nullptr ? 1 : 0;
-  TensorSink sink = Vector<TensorSink>(has_sink ? args->sink : args->lse, h);
+  TensorSink sink = Dense<TensorSink>(has_sink ? args->sink : args->lse, {h});
 #if JAXFLASH_MASKED
   const int32_t m_blocks = (sq + JAXFLASH_TILE_M - 1) / JAXFLASH_TILE_M;
   const int32_t n_blocks = (sk + JAXFLASH_TILE_N - 1) / JAXFLASH_TILE_N;
   const JaxflashMask& m = args->mask;
-  TensorQIds q_ids = Dense2<TensorQIds>(m.row_ids, b, m_blocks * JAXFLASH_TILE_M);
-  TensorKIds k_ids = Dense2<TensorKIds>(m.col_ids, b, n_blocks * JAXFLASH_TILE_N);
-  TensorRanges ranges = Dense2Static<TensorRanges>(m.ranges, b, m_blocks, 4);
-  TensorOrder order = Vector<TensorOrder>(m.order, b * m_blocks);
+  TensorQIds q_ids = Dense<TensorQIds>(m.row_ids, {b, m_blocks * JAXFLASH_TILE_M});
+  TensorKIds k_ids = Dense<TensorKIds>(m.col_ids, {b, n_blocks * JAXFLASH_TILE_N});
+  TensorRanges ranges = Dense<TensorRanges>(m.ranges, {b, m_blocks}, 4);
+  TensorOrder order = Dense<TensorOrder>(m.order, {b * m_blocks});
   return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &sink, &q_ids,
                                           &k_ids, &ranges, &order, args->softmax_scale,
                                           has_sink, args->window_left, args->window_right,
@@ -130,9 +126,9 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
 #elif JAXFLASH_FP8
   const int32_t q_chunks = static_cast<int32_t>(jaxflash_fp8_descale_chunks(sq, JAXFLASH_TILE_M));
   const int32_t k_chunks = static_cast<int32_t>(jaxflash_fp8_descale_chunks(sk, JAXFLASH_TILE_N));
-  TensorQDescale q_descale = Dense3<TensorQDescale>(args->q_descale, b, h, q_chunks);
+  TensorQDescale q_descale = Dense<TensorQDescale>(args->q_descale, {b, h, q_chunks});
   // (batch, hk, k_chunks, 4) seen as (batch, hk, 4 * k_chunks).
-  TensorKVDescale kv_descale = Dense3<TensorKVDescale>(args->kv_descale, b, hk, 4 * k_chunks);
+  TensorKVDescale kv_descale = Dense<TensorKVDescale>(args->kv_descale, {b, hk, 4 * k_chunks});
   return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &sink, &q_descale,
                                           &kv_descale, args->softmax_scale, has_sink,
                                           args->out_float16 != 0 ? 1 : 0,

@@ -62,10 +62,30 @@ class _Masking(mask.MaskOperands):
 
   ranks: cute.Tensor  # deterministic: (m blocks, n blocks, batch), else None
   query_ids_smem: cute.Tensor  # swap_sdp: (tile_m, num_stages) per Q/dO stage, else None
-  capped: Int32  # 1: soft-capping on (the call's softcap > 0)
-  tanh_scale: Float32  # softmax_scale / softcap: t = tanh(S * tanh_scale), in softcap units
   p_scale_log2: Float32  # P = exp2(S' * p_scale_log2 - lse2): (softcap or softmax_scale) log2 e
   inv_cap_log2: Float32  # 1 / (softcap * log2 e): t = (log2 P + lse2) * inv_cap_log2
+
+
+def _smem_buffers(variant: config.KernelVariant) -> dict:
+  """The backward's shared buffers after its mbarriers, in storage order: {name: (element type,
+  count, alignment)}. swap_sdp: no P buffer (P stays in registers), one dS buffer per Q stage,
+  and per Q/dO stage the block's lse2 and delta rows (read by the columns of S^T / dP^T) and,
+  masked, its query segment ids."""
+  dtype, s = DTYPES[variant.dtype], variant.schedule
+  m, n, stages = s.tile_m, s.tile_n, s.num_stages
+  d, dv, align = variant.head_dim, variant.head_dim_v, sm90_gemm.SMEM_ALIGN
+  buffers = dict(sK=(dtype, n * d, align), sV=(dtype, n * dv, align),
+                 sQ=(dtype, stages * m * d, align), sdO=(dtype, s.do_stages * m * dv, align))
+  if not s.swap_sdp:
+    buffers["sP"] = (dtype, m * n, align)
+  buffers["sdS"] = (dtype, (stages if s.swap_sdp else 1) * m * n, align)
+  buffers["sdQ"] = (Float32, m * d // s.dq_pieces, align)
+  if s.swap_sdp:
+    buffers["sLSE2"] = (Float32, m * stages, 128)
+    buffers["sDelta"] = (Float32, m * stages, 128)
+    if variant.masked:
+      buffers["sQIds"] = (Int32, m * stages, 128)
+  return buffers
 
 
 def _mma_slices(tiled_mmas, mma_tidx):
@@ -151,6 +171,7 @@ class FlashAttentionBackwardSm90:
     # fp32 S^T, dP^T and P^T fit next to dK and dV only while no dV GEMM is in flight.
     assert self.dq_copies in (1, 2) and (self.dv_after_ds or self.tile_m == 64), schedule
     self.masked = variant.masked
+    self.variant = variant
     self.rotate_m = variant.deterministic and not variant.causal and not variant.masked
     self.num_mma_threads = _NUM_WG * _WG
     self.num_threads = self.num_mma_threads + _WG
@@ -164,23 +185,10 @@ class FlashAttentionBackwardSm90:
     self.ds_stages = self.num_stages if self.swap_sdp else 1
 
   @staticmethod
-  def smem_bytes(variant: config.KernelVariant, elem_bytes: int = 2) -> int:
-    """K, V, the Q and dO rings, P, dS, the fp32 dQ staging buffer, mbarriers, alignment.
-
-    swap_sdp: no P buffer, num_stages dS buffers, lse2 / delta (and, masked, query id) rows per
-    Q stage.
-    """
-    aligned = sm90_gemm.smem_aligned
-    schedule, head_dim, head_dim_v = variant.schedule, variant.head_dim, variant.head_dim_v
-    m, n, s = schedule.tile_m, schedule.tile_n, schedule.num_stages
-    swap = schedule.swap_sdp
-    rows_per_stage = (3 if variant.masked else 2) if swap else 0
-    total = (aligned(n * head_dim * elem_bytes) + aligned(n * head_dim_v * elem_bytes)
-             + aligned(s * m * head_dim * elem_bytes)
-             + aligned(schedule.do_stages * m * head_dim_v * elem_bytes)
-             + (s if swap else 2) * aligned(m * n * elem_bytes)
-             + aligned(m * head_dim * 4 // schedule.dq_pieces) + rows_per_stage * m * s * 4)
-    return total + sm90_gemm.SMEM_ALIGN
+  def smem_bytes(variant: config.KernelVariant) -> int:
+    """Shared memory of one CTA: mbarriers, K, V, the Q and dO rings, P, dS, the fp32 dQ
+    staging buffer, alignment (_smem_buffers)."""
+    return sm90_gemm.smem_bytes(_smem_buffers(variant))
 
   @staticmethod
   def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:
@@ -247,34 +255,22 @@ class FlashAttentionBackwardSm90:
                                            cute.slice_(self.sdO_layout, (None, None, 0)))
     self.tma_bytes_qdo = self.tma_bytes_q + self.tma_bytes_do
     if self.swap_sdp:
-      # The block's lse2 and delta rows ride on the Q/dO stage (one bulk copy each).
-      self.tma_bytes_qdo += 2 * self.tile_m * 4
-    stages, do_stages = self.num_stages, self.do_stages
-    dq_floats = m * self.head_dim // self.dq_pieces
-
+      # The block's lse2 and delta rows (and, masked, query ids) ride on the Q/dO stage (one
+      # bulk copy each).
+      self.tma_bytes_qdo += (3 if self.masked else 2) * self.tile_m * 4
+    buffers = _smem_buffers(self.variant)
+    # The buffers are what smem_bytes counts; each must hold its tiles exactly.
+    for name, layout in (("sK", self.sK_layout), ("sV", self.sV_layout), ("sQ", self.sQ_layout),
+                         ("sdO", self.sdO_layout), ("sP", self.sPdS_layout),
+                         ("sdS", self.sPdS_layout)):
+      assert name not in buffers or buffers[name][1] == cute.cosize(layout), name
     # One field list for both schedules (cute.struct reads the class annotations in order).
     fields = dict(
         mbar_kv=cute.struct.MemRange[cutlass.Int64, 2],
-        mbar_qdo=cute.struct.MemRange[cutlass.Int64, 2 * stages],
+        mbar_qdo=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
         # The separate dO ring of the head-dim split (unused otherwise).
-        mbar_do=cute.struct.MemRange[cutlass.Int64, 2 * do_stages],
-        sK=sm90_gemm.smem_buffer(self.dtype, cute.cosize(self.sK_layout)),
-        sV=sm90_gemm.smem_buffer(self.dtype, cute.cosize(self.sV_layout)),
-        sQ=sm90_gemm.smem_buffer(self.dtype, cute.cosize(self.sQ_layout)),
-        sdO=sm90_gemm.smem_buffer(self.dtype, cute.cosize(self.sdO_layout)))
-    if not self.swap_sdp:  # swap_sdp: P stays in registers
-      fields["sP"] = sm90_gemm.smem_buffer(self.dtype, cute.cosize(self.sPdS_layout))
-    # swap_sdp: one dS buffer per Q stage (in the layout).
-    fields["sdS"] = sm90_gemm.smem_buffer(self.dtype, cute.cosize(self.sPdS_layout))
-    fields["sdQ"] = sm90_gemm.smem_buffer(Float32, dq_floats)
-    if self.swap_sdp:
-      # Per Q/dO stage: the block's lse2 and delta rows (read by the columns of S^T / dP^T).
-      fields["sLSE2"] = sm90_gemm.smem_buffer(Float32, m * stages, 128)
-      fields["sDelta"] = sm90_gemm.smem_buffer(Float32, m * stages, 128)
-      if self.masked:
-        # ... and its query segment ids.
-        fields["sQIds"] = sm90_gemm.smem_buffer(Int32, m * stages, 128)
-        self.tma_bytes_qdo += self.tile_m * 4
+        mbar_do=cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages],
+        **sm90_gemm.smem_fields(buffers))
     self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
   @cute.jit
@@ -430,8 +426,11 @@ class FlashAttentionBackwardSm90:
         tanh_scale = softmax_scale / softcap
         p_scale_log2 = softcap * LOG2_E
         inv_cap_log2 = Float32(1.0) / p_scale_log2
-      masking = _Masking(mQIds, mKIds, mRanges, mOrder, window_left, window_right, mRanks,
-                         query_ids_smem, Int32(capped), tanh_scale, p_scale_log2, inv_cap_log2)
+      masking = _Masking(query_ids=mQIds, key_ids=mKIds, ranges=mRanges, order=mOrder,
+                         window_left=window_left, window_right=window_right,
+                         capped=Int32(capped), tanh_scale=tanh_scale, ranks=mRanks,
+                         query_ids_smem=query_ids_smem, p_scale_log2=p_scale_log2,
+                         inv_cap_log2=inv_cap_log2)
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()

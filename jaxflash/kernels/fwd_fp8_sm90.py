@@ -59,8 +59,14 @@ def transpose_units(variant: config.KernelVariant) -> int:
           * (variant.head_dim_v // fp8_operands.UNIT_DIMS))
 
 
-def _smem_parts(variant: config.KernelVariant) -> tuple[int, int]:
-  """(bytes of everything but O, bytes of O's bf16 tile), each aligned."""
+def _smem_layout(variant: config.KernelVariant) -> tuple[int, bool]:
+  """(shared memory of one CTA, whether O's bf16 tile takes the V ring's bytes).
+
+  Q, the K, V and V^T rings (e4m3), O, the key chunks' descales, mbarriers, each aligned. O
+  takes the V ring's bytes only where a buffer of its own would not fit shared memory (head_dim
+  256 on 128 x 128 tiles). One CTA per tile, and the ring is done once the last V stage was
+  transposed, before either warpgroup's last P V GEMM.
+  """
   aligned = sm90_gemm.smem_aligned
   s, d, dv = variant.schedule, variant.head_dim, variant.head_dim_v
   rest = (aligned(s.tile_m * d) + aligned(s.num_stages * s.tile_n * d)
@@ -68,17 +74,15 @@ def _smem_parts(variant: config.KernelVariant) -> tuple[int, int]:
           + (aligned(s.num_stages * s.tile_n // _CHUNK * _KV_VALUES * 4)
              if variant.block_descales else 0)
           + sm90_gemm.SMEM_ALIGN)
-  return rest, aligned(s.tile_m * dv * 2)
+  o_bytes = aligned(s.tile_m * dv * 2)
+  over_ring = (rest + o_bytes > sm90_gemm.SMEM_CAPACITY
+               and o_bytes <= s.num_stages * s.tile_n * dv)
+  return rest + (0 if over_ring else o_bytes), over_ring
 
 
 def o_over_v_ring(variant: config.KernelVariant) -> bool:
-  """Whether O's bf16 tile takes the V ring's bytes: only where a buffer of its own would not
-  fit shared memory (head_dim 256 on 128 x 128 tiles). One CTA per tile, and the ring is done
-  once the last V stage was transposed, before either warpgroup's last P V GEMM."""
-  rest, o_bytes = _smem_parts(variant)
-  s = variant.schedule
-  return (rest + o_bytes > sm90_gemm.SMEM_CAPACITY
-          and o_bytes <= s.num_stages * s.tile_n * variant.head_dim_v)
+  """Whether O's bf16 tile takes the V ring's bytes (_smem_layout)."""
+  return _smem_layout(variant)[1]
 
 
 class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
@@ -121,11 +125,10 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     self.block_descales = variant.block_descales
 
   @staticmethod
-  def smem_bytes(variant: config.KernelVariant, elem_bytes: int = 1) -> int:
+  def smem_bytes(variant: config.KernelVariant) -> int:
     """Q, the K, V and V^T rings (e4m3), O (bf16; over the V ring where o_over_v_ring), the key
     chunks' descales, mbarriers, alignment."""
-    rest, o_bytes = _smem_parts(variant)
-    return rest + (0 if o_over_v_ring(variant) else o_bytes)
+    return _smem_layout(variant)[0]
 
   @staticmethod
   def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:

@@ -35,6 +35,21 @@ _SCHEDULER_BARRIER_BASE = 2
 _REGISTER_SPLIT = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 
 
+def _smem_buffers(variant: config.KernelVariant) -> dict:
+  """The shared buffers of the 16-bit forward after its mbarriers, in storage order: {name:
+  (element type, count, alignment)}. Q's buffer also holds O (after the last QK^T GEMM); masked
+  variants add each K stage's key block ids (one bulk copy with the K tile)."""
+  dtype, s = DTYPES[variant.dtype], variant.schedule
+  align = sm90_gemm.SMEM_ALIGN
+  buffers = dict(
+      sQ=(dtype, s.tile_m * max(variant.head_dim, variant.head_dim_v), align),
+      sK=(dtype, s.num_stages * s.tile_n * variant.head_dim, align),
+      sV=(dtype, s.num_stages * s.tile_n * variant.head_dim_v, align))
+  if variant.masked:
+    buffers["sKIds"] = (Int32, s.num_stages * s.tile_n, 128)
+  return buffers
+
+
 class FlashAttentionForwardSm90:
   """FA-3 style forward: warpgroup 0 produces (one warp issues TMA), the others consume.
 
@@ -83,18 +98,13 @@ class FlashAttentionForwardSm90:
     self.lpt = schedule.lpt
     self.rescale_o_before_pv = schedule.rescale_o_before_pv
     self.masked = variant.masked
+    self.variant = variant
 
   @staticmethod
-  def smem_bytes(variant: config.KernelVariant, elem_bytes: int = 2) -> int:
-    """Shared memory of one CTA: Q (reused for O), the K and V rings (masked: with the key
-    blocks' segment ids), mbarriers, alignment."""
-    aligned = sm90_gemm.smem_aligned
-    schedule, head_dim, head_dim_v = variant.schedule, variant.head_dim, variant.head_dim_v
-    q = aligned(schedule.tile_m * max(head_dim, head_dim_v) * elem_bytes)
-    k = aligned(schedule.num_stages * schedule.tile_n * head_dim * elem_bytes)
-    v = aligned(schedule.num_stages * schedule.tile_n * head_dim_v * elem_bytes)
-    ids = schedule.num_stages * schedule.tile_n * 4 if variant.masked else 0
-    return q + k + v + ids + sm90_gemm.SMEM_ALIGN
+  def smem_bytes(variant: config.KernelVariant) -> int:
+    """Shared memory of one CTA: mbarriers, Q (reused for O), the K and V rings (masked: with
+    the key blocks' segment ids), alignment."""
+    return sm90_gemm.smem_bytes(_smem_buffers(variant))
 
   @staticmethod
   def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:
@@ -123,22 +133,21 @@ class FlashAttentionForwardSm90:
     self.tma_bytes_q = cute.size_in_bytes(self.dtype, self.sQ_layout)
     self.tma_bytes_k = cute.size_in_bytes(self.dtype, cute.slice_(self.sK_layout, (None, None, 0)))
     self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.slice_(self.sV_layout, (None, None, 0)))
-    # O reuses Q's buffer once every QK^T GEMM is done (an epilogue barrier orders that).
-    q_elems = max(cute.cosize(self.sQ_layout), cute.cosize(self.sO_layout))
+    if self.masked:
+      self.tma_bytes_k += self.tile_n * 4  # the key block's ids ride on the K stage
+    buffers = _smem_buffers(self.variant)
+    # The buffers are what smem_bytes counts; each must hold its tiles exactly. O reuses Q's
+    # buffer once every QK^T GEMM is done (an epilogue barrier orders that).
+    for name, layouts in (("sQ", (self.sQ_layout, self.sO_layout)), ("sK", (self.sK_layout,)),
+                          ("sV", (self.sV_layout,))):
+      assert buffers[name][1] == max(cute.cosize(layout) for layout in layouts), name
     stages = self.num_stages
-
     # cute.struct reads the class annotations in order.
     fields = dict(
         mbar_q=cute.struct.MemRange[cutlass.Int64, 2],
         mbar_k=cute.struct.MemRange[cutlass.Int64, 2 * stages],
         mbar_v=cute.struct.MemRange[cutlass.Int64, 2 * stages],
-        sQ=sm90_gemm.smem_buffer(self.dtype, q_elems),
-        sK=sm90_gemm.smem_buffer(self.dtype, cute.cosize(self.sK_layout)),
-        sV=sm90_gemm.smem_buffer(self.dtype, cute.cosize(self.sV_layout)))
-    if self.masked:
-      # Per K stage: the key block's segment ids (one bulk copy with the K tile).
-      fields["sKIds"] = sm90_gemm.smem_buffer(Int32, self.tile_n * stages, 128)
-      self.tma_bytes_k += self.tile_n * 4
+        **sm90_gemm.smem_fields(buffers))
     self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
   @cute.jit
@@ -259,8 +268,9 @@ class FlashAttentionForwardSm90:
       if capped:
         tanh_scale = softmax_scale / softcap
         softmax_scale = softcap
-      masking = _Masking(mQIds, mKIds, mRanges, mOrder, window_left, window_right, sKIds,
-                         Int32(capped), tanh_scale)
+      masking = _Masking(query_ids=mQIds, key_ids=mKIds, ranges=mRanges, order=mOrder,
+                         window_left=window_left, window_right=window_right,
+                         capped=Int32(capped), tanh_scale=tanh_scale, key_ids_smem=sKIds)
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -731,5 +741,3 @@ class _Masking(mask.MaskOperands):
   """The forward's mask operands (rows: query tiles; ranges: n_min, n_max, full_lo, full_hi)."""
 
   key_ids_smem: cute.Tensor  # (tile_n, num_stages): each K stage's key block ids
-  capped: Int32  # 1: soft-capping on (the call's softcap > 0)
-  tanh_scale: Float32  # softmax_scale / softcap: S' = tanh(S * tanh_scale), in softcap units

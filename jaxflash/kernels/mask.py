@@ -16,7 +16,8 @@ from cutlass import Float32, Int32
 
 @dataclasses.dataclass(frozen=True)
 class MaskOperands:
-  """The run-time mask operands of a masked variant (jaxflash/block_ranges.py computes them).
+  """The run-time operands of a masked variant: ids, block ranges and launch order
+  (jaxflash/block_ranges.py computes them), the band, and the soft-capping.
 
   A CTA tiles one side ("rows": queries in the forward, keys in the backward) and visits blocks
   of the other ("columns"). The kernels extend this with what only one direction needs.
@@ -28,6 +29,8 @@ class MaskOperands:
   order: cute.Tensor  # (batch * row tiles,): the launch order of the row tiles
   window_left: Int32
   window_right: Int32
+  capped: Int32  # 1: soft-capping on (the call's softcap > 0)
+  tanh_scale: Float32  # softmax_scale / softcap: t = tanh(S * tanh_scale), in softcap units
 
 
 @cute.jit

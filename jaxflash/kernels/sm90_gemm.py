@@ -33,6 +33,19 @@ def smem_buffer(dtype, count: int, alignment: int = SMEM_ALIGN):
   return cute.struct.Align[cute.struct.MemRange[dtype, count], alignment]
 
 
+def smem_fields(buffers: dict) -> dict:
+  """The cute.struct fields of `buffers` ({name: (element type, count, alignment)}, in order)."""
+  return {name: smem_buffer(*buffer) for name, buffer in buffers.items()}
+
+
+def smem_bytes(buffers: dict) -> int:
+  """Shared memory that a storage struct's mbarriers (first, less than SMEM_ALIGN bytes) and
+  then `buffers` ({name: (element type, count, alignment)}) take: SMEM_ALIGN, then each
+  buffer's bytes rounded up to its alignment."""
+  return SMEM_ALIGN + sum((count * dtype.width // 8 + alignment - 1) // alignment * alignment
+                          for dtype, count, alignment in buffers.values())
+
+
 def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
   """The same memory with its modes reordered (e.g. (batch, seq, heads, dim) -> seq first)."""
   return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
