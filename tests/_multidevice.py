@@ -22,6 +22,13 @@ _MARK = "JAXFLASH_RESULTS "
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+def worker_results(tmp_path_factory, module: str) -> dict:
+  """run_worker(module), once per test session (also across pytest-xdist workers)."""
+  from tests import _session
+  folder = _session.shared_folder(tmp_path_factory, "multidevice")
+  return _session.computed_once(folder, module, lambda _: run_worker(module))
+
+
 def run_worker(module: str, timeout: float = 900) -> dict:
   """Runs `python -m module` with 8 fake CPU devices; returns the JSON it printed."""
   env = dict(os.environ)

@@ -5,10 +5,12 @@ Import only after pytest.importorskip("cutlass"): the exporter needs the DSL.
 
 from __future__ import annotations
 
+import hashlib
 import pathlib
 import re
 
 from jaxflash.kernels import compile as kernel_compile
+from tests import _session
 
 _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 KERNEL_ABI_H = pathlib.Path(kernel_compile.__file__).parents[1] / "ffi" / "kernel_abi.h"
@@ -39,15 +41,20 @@ class Exported:
     return opcodes(self.sass[part], modifiers)
 
 
-def exporter(tmp_path_factory, name: str):
-  """A function variant -> Exported that compiles each variant once per test session."""
-  out_dir = tmp_path_factory.mktemp(name)
+def exporter(tmp_path_factory):
+  """A function variant -> Exported that compiles each variant once per test session, also
+  across pytest-xdist workers (tests/_session.py)."""
+  shared = _session.shared_folder(tmp_path_factory, "exported-variants")
   cache = {}
 
   def get(variant):
     if variant not in cache:
-      folder = out_dir / str(len(cache))
-      cache[variant] = Exported(kernel_compile.export_variant(variant, folder), folder)
+      # The key does not name every schedule field (tests compile variants with changed
+      # ones): the folder is named by the whole variant.
+      name = f"{variant.key}-{hashlib.sha256(repr(variant).encode()).hexdigest()[:12]}"
+      cache[variant] = _session.computed_once(
+          shared, name, lambda folder: Exported(kernel_compile.export_variant(variant, folder),
+                                                folder))
     return cache[variant]
 
   return get

@@ -2,8 +2,15 @@
 fixtures."""
 
 import functools
+import os
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+  # Parallel workers share a GPU: each takes memory as it needs it instead of preallocating
+  # most of it, which would leave every worker but the first unable to start a backend. Set
+  # before jax initialises its backends (the first test that touches a device).
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 @functools.lru_cache(maxsize=None)

@@ -121,8 +121,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def results():
-  return _multidevice.run_worker("tests.test_context_parallel")
+def results(tmp_path_factory):
+  return _multidevice.worker_results(tmp_path_factory, "tests.test_context_parallel")
 
 
 @pytest.mark.parametrize("name", CASES.keys())

@@ -61,8 +61,8 @@ NO_COLLECTIVES = ("batch_heads", "gqa_heads_sink", "gqa_kv_replicated", "mqa_hea
 
 
 @pytest.fixture(scope="module")
-def results():
-  return _multidevice.run_worker("tests.test_fp8_sharding")
+def results(tmp_path_factory):
+  return _multidevice.worker_results(tmp_path_factory, "tests.test_fp8_sharding")
 
 
 @pytest.mark.parametrize("name", CASES.keys())

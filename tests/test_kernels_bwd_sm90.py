@@ -32,7 +32,7 @@ _RS_GEMM = re.compile(r"HGMMA\.64x\d+x16\.F32(?:\.BF16)? R\d+, (R\d+), gdesc")
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-  return _sass.exporter(tmp_path_factory, "bwd")
+  return _sass.exporter(tmp_path_factory)
 
 
 def _find(**fields):

@@ -95,7 +95,7 @@ def test_model_p_packing_and_the_transposed_v_give_p_times_v():
 def exported(tmp_path_factory):
   pytest.importorskip("cutlass")
   from tests import _sass
-  return _sass.exporter(tmp_path_factory, "fwd_fp8")
+  return _sass.exporter(tmp_path_factory)
 
 
 @pytest.mark.cutlass

@@ -27,7 +27,7 @@ VARIANTS = [v for v in config.shipped_variants("sm90a", "fwd") if v.dtype != con
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-  return _sass.exporter(tmp_path_factory, "fwd")
+  return _sass.exporter(tmp_path_factory)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.key)

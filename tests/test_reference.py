@@ -174,13 +174,20 @@ def test_any_shape_and_options_match_oracle(seq_q, seq_k, group, kv_heads, head_
     q, k, v = make_qkv(seed, 2, seq_q, seq_k, kv_heads * group, kv_heads, head_dim,
                        dtype=jnp.float64)
     segs = make_segments(seed + 1, 2, seq_q, seq_k) if segmented else (None, None)
-    want, want_lse = oracle_for(q, k, v, options, segs)
-    out, lse = jaxflash.attention(q, k, v, q_segment_ids=segs[0], kv_segment_ids=segs[1],
-                                  return_lse=True, implementation="reference", **options)
+
+    def ours(q, k, v, segs):
+      return jaxflash.attention(q, k, v, q_segment_ids=segs[0], kv_segment_ids=segs[1],
+                                return_lse=True, implementation="reference", **options)
+
+    def both(q, k, v, segs):
+      """(ours, oracle) of out, lse and d/dq sum(out^2): one compiled program per example
+      (op-by-op dispatch would compile each of ~90 ops for the example's shapes)."""
+      oracle = lambda q: oracle_for(q, k, v, options, segs)
+      dq, dq_want = (jax.grad(lambda q: jnp.sum(f(q)[0] ** 2))(q)
+                     for f in (lambda q: ours(q, k, v, segs), oracle))
+      return ours(q, k, v, segs), oracle(q), dq, dq_want
+
+    (out, lse), (want, want_lse), dq, dq_want = jax.jit(both)(q, k, v, segs)
     np.testing.assert_allclose(out, want, rtol=1e-9, atol=1e-12)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
-    dq = jax.grad(lambda q: jnp.sum(jaxflash.attention(
-        q, k, v, q_segment_ids=segs[0], kv_segment_ids=segs[1], implementation="reference",
-        **options) ** 2))(q)
-    dq_want = jax.grad(lambda q: jnp.sum(oracle_for(q, k, v, options, segs)[0] ** 2))(q)
     np.testing.assert_allclose(dq, dq_want, rtol=1e-8, atol=1e-10)

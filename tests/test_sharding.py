@@ -131,8 +131,8 @@ REPLICATED_KV = ("gqa_kv_not_divisible", "mqa_heads_on_two_axes", "explicit_gqa_
 
 
 @pytest.fixture(scope="module")
-def results():
-  return _multidevice.run_worker("tests.test_sharding")
+def results(tmp_path_factory):
+  return _multidevice.worker_results(tmp_path_factory, "tests.test_sharding")
 
 
 @pytest.mark.parametrize("name", CASES.keys())
