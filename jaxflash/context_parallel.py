@@ -1,6 +1,6 @@
 """Context-parallel (ring) attention over one mesh axis, built on the public jaxflash.attention.
 
-Uses the public API, shard_map and lax collectives only (DESIGN.md layers): no primitives.
+Uses the public API, shard_map and lax collectives only (docs/design.md): no primitives.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """JAX primitives for attention: abstract eval, lowerings, batching, and the custom_vjp core.
 
-Two primitives per direction (DESIGN.md): the inner one lowers to the FFI custom call on CUDA
+Two primitives per direction (docs/design.md): the inner one lowers to the FFI custom call on CUDA
 (reference elsewhere); the outer one carries the batching rule and the sharding wiring.
 Imports ffi, reference, block_ranges, sharding and config; never Flax.
 """

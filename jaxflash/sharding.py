@@ -1,7 +1,7 @@
 """Partition rules of the attention primitives: pure functions of the config and the shardings.
 
 Imports jax (sharding, lax) and jaxflash.config only; primitives.py wires these into
-custom_partitioning. It never imports primitives (DESIGN.md layers).
+custom_partitioning. It never imports primitives (docs/design.md).
 """
 
 from __future__ import annotations

@@ -258,3 +258,29 @@ def test_the_kernel_abi_takes_the_dq_copies_from_the_library():
   assert "DQ_COPIES" not in abi + handlers
   assert not re.search(r"\bfind\('-'|rfind\('-'\)|HasToken", handlers)
   assert max(v.schedule.dq_copies for v in BWD) == 2  # the kernels index a copy by one bit
+
+
+def _documented_count(path: str, pattern: str) -> int:
+  text = (pathlib.Path(__file__).resolve().parents[1] / path).read_text()
+  found = re.findall(pattern, " ".join(text.split()))
+  assert len(found) == 1, (path, pattern, found)
+  return int(found[0])
+
+
+def test_documented_variant_counts_are_the_shipped_ones():
+  """docs/build.md and docs/kernels.md state how many variants ship: the table's counts."""
+  fwd = config.shipped_variants("sm90a", "fwd")
+  bwd = config.shipped_variants("sm90a", "bwd")
+  fp8 = [v for v in fwd if v.dtype == config.FP8_DTYPE]
+  total = len(fwd) + len(bwd)
+  assert _documented_count("docs/build.md", r"`--all` builds the (\d+) shipped variants") == total
+  assert _documented_count("docs/build.md", r"(\d+) forward \(\d+ fp16/bf16") == len(fwd)
+  assert _documented_count("docs/build.md", r"forward \((\d+) fp16/bf16") == len(fwd) - len(fp8)
+  assert _documented_count("docs/build.md", r"fp16/bf16: .*?; (\d+) FP8\)") == len(fp8)
+  assert _documented_count("docs/build.md", r"(\d+) backward \(the same") == len(bwd)
+  assert _documented_count("docs/build.md", r"built all (\d+) in") == total
+  assert _documented_count("docs/build.md", r"With all (\d+) variants it is") == total
+  assert _documented_count("docs/kernels.md", r"(\d+) forward and \d+ backward variants") == (
+      len(fwd) - len(fp8))
+  assert _documented_count("docs/kernels.md", r"\d+ forward and (\d+) backward variants") == len(
+      bwd)

@@ -1,8 +1,8 @@
 """Mask semantics against an independent, loop-by-loop NumPy statement of the API contract.
 
 The vectorised oracle in jaxflash.reference shares `visible_mask` with the blocked path; this
-file restates the rules (bottom-right causal, windows, segments, GQA, softcap) from DESIGN.md
-without any jaxflash code, so a wrong rule cannot hide in both.
+file restates the rules (bottom-right causal, windows, segments, GQA, softcap) from the API
+contract (README, "API") without any jaxflash code, so a wrong rule cannot hide in both.
 """
 
 import jax
