@@ -1,33 +1,36 @@
 #!/usr/bin/env bash
-# GPU checks of jaxflash against the prebuilt kernels carried in .kcache/ (git-ignored).
+# GPU checks of jaxflash against prebuilt kernels: a kernel wheel in .kcpack/ (git-ignored), or
+# a kernel cache folder in .kcache/ (or packed as .kcpack/kcache.tar.xz).
 #
 # On the build host (nvidia-cutlass-dsl, g++, CUDA headers; no GPU needed), from the repo root:
+#   scripts/gpu_check.sh wheel          # the kernel wheel of every shipped variant into .kcpack/
+#                                       #   (built through .kcache; carry .kcpack, ~26 MiB)
 #   scripts/gpu_check.sh build          # = python -m jaxflash.build --all --cache-dir .kcache,
 #                                       #   then packs the libraries into .kcpack/kcache.tar.xz
-#                                       #   (the static CUDA runtimes in them compress 30x)
-# On the GPU host (jax with CUDA + pytest; installs nothing, needs no network), from the repo root:
+# On the GPU host (jax with CUDA + pytest + pytest-xdist; installs nothing from the network),
+# from the repo root. A wheel in .kcpack/ is pip-installed into .kwheel/ and used with no cache
+# folder at all (JAXFLASH_CACHE_DIR unset, an empty HOME); else .kcache/ is used:
 #   scripts/gpu_check.sh [all]          # GPU tests, then the forward benchmark (full grid)
-#   scripts/gpu_check.sh tests          # python -m pytest -m gpu -q
+#   scripts/gpu_check.sh tests [ARGS]   # every `gpu` test in parallel workers, then one summary
+#                                       #   line (passed / failed / skipped and why); ARGS go to
+#                                       #   pytest (JAXFLASH_GPU_WORKERS workers, default 12)
+#   scripts/gpu_check.sh sanitize [FAMILY...]  # compute-sanitizer's memcheck, racecheck,
+#                                       #   synccheck and initcheck on jaxflash's kernels
+#                                       #   (devtools/sanitize/calls.py), one line per tool and
+#                                       #   family
 #   scripts/gpu_check.sh bench [ARGS]   # benchmarks/bench_attention.py ARGS (e.g. --bwd-only)
 #   scripts/gpu_check.sh masked [ARGS]  # benchmarks/bench_masked.py ARGS
-# The GPU host unpacks .kcpack/kcache.tar.xz into .kcache/ when .kcache/ is missing.
-# The kernel wheel instead of the cache folder:
-#   scripts/gpu_check.sh wheel          # build host: the kernel wheel of .kcache into .kcpack/
-#   scripts/gpu_check.sh wheel-tests [ARGS]  # GPU host: pip-installs .kcpack/*.whl into .kwheel/,
-#                                       #   then `--list` and `pytest -m gpu ARGS` with no cache
-#                                       #   folder at all (JAXFLASH_CACHE_DIR unset, empty HOME)
 # Logs, JSON and PNG go to $OUT (default ./gpu_out). Exit status: that of the first failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-all}"
 [ $# -gt 0 ] && shift
 case "$mode" in
-  build|all|tests|bench|masked|wheel|wheel-tests) ;;
-  *) echo "unknown mode '$mode': use build, all, tests, bench, masked, wheel or wheel-tests" >&2
+  build|all|tests|sanitize|bench|masked|wheel) ;;
+  *) echo "unknown mode '$mode': use build, wheel, all, tests, sanitize, bench or masked" >&2
      exit 2 ;;
 esac
 py="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}"
-export JAXFLASH_CACHE_DIR="$PWD/.kcache"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's jaxflash, not an install
 
 if [ "$mode" = build ]; then
@@ -44,39 +47,85 @@ if [ "$mode" = wheel ]; then
   echo "carry .kcpack: $(du -sh .kcpack | cut -f1) (the device carry limit is 64 MiB)"
   exit 0
 fi
-if [ "$mode" = wheel-tests ]; then
-  out="${OUT:-$PWD/gpu_out}"
-  mkdir -p "$out"
+
+out="${OUT:-$PWD/gpu_out}"
+mkdir -p "$out"
+# The kernels: the wheel if one was carried, else the cache folder.
+if compgen -G ".kcpack/*.whl" > /dev/null; then
   rm -rf .kwheel && "$py" -m pip install -q --no-deps --no-index --target .kwheel .kcpack/*.whl \
     || exit $?
   unset JAXFLASH_CACHE_DIR
   export HOME="$(mktemp -d)" PYTHONPATH="$PWD/.kwheel:$PYTHONPATH"
-  "$py" -m jaxflash.build --list > "$out/list_wheel.txt" || exit $?
-  awk '{print $2, $3}' "$out/list_wheel.txt" | sort | uniq -c
-  "$py" -m pytest -m gpu -q -p no:cacheprovider -rs "$@" 2>&1 | tee "$out/pytest_gpu_wheel.log"
-  exit "${PIPESTATUS[0]}"
-fi
-if [ ! -d .kcache ] && [ -f .kcpack/kcache.tar.xz ]; then
-  mkdir -p .kcache && xz -dc .kcpack/kcache.tar.xz | tar -C .kcache -xf - || exit $?
-fi
-
-out="${OUT:-$PWD/gpu_out}"
-mkdir -p "$out"
-if [ ! -f .kcache/libjaxflash_ffi.so ]; then
-  echo "no prebuilt kernels in .kcache/: run 'scripts/gpu_check.sh build' on the build host" >&2
-  exit 2
+  kernels="kernel wheel $(basename .kcpack/*.whl)"
+else
+  if [ ! -d .kcache ] && [ -f .kcpack/kcache.tar.xz ]; then
+    mkdir -p .kcache && xz -dc .kcpack/kcache.tar.xz | tar -C .kcache -xf - || exit $?
+  fi
+  if [ ! -f .kcache/libjaxflash_ffi.so ]; then
+    echo "no kernels: carry .kcpack/ ('scripts/gpu_check.sh wheel' on the build host)" >&2
+    exit 2
+  fi
+  export JAXFLASH_CACHE_DIR="$PWD/.kcache"
+  kernels="cache folder .kcache"
 fi
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   "$py" -c "import sys, jax; print(sys.version.split()[0], 'jax', jax.__version__, jax.devices())"
-  du -sh .kcache
+  echo "kernels: $kernels"
+  "$py" -m jaxflash.build --list | awk '{print $2, $3}' | sort | uniq -c
 } 2>&1 | tee "$out/environment.txt"
 
 status=0
 if [ "$mode" = tests ] || [ "$mode" = all ]; then
-  "$py" -m pytest -m gpu -q -p no:cacheprovider -rs 2>&1 | tee "$out/pytest_gpu.log"
+  # Workers share the GPU: XLA allocates on demand instead of preallocating (tests/conftest.py
+  # sets this for xdist workers too).
+  XLA_PYTHON_CLIENT_PREALLOCATE=false "$py" -m pytest -m gpu -q -p no:cacheprovider -rs \
+    -n "${JAXFLASH_GPU_WORKERS:-12}" --durations=25 "$@" 2>&1 | tee "$out/pytest_gpu.log"
   rc=${PIPESTATUS[0]}
   [ "$status" -eq 0 ] && status=$rc
+  "$py" - "$out/pytest_gpu.log" <<'EOF'
+import collections, re, sys
+text = open(sys.argv[1]).read()
+final = re.findall(r"^=+ (.*) in ([\d.]+)s", text, re.M)
+counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)",
+                                                   final[-1][0] if final else ""))
+reasons = collections.Counter()
+for n, reason in re.findall(r"^SKIPPED \[(\d+)\] [^:]+:\d+: (.*)$", text, re.M):
+  reasons[reason] += int(n)
+why = "; ".join(f"{n}: {r}" for r, n in reasons.most_common()) or "none"
+print(f"GPU suite: {counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed, "
+      f"{counts.get('error', 0) + counts.get('errors', 0)} errors, {counts.get('skipped', 0)} "
+      f"skipped ({why}) in {final[-1][1] if final else '?'} s")
+EOF
+fi
+if [ "$mode" = sanitize ]; then
+  families=("$@")
+  [ ${#families[@]} -eq 0 ] && read -r -a families <<< "$("$py" devtools/sanitize/calls.py list)"
+  tools=(memcheck racecheck synccheck initcheck)
+  mkdir -p "$out/sanitize"
+  run_one() {  # tool family: one sanitizer run, its log in $out/sanitize/
+    local log="$out/sanitize/$1-$2.log"
+    # One device allocation per XLA buffer (no pooling), so memcheck sees each buffer's bounds.
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool "$1" --kernel-name kns=jaxflashkernels --print-limit 20 \
+      --error-exitcode 99 "$py" devtools/sanitize/calls.py "$2" > "$log" 2>&1
+    echo "rc=$?" >> "$log"
+  }
+  export -f run_one
+  export out py
+  # Independent runs share the GPU, a few at a time.
+  for t in "${tools[@]}"; do for f in "${families[@]}"; do echo "$t $f"; done; done \
+    | xargs -P "${JAXFLASH_SANITIZE_JOBS:-4}" -n 2 bash -c 'run_one "$0" "$1"'
+  for t in "${tools[@]}"; do
+    for f in "${families[@]}"; do
+      log="$out/sanitize/$t-$f.log"
+      summary=$(grep -E "(ERROR|RACECHECK|SYNCCHECK|INITCHECK) SUMMARY" "$log" | tail -1)
+      done_line=$(grep -c "calls.py $f: done" "$log")
+      rc=$(grep -o "^rc=[0-9]*" "$log" | tail -1)
+      echo "sanitize $t $f: ${summary:-no summary} (${rc}, calls finished: $done_line)"
+      { [ "$done_line" -eq 1 ] && [ "$rc" = "rc=0" ]; } || status=1
+    done
+  done | tee "$out/sanitize_summary.txt"
+  grep -q "calls finished: 0\|rc=[1-9]" "$out/sanitize_summary.txt" && status=1
 fi
 if [ "$mode" = masked ]; then
   "$py" benchmarks/bench_masked.py --out "$out" "$@" 2>&1 | tee "$out/bench_masked.log"

@@ -1,0 +1,126 @@
+"""Small jaxflash calls that reach each kernel family's special paths, for compute-sanitizer.
+
+GPU host, with the kernels installed (a kernel wheel or JAXFLASH_CACHE_DIR):
+  compute-sanitizer --tool racecheck --kernel-name kns=jaxflashkernels \
+      python devtools/sanitize/calls.py masked_bwd
+`scripts/gpu_check.sh sanitize` runs every tool on every family and summarises. Each family
+runs its calls once, blocks, and checks that the results are finite where they must be (a
+sanitizer run is no accuracy test: tests/test_gpu_*.py are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxflash
+
+
+def _qkv(seed, b, sq, sk, h, hk, d, dtype=jnp.bfloat16):
+  rng = np.random.default_rng(seed)
+  return tuple(jnp.asarray(rng.standard_normal(s), dtype)
+               for s in ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d)))
+
+
+def _documents(lengths, total, pad=-1):
+  """Segment ids of packed documents of `lengths`, the rest padding with id `pad`."""
+  ids = np.full(total, pad, np.int32)
+  start = 0
+  for i, n in enumerate(lengths):
+    ids[start:start + n] = i
+    start += n
+  return jnp.asarray(ids[None])
+
+
+def _forward(q, k, v, **kw):
+  return jax.block_until_ready(jaxflash.attention(q, k, v, implementation="cute", **kw))
+
+
+def _grad(q, k, v, **kw):
+  def loss(q, k, v):
+    return jnp.sum(jaxflash.attention(q, k, v, implementation="cute", **kw).astype(jnp.float32))
+  return jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+
+
+def _masks():
+  """(name, keyword arguments) of the masked calls: packed documents of 1, 170 and 129 tokens
+  (tile-straddling), padding with empty rows, windows, softcap, sinks."""
+  docs = _documents((1, 170, 129), 300)
+  # Query rows 200-299 are padding whose id no key has: empty rows.
+  q_pad, kv_pad = _documents((200,), 300, pad=-1), _documents((200,), 300, pad=-2)
+  sink = jnp.zeros((4,), jnp.float32)
+  return (("documents_causal", dict(causal=True, q_segment_ids=docs, kv_segment_ids=docs)),
+          ("padding_empty_rows", dict(q_segment_ids=q_pad, kv_segment_ids=kv_pad)),
+          ("window", dict(causal=True, window_size=(70, 0))),
+          ("window_both_sides", dict(window_size=(33, 17))),
+          ("softcap_sink_documents", dict(causal=True, q_segment_ids=docs,
+                                          kv_segment_ids=docs, softcap=20.0,
+                                          learnable_sink=sink)))
+
+
+def dense_fwd():
+  for d in (64, 128, 256):
+    q, k, v = _qkv(d, 2, 300, 300, 8, 2, d)
+    for causal in (False, True):
+      _forward(q, k, v, causal=causal)
+  q, k, v = _qkv(1, 1, 200, 330, 4, 1, 128)
+  _forward(q, k, v, causal=True, learnable_sink=jnp.ones((4,), jnp.float32))
+
+
+def dense_bwd():
+  for d in (64, 128, 256):
+    q, k, v = _qkv(d, 1, 300, 300, 4, 2, d)
+    for causal in (False, True):
+      for deterministic in (False, True):
+        _grad(q, k, v, causal=causal, deterministic=deterministic)
+
+
+def masked_fwd():
+  q, k, v = _qkv(3, 1, 300, 300, 4, 2, 128)
+  for _, kw in _masks():
+    _forward(q, k, v, **kw)
+  q, k, v = _qkv(4, 1, 300, 300, 4, 2, 64)
+  _forward(q, k, v, **dict(_masks())["softcap_sink_documents"])
+
+
+def masked_bwd():
+  q, k, v = _qkv(5, 1, 300, 300, 4, 2, 128)
+  for _, kw in _masks():
+    for deterministic in (False, True):
+      _grad(q, k, v, deterministic=deterministic, **kw)
+  q, k, v = _qkv(6, 1, 300, 300, 4, 2, 256)
+  for deterministic in (False, True):
+    _grad(q, k, v, deterministic=deterministic, **dict(_masks())["documents_causal"])
+
+
+def fp8_fwd():
+  for d in (64, 128, 256):
+    q, k, v = _qkv(d + 7, 1, 300, 300, 4, 2, d)
+    for block_size in (None, 64):
+      q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=block_size)
+      for causal in (False, True):
+        _forward(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                 learnable_sink=jnp.zeros((4,), jnp.float32) if causal else None)
+
+
+FAMILIES = {f.__name__: f for f in (dense_fwd, dense_bwd, masked_fwd, masked_bwd, fp8_fwd)}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("family", choices=sorted(FAMILIES) + ["list"])
+  args = p.parse_args(argv)
+  if args.family == "list":
+    print(" ".join(FAMILIES))
+    return 0
+  FAMILIES[args.family]()
+  print(f"calls.py {args.family}: done", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
