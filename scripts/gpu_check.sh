@@ -44,6 +44,8 @@ fi
 if [ "$mode" = wheel ]; then
   mkdir -p .kcpack && rm -f .kcpack/*.whl
   "$py" -m jaxflash.build --all --cache-dir .kcache --wheel .kcpack "$@" || exit $?
+  # The sanitizer's probe of the shared-memory hand-off (devtools/sanitize/bulk_copy_probe.cu).
+  nvcc -arch=sm_90a -o .kcpack/bulk_copy_probe devtools/sanitize/bulk_copy_probe.cu || exit $?
   echo "carry .kcpack: $(du -sh .kcpack | cut -f1) (the device carry limit is 64 MiB)"
   exit 0
 fi
@@ -109,12 +111,19 @@ if [ "$mode" = sanitize ]; then
   tools=(memcheck racecheck synccheck initcheck)
   mkdir -p "$out/sanitize"
   run_one() {  # tool family: one sanitizer run, its log in $out/sanitize/
-    local log="$out/sanitize/$1-$2.log"
-    # One device allocation per XLA buffer (no pooling), so memcheck sees each buffer's bounds.
-    XLA_PYTHON_CLIENT_ALLOCATOR=platform timeout "${JAXFLASH_SANITIZE_TIMEOUT:-300}" \
-      compute-sanitizer --tool "$1" --kernel-name kns=jaxflashkernels --print-limit 20 \
-      --error-exitcode 99 "$py" devtools/sanitize/calls.py "$2" > "$log" 2>&1
-    echo "rc=$?" >> "$log"
+    local log="$out/sanitize/$1-$2.log" report=(--print-limit 20) filter=(cat)
+    if [ "$1" = racecheck ]; then  # every hazard, condensed to one line per access pair
+      report=(--racecheck-report hazard --print-limit 0)
+      filter=(awk -f devtools/sanitize/hazard_pairs.awk)
+    fi
+    # One device allocation per XLA buffer (no pooling), so memcheck sees each buffer's bounds;
+    # no GEMM autotuning in XLA's own programs (the tools check jaxflash's kernels only).
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+    XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false ${XLA_FLAGS:-}" \
+      timeout "${JAXFLASH_SANITIZE_TIMEOUT:-300}" \
+      compute-sanitizer --tool "$1" --kernel-name kns=jaxflashkernels "${report[@]}" \
+      --error-exitcode 99 "$py" devtools/sanitize/calls.py "$2" 2>&1 | "${filter[@]}" > "$log"
+    echo "rc=${PIPESTATUS[0]}" >> "$log"
   }
   export -f run_one
   export out py
@@ -132,6 +141,17 @@ if [ "$mode" = sanitize ]; then
     done
   done | tee "$out/sanitize_summary.txt"
   grep -q "calls finished: 0\|rc=[1-9]" "$out/sanitize_summary.txt" && status=1
+  # The hand-off in miniature: which orderings racecheck follows (docs/kernels.md, "Sanitizer").
+  if [ -x .kcpack/bulk_copy_probe ]; then
+    for m in lane0 all nowait; do
+      compute-sanitizer --tool racecheck --racecheck-report all --print-limit 4 \
+        .kcpack/bulk_copy_probe "$m" > "$out/sanitize/probe-$m.log" 2>&1
+      echo "sanitize probe $m: $(grep -E "probe $m:" "$out/sanitize/probe-$m.log")" \
+        "$(grep -E "RACECHECK SUMMARY" "$out/sanitize/probe-$m.log" | tail -1)" \
+        "$(grep -oE "(RAW|WAR|WAW) hazard" "$out/sanitize/probe-$m.log" | sort | uniq -c \
+           | tr -s ' ' | tr '\n' ';')"
+    done | tee -a "$out/sanitize_summary.txt"
+  fi
 fi
 if [ "$mode" = masked ]; then
   "$py" benchmarks/bench_masked.py --out "$out" "$@" 2>&1 | tee "$out/bench_masked.log"

@@ -36,6 +36,11 @@ def _documents(lengths, total, pad=-1):
   return jnp.asarray(ids[None])
 
 
+def _sink(heads, value=0.0):
+  """Sink logits copied from the host (initcheck follows host copies into device buffers)."""
+  return jax.device_put(np.full((heads,), value, np.float32))
+
+
 def _forward(q, k, v, **kw):
   return jax.block_until_ready(jaxflash.attention(q, k, v, implementation="cute", **kw))
 
@@ -52,7 +57,7 @@ def _masks():
   docs = _documents((1, 170, 129), 300)
   # Query rows 200-299 are padding whose id no key has: empty rows.
   q_pad, kv_pad = _documents((200,), 300, pad=-1), _documents((200,), 300, pad=-2)
-  sink = jnp.zeros((4,), jnp.float32)
+  sink = _sink(4)
   return (("documents_causal", dict(causal=True, q_segment_ids=docs, kv_segment_ids=docs)),
           ("padding_empty_rows", dict(q_segment_ids=q_pad, kv_segment_ids=kv_pad)),
           ("window", dict(causal=True, window_size=(70, 0))),
@@ -68,7 +73,7 @@ def dense_fwd():
     for causal in (False, True):
       _forward(q, k, v, causal=causal)
   q, k, v = _qkv(1, 1, 200, 330, 4, 1, 128)
-  _forward(q, k, v, causal=True, learnable_sink=jnp.ones((4,), jnp.float32))
+  _forward(q, k, v, causal=True, learnable_sink=_sink(4, 1.0))
 
 
 def dense_bwd():
@@ -104,7 +109,7 @@ def fp8_fwd():
       q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, k, v, block_size=block_size)
       for causal in (False, True):
         _forward(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
-                 learnable_sink=jnp.zeros((4,), jnp.float32) if causal else None)
+                 learnable_sink=_sink(4) if causal else None)
 
 
 FAMILIES = {f.__name__: f for f in (dense_fwd, dense_bwd, masked_fwd, masked_bwd, fp8_fwd)}
