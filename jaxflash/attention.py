@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import numbers
 import warnings
 from typing import Optional
 
@@ -31,41 +30,6 @@ def _check_segments(q_segment_ids, kv_segment_ids, query, key):
     if not jnp.issubdtype(ids.dtype, jnp.integer):
       raise TypeError(f"{name}: expected an integer dtype, got {ids.dtype}")
   return True
-
-
-def _is_int(x) -> bool:
-  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _check_options(causal, softmax_scale, window_size, softcap, deterministic, return_lse,
-                   implementation, head_dim):
-  for name, flag in (("causal", causal), ("deterministic", deterministic),
-                     ("return_lse", return_lse)):
-    if not isinstance(flag, (bool, np.bool_)):
-      raise TypeError(f"{name}: expected a Python bool, got {flag!r}")
-  if softmax_scale is None:
-    softmax_scale = head_dim ** -0.5
-  elif not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool):
-    raise TypeError(f"softmax_scale: expected a static positive float or None, got {softmax_scale!r}")
-  elif not np.isfinite(softmax_scale) or softmax_scale <= 0:
-    raise ValueError(f"softmax_scale: expected a finite float > 0, got {softmax_scale!r}")
-  if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-      or not all(w is None or _is_int(w) for w in window_size)):
-    raise ValueError(f"window_size: expected (left, right), each None or an int, got "
-                     f"{window_size!r}")
-  if softcap is not None:
-    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool):
-      raise TypeError(f"softcap: expected a static float > 0 or None, got {softcap!r}")
-    if not np.isfinite(softcap) or softcap <= 0:
-      raise ValueError(f"softcap: expected a finite float > 0 or None, got {softcap!r}")
-  if implementation not in (None,) + IMPLEMENTATIONS:
-    raise ValueError(f"implementation: expected None, 'cute' or 'reference', got "
-                     f"{implementation!r}")
-  left, right = (None if w is None else int(w) for w in window_size)
-  return AttentionConfig(
-      softmax_scale=float(softmax_scale), causal=bool(causal), window_left=left,
-      window_right=right, softcap=None if softcap is None else float(softcap),
-      deterministic=bool(deterministic))
 
 
 def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
@@ -118,7 +82,7 @@ def _missing_kernel(dtype: str, head_dim: int, head_dim_v: int, config: Attentio
   return ""
 
 
-def _empty_result(query, value, out_dtype=None):
+def empty_result(query, value, out_dtype=None):
   """No query, head or key to attend to: zeros (in out_dtype, default the query's) and
   lse = -inf, without any kernel."""
   b, seq_q, h, _ = query.shape
@@ -182,7 +146,7 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
   (jaxflash/sink.py).
   """
   dtype = checks.check_tensors(query, key, value, extra_dtypes=(fp8.FP8_DTYPE,))
-  config = _check_options(causal, softmax_scale, window_size, softcap, deterministic,
+  config = checks.check_options(causal, softmax_scale, window_size, softcap, deterministic,
                           return_lse, implementation, query.shape[-1])
   has_segments = _check_segments(q_segment_ids, kv_segment_ids, query, key)
   if dtype == fp8.FP8_DTYPE:
@@ -200,7 +164,7 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
   impl = _resolve_implementation(implementation, dtype, query.shape[-1], value.shape[-1], config)
   config = config.replace(implementation=impl)
   if 0 in query.shape[:3] or 0 in key.shape[:2]:
-    out, lse = _empty_result(query, value)
+    out, lse = empty_result(query, value)
     if learnable_sink is not None:  # every row is empty: lse = its sink
       out, lse = add_learnable_sink(out, lse, learnable_sink)
   else:
@@ -233,7 +197,7 @@ def _fp8_call(query, key, value, config: AttentionConfig, learnable_sink, descal
     impl = "reference"
   config = config.replace(implementation=impl)
   if 0 in query.shape[:3] or 0 in key.shape[:2]:
-    out, lse = _empty_result(query, value, out_name)
+    out, lse = empty_result(query, value, out_name)
     if learnable_sink is not None:  # every row is empty: lse = its sink
       out, lse = add_learnable_sink(out, lse, learnable_sink)
   else:

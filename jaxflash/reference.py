@@ -84,6 +84,13 @@ def naive_attention(query, key, value, config: AttentionConfig, q_segment_ids=No
   s, _ = _scores(config, qg, key, cdt)
   mask = _expand_mask(visible_mask(config, seq_q, seq_k, jnp.arange(seq_q), jnp.arange(seq_k),
                                    q_segment_ids, kv_segment_ids))
+  return _naive_softmax(query, s, mask, value, learnable_sink, cdt)
+
+
+def _naive_softmax(query, s, mask, value, learnable_sink, cdt):
+  """(out, lse) from all scores s (b, h_kv, g, s_q, s_k) and their visibility mask."""
+  b, seq_q, h, _ = query.shape
+  h_kv = s.shape[1]
   s = jnp.where(mask, s, -jnp.inf).astype(cdt)
   if learnable_sink is not None:
     sink = jnp.broadcast_to(learnable_sink.astype(cdt).reshape(1, h_kv, h // h_kv, 1, 1),
@@ -172,23 +179,42 @@ def blocked_forward(query, key, value, config: AttentionConfig, q_segment_ids=No
         _key_blocks(value, nblocks, bk), segs)
 
   def step(carry, x):
-    m, l, acc = carry
     start, kb, vb, segb = x
     s, _ = _scores(config, qg, kb, cdt)
     mask = _block_mask(config, seq_q, seq_k, start, bk, q_segment_ids, segb)
-    s = jnp.where(mask, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)  # rows with no key yet: keep p = 0
-    p = jnp.exp(s - m_safe[..., None])
-    alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
-    l = l * alpha + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("bhgqk,bkhd->bhgqd", p, vb.astype(cdt), precision=lax.Precision.HIGHEST)
-    return (m_new, l, acc * alpha[..., None] + pv), None
+    return _online_step(carry, s, mask, vb, cdt), None
 
-  init = (jnp.full((b, h_kv, g, seq_q), -jnp.inf, cdt), jnp.zeros((b, h_kv, g, seq_q), cdt),
+  init = _vary_like(_online_init(b, h_kv, g, seq_q, dv, cdt), query, key, value,
+                    q_segment_ids, kv_segment_ids)
+  carry, _ = lax.scan(step, init, xs)
+  return _online_result(carry, query, cdt)
+
+
+def _online_init(b, h_kv, g, seq_q, dv, cdt):
+  """The online softmax's carry before any key: row max -inf, row sum 0, accumulator 0."""
+  return (jnp.full((b, h_kv, g, seq_q), -jnp.inf, cdt), jnp.zeros((b, h_kv, g, seq_q), cdt),
           jnp.zeros((b, h_kv, g, seq_q, dv), cdt))
-  init = _vary_like(init, query, key, value, q_segment_ids, kv_segment_ids)
-  (m, l, acc), _ = lax.scan(step, init, xs)
+
+
+def _online_step(carry, s, mask, vb, cdt):
+  """One key block of the online softmax: scores s (b, h_kv, g, s_q, block), its mask, and
+  the block's values vb (b, block, h_kv, dv)."""
+  m, l, acc = carry
+  s = jnp.where(mask, s, -jnp.inf)
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+  m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)  # rows with no key yet: keep p = 0
+  p = jnp.exp(s - m_safe[..., None])
+  alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+  l = l * alpha + jnp.sum(p, axis=-1)
+  pv = jnp.einsum("bhgqk,bkhd->bhgqd", p, vb.astype(cdt), precision=lax.Precision.HIGHEST)
+  return m_new, l, acc * alpha[..., None] + pv
+
+
+def _online_result(carry, query, cdt):
+  """(out in the query dtype (b, s_q, h, dv), lse (b, h, s_q)) of the online softmax's carry."""
+  m, l, acc = carry
+  b, seq_q, h, _ = query.shape
+  dv = acc.shape[-1]
   seen = l > 0
   out = acc / jnp.where(seen, l, 1)[..., None]
   out = jnp.moveaxis(out, 3, 1).reshape(b, seq_q, h, dv)  # (b, s_q, h_kv, g, dv) -> BTNH
@@ -246,3 +272,85 @@ def blocked_backward(query, key, value, out, lse, d_out, d_lse, config: Attentio
     return x[:, :seq_k].astype(like.dtype)
 
   return dq.reshape(b, seq_q, h, d).astype(query.dtype), unblock(dk, key), unblock(dv, value)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV caches (jaxflash.kv_cache_attention): keys live in a cache of per-sequence lengths, the
+# queries are its last tokens. Contiguous caches are (batch, capacity, h_kv, d); paged ones a
+# pool (num_pages, page_size, h_kv, d) with a page table (batch, pages per sequence).
+
+def cache_capacity(k_cache, page_table=None) -> int:
+  """Keys a sequence can hold: max_len, or pages per sequence * page_size."""
+  if page_table is None:
+    return k_cache.shape[1]
+  return page_table.shape[1] * k_cache.shape[1]
+
+
+def cache_rows(cache, page_table, positions):
+  """The cache rows of logical `positions` (b, n) of each sequence: (b, n, h_kv, d).
+
+  Paged: position p of sequence b is row p % page_size of page page_table[b, p // page_size];
+  page-table entries outside the pool are clamped into it, as are positions past the
+  capacity (their keys are masked by the length, which never exceeds the capacity).
+  """
+  if page_table is None:
+    rows = jnp.clip(positions, 0, cache.shape[1] - 1)
+    return jnp.take_along_axis(cache, rows[:, :, None, None], axis=1)
+  page_size = cache.shape[1]
+  column = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
+  pages = jnp.clip(jnp.take_along_axis(page_table, column, axis=1), 0, cache.shape[0] - 1)
+  return cache[pages, positions % page_size]
+
+
+def cache_mask(config: AttentionConfig, lengths, seq_q: int, cols):
+  """(b, s_q, cols) mask of the cache keys each query sees: keys below the sequence's length,
+  with causal and the window measured from the query's position lengths[b] - s_q + i."""
+  position = (lengths[:, None] - seq_q + jnp.arange(seq_q))[:, :, None]
+  col = cols[None, None, :]
+  mask = col < lengths[:, None, None]
+  if config.causal:
+    mask &= col <= position
+  if config.window_right is not None:
+    mask &= col <= position + config.window_right
+  if config.window_left is not None:
+    mask &= col >= position - config.window_left
+  return mask
+
+
+def naive_kv_cache_attention(query, k_cache, v_cache, lengths, config: AttentionConfig,
+                             page_table=None, compute_dtype=None, learnable_sink=None):
+  """Materialises every key of the caches' capacity: the test oracle. `lengths` must already
+  be within [0, capacity]. Returns (out, lse) as naive_attention."""
+  cdt = compute_dtype or _compute_dtype(query.dtype)
+  b, seq_q, _, _ = query.shape
+  capacity = cache_capacity(k_cache, page_table)
+  cols = jnp.broadcast_to(jnp.arange(capacity), (b, capacity))
+  key, value = (cache_rows(c, page_table, cols) for c in (k_cache, v_cache))
+  s, _ = _scores(config, _split_groups(query, key.shape[2]), key, cdt)
+  mask = cache_mask(config, lengths, seq_q, jnp.arange(capacity))[:, None, None]
+  return _naive_softmax(query, s, mask, value, learnable_sink, cdt)
+
+
+def blocked_kv_cache_forward(query, k_cache, v_cache, lengths, config: AttentionConfig,
+                             page_table=None, block_k: Optional[int] = None):
+  """Online-softmax forward over key blocks of the caches: memory of one block at a time.
+  `lengths` must already be within [0, capacity]. Returns (out, lse) as blocked_forward."""
+  cdt = _compute_dtype(query.dtype)
+  b, seq_q, h, _ = query.shape
+  h_kv, dv = k_cache.shape[2], v_cache.shape[-1]
+  capacity = cache_capacity(k_cache, page_table)
+  bk = _block_k(capacity, block_k)
+  qg = _split_groups(query, h_kv).astype(cdt)
+
+  def step(carry, start):
+    cols = start + jnp.arange(bk)
+    positions = jnp.broadcast_to(cols, (b, bk))
+    kb, vb = (cache_rows(c, page_table, positions) for c in (k_cache, v_cache))
+    s, _ = _scores(config, qg, kb, cdt)
+    mask = cache_mask(config, lengths, seq_q, cols)[:, None, None]
+    return _online_step(carry, s, mask, vb, cdt), None
+
+  init = _vary_like(_online_init(b, h_kv, h // h_kv, seq_q, dv, cdt), query, k_cache, v_cache,
+                    lengths, page_table)
+  carry, _ = lax.scan(step, init, jnp.arange(-(-capacity // bk)) * bk)
+  return _online_result(carry, query, cdt)

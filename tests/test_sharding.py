@@ -173,6 +173,26 @@ def test_unsupported_dims_are_gathered(results, name):
   assert results[name]["collectives"]["all-gather"] > 0
 
 
+# KV caches (jaxflash.kv_cache_attention): name -> (query spec, cache spec, paged). A pool is
+# split by kv heads, contiguous caches by batch or heads; the page table and lengths follow
+# the batch (a pool is shared by the batch: replicated along it).
+KV_CACHE_CASES = {
+    "kv_cache_batch": (P("data"), P("data"), False),
+    "kv_cache_batch_heads": (P("data", None, "model"), P("data", None, "model"), False),
+    "kv_cache_paged_heads": (P(None, None, "model"), P(None, None, "model"), True),
+}
+
+
+@pytest.mark.parametrize("name", KV_CACHE_CASES.keys())
+def test_kv_cache_attention_runs_per_shard(results, name):
+  """Each shard attends over its own part of the caches: the unsharded result, no
+  collective (the caches are never gathered)."""
+  r = results[name]
+  assert r["error"] <= 1e-12, r
+  assert r["collectives"] == dict.fromkeys(_multidevice.COLLECTIVES, 0), r["collectives"]
+  assert tuple(r["out_spec"]) == _multidevice.padded_spec(KV_CACHE_CASES[name][0]), r
+
+
 @pytest.mark.gpu
 def test_kernels_run_per_shard_on_gpus():
   """Batch sharding over real GPUs: the FFI kernel runs per shard, no collective, same result."""
@@ -274,11 +294,47 @@ def _run_case(name, heads, kv_heads, q_spec, kv_spec, options):
   }
 
 
+def _run_kv_cache_case(q_spec, cache_spec, paged):
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import AxisType, Mesh, NamedSharding
+
+  import jaxflash
+
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"),
+              axis_types=(AxisType.Auto,) * 2)
+  rng = np.random.default_rng(10)
+  b, seq_q, h, h_kv, d, page_size, pages = 8, 2, 8, 4, 16, 16, 3
+  q = jnp.asarray(rng.standard_normal((b, seq_q, h, d)))
+  cache_shape = (b * pages, page_size, h_kv, d) if paged else (b, pages * page_size, h_kv, d)
+  k_cache, v_cache = (jnp.asarray(rng.standard_normal(cache_shape)) for _ in range(2))
+  lengths = jnp.asarray(rng.integers(0, pages * page_size + 1, b), jnp.int32)
+  table = (jnp.asarray(rng.permutation(b * pages).reshape(b, pages), jnp.int32) if paged
+           else None)
+
+  def attend(q, k_cache, v_cache, lengths, table):
+    return jaxflash.kv_cache_attention(q, k_cache, v_cache, lengths, page_table=table,
+                                       window_size=(20, None), return_lse=True)
+
+  want = jax.jit(attend)(q, k_cache, v_cache, lengths, table)
+  batch = P(q_spec[0]) if len(q_spec) and q_spec[0] else P()
+  specs = (q_spec, cache_spec, cache_spec, batch, None if table is None else batch)
+  placed = tuple(None if a is None else jax.device_put(a, NamedSharding(mesh, s))
+                 for a, s in zip((q, k_cache, v_cache, lengths, table), specs))
+  fn = jax.jit(attend)
+  got = fn(*placed)
+  return {"error": _multidevice.max_relative_l2(got, want),
+          "collectives": _multidevice.collective_counts(fn.lower(*placed).compile().as_text()),
+          "out_spec": _spec_json(got[0].sharding)}
+
+
 def _worker():
   import jax
   jax.config.update("jax_enable_x64", True)
   assert jax.device_count() == _multidevice.NUM_DEVICES, jax.devices()
-  _multidevice.emit({name: _run_case(name, *case) for name, case in CASES.items()})
+  results = {name: _run_case(name, *case) for name, case in CASES.items()}
+  results.update({name: _run_kv_cache_case(*case) for name, case in KV_CACHE_CASES.items()})
+  _multidevice.emit(results)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,228 @@
+"""Attention over KV caches for generation: `kv_cache_attention` and `update_kv_cache`.
+
+Argument checks, defaults and the choice of implementation; the computation is
+jaxflash/reference.py's cache forward. Imports jax and the public-API layer's helpers (checks,
+attention's empty result, sink), config and reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import numbers
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflash import checks, reference
+from jaxflash.attention import empty_result
+from jaxflash.config import AttentionConfig, IMPLEMENTATIONS
+from jaxflash.sink import add_learnable_sink, check_learnable_sink
+
+log = logging.getLogger("jaxflash")
+
+# Accepted page sizes: powers of two, as FlashAttention's paged caches take them.
+MIN_PAGE_SIZE, MAX_PAGE_SIZE = 16, 512
+
+
+def _check_int_array(name: str, x, rank: int, layout: str):
+  checks.check_array(name, x, rank, layout)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name}: expected an integer dtype (int32), got {x.dtype}")
+
+
+def _check_caches(query, k_cache, v_cache, cache_lengths, page_table):
+  """Ranks, shapes and dtypes of the cache operands against the query; returns the dtype."""
+  checks.check_array("query", query, 4, "(batch, seq_q, num_heads, head_dim)")
+  paged = page_table is not None
+  layout = ("(num_pages, page_size, num_kv_heads, head_dim)" if paged
+            else "(batch, max_len, num_kv_heads, head_dim)")
+  checks.check_array("k_cache", k_cache, 4, layout)
+  checks.check_array("v_cache", v_cache, 4, layout.replace("head_dim)", "head_dim_v)"))
+  b, _, h, d = query.shape
+  if k_cache.shape[-1] != d:
+    raise ValueError(f"k_cache: head_dim {k_cache.shape[-1]} differs from the query's {d}")
+  if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+    raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} must match k_cache "
+                     f"{tuple(k_cache.shape)} but in the last dim (head_dim_v)")
+  h_kv = k_cache.shape[2]
+  if h_kv == 0 or h % h_kv:
+    raise ValueError(f"query / k_cache: num_heads {h} must be a multiple of num_kv_heads {h_kv}")
+  if paged:
+    _check_int_array("page_table", page_table, 2, "(batch, max_pages_per_sequence)")
+    if page_table.shape[0] != b:
+      raise ValueError(f"page_table: batch {page_table.shape[0]} differs from the query's {b}")
+    page_size = k_cache.shape[1]
+    if (page_size < MIN_PAGE_SIZE or page_size > MAX_PAGE_SIZE
+        or page_size & (page_size - 1)):
+      raise ValueError(f"k_cache: page_size {page_size} (dim 1 of a paged cache) must be a "
+                       f"power of two from {MIN_PAGE_SIZE} to {MAX_PAGE_SIZE}")
+  elif k_cache.shape[0] != b:
+    raise ValueError(f"k_cache: batch {k_cache.shape[0]} differs from the query's {b} (a "
+                     f"contiguous cache is (batch, max_len, num_kv_heads, head_dim); pass "
+                     f"page_table for a paged one)")
+  _check_int_array("cache_lengths", cache_lengths, 1, "(batch,)")
+  if tuple(cache_lengths.shape) != (b,):
+    raise ValueError(f"cache_lengths: expected shape ({b},), got {tuple(cache_lengths.shape)}")
+  return checks.common_dtype({"query": query, "k_cache": k_cache, "v_cache": v_cache})
+
+
+def _check_options(causal, softmax_scale, window_size, softcap, num_splits, return_lse,
+                   implementation, head_dim) -> AttentionConfig:
+  for name, flag in (("causal", causal), ("return_lse", return_lse)):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(f"{name}: expected a Python bool, got {flag!r}")
+  if num_splits is not None and (not isinstance(num_splits, numbers.Integral)
+                                 or isinstance(num_splits, bool) or num_splits < 1):
+    raise ValueError(f"num_splits: expected None (automatic) or an int >= 1, got "
+                     f"{num_splits!r}")
+  if implementation not in (None,) + IMPLEMENTATIONS:
+    raise ValueError(f"implementation: expected None, 'cute' or 'reference', got "
+                     f"{implementation!r}")
+  if implementation == "cute":
+    raise ValueError("implementation='cute': kv_cache_attention has no CuTe kernel in this "
+                     "version (the split-KV decode kernels are not built yet); use "
+                     "implementation=None (auto) or 'reference'")
+  # The same checks and defaults as jaxflash.attention's options.
+  return checks.check_options(causal, softmax_scale, window_size, softcap, False, return_lse,
+                              implementation, head_dim)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _forward(config: AttentionConfig, query, k_cache, v_cache, lengths, page_table, sink):
+  out, lse = reference.blocked_kv_cache_forward(query, k_cache, v_cache, lengths, config,
+                                                page_table)
+  if sink is not None:
+    out, lse = add_learnable_sink(out, lse, sink)
+  return out, lse
+
+
+@_forward.defjvp
+def _forward_jvp(config, primals, tangents):
+  del config, primals, tangents
+  raise TypeError("kv_cache_attention is forward only (inference): it has no gradient. To "
+                  "differentiate attention, call jaxflash.attention on the keys and values.")
+
+
+def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=None,
+                       causal: bool = True, softmax_scale: Optional[float] = None,
+                       window_size=(None, None), softcap: Optional[float] = None,
+                       learnable_sink=None, num_splits: Optional[int] = None,
+                       return_lse: bool = False, implementation: Optional[str] = None):
+  """Attention of new tokens over a KV cache (decoding, speculative verification, chunked
+  prefill), contiguous or paged, with per-sequence lengths known at run time only.
+
+  Args:
+    query: (batch, seq_q, num_heads, head_dim), float16/bfloat16 (float32/float64 too): the
+      new tokens, the last seq_q of each sequence.
+    k_cache, v_cache: contiguous (batch, max_len, num_kv_heads, head_dim[_v]), or with
+      `page_table` a page pool (num_pages, page_size, num_kv_heads, head_dim[_v]), page_size a
+      power of two from 16 to 512. num_heads % num_kv_heads == 0 (GQA/MQA).
+    cache_lengths: (batch,) integers: valid keys per sequence, the new tokens included. Keys
+      at or past a sequence's length are never attended to. Values are clamped to [0,
+      capacity] (max_len, or max_pages_per_sequence * page_size). A sequence of length 0
+      outputs zeros (lse -inf, or its sink).
+    page_table: (batch, max_pages_per_sequence) integers: key position p of sequence b lives
+      in row p % page_size of page page_table[b, p // page_size]; pages may sit anywhere in
+      the pool. Entries outside [0, num_pages) are clamped into it (only entries that hold
+      keys below the length matter). None: contiguous caches.
+    causal: query i of sequence b sits at position cache_lengths[b] - seq_q + i and sees keys
+      at or before it. False: every query sees every key below the length.
+    softmax_scale, window_size, softcap, learnable_sink: as in `jaxflash.attention`, with the
+      window measured from each query's position above.
+    num_splits: how many parts the kernels split each sequence's keys into (None: chosen from
+      the shapes); the result is the same up to rounding. The reference computes in one pass.
+    return_lse: also return lse (batch, num_heads, seq_q), float32 (natural log).
+    implementation: None (auto) or "reference": the pure-JAX implementation, on every
+      platform, which reads the caches block by block (memory of one block of keys at a
+      time); "cute" raises: this version has no decode kernel.
+
+  Returns:
+    out (batch, seq_q, num_heads, head_dim_v) in the query dtype, or (out, lse).
+
+  Forward only: differentiating raises a TypeError. jit and vmap work; under `jit` with
+  shardings over batch (contiguous caches) or heads (a pool split by kv heads) each shard
+  reads only its own cache.
+  """
+  dtype = _check_caches(query, k_cache, v_cache, cache_lengths, page_table)
+  config = _check_options(causal, softmax_scale, window_size, softcap, num_splits,
+                          return_lse, implementation, query.shape[-1])
+  if learnable_sink is not None:
+    check_learnable_sink(learnable_sink, query.shape[2], accept_float64=dtype == "float64")
+  capacity = reference.cache_capacity(k_cache, page_table)
+  lengths = jnp.clip(jnp.asarray(cache_lengths, jnp.int32), 0, capacity)
+  if page_table is not None:
+    page_table = jnp.asarray(page_table, jnp.int32)
+  b, seq_q, h, _ = query.shape
+  if 0 in (b, seq_q, h) or capacity == 0 or k_cache.shape[0] == 0:
+    out, lse = empty_result(query, v_cache)
+    if learnable_sink is not None:
+      out, lse = add_learnable_sink(out, lse, learnable_sink)
+  else:
+    out, lse = _forward(config, query, k_cache, v_cache, lengths, page_table, learnable_sink)
+  return (out, lse) if return_lse else out
+
+
+def update_kv_cache(k_cache, v_cache, new_k, new_v, cache_lengths, *, page_table=None):
+  """Writes new tokens into KV caches at each sequence's length.
+
+  Args:
+    k_cache, v_cache: as for `kv_cache_attention` (contiguous or a page pool).
+    new_k: (batch, n, num_kv_heads, head_dim); new_v: (batch, n, num_kv_heads, head_dim_v), in
+      the caches' dtype: token t of sequence b goes to position cache_lengths[b] + t.
+    cache_lengths: (batch,) integers: the valid keys before the new tokens.
+    page_table: the page table of a paged pool, or None.
+
+  Returns:
+    (k_cache, v_cache, new_lengths): the updated caches (an XLA scatter, in place when the
+    caches are donated, e.g. `jax.jit(..., donate_argnums=(0, 1))`) and cache_lengths + n as
+    int32. Tokens whose position is at or past the capacity are dropped and the new lengths
+    are clamped to it; paged: the page table must hold a page for every written position
+    (entries outside the pool are clamped into it, as kv_cache_attention reads them).
+  """
+  paged = page_table is not None
+  layout = ("(num_pages, page_size, num_kv_heads, head_dim)" if paged
+            else "(batch, max_len, num_kv_heads, head_dim)")
+  checks.check_array("k_cache", k_cache, 4, layout)
+  checks.check_array("v_cache", v_cache, 4, layout.replace("head_dim)", "head_dim_v)"))
+  checks.check_array("new_k", new_k, 4, "(batch, n, num_kv_heads, head_dim)")
+  checks.check_array("new_v", new_v, 4, "(batch, n, num_kv_heads, head_dim_v)")
+  b, n = new_k.shape[:2]
+  for name, new, cache in (("new_k", new_k, k_cache), ("new_v", new_v, v_cache)):
+    if tuple(new.shape[2:]) != tuple(cache.shape[2:]):
+      raise ValueError(f"{name}: shape {tuple(new.shape)} must end in the cache's "
+                       f"(num_kv_heads, head_dim) = {tuple(cache.shape[2:])}")
+    if new.dtype != cache.dtype:
+      raise TypeError(f"{name}: dtype {new.dtype} differs from the cache's {cache.dtype}")
+  if tuple(new_v.shape[:2]) != (b, n):
+    raise ValueError(f"new_v: batch and tokens {tuple(new_v.shape[:2])} differ from new_k's "
+                     f"{(b, n)}")
+  if paged:
+    _check_int_array("page_table", page_table, 2, "(batch, max_pages_per_sequence)")
+    if page_table.shape[0] != b:
+      raise ValueError(f"page_table: batch {page_table.shape[0]} differs from new_k's {b}")
+  elif k_cache.shape[0] != b or v_cache.shape[0] != b:
+    raise ValueError(f"k_cache / v_cache: batch {k_cache.shape[0]} / {v_cache.shape[0]} "
+                     f"differs from new_k's {b}")
+  _check_int_array("cache_lengths", cache_lengths, 1, "(batch,)")
+  if tuple(cache_lengths.shape) != (b,):
+    raise ValueError(f"cache_lengths: expected shape ({b},), got {tuple(cache_lengths.shape)}")
+  capacity = reference.cache_capacity(k_cache, page_table)
+  lengths = jnp.clip(jnp.asarray(cache_lengths, jnp.int32), 0, capacity)
+  positions = lengths[:, None] + jnp.arange(n, dtype=jnp.int32)  # (b, n)
+  keep = positions < capacity
+  if paged:
+    page_size = k_cache.shape[1]
+    column = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
+    pages = jnp.take_along_axis(jnp.asarray(page_table, jnp.int32), column, axis=1)
+    pages = jnp.clip(pages, 0, k_cache.shape[0] - 1)
+    index = (jnp.where(keep, pages, k_cache.shape[0]), positions % page_size)
+  else:
+    index = (jnp.broadcast_to(jnp.arange(b)[:, None], (b, n)),
+             jnp.where(keep, positions, capacity))
+  # Dropped tokens carry an index past the end, which mode="drop" skips.
+  k_cache = k_cache.at[index].set(new_k, mode="drop")
+  v_cache = v_cache.at[index].set(new_v, mode="drop")
+  return k_cache, v_cache, jnp.minimum(lengths + n, capacity)
