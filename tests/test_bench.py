@@ -228,3 +228,35 @@ def test_fp8_accuracy_calls_the_kernels_on_a_gpu(backend, block_size, want, monk
   acc = load_script("benchmarks/fp8_accuracy.py")
   monkeypatch.setattr(acc.jax, "default_backend", lambda: backend)
   assert acc.call_implementation(block_size) == want
+
+
+@pytest.fixture(scope="module")
+def decode():
+  return load_script("benchmarks/bench_decode.py")
+
+
+def test_decode_benchmark_columns_compute_the_same_attention(decode):
+  """Every column of a decode case attends over the same valid keys (here on the CPU, at a
+  small shape): contiguous and paged caches, and jax.nn's XLA path with key lengths."""
+  import jax.numpy as jnp
+  import numpy as np
+  case = decode.Case(3, 1, 300, 8, 2, head_dim=16, ragged=True)
+  lengths = decode.lengths_of(case)
+  assert lengths.min() >= 1 and lengths.max() <= 300 and len(set(lengths)) > 1
+  assert decode.kv_bytes(case, jnp.bfloat16) == int(lengths.sum()) * 2 * 2 * 16 * 2
+  runs = decode.calls(case, jnp.float32, ("jaxflash", "paged64", "paged256", "xla"))
+  assert set(runs) == {"jaxflash", "paged64", "paged256", "xla"}
+  want = np.asarray(runs["xla"][0](*runs["xla"][1]))
+  for name in ("jaxflash", "paged64", "paged256"):
+    fn, args = runs[name]
+    np.testing.assert_allclose(fn(*args), want, rtol=2e-5, atol=2e-5, err_msg=name)
+  # jax.nn has no per-sequence causal alignment: no jax.nn column for several new tokens.
+  assert "xla" not in decode.calls(case._replace(seq_q=2), jnp.float32, ("jaxflash", "xla"))
+
+
+def test_decode_benchmark_table_reports_bandwidth_and_errors(decode):
+  records = [{"case": "c", "impl": "jaxflash", "us": 130.0, "tb_per_s": 4.13,
+              "hbm_limit_us": 112.0},
+             {"case": "c", "impl": "cudnn", "error": "XlaRuntimeError: no"}]
+  table = decode.markdown(records, ("jaxflash", "cudnn", "xla"))
+  assert table.splitlines()[2] == "| c | 112 us | 130 us (4.13 TB/s) | error |  |"

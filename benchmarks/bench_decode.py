@@ -1,0 +1,158 @@
+"""Decoding attention on one GPU: jaxflash.kv_cache_attention vs cuDNN and XLA, one run.
+
+Each case is (batch, seq_q, cache length, query heads / kv heads, head_dim), bf16 unless
+`--dtype`: the new tokens of every sequence against its cache. Columns:
+  jaxflash: kv_cache_attention on contiguous caches (max_len = the longest length);
+  paged64 / paged256: the same keys in a pool of 64- / 256-token pages, in a random order;
+  cudnn / xla: jax.nn.dot_product_attention (implementation "cudnn" / "xla") over the caches
+    with key_value_seq_lengths; not causal (jax.nn aligns causal top-left, so a one-token query
+    would see key 0 only) unless seq_q > 1, where no jax.nn column is comparable and they are
+    left out.
+Bandwidth = the K and V bytes of the valid keys / time (H200 HBM: 4.8 TB/s). Timing as
+benchmarks/bench_attention.py (warm-ups, CALLS calls back to back, median of REPS). Results go
+to OUT/bench_decode.json and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxflash
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench_attention.py
+import bench_attention  # noqa: E402
+
+HBM_TB_PER_S = 4.8
+
+
+class Case(NamedTuple):
+  batch: int
+  seq_q: int
+  length: int  # cache length of every sequence, or the longest with `ragged`
+  heads: int
+  kv_heads: int
+  head_dim: int = 128
+  ragged: bool = False  # lengths spread over 1..length (numpy default_rng(0))
+
+
+CASES = {
+    "b8_q1_32k_gqa8": Case(8, 1, 32768, 32, 4),
+    "b1_q1_128k_gqa4": Case(1, 1, 131072, 32, 8),
+    "b64_q1_4k_gqa4": Case(64, 1, 4096, 32, 8),
+    "b8_q4_32k_gqa8": Case(8, 4, 32768, 32, 4),
+    "ragged32_q1_32k": Case(32, 1, 32768, 32, 4, ragged=True),
+    "b8_q1_32k_gqa8_d64": Case(8, 1, 32768, 32, 4, head_dim=64),
+    "b8_q1_32k_gqa8_d256": Case(8, 1, 32768, 32, 4, head_dim=256),
+}
+IMPLS = ("jaxflash", "paged64", "paged256", "cudnn", "xla")
+
+
+def lengths_of(case: Case) -> np.ndarray:
+  if case.ragged:
+    return np.random.default_rng(0).integers(1, case.length + 1, case.batch).astype(np.int32)
+  return np.full(case.batch, case.length, np.int32)
+
+
+def kv_bytes(case: Case, dtype) -> int:
+  """Bytes of K and V of every valid key."""
+  per_key = 2 * case.kv_heads * case.head_dim * np.dtype(dtype).itemsize
+  return int(lengths_of(case).sum()) * per_key
+
+
+def paged(cache, page_size: int, seed: int):
+  """(pool, page_table) holding `cache`'s rows in pages of page_size, in a random order."""
+  b, max_len = cache.shape[:2]
+  pages = -(-max_len // page_size)
+  padded = jnp.pad(cache, ((0, 0), (0, pages * page_size - max_len), (0, 0), (0, 0)))
+  order = np.random.default_rng(seed).permutation(b * pages)
+  pool = jnp.zeros((b * pages, page_size) + cache.shape[2:], cache.dtype)
+  pool = pool.at[order].set(padded.reshape(b * pages, page_size, *cache.shape[2:]))
+  return pool, jnp.asarray(order.reshape(b, pages), jnp.int32)
+
+
+def calls(case: Case, dtype, impls) -> dict:
+  """impl -> (jitted fn, args) for the case."""
+  rng = np.random.default_rng(1)
+  q = jnp.asarray(rng.standard_normal((case.batch, case.seq_q, case.heads, case.head_dim)),
+                  dtype)
+  shape = (case.batch, case.length, case.kv_heads, case.head_dim)
+  k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(2))
+  lengths = jnp.asarray(lengths_of(case))
+  out = {}
+  if "jaxflash" in impls:
+    out["jaxflash"] = (jax.jit(jaxflash.kv_cache_attention), (q, k, v, lengths))
+  for name, page_size in (("paged64", 64), ("paged256", 256)):
+    if name in impls:
+      (k_pool, table), (v_pool, _) = paged(k, page_size, 2), paged(v, page_size, 2)
+      fn = jax.jit(lambda q, k, v, n, t: jaxflash.kv_cache_attention(q, k, v, n, page_table=t))
+      out[name] = (fn, (q, k_pool, v_pool, lengths, table))
+  if case.seq_q == 1:
+    for impl in ("cudnn", "xla"):
+      if impl in impls:
+        fn = jax.jit(lambda q, k, v, n, impl=impl: jax.nn.dot_product_attention(
+            q, k, v, key_value_seq_lengths=n, implementation=impl))
+        out[impl] = (fn, (q, k, v, lengths))
+  return out
+
+
+def run(case_names, dtype, impls) -> list[dict]:
+  records = []
+  for name in case_names:
+    case = CASES[name]
+    moved = kv_bytes(case, dtype)
+    for impl, (fn, args) in calls(case, dtype, impls).items():
+      try:
+        ms = bench_attention.time_ms(fn, *args)
+      except Exception as e:  # noqa: BLE001 - a failing column is reported, the rest still run
+        records.append({"case": name, "impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
+        continue
+      records.append({"case": name, "impl": impl, "us": ms * 1e3,
+                      "tb_per_s": moved / (ms * 1e-3) / 1e12,
+                      "hbm_limit_us": moved / (HBM_TB_PER_S * 1e12) * 1e6})
+  return records
+
+
+def markdown(records, impls) -> str:
+  cases = list(dict.fromkeys(r["case"] for r in records))
+  lines = ["| case | HBM limit | " + " | ".join(impls) + " |",
+           "|---" * (len(impls) + 2) + "|"]
+  for name in cases:
+    cells, limit = [], ""
+    for impl in impls:
+      r = next((r for r in records if r["case"] == name and r["impl"] == impl), None)
+      if r is None:
+        cells.append("")
+      elif "error" in r:
+        cells.append("error")
+      else:
+        cells.append(f"{r['us']:.0f} us ({r['tb_per_s']:.2f} TB/s)")
+        limit = f"{r['hbm_limit_us']:.0f} us"
+    lines.append(f"| {name} | {limit} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+  p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+  p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+  bench_attention.add_run_arguments(p)
+  args = p.parse_args(argv)
+  bench_attention.spin_up(args.spin_up)
+  records = run(args.cases, jnp.dtype(args.dtype), args.impls)
+  args.out.mkdir(parents=True, exist_ok=True)
+  (args.out / "bench_decode.json").write_text(json.dumps(records, indent=1))
+  print(markdown(records, args.impls))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
