@@ -30,18 +30,23 @@ def visible_mask(config: AttentionConfig, seq_q: int, seq_k: int, rows, cols,
   `rows`/`cols` are integer query/key positions. Causal and window are measured from the
   bottom-right aligned diagonal: query i sits at key position i + seq_k - seq_q.
   """
-  diag = rows[:, None] + (seq_k - seq_q)
   col = cols[None, :]
-  mask = col < seq_k
-  if config.causal:
-    mask &= col <= diag
-  if config.window_right is not None:
-    mask &= col <= diag + config.window_right
-  if config.window_left is not None:
-    mask &= col >= diag - config.window_left
+  mask = _band(config, col < seq_k, col, rows[:, None] + (seq_k - seq_q))
   if q_segment_ids is not None:
     # (batch, rows, cols) once segment ids enter.
     mask = mask[None] & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
+  return mask
+
+
+def _band(config: AttentionConfig, mask, col, position):
+  """mask restricted to the keys `col` that causal and the window let a query at key position
+  `position` see (broadcasting shapes)."""
+  if config.causal:
+    mask &= col <= position
+  if config.window_right is not None:
+    mask &= col <= position + config.window_right
+  if config.window_left is not None:
+    mask &= col >= position - config.window_left
   return mask
 
 
@@ -307,14 +312,7 @@ def cache_mask(config: AttentionConfig, lengths, seq_q: int, cols):
   with causal and the window measured from the query's position lengths[b] - s_q + i."""
   position = (lengths[:, None] - seq_q + jnp.arange(seq_q))[:, :, None]
   col = cols[None, None, :]
-  mask = col < lengths[:, None, None]
-  if config.causal:
-    mask &= col <= position
-  if config.window_right is not None:
-    mask &= col <= position + config.window_right
-  if config.window_left is not None:
-    mask &= col >= position - config.window_left
-  return mask
+  return _band(config, col < lengths[:, None, None], col, position)
 
 
 def naive_kv_cache_attention(query, k_cache, v_cache, lengths, config: AttentionConfig,
