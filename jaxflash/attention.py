@@ -6,13 +6,11 @@ import logging
 import warnings
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxflash import _jax_internal, checks, fp8, primitives
 from jaxflash.sink import add_learnable_sink, check_learnable_sink
-from jaxflash.config import AttentionConfig, IMPLEMENTATIONS, KernelVariant, kernel_support
+from jaxflash.config import AttentionConfig, KernelVariant, kernel_support
 
 log = logging.getLogger("jaxflash")
 
