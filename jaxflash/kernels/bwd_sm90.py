@@ -1060,7 +1060,8 @@ class FlashAttentionBackwardSm90:
     warpgroup.wait_group(1)
     self.stage_dq(acc_dq, sdQ, wg_idx)
     warpgroup.wait_group(0)
-    pipeline_qdo.consumer_release(qdo_state)
+    # The slot's lse2 / delta rows (and masked: query ids) were read with shared loads.
+    sm90_gemm.release_after_lane_loads(pipeline_qdo, qdo_state)
 
   @cute.jit
   def _dv_gemm(self, tiled_mma_dv: cute.TiledMma, acc_dv: cute.Tensor, r_p: cute.Tensor, frags,

@@ -359,7 +359,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
         # stmatrix writes are generic-proxy; the consumers' WGMMA reads through the async one.
         cute.arch.fence_proxy("async.shared", space="cta")
         pipeline_vt.producer_commit(vt_state)
-        pipeline_v.consumer_release(v_state)
+        sm90_gemm.release_after_lane_loads(pipeline_v, v_state)
         v_state.advance()
         vt_state.advance()
       tile = scheduler.next_tile(tile)
@@ -432,7 +432,10 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
                  after_softmax: cutlass.Constexpr):
     """Block variants: after the softmax, which reads the stage's chunk descales."""
     if const_expr(after_softmax == self.block_descales):
-      c.pipeline_k.consumer_release(kv_state)
+      if const_expr(after_softmax):
+        sm90_gemm.release_after_lane_loads(c.pipeline_k, kv_state)
+      else:
+        c.pipeline_k.consumer_release(kv_state)
 
   def epilogue(self, mO: cute.Tensor, mLSE: cute.Tensor, mSink: cute.Tensor, has_sink: Int32,
                tma_atom_o: cute.CopyAtom, sO: cute.Tensor, tiled_mma_pv: cute.TiledMma,

@@ -544,7 +544,10 @@ class FlashAttentionForwardSm90:
     """Releases the K stage once its GEMM is done, or, where a masked variant's softmax still
     reads the stage's key ids, after the softmax (then the producer cannot overwrite them)."""
     if const_expr(after_softmax == (self.masked and is_masked)):
-      c.pipeline_k.consumer_release(kv_state)
+      if const_expr(after_softmax):
+        sm90_gemm.release_after_lane_loads(c.pipeline_k, kv_state)
+      else:
+        c.pipeline_k.consumer_release(kv_state)
 
   def _output_fragment(self, acc_o: cute.Tensor) -> cute.Tensor:
     """O (float32) in the registers the epilogue stores, as out_dtype."""

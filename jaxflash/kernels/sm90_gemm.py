@@ -160,6 +160,20 @@ def _store_block(tiled_mma: cute.TiledMma, tidx, acc: cute.Tensor, dst: cute.Ten
     cute.copy(tiled_copy, chunk, dst_chunks[None, c])
 
 
+def release_after_lane_loads(pipe, state) -> None:
+  """Releases a pipeline slot whose shared memory the warp's lanes read with ordinary loads
+  (LDS / LDSM, not WGMMA): a bulk-copied side buffer, or a tile that warps transpose.
+
+  One elected lane per warp arrives on the slot's empty barrier. The warp synchronises first:
+  bar.warp.sync orders memory among the warp's lanes, so that lane's arrive (a release) covers
+  every lane's loads, and the producer's next copy into the slot (after its acquire of the
+  barrier) cannot overtake any of them. compute-sanitizer's racecheck still reports these
+  hand-offs (it credits a release only to the arriving thread): docs/kernels.md, "Sanitizer".
+  """
+  cute.arch.sync_warp()
+  pipe.consumer_release(state)
+
+
 @dsl_user_op
 def bulk_copy_g2s(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, num_bytes: int,
                   mbar_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
