@@ -1,13 +1,15 @@
 """Decoder-only byte-level transformer in flax.linen on jaxflash's attention block.
 
 Parameters carry tensor-parallel partition names ('tensor'); the residual stream is sharded
-over 'data' (batch). The attention kernel is chosen by `make_attention`.
+over 'data' (batch). The attention kernel is chosen by `make_attention`. Called with a
+`KVCache`, the model decodes: the new tokens attend to the cached keys and values through
+`make_cache_attention`, with the training path's parameters.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -45,30 +47,121 @@ def make_attention(kind: str, implementation: Optional[str] = None) -> Callable:
   return jax_nn_attention
 
 
+class KVCache(NamedTuple):
+  """Keys and values of the tokens seen so far, for decoding.
+
+  keys, values: one (batch, max_len, num_kv_heads, head_dim) array per layer (keys after
+  RoPE); lengths: (batch,) int32, the valid positions of each sequence (all layers alike).
+  """
+
+  keys: tuple
+  values: tuple
+  lengths: jax.Array
+
+
+def init_cache(config: Config, batch: int, max_len: int) -> KVCache:
+  """An empty cache in the model's activation dtype."""
+  shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+  zeros = lambda: tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers))
+  return KVCache(zeros(), zeros(), jnp.zeros((batch,), jnp.int32))
+
+
+def make_cache_attention(kind: str) -> Callable:
+  """fn(query, key, value, k_cache, v_cache, lengths) -> (out, k_cache, v_cache), backed by
+  `kind`: writes the new tokens' key/value (batch, n, num_kv_heads, head_dim) into the caches
+  after the `lengths` valid positions, then attends the n queries causally to the cache.
+
+  jaxflash: `jaxflash.kv_cache_attention` (any lengths and n). cudnn / xla:
+  `jax.nn.dot_product_attention`; one token (n == 1) attends to the cache with
+  key_value_seq_lengths; a prompt (n > 1) must go into an empty cache, and attends to its
+  own keys with jax.nn's causal mask (top-left aligned, right for an empty cache only).
+  """
+  if kind not in ATTENTION_KINDS:
+    raise ValueError(f"attention: expected one of {ATTENTION_KINDS}, got {kind!r}")
+
+  def cache_attention(query, key, value, k_cache, v_cache, lengths):
+    k_cache, v_cache, new_lengths = jaxflash.update_kv_cache(k_cache, v_cache, key, value,
+                                                             lengths)
+    if kind == "jaxflash":
+      out = jaxflash.kv_cache_attention(query, k_cache, v_cache, new_lengths, causal=True)
+    elif query.shape[1] == 1:
+      out = jax.nn.dot_product_attention(query, k_cache, v_cache,
+                                         key_value_seq_lengths=new_lengths,
+                                         implementation=kind)
+    else:
+      out = jax.nn.dot_product_attention(query, key, value, is_causal=True,
+                                         implementation=kind)
+    return out, k_cache, v_cache
+
+  return cache_attention
+
+
 def _partitioned(names):
   return nn.with_partitioning(nn.initializers.lecun_normal(), names)
 
 
+# Megatron split: q/k/v by heads, the out projection by its head input axis.
+_QKV_INIT = _partitioned((None, "tensor", None))
+_OUT_INIT = _partitioned(("tensor", None, None))
+
+
+class CachedAttention(nn.Module):
+  """The decoding form of the blocks' `jaxflash.flax.LinenAttention`, with its parameters
+  (query, key, value, out): RoPE at each new token's absolute position (lengths + i), then
+  `cache_attention` (see make_cache_attention) over the layer's caches.
+
+  (x, k_cache, v_cache, lengths) -> (out, k_cache, v_cache); x (batch, n, d_model) are the
+  tokens that follow the `lengths` cached ones.
+  """
+
+  config: Config
+  cache_attention: Callable
+
+  @nn.compact
+  def __call__(self, x, k_cache, v_cache, lengths):
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    project = lambda heads, name: nn.DenseGeneral(
+        (heads, cfg.head_dim), use_bias=False, dtype=dtype, kernel_init=_QKV_INIT,
+        name=name)(x)
+    q = project(cfg.num_heads, "query")
+    k = project(cfg.num_kv_heads, "key")
+    v = project(cfg.num_kv_heads, "value")
+    positions = lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)
+    q = jaxflash.flax.apply_rope(q, positions, cfg.rope_base)
+    k = jaxflash.flax.apply_rope(k, positions, cfg.rope_base)
+    out, k_cache, v_cache = self.cache_attention(q, k, v, k_cache, v_cache, lengths)
+    out = nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=False, dtype=dtype,
+                          kernel_init=_OUT_INIT, name="out")(out)
+    return out, k_cache, v_cache
+
+
 class Block(nn.Module):
-  """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+  """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+  cache: None (x is whole sequences), or this layer's (k_cache, v_cache, lengths) to decode
+  with, through `cache_attention`; then it returns (x, k_cache, v_cache).
+  """
 
   config: Config
   attention_fn: Callable
   act_sharding: Optional[jax.sharding.Sharding] = None
+  cache_attention: Optional[Callable] = None
 
   @nn.compact
-  def __call__(self, x, segment_ids=None, positions=None):
+  def __call__(self, x, segment_ids=None, positions=None, cache=None):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     h = nn.RMSNorm(dtype=dtype, name="attn_norm")(x)
-    # Megatron split: q/k/v by heads, the out projection by its head input axis.
-    h = jaxflash.flax.LinenAttention(
-        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, causal=True,
-        rope_base=cfg.rope_base, dtype=dtype,
-        kernel_init=_partitioned((None, "tensor", None)),
-        out_kernel_init=_partitioned(("tensor", None, None)),
-        attention_fn=self.attention_fn, name="attention")(h, segment_ids=segment_ids,
-                                                          positions=positions)
+    if cache is None:
+      h = jaxflash.flax.LinenAttention(
+          num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, causal=True,
+          rope_base=cfg.rope_base, dtype=dtype, kernel_init=_QKV_INIT,
+          out_kernel_init=_OUT_INIT, attention_fn=self.attention_fn,
+          name="attention")(h, segment_ids=segment_ids, positions=positions)
+    else:
+      h, k_cache, v_cache = CachedAttention(cfg, self.cache_attention, name="attention")(
+          h, *cache)
     x = self._constrain(x + h)
     h = nn.RMSNorm(dtype=dtype, name="mlp_norm")(x)
     dense = lambda features, names, name: nn.Dense(
@@ -76,7 +169,8 @@ class Block(nn.Module):
     gate = dense(cfg.mlp_dim, (None, "tensor"), "gate")(h)
     up = dense(cfg.mlp_dim, (None, "tensor"), "up")(h)
     h = dense(cfg.d_model, ("tensor", None), "down")(nn.silu(gate) * up)
-    return self._constrain(x + h)
+    x = self._constrain(x + h)
+    return x if cache is None else (x, k_cache, v_cache)
 
   def _constrain(self, x):
     if self.act_sharding is None:
@@ -88,21 +182,39 @@ class Transformer(nn.Module):
   """tokens (batch, seq) int32 -> logits (batch, seq, vocab) float32.
 
   segment_ids / positions (batch, seq), optional: packed documents attend only within their
-  own document, with RoPE positions restarting in each (default: one sequence, arange)."""
+  own document, with RoPE positions restarting in each (default: one sequence, arange).
+
+  cache: a KVCache to decode with (needs `cache_attention`, from make_cache_attention):
+  tokens follow each sequence's cached ones, and the call returns (logits, updated cache)
+  with lengths + seq; keep lengths + seq <= max_len."""
 
   config: Config
   attention_fn: Callable
   act_sharding: Optional[jax.sharding.Sharding] = None
+  cache_attention: Optional[Callable] = None
 
   @nn.compact
-  def __call__(self, tokens, segment_ids=None, positions=None):
+  def __call__(self, tokens, segment_ids=None, positions=None, cache: Optional[KVCache] = None):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
+    if cache is not None and self.cache_attention is None:
+      raise ValueError("cache: decoding needs Transformer(cache_attention=...), see "
+                       "make_cache_attention")
     x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype,
                  embedding_init=nn.initializers.normal(1.0), name="embed")(tokens)
+    keys, values = [], []
     for i in range(cfg.num_layers):
-      x = Block(cfg, self.attention_fn, self.act_sharding, name=f"block_{i}")(x, segment_ids,
-                                                                              positions)
+      block = Block(cfg, self.attention_fn, self.act_sharding, self.cache_attention,
+                    name=f"block_{i}")
+      if cache is None:
+        x = block(x, segment_ids, positions)
+      else:
+        x, k, v = block(x, cache=(cache.keys[i], cache.values[i], cache.lengths))
+        keys.append(k)
+        values.append(v)
     x = nn.RMSNorm(dtype=dtype, name="final_norm")(x)
     logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, name="head")(x)
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    if cache is None:
+      return logits
+    return logits, KVCache(tuple(keys), tuple(values), cache.lengths + tokens.shape[1])
