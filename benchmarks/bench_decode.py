@@ -7,7 +7,8 @@ Each case is (batch, seq_q, cache length, query heads / kv heads, head_dim), bf1
   cudnn / xla: jax.nn.dot_product_attention (implementation "cudnn" / "xla") over the caches
     with key_value_seq_lengths; not causal (jax.nn aligns causal top-left, so a one-token query
     would see key 0 only) unless seq_q > 1, where no jax.nn column is comparable and they are
-    left out.
+    left out; they never take softcap or sinks (the softcap_sink case's jax.nn columns are the
+    plain call).
 Bandwidth = the K and V bytes of the valid keys / time (H200 HBM: 4.8 TB/s). Timing as
 benchmarks/bench_attention.py (warm-ups, CALLS calls back to back, median of REPS). Results go
 to OUT/bench_decode.json and a markdown table on stdout.
@@ -41,6 +42,7 @@ class Case(NamedTuple):
   kv_heads: int
   head_dim: int = 128
   ragged: bool = False  # lengths spread over 1..length (numpy default_rng(0))
+  softcap_sink: bool = False  # jaxflash columns with softcap 30 and a learnable sink
 
 
 CASES = {
@@ -51,6 +53,7 @@ CASES = {
     "ragged32_q1_32k": Case(32, 1, 32768, 32, 4, ragged=True),
     "b8_q1_32k_gqa8_d64": Case(8, 1, 32768, 32, 4, head_dim=64),
     "b8_q1_32k_gqa8_d256": Case(8, 1, 32768, 32, 4, head_dim=256),
+    "b8_q1_32k_gqa8_softcap_sink": Case(8, 1, 32768, 32, 4, softcap_sink=True),
 }
 IMPLS = ("jaxflash", "paged64", "paged256", "cudnn", "xla")
 
@@ -86,13 +89,19 @@ def calls(case: Case, dtype, impls) -> dict:
   shape = (case.batch, case.length, case.kv_heads, case.head_dim)
   k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(2))
   lengths = jnp.asarray(lengths_of(case))
+  options = {}
+  if case.softcap_sink:
+    options = dict(softcap=30.0, learnable_sink=jnp.asarray(rng.standard_normal(case.heads),
+                                                            jnp.float32))
   out = {}
   if "jaxflash" in impls:
-    out["jaxflash"] = (jax.jit(jaxflash.kv_cache_attention), (q, k, v, lengths))
+    out["jaxflash"] = (jax.jit(lambda q, k, v, n: jaxflash.kv_cache_attention(
+        q, k, v, n, **options)), (q, k, v, lengths))
   for name, page_size in (("paged64", 64), ("paged256", 256)):
     if name in impls:
       (k_pool, table), (v_pool, _) = paged(k, page_size, 2), paged(v, page_size, 2)
-      fn = jax.jit(lambda q, k, v, n, t: jaxflash.kv_cache_attention(q, k, v, n, page_table=t))
+      fn = jax.jit(lambda q, k, v, n, t: jaxflash.kv_cache_attention(q, k, v, n, page_table=t,
+                                                                     **options))
       out[name] = (fn, (q, k_pool, v_pool, lengths, table))
   if case.seq_q == 1:
     for impl in ("cudnn", "xla"):

@@ -39,7 +39,7 @@ _FFI_SRC = Path(__file__).resolve().parent / "ffi"
 _KERNELS_SRC = Path(__file__).resolve().parent / "kernels"
 _HANDLER_SOURCES = ("handlers.cc", "variant_registry.cc")
 _HANDLER_HEADERS = ("kernel_abi.h", "variant_registry.h")
-_VARIANT_SOURCES = ("variant_fwd.cc", "variant_bwd.cc")
+_VARIANT_SOURCES = ("variant_fwd.cc", "variant_bwd.cc", "variant_decode.cc")
 _VARIANT_HEADERS = ("kernel_abi.h", "tensor_args.h", "variant_common.h")
 _CXXFLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC")
 # Hide the static CUDA runtime's symbols: each library keeps its own copy, and nothing outside
@@ -52,13 +52,16 @@ _COMMON_ABI_SYMBOLS = ("jaxflash_variant_abi_version", "jaxflash_variant_key",
                        "jaxflash_variant_info", "jaxflash_variant_load")
 VARIANT_ABI_SYMBOLS = _COMMON_ABI_SYMBOLS + ("jaxflash_variant_fwd",)
 BWD_VARIANT_ABI_SYMBOLS = _COMMON_ABI_SYMBOLS + ("jaxflash_variant_bwd",)
+DECODE_VARIANT_ABI_SYMBOLS = _COMMON_ABI_SYMBOLS + ("jaxflash_variant_decode",)
 
 
 def variant_abi_symbols(direction: str) -> tuple[str, ...]:
-  """The dynamic symbols a variant library of `direction` ("fwd" | "bwd") exports, exactly."""
-  if direction not in config.DIRECTIONS:
+  """The dynamic symbols a variant library of `direction` (config.DIRECTIONS) exports, exactly."""
+  symbols = {"fwd": VARIANT_ABI_SYMBOLS, "bwd": BWD_VARIANT_ABI_SYMBOLS,
+             "decode": DECODE_VARIANT_ABI_SYMBOLS}
+  if direction not in symbols:
     raise ValueError(f"direction: {direction!r} unknown; accepted: {config.DIRECTIONS}")
-  return VARIANT_ABI_SYMBOLS if direction == "fwd" else BWD_VARIANT_ABI_SYMBOLS
+  return symbols[direction]
 
 
 class BuildError(RuntimeError):
@@ -292,7 +295,8 @@ def cubin_resources(cubin: Path) -> Optional[dict]:
 
 def link_variant(exported, variant: KernelVariant, out: Path,
                  tc: Optional[Toolchain] = None) -> None:
-  """g++ links the glue (variant_{fwd,bwd}.cc, per variant via macros) with the exported objects.
+  """g++ links the glue (variant_{fwd,bwd,decode}.cc, per variant via macros) with the exported
+  objects.
 
   A backward variant has three objects (preprocess, main, postprocess): all are linked. The one
   link line of the project: the cache build, the compile tests and the self-test builders use it.

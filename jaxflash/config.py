@@ -22,6 +22,12 @@ FWD_ATTRIBUTE_NAMES = ("variant", "softmax_scale", "causal", "window_left", "win
                        "softcap", "head_dim", "head_dim_v")
 # Typed attributes of the backward custom call (same checks; "deterministic" picks the variant).
 BWD_ATTRIBUTE_NAMES = FWD_ATTRIBUTE_NAMES + ("deterministic",)
+# The split-KV decode kernel: per-split partial outputs and lses of a few query rows over a KV
+# cache (contiguous or paged), which the caller combines. Its typed attributes, in binding order
+# (handlers.cc binds exactly these; tests/test_ffi.py checks).
+DECODE_TARGET = "jaxflash_kv_cache_attention"
+DECODE_ATTRIBUTE_NAMES = ("variant", "softmax_scale", "seqlen_q", "window_left", "window_right",
+                          "softcap", "head_dim", "head_dim_v")
 # The window_left / window_right attribute of a side without a bound. Large enough that no
 # sequence reaches it, small enough that the kernels' int32 arithmetic (row + offset +- window)
 # cannot overflow.
@@ -57,7 +63,9 @@ LSE_CHECKPOINT_NAME = "jaxflash_lse"
 
 IMPLEMENTATIONS = ("cute", "reference")
 REFERENCE_DTYPES = ("float16", "bfloat16", "float32")
-DIRECTIONS = ("fwd", "bwd")
+# Kernel directions: the forward and backward of attention, and the split-KV decode over a KV
+# cache (forward only).
+DIRECTIONS = ("fwd", "bwd", "decode")
 
 _DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "e4m3"}
 
@@ -98,10 +106,12 @@ class AttentionConfig:
 KERNEL_ARCHS = ("sm90a",)
 KERNEL_DTYPES = ("float16", "bfloat16")
 # (head_dim, head_dim_v) pairs with a kernel, per direction. 192 / 128 is DeepSeek's MLA
-# training shape (q and k carry a 64-wide rotary part that v lacks).
+# training shape (q and k carry a 64-wide rotary part that v lacks). Decode runs the forward's
+# pairs, so that a model decodes with the head dims it was trained with.
 KERNEL_HEAD_DIM_PAIRS = {
     "fwd": ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)),
     "bwd": ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)),
+    "decode": ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256)),
 }
 
 
@@ -152,7 +162,43 @@ class BwdSchedule:
     return f"m{self.tile_m}n{self.tile_n}s{self.num_stages}" + ("swap" if self.swap_sdp else "")
 
 
-Schedule = Union[FwdSchedule, BwdSchedule]
+@dataclasses.dataclass(frozen=True)
+class DecodeSchedule:
+  """How the Hopper split-KV decode kernel (kernels/decode_sm90.py) runs one variant.
+
+  A CTA takes the query rows of one (batch, kv head) (the query heads of the kv head packed
+  into the rows, JaxflashDecodeArgs) against one split of that sequence's keys.
+  """
+
+  tile_m: int  # packed query rows per CTA: 64, one consumer warpgroup
+  tile_n: int  # key rows per step
+  num_stages: int  # depth of the K and V rings
+
+  @property
+  def key(self) -> str:
+    return f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
+
+
+Schedule = Union[FwdSchedule, BwdSchedule, DecodeSchedule]
+
+# Decode: the deepest K / V ring, up to 4 stages, whose stages and the 64-row Q tile fit the
+# 227 KiB of shared memory of a Hopper CTA (tests/test_config.py recomputes it).
+_DECODE_STAGES = {(64, 64): 4, (96, 96): 4, (128, 128): 3, (192, 128): 4, (192, 192): 4,
+                  (256, 256): 3}
+
+
+def decode_schedule(head_dim: int, head_dim_v: int) -> DecodeSchedule:
+  """The decode schedule table: 64 packed query rows per CTA (one consumer warpgroup: a decode
+  step has few rows, the query heads of a kv head times the new tokens), key tiles of 128 up
+  to head dim 128 and of 64 above, and the deepest K / V ring up to 4 stages that fits 227 KiB
+  of shared memory with the Q tile (decoding streams the cache: a deep ring keeps loads in
+  flight)."""
+  stages = _DECODE_STAGES.get((head_dim, head_dim_v))
+  if stages is None:
+    raise ValueError(f"(head_dim, head_dim_v): ({head_dim}, {head_dim_v}) has no decode "
+                     f"schedule; accepted: {tuple(_DECODE_STAGES)}")
+  return DecodeSchedule(tile_m=64, tile_n=128 if max(head_dim, head_dim_v) <= 128 else 64,
+                        num_stages=stages)
 
 
 # The FP8 forward (kernels/fwd_fp8_sm90.py): e4m3 q, k, v, bf16 or fp16 out (a run-time choice);
@@ -281,7 +327,7 @@ def bwd_schedule(head_dim: int, head_dim_v: int, causal: bool, deterministic: bo
 class KernelVariant:
   """One compiled kernel: everything that is static in the cubin. Shapes stay dynamic."""
 
-  direction: str  # "fwd" | "bwd"
+  direction: str  # "fwd" | "bwd" | "decode"
   arch: str  # "sm90a"
   dtype: str  # "float16" | "bfloat16" | FP8_DTYPE (forward)
   head_dim: int
@@ -291,7 +337,8 @@ class KernelVariant:
   deterministic: bool = False  # backward only
   # Windows and segment ids: run-time operands (block ranges, ids, window sizes) that the
   # kernel masks and skips by; causal or not is then run-time data too. They also take softcap
-  # at run time.
+  # at run time. (Decode variants take windows, causal and softcap at run time as scalars, and
+  # no mask operands: masked stays False.)
   masked: bool = False
   # FP8 forward only: descales per 64 tokens (block quantization), not per (batch, kv head).
   block_descales: bool = False
@@ -308,7 +355,10 @@ class KernelVariant:
   @classmethod
   def for_call(cls, direction: str, arch: str, dtype: str, head_dim: int, head_dim_v: int,
                config: AttentionConfig) -> "KernelVariant":
-    """The variant that runs one call (kernel_support must have accepted it)."""
+    """The variant that runs one call (kernel_support must have accepted it). A decode variant
+    depends on dtype and head dims only (its options are run-time scalars)."""
+    if direction == "decode":
+      return decode_variant(dtype, head_dim, head_dim_v, arch)
     if dtype == FP8_DTYPE:
       return fp8_fwd_variant(head_dim, config.causal, arch, config.block_descales)
     deterministic = config.deterministic and direction == "bwd"
@@ -343,6 +393,8 @@ def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
     accepted = tuple(dv for d, dv in pairs if d == head_dim)
     return False, (f"head_dim_v {head_dim_v} with head_dim {head_dim} has no {direction} "
                    f"kernel; accepted head_dim_v: {accepted}")
+  if direction == "decode" and config is not None and config.has_segment_ids:
+    return False, "the decode kernels take no segment ids"
   return True, ""
 
 
@@ -362,13 +414,26 @@ def _fp8_kernel_support(direction: str, head_dim: int, head_dim_v: int,
   return True, ""
 
 
+def decode_variant(dtype: str, head_dim: int, head_dim_v: int,
+                   arch: str = "sm90a") -> KernelVariant:
+  """The split-KV decode variant of a dtype and head-dim pair (one per pair: causal, windows
+  and softcap are run-time scalars of the call)."""
+  return KernelVariant(direction="decode", arch=arch, dtype=dtype, head_dim=head_dim,
+                       head_dim_v=head_dim_v, causal=False,
+                       schedule=decode_schedule(head_dim, head_dim_v))
+
+
 def shipped_variants(arch: str = "sm90a", direction: str = "fwd") -> list[KernelVariant]:
   """The variants `python -m jaxflash.build --all` builds and the CPU compile tests check.
 
-  direction="bwd" lists the backward variants (non-deterministic and deterministic).
+  direction="bwd" lists the backward variants (non-deterministic and deterministic),
+  direction="decode" the split-KV decode variants (one per dtype and head-dim pair).
   """
   if direction not in DIRECTIONS:
     raise ValueError(f"direction: {direction!r} unknown; accepted: {DIRECTIONS}")
+  if direction == "decode":
+    return [decode_variant(dtype, d, dv, arch) for dtype in KERNEL_DTYPES
+            for d, dv in KERNEL_HEAD_DIM_PAIRS["decode"]]
   out = []
   # Dense (causal or not), then masked (windows, segment ids: causal at run time).
   masks = ({"causal": False}, {"causal": True}, {"window_left": 0})

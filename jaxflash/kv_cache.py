@@ -1,8 +1,9 @@
 """Attention over KV caches for generation: `kv_cache_attention` and `update_kv_cache`.
 
-Argument checks, defaults and the choice of implementation; the computation is
-jaxflash/reference.py's cache forward. Imports jax and the public-API layer's helpers (checks,
-attention's empty result, sink), config and reference.
+Argument checks, defaults and the choice of implementation: the split-KV decode kernel
+(jaxflash/split_kv.py) on a Hopper GPU, else jaxflash/reference.py's cache forward. Imports jax
+and the public-API layer's helpers (checks, attention's empty result, sink), config, reference
+and split_kv.
 """
 
 from __future__ import annotations
@@ -10,15 +11,16 @@ from __future__ import annotations
 import functools
 import logging
 import numbers
+import warnings
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import checks, reference
+from jaxflash import _jax_internal, checks, reference, split_kv
 from jaxflash.attention import empty_result
-from jaxflash.config import AttentionConfig, IMPLEMENTATIONS
+from jaxflash.config import AttentionConfig, IMPLEMENTATIONS, decode_variant, kernel_support
 from jaxflash.sink import add_learnable_sink, check_learnable_sink
 
 log = logging.getLogger("jaxflash")
@@ -81,17 +83,45 @@ def _check_options(causal, softmax_scale, window_size, softcap, num_splits, retu
   if implementation not in (None,) + IMPLEMENTATIONS:
     raise ValueError(f"implementation: expected None, 'cute' or 'reference', got "
                      f"{implementation!r}")
-  if implementation == "cute":
-    raise ValueError("implementation='cute': kv_cache_attention has no CuTe kernel in this "
-                     "version (the split-KV decode kernels are not built yet); use "
-                     "implementation=None (auto) or 'reference'")
   # The same checks and defaults as jaxflash.attention's options.
   return checks.check_options(causal, softmax_scale, window_size, softcap, False, return_lse,
                               implementation, head_dim)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _forward(config: AttentionConfig, query, k_cache, v_cache, lengths, page_table, sink):
+def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
+                            head_dim_v: int) -> str:
+  """'cute' or 'reference'. Auto takes the decode kernel on a Hopper GPU when one covers the
+  call (fp16/bf16, the forward's head dims) and is installed or buildable."""
+  if requested == "reference":
+    return "reference"
+  ok, reason = kernel_support("decode", dtype, head_dim, head_dim_v)
+  if requested == "cute":
+    if not ok:
+      raise ValueError(f"implementation='cute': {reason}; use implementation=None (auto) or "
+                       f"'reference'")
+    if not _jax_internal.has_cuda_device():
+      raise ValueError("implementation='cute': the decode kernels need an NVIDIA Hopper GPU "
+                       "and none is visible; use implementation=None (auto) or 'reference'")
+  elif not (ok and _jax_internal.has_hopper_device()):
+    return "reference"
+  from jaxflash import ffi  # only on a CUDA host: keeps `import jaxflash` light
+  available, why = ffi.variant_available(decode_variant(dtype, head_dim, head_dim_v))
+  if available:
+    return "cute"
+  if requested == "cute":
+    raise ValueError(f"implementation='cute': {why}\nimplementation=None (auto) runs the "
+                     f"reference meanwhile.")
+  warnings.warn(f"{why}\njaxflash: running the reference implementation meanwhile.",
+                RuntimeWarning, stacklevel=3)
+  return "reference"
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _forward(config: AttentionConfig, num_splits: Optional[int], query, k_cache, v_cache,
+             lengths, page_table, sink):
+  if config.implementation == "cute":
+    return split_kv.kernel_forward(config, query, k_cache, v_cache, lengths, page_table, sink,
+                                   num_splits)
   out, lse = reference.blocked_kv_cache_forward(query, k_cache, v_cache, lengths, config,
                                                 page_table)
   if sink is not None:
@@ -100,8 +130,8 @@ def _forward(config: AttentionConfig, query, k_cache, v_cache, lengths, page_tab
 
 
 @_forward.defjvp
-def _forward_jvp(config, primals, tangents):
-  del config, primals, tangents
+def _forward_jvp(config, num_splits, primals, tangents):
+  del config, num_splits, primals, tangents
   raise TypeError("kv_cache_attention is forward only (inference): it has no gradient. To "
                   "differentiate attention, call jaxflash.attention on the keys and values.")
 
@@ -132,12 +162,14 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
       at or before it. False: every query sees every key below the length.
     softmax_scale, window_size, softcap, learnable_sink: as in `jaxflash.attention`, with the
       window measured from each query's position above.
-    num_splits: how many parts the kernels split each sequence's keys into (None: chosen from
-      the shapes); the result is the same up to rounding. The reference computes in one pass.
+    num_splits: how many parts the kernel splits each sequence's keys into (None: chosen from
+      the static shapes and the GPU's SM count); the result is the same up to rounding, and
+      bitwise the same run to run for a given count. The reference computes in one pass.
     return_lse: also return lse (batch, num_heads, seq_q), float32 (natural log).
-    implementation: None (auto) or "reference": the pure-JAX implementation, on every
-      platform, which reads the caches block by block (memory of one block of keys at a
-      time); "cute" raises: this version has no decode kernel.
+    implementation: None (auto): the decode kernel on a Hopper GPU for float16/bfloat16 and
+      the forward kernels' head dims, else the reference; "cute": the kernel or an error;
+      "reference": the pure-JAX implementation, on every platform, which reads the caches
+      block by block (memory of one block of keys at a time).
 
   Returns:
     out (batch, seq_q, num_heads, head_dim_v) in the query dtype, or (out, lse).
@@ -161,7 +193,9 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
     if learnable_sink is not None:
       out, lse = add_learnable_sink(out, lse, learnable_sink)
   else:
-    out, lse = _forward(config, query, k_cache, v_cache, lengths, page_table, learnable_sink)
+    impl = _resolve_implementation(implementation, dtype, query.shape[-1], v_cache.shape[-1])
+    out, lse = _forward(config.replace(implementation=impl), num_splits, query, k_cache,
+                        v_cache, lengths, page_table, learnable_sink)
   return (out, lse) if return_lse else out
 
 

@@ -20,14 +20,15 @@
 #                                       #   family
 #   scripts/gpu_check.sh bench [ARGS]   # benchmarks/bench_attention.py ARGS (e.g. --bwd-only)
 #   scripts/gpu_check.sh masked [ARGS]  # benchmarks/bench_masked.py ARGS
+#   scripts/gpu_check.sh decode [ARGS]  # benchmarks/bench_decode.py ARGS (KV-cache attention)
 # Logs, JSON and PNG go to $OUT (default ./gpu_out). Exit status: that of the first failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-all}"
 [ $# -gt 0 ] && shift
 case "$mode" in
-  build|all|tests|sanitize|bench|masked|wheel) ;;
-  *) echo "unknown mode '$mode': use build, wheel, all, tests, sanitize, bench or masked" >&2
+  build|all|tests|sanitize|bench|masked|decode|wheel) ;;
+  *) echo "unknown mode '$mode': use build, wheel, all, tests, sanitize, bench, masked or decode" >&2
      exit 2 ;;
 esac
 py="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}"
@@ -152,6 +153,11 @@ if [ "$mode" = sanitize ]; then
            | tr -s ' ' | tr '\n' ';')"
     done | tee -a "$out/sanitize_summary.txt"
   fi
+fi
+if [ "$mode" = decode ]; then
+  "$py" benchmarks/bench_decode.py --out "$out" "$@" 2>&1 | tee "$out/bench_decode.log"
+  rc=${PIPESTATUS[0]}
+  [ "$status" -eq 0 ] && status=$rc
 fi
 if [ "$mode" = masked ]; then
   "$py" benchmarks/bench_masked.py --out "$out" "$@" 2>&1 | tee "$out/bench_masked.log"

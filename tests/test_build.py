@@ -44,8 +44,11 @@ def test_handler_library_builds_once_and_hides_the_cuda_runtime(cache):
   lib, _ = build.build_handler_library(cache)
   assert lib == cache / HANDLER_LIBRARY
   symbols = build.exported_symbols(lib)
-  assert {"JaxflashAttentionFwd", "JaxflashAttentionBwd", "jaxflash_ffi_register_variant",
-          "jaxflash_ffi_last_error", "jaxflash_ffi_prepare"} <= symbols
+  assert {"JaxflashAttentionFwd", "JaxflashAttentionBwd", "JaxflashKvCacheAttention",
+          "jaxflash_ffi_register_variant", "jaxflash_ffi_last_error",
+          "jaxflash_ffi_prepare"} <= symbols
+  assert {symbol for _, instantiate, execute in ffi._TARGETS
+          for symbol in (instantiate, execute)} <= symbols
   assert not [s for s in symbols if s.startswith("cuda")]  # --exclude-libs kept cudart private
   mtime = lib.stat().st_mtime_ns
   assert build.build_handler_library(cache) == (lib, False)
@@ -55,15 +58,13 @@ def test_handler_library_builds_once_and_hides_the_cuda_runtime(cache):
 def test_instantiate_errors_name_the_target(cache, tmp_path):
   """A call whose variant is in no kernel folder fails when XLA instantiates it, with an error
   that names the call's target, as execute's errors do. XLA's CPU runtime runs the instantiate
-  stage too: CPU copies of the two targets show it on this host."""
+  stage too: CPU copies of the three targets show it on this host."""
   build.build_handler_library(cache)
   lib = ctypes.CDLL(str(cache / HANDLER_LIBRARY))
   lib.jaxflash_ffi_set_kernel_folders.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.c_int32]
   assert lib.jaxflash_ffi_set_kernel_folders((ctypes.c_char_p * 1)(str(tmp_path).encode()), 1) == 0
   x = jnp.zeros((1, 4), jnp.float32)
-  for target, instantiate, execute in (
-      (config.FWD_TARGET, ffi._FWD_INSTANTIATE_SYMBOL, ffi._FWD_HANDLER_SYMBOL),
-      (config.BWD_TARGET, ffi._BWD_INSTANTIATE_SYMBOL, ffi._BWD_HANDLER_SYMBOL)):
+  for target, instantiate, execute in ffi._TARGETS:
     name = f"{target}_instantiate_on_cpu"
     jax.ffi.register_ffi_target(name, {"instantiate": jax.ffi.pycapsule(getattr(lib, instantiate)),
                                        "execute": jax.ffi.pycapsule(getattr(lib, execute))},
@@ -85,7 +86,7 @@ def test_variant_build_writes_library_cubin_and_manifest(built, cache):
   stored = json.loads((folder / VARIANT_MANIFEST).read_text())
   assert stored["key"] == variant.key
   assert stored["spec"] == build.variant_spec(variant)
-  assert stored["abi_version"] == build.abi_version() == 9
+  assert stored["abi_version"] == build.abi_version() == 10
   assert stored["cutlass_version"] == build.cutlass_version()
   import jaxflash
   assert stored["jaxflash_version"] == jaxflash.__version__
@@ -197,11 +198,65 @@ def test_handler_registry_accepts_a_backward_library(built_bwd, cache):
   assert "loading the kernel module failed" in lib.jaxflash_ffi_last_error().decode()
 
 
-def test_cli_selects_forward_and_backward_variants(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def built_decode(cache):
+  """The first shipped decode variant (variant_decode.cc glue), built once."""
+  pytest.importorskip("cutlass")
+  variant = config.shipped_variants(direction="decode")[0]
+  (manifest,) = build.build([variant], cache, log=lambda line: None)
+  return variant, manifest
+
+
+@pytest.mark.cutlass
+def test_decode_variant_builds_and_exports_the_decode_abi(built_decode, cache):
+  variant, manifest = built_decode
+  folder = cache / variant.key
+  assert variant.key.startswith("decode-") and manifest["key"] == variant.key
+  assert manifest["spec"]["schedule"] == {"tile_m": 64, "tile_n": variant.schedule.tile_n,
+                                          "num_stages": variant.schedule.num_stages}
+  assert build.exported_symbols(folder / VARIANT_LIBRARY) == set(
+      build.DECODE_VARIANT_ABI_SYMBOLS)
+  assert manifest["extra_cubins"] == {} and (folder / "kernel.cubin").is_file()
+  assert build.manifest_is_current(variant, cache)
+
+
+@pytest.mark.cutlass
+def test_handler_registry_accepts_a_decode_library(built_decode, cache):
+  if ffi._cuda_device_present():
+    pytest.skip("a CUDA device is present: loading succeeds here")
+  variant, _ = built_decode
+  build.build_handler_library(cache)
+  lib = ctypes.CDLL(str(cache / HANDLER_LIBRARY))
+  lib.jaxflash_ffi_register_variant.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+  lib.jaxflash_ffi_last_error.restype = ctypes.c_char_p
+  path = str(cache / variant.key / VARIANT_LIBRARY).encode()
+  # The ABI check passes (the decode entry, direction 2); only the cubin load needs a GPU.
+  assert lib.jaxflash_ffi_register_variant(variant.key.encode(), path) == 1
+  assert "loading the kernel module failed" in lib.jaxflash_ffi_last_error().decode()
+
+
+def test_cli_selects_forward_backward_and_decode_variants(tmp_path, capsys):
   assert build.main(["--list", "--cache-dir", str(tmp_path)]) == 0
   keys = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-  want = config.shipped_variants() + config.shipped_variants(direction="bwd")
+  want = (config.shipped_variants() + config.shipped_variants(direction="bwd")
+          + config.shipped_variants(direction="decode"))
   assert keys == [v.key for v in want]
+  assert sum(key.startswith("decode-") for key in keys) == 12
+
+
+def test_every_direction_has_its_glue_and_abi_entry():
+  """Each direction's variant library exports the common functions and its own entry, built
+  from its own glue source, which the manifest's source hash covers."""
+  entries = {"fwd": "jaxflash_variant_fwd", "bwd": "jaxflash_variant_bwd",
+             "decode": "jaxflash_variant_decode"}
+  assert set(entries) == set(config.DIRECTIONS)
+  for direction, entry in entries.items():
+    symbols = build.variant_abi_symbols(direction)
+    assert entry in symbols and len(symbols) == 5
+    assert not (set(entries.values()) - {entry}) & set(symbols)
+  assert "variant_decode.cc" in build._VARIANT_SOURCES
+  with pytest.raises(ValueError, match="direction: 'sideways' unknown"):
+    build.variant_abi_symbols("sideways")
 
 
 def test_missing_compiler_is_named(monkeypatch):

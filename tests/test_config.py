@@ -14,6 +14,7 @@ from jaxflash import config
 
 FWD = config.shipped_variants("sm90a", "fwd")
 BWD = config.shipped_variants("sm90a", "bwd")
+DECODE = config.shipped_variants("sm90a", "decode")
 DENSE_FWD = [v for v in FWD if not v.masked and v.dtype != config.FP8_DTYPE]
 DENSE_BWD = [v for v in BWD if not v.masked]
 PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
@@ -34,7 +35,7 @@ def test_shipped_variants_cover_dtypes_head_dims_masks_and_determinism():
   3 x 2 dtypes x 6 head-dim pairs forward, twice that backward (deterministic or not); and the
   FP8 forward: head_dim 64 / 128 / 256, causal or not, per-head or block descales (-blk), one
   CTA per tile."""
-  assert config.KERNEL_HEAD_DIM_PAIRS == {"fwd": PAIRS, "bwd": PAIRS}
+  assert config.KERNEL_HEAD_DIM_PAIRS == {"fwd": PAIRS, "bwd": PAIRS, "decode": PAIRS}
   fp8 = [v for v in FWD if v.dtype == config.FP8_DTYPE]
   assert [(v.head_dim, v.head_dim_v, v.causal, v.block_descales) for v in fp8] == [
       (d, d, c, blocks) for blocks in (False, True) for d in config.FP8_HEAD_DIMS
@@ -58,13 +59,15 @@ def test_shipped_variants_cover_dtypes_head_dims_masks_and_determinism():
 
 
 def test_keys_are_unique_names_of_flags_and_tile():
-  keys = [v.key for v in FWD + BWD]
+  keys = [v.key for v in FWD + BWD + DECODE]
   assert len(set(keys)) == len(keys)
+  assert "decode-sm90a-bf16-d128-dv128-m64n128s3" in keys
+  assert "decode-sm90a-f16-d192-dv128-m64n64s4" in keys
   assert "fwd-sm90a-bf16-d128-dv128-causal-m128n128s2" in keys
   assert "fwd-sm90a-f16-d128-dv128-m128n176s2" in keys
   assert "bwd-sm90a-bf16-d128-dv128-causal-det-m80n128s2swap" in keys
   assert "bwd-sm90a-f16-d256-dv256-det-m64n64s2" in keys
-  for v in FWD + BWD:
+  for v in FWD + BWD + DECODE:
     assert ("-causal" in v.key) == v.causal and ("-det" in v.key) == v.deterministic
     assert ("-masked" in v.key) == v.masked
     assert v.key.endswith("-" + v.schedule.key)
@@ -110,6 +113,41 @@ def test_fp8_forward_schedule_table():
     assert (s.persistent, s.lpt, s.rescale_o_before_pv) == (False, v.causal, False)
 
 
+def test_decode_variants_one_per_dtype_and_head_dim_pair():
+  """Decode: 2 dtypes x the forward's 6 head-dim pairs; causal, windows and softcap are run-time
+  scalars, so no mask flags."""
+  assert len(DECODE) == 2 * len(PAIRS) == 12
+  assert {(v.dtype, v.head_dim, v.head_dim_v) for v in DECODE} == {
+      (dtype, d, dv) for dtype in config.KERNEL_DTYPES for d, dv in PAIRS}
+  for v in DECODE:
+    assert v.direction == "decode" and v.key.startswith("decode-sm90a-")
+    assert not (v.causal or v.masked or v.deterministic or v.block_descales)
+    assert v == config.decode_variant(v.dtype, v.head_dim, v.head_dim_v)
+    for cfg in (_cfg(), _cfg(causal=True, window_left=8, softcap=5.0)):
+      assert config.KernelVariant.for_call("decode", "sm90a", v.dtype, v.head_dim, v.head_dim_v,
+                                           cfg) == v
+
+
+def test_decode_schedule_table():
+  """64 packed query rows (one warpgroup), key tiles of 128 up to head dim 128 and 64 above,
+  and the deepest K / V ring up to 4 stages whose stages and the Q tile fit 227 KiB."""
+  smem = 227 * 1024
+  for v in DECODE:
+    s, d, dv = v.schedule, v.head_dim, v.head_dim_v
+    assert isinstance(s, config.DecodeSchedule)
+    assert (s.tile_m, s.tile_n) == (64, 128 if max(d, dv) <= 128 else 64)
+    assert s.key == f"m64n{s.tile_n}s{s.num_stages}" and v.key.endswith("-" + s.key)
+    size = lambda stages: 2 * (s.tile_m * d + stages * s.tile_n * (d + dv))  # 16-bit elements
+    assert size(s.num_stages) <= smem, v.key
+    assert s.num_stages == 4 or size(s.num_stages + 1) > smem, v.key
+  stages = {(v.head_dim, v.head_dim_v): v.schedule.num_stages for v in DECODE}
+  assert stages == {(64, 64): 4, (96, 96): 4, (128, 128): 3, (192, 128): 4, (192, 192): 4,
+                    (256, 256): 3}
+  with pytest.raises(ValueError, match=r"\(head_dim, head_dim_v\): \(80, 80\) has no decode "
+                                       r"schedule; accepted: \(\(64, 64\)"):
+    config.decode_schedule(80, 80)
+
+
 def test_backward_schedule_table():
   for v in DENSE_BWD:
     s, d = v.schedule, v.head_dim
@@ -148,6 +186,16 @@ def test_kernel_support_accepts_the_table_and_names_what_it_refuses():
     assert not ok and reason in text, text
   ok, text = config.kernel_support("fwd", "bfloat16", 192, 64)
   assert not ok and "accepted head_dim_v: (128, 192)" in text
+  decode_refused = [
+      (("decode", config.FP8_DTYPE, 128, 128), "float8_e4m3fn has a forward kernel only"),
+      (("decode", "float32", 128, 128), "dtype float32 has no kernel"),
+      (("decode", "float16", 160, 160), "head_dim 160 has no decode kernel"),
+      (("decode", "bfloat16", 128, 64), "head_dim_v 64 with head_dim 128 has no decode kernel"),
+      (("decode", "bfloat16", 128, 128, _cfg(has_segment_ids=True)), "no segment ids"),
+  ]
+  for args, reason in decode_refused:
+    ok, text = config.kernel_support(*args)
+    assert not ok and reason in text, text
   for direction in config.DIRECTIONS:
     assert config.kernel_support(direction, "bfloat16", 128, 128, _cfg(softcap=5.0)) == (True, "")
   for options in ({"window_left": 4}, {"has_segment_ids": True, "causal": True}):
@@ -157,7 +205,7 @@ def test_kernel_support_accepts_the_table_and_names_what_it_refuses():
 def test_softcap_takes_the_masked_variants():
   for options in ({"softcap": 5.0}, {"softcap": 5.0, "causal": True},
                   {"softcap": 5.0, "deterministic": True}):
-    for direction in config.DIRECTIONS:
+    for direction in ("fwd", "bwd"):
       v = config.KernelVariant.for_call(direction, "sm90a", "bfloat16", 128, 128, _cfg(**options))
       assert v.masked and not v.causal and v in config.shipped_variants(direction=direction)
       assert v.deterministic == (direction == "bwd" and options.get("deterministic", False))
@@ -166,7 +214,7 @@ def test_softcap_takes_the_masked_variants():
 def test_windows_and_segment_ids_take_the_masked_variant():
   for options in ({"window_left": 4}, {"window_right": 0}, {"has_segment_ids": True},
                   {"has_segment_ids": True, "causal": True, "window_left": 100}):
-    for direction in config.DIRECTIONS:
+    for direction in ("fwd", "bwd"):
       v = config.KernelVariant.for_call(direction, "sm90a", "bfloat16", 128, 128, _cfg(**options))
       assert v.masked and not v.causal and v in (FWD if direction == "fwd" else BWD)
   assert not config.KernelVariant.for_call("fwd", "sm90a", "bfloat16", 128, 128,
@@ -271,15 +319,22 @@ def test_documented_variant_counts_are_the_shipped_ones():
   """docs/build.md and docs/kernels.md state how many variants ship: the table's counts."""
   fwd = config.shipped_variants("sm90a", "fwd")
   bwd = config.shipped_variants("sm90a", "bwd")
+  decode = config.shipped_variants("sm90a", "decode")
   fp8 = [v for v in fwd if v.dtype == config.FP8_DTYPE]
-  total = len(fwd) + len(bwd)
+  total = len(fwd) + len(bwd) + len(decode)
   assert _documented_count("docs/build.md", r"`--all` builds the (\d+) shipped variants") == total
   assert _documented_count("docs/build.md", r"(\d+) forward \(\d+ fp16/bf16") == len(fwd)
   assert _documented_count("docs/build.md", r"forward \((\d+) fp16/bf16") == len(fwd) - len(fp8)
   assert _documented_count("docs/build.md", r"fp16/bf16: .*?; (\d+) FP8\)") == len(fp8)
   assert _documented_count("docs/build.md", r"(\d+) backward \(the same") == len(bwd)
-  assert _documented_count("docs/build.md", r"built all (\d+) in") == total
-  assert _documented_count("docs/build.md", r"With all (\d+) variants it is") == total
+  assert _documented_count("docs/build.md", r"(\d+) decode \(the two dtypes") == len(decode)
+  # The build time and sizes were measured on the forward and backward variants.
+  assert _documented_count("docs/build.md",
+                           r"built the (\d+) forward and backward variants in") == len(
+                               fwd) + len(bwd)
+  assert _documented_count("docs/build.md",
+                           r"With the (\d+) forward and backward variants it is") == len(
+                               fwd) + len(bwd)
   assert _documented_count("docs/kernels.md", r"(\d+) forward and \d+ backward variants") == (
       len(fwd) - len(fp8))
   assert _documented_count("docs/kernels.md", r"\d+ forward and (\d+) backward variants") == len(

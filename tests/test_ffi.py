@@ -27,7 +27,8 @@ def _bound_attributes(symbol: str) -> tuple[str, ...]:
 
 @pytest.mark.parametrize("symbol,names", [
     (ffi._FWD_HANDLER_SYMBOL, config.FWD_ATTRIBUTE_NAMES),
-    (ffi._BWD_HANDLER_SYMBOL, config.BWD_ATTRIBUTE_NAMES)], ids=["fwd", "bwd"])
+    (ffi._BWD_HANDLER_SYMBOL, config.BWD_ATTRIBUTE_NAMES),
+    (ffi._DECODE_HANDLER_SYMBOL, config.DECODE_ATTRIBUTE_NAMES)], ids=["fwd", "bwd", "decode"])
 def test_attribute_names_match_the_cpp_binding(symbol, names):
   assert _bound_attributes(symbol) == names
 
@@ -36,12 +37,16 @@ def test_target_and_symbol_names_match_the_cpp_source():
   text = _HANDLERS_CC.read_text()
   assert f'kFwdTarget = "{config.FWD_TARGET}"' in text
   assert f'kBwdTarget = "{config.BWD_TARGET}"' in text
-  for symbol in (ffi._FWD_HANDLER_SYMBOL, ffi._BWD_HANDLER_SYMBOL,
-                 ffi._FWD_INSTANTIATE_SYMBOL, ffi._BWD_INSTANTIATE_SYMBOL):
-    assert re.search(rf"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*{symbol},", text)
+  assert f'kDecodeTarget = "{config.DECODE_TARGET}"' in text
+  assert [target for target, _, _ in ffi._TARGETS] == [config.FWD_TARGET, config.BWD_TARGET,
+                                                       config.DECODE_TARGET]
+  for _, instantiate, execute in ffi._TARGETS:
+    for symbol in (instantiate, execute):
+      assert re.search(rf"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*{symbol},", text)
 
 
-@pytest.mark.parametrize("symbol", [ffi._FWD_HANDLER_SYMBOL, ffi._BWD_HANDLER_SYMBOL])
+@pytest.mark.parametrize("symbol", [ffi._FWD_HANDLER_SYMBOL, ffi._BWD_HANDLER_SYMBOL,
+                                    ffi._DECODE_HANDLER_SYMBOL])
 def test_execute_handlers_declare_command_buffer_compatibility(symbol):
   """XLA records only handlers with this trait into command buffers; Python registers the
   targets with the same trait (ffi._load_handler)."""
@@ -86,6 +91,26 @@ def test_bwd_attributes_add_deterministic_to_the_forward_ones():
   attrs = ffi.bwd_attributes(KernelVariant.for_call("bwd", "sm90a", "float16", 64, 64, plain),
                              plain)
   assert attrs["deterministic"] is False
+
+
+def test_decode_attributes_are_typed_and_complete():
+  variant = config.decode_variant("float16", 192, 128)
+  attrs = ffi.decode_attributes(variant, 0.25, seqlen_q=3, window_left=None, window_right=0,
+                                softcap=None)
+  assert tuple(attrs) == config.DECODE_ATTRIBUTE_NAMES
+  assert attrs["variant"] == variant.key and variant.key.startswith("decode-")
+  assert attrs["softmax_scale"].dtype == np.float32 and attrs["softmax_scale"] == np.float32(0.25)
+  assert attrs["seqlen_q"].dtype == np.int32 and attrs["seqlen_q"] == 3
+  assert attrs["window_left"] == config.WINDOW_UNBOUNDED and attrs["window_right"] == 0
+  assert attrs["window_left"].dtype == attrs["window_right"].dtype == np.int32
+  assert attrs["softcap"].dtype == np.float32 and attrs["softcap"] == 0.0
+  assert (attrs["head_dim"], attrs["head_dim_v"]) == (192, 128)
+  attrs = ffi.decode_attributes(variant, 1.0, 1, window_left=2 ** 40, window_right=None,
+                                softcap=30.0)
+  assert attrs["window_left"] == config.WINDOW_UNBOUNDED == attrs["window_right"]
+  assert attrs["softcap"] == np.float32(30.0)
+  with pytest.raises(ValueError, match="is a 'fwd' variant; the decode call takes a 'decode'"):
+    ffi.decode_attributes(_variant(), 1.0, 1, None, None, None)
 
 
 def test_unset_softcap_is_zero():

@@ -112,7 +112,39 @@ def fp8_fwd():
                  learnable_sink=_sink(4) if causal else None)
 
 
-FAMILIES = {f.__name__: f for f in (dense_fwd, dense_bwd, masked_fwd, masked_bwd, fp8_fwd)}
+def decode():
+  """kv_cache_attention on the split-KV kernel: contiguous and paged (16 and 64 keys a page,
+  pages permuted, table entries past the lengths out of the pool), lengths 0, 1, 17 and a
+  partial last page, GQA 4:1, seq_q 1 and 3 (causal), window + softcap + sink."""
+  rng = np.random.default_rng(9)
+  for d in (64, 128, 256):
+    b, cap, h, hk = 4, 200, 8, 2
+    q3 = jnp.asarray(rng.standard_normal((b, 3, h, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((b, cap, hk, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((b, cap, hk, d)), jnp.bfloat16)
+    lengths = jax.device_put(np.asarray([0, 1, 17, 150], np.int32))
+    kw = dict(implementation="cute")
+    outs = [jaxflash.kv_cache_attention(q3[:, :1], k, v, lengths, causal=False, **kw),
+            jaxflash.kv_cache_attention(q3, k, v, lengths, num_splits=3, **kw),
+            jaxflash.kv_cache_attention(q3, k, v, lengths, window_size=(20, 0), softcap=20.0,
+                                        learnable_sink=_sink(h, 0.5), **kw)]
+    for page_size in (16, 64):
+      pages = -(-cap // page_size)
+      order = rng.permutation(b * pages + 2)
+      table = np.asarray(order[:b * pages].reshape(b, pages), np.int32)
+      table[0, :] = 10 ** 6  # length 0: never read
+      pool = lambda x: jnp.zeros((b * pages + 2, page_size) + x.shape[2:], x.dtype).at[
+          order[:b * pages]].set(jnp.pad(x, ((0, 0), (0, pages * page_size - cap), (0, 0),
+                                              (0, 0))).reshape(b * pages, page_size,
+                                                               *x.shape[2:]))
+      outs.append(jaxflash.kv_cache_attention(q3, pool(k), pool(v), lengths,
+                                              page_table=jax.device_put(table), **kw))
+    for out in jax.block_until_ready(outs):
+      assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
+FAMILIES = {f.__name__: f for f in (dense_fwd, dense_bwd, masked_fwd, masked_bwd, fp8_fwd,
+                                    decode)}
 
 
 def main(argv=None) -> int:

@@ -22,18 +22,24 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jaxflash import config, kernel_store
-from jaxflash.config import (BWD_ATTRIBUTE_NAMES, BWD_TARGET, FWD_ATTRIBUTE_NAMES, FWD_TARGET,
-                             HANDLER_LIBRARY, VARIANT_LIBRARY, AttentionConfig,
-                             KernelVariant)
+from jaxflash.config import (BWD_ATTRIBUTE_NAMES, BWD_TARGET, DECODE_ATTRIBUTE_NAMES,
+                             DECODE_TARGET, FWD_ATTRIBUTE_NAMES, FWD_TARGET, HANDLER_LIBRARY,
+                             VARIANT_LIBRARY, AttentionConfig, KernelVariant)
 
 log = logging.getLogger("jaxflash")
 
 # XLA_FFI_DEFINE_HANDLER_SYMBOL names in handlers.cc
 _FWD_HANDLER_SYMBOL = "JaxflashAttentionFwd"
 _BWD_HANDLER_SYMBOL = "JaxflashAttentionBwd"
+_DECODE_HANDLER_SYMBOL = "JaxflashKvCacheAttention"
 # The targets' instantiate stages: one per target, so that their errors name it.
 _FWD_INSTANTIATE_SYMBOL = "JaxflashAttentionFwdInstantiate"
 _BWD_INSTANTIATE_SYMBOL = "JaxflashAttentionBwdInstantiate"
+_DECODE_INSTANTIATE_SYMBOL = "JaxflashKvCacheAttentionInstantiate"
+# (target, instantiate symbol, execute symbol) of every target the handler library serves.
+_TARGETS = ((FWD_TARGET, _FWD_INSTANTIATE_SYMBOL, _FWD_HANDLER_SYMBOL),
+            (BWD_TARGET, _BWD_INSTANTIATE_SYMBOL, _BWD_HANDLER_SYMBOL),
+            (DECODE_TARGET, _DECODE_INSTANTIATE_SYMBOL, _DECODE_HANDLER_SYMBOL))
 _lock = threading.RLock()
 _handler: Optional[ctypes.CDLL] = None
 _variants: dict[str, Path] = {}  # key -> library registered in this process
@@ -91,7 +97,8 @@ def _handler_library() -> Path:
 
 
 def _load_handler() -> ctypes.CDLL:
-  """Loads libjaxflash_ffi.so once per process and registers FWD_TARGET, BWD_TARGET for CUDA."""
+  """Loads libjaxflash_ffi.so once per process and registers FWD_TARGET, BWD_TARGET and
+  DECODE_TARGET for CUDA."""
   global _handler
   if _handler is not None:
     return _handler
@@ -108,9 +115,7 @@ def _load_handler() -> ctypes.CDLL:
   # The instantiate stage loads each call's variant when XLA creates the executable, so execute
   # only launches and XLA may record the calls into command buffers (CUDA graphs).
   # Without a CUDA plugin (CPU-only jaxlib) jax queues this registration; nothing runs it.
-  for target, instantiate, execute in (
-      (FWD_TARGET, _FWD_INSTANTIATE_SYMBOL, _FWD_HANDLER_SYMBOL),
-      (BWD_TARGET, _BWD_INSTANTIATE_SYMBOL, _BWD_HANDLER_SYMBOL)):
+  for target, instantiate, execute in _TARGETS:
     stages = {"instantiate": jax.ffi.pycapsule(getattr(lib, instantiate)),
               "execute": jax.ffi.pycapsule(getattr(lib, execute))}
     jax.ffi.register_ffi_target(
@@ -350,4 +355,29 @@ def bwd_attributes(variant: KernelVariant, cfg: AttentionConfig) -> dict:
   """Typed attributes of the backward custom call (names: config.BWD_ATTRIBUTE_NAMES)."""
   attrs = dict(fwd_attributes(variant, cfg), deterministic=bool(variant.deterministic))
   assert tuple(attrs) == BWD_ATTRIBUTE_NAMES, "keep in step with config.BWD_ATTRIBUTE_NAMES"
+  return attrs
+
+
+def decode_attributes(variant: KernelVariant, softmax_scale: float, seqlen_q: int,
+                      window_left: Optional[int], window_right: Optional[int],
+                      softcap: Optional[float]) -> dict:
+  """Typed attributes of the split-KV decode custom call (names: config.DECODE_ATTRIBUTE_NAMES).
+
+  A window side of None is unbounded (config.WINDOW_UNBOUNDED); causal is window_right = 0.
+  softcap None is off (0).
+  """
+  if variant.direction != "decode":
+    raise ValueError(f"variant: {variant.key} is a {variant.direction!r} variant; the decode "
+                     f"call takes a 'decode' variant (config.decode_variant)")
+  attrs = {
+      "variant": variant.key,
+      "softmax_scale": np.float32(softmax_scale),
+      "seqlen_q": np.int32(seqlen_q),
+      "window_left": np.int32(_window(window_left)),
+      "window_right": np.int32(_window(window_right)),
+      "softcap": np.float32(0.0 if softcap is None else softcap),
+      "head_dim": np.int32(variant.head_dim),
+      "head_dim_v": np.int32(variant.head_dim_v),
+  }
+  assert tuple(attrs) == DECODE_ATTRIBUTE_NAMES, "keep in step with config.DECODE_ATTRIBUTE_NAMES"
   return attrs

@@ -25,6 +25,7 @@ namespace {
 
 constexpr std::string_view kFwdTarget = "jaxflash_attention_fwd";
 constexpr std::string_view kBwdTarget = "jaxflash_attention_bwd";
+constexpr std::string_view kDecodeTarget = "jaxflash_kv_cache_attention";
 // A window side without a bound (config.WINDOW_UNBOUNDED); -1 also reads as unbounded for the
 // dense variants (programs serialized before the masked variants existed).
 constexpr int32_t kUnbounded = 1 << 30;
@@ -60,6 +61,7 @@ const char* DtypeName(ffi::DataType dtype) {
     case ffi::DataType::BF16: return "bfloat16";
     case ffi::DataType::F32: return "float32";
     case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
+    case ffi::DataType::S32: return "int32";
     default: return "an unsupported dtype";
   }
 }
@@ -244,13 +246,15 @@ MemsetD32 GetMemsetD32() {
   return fn;
 }
 
-// No keys (seqlen_k == 0): every row is empty, so out = 0 and lse = -inf, without a launch
-// (a TMA descriptor cannot describe a zero-length tensor).
-ffi::Error FillEmptyRows(std::string_view key, cudaStream_t stream, ffi::AnyBuffer out,
-                         ffi::AnyBuffer lse) {
+// No keys (seqlen_k == 0, or a decode call's empty cache): every row is empty, so out = 0 and
+// lse = -inf, without a launch (a TMA descriptor cannot describe a zero-length tensor). `where`
+// names the call (Where), out_name and lse_name the two buffers.
+ffi::Error FillEmptyRows(const std::string& where, cudaStream_t stream, ffi::AnyBuffer out,
+                         ffi::AnyBuffer lse, const char* out_name = "out",
+                         const char* lse_name = "lse") {
   if (cudaError_t e = cudaMemsetAsync(out.untyped_data(), 0, out.size_bytes(), stream);
       e != cudaSuccess) {
-    return ffi::Error::Internal(Where(kFwdTarget, key) + "zeroing out failed: " +
+    return ffi::Error::Internal(where + "zeroing " + out_name + " failed: " +
                                 cudaGetErrorString(e));
   }
   MemsetD32 memset_d32 = GetMemsetD32();
@@ -261,7 +265,7 @@ ffi::Error FillEmptyRows(std::string_view key, cudaStream_t stream, ffi::AnyBuff
   if (memset_d32 == nullptr ||
       memset_d32(reinterpret_cast<uintptr_t>(lse.untyped_data()), bits, lse.element_count(),
                  stream) != 0) {
-    return ffi::Error::Internal(Where(kFwdTarget, key) + "filling lse with -inf failed");
+    return ffi::Error::Internal(where + "filling " + lse_name + " with -inf failed");
   }
   return ffi::Error::Success();
 }
@@ -306,13 +310,21 @@ ffi::Error FindLibrary(const CallAttrs& a, const VariantLibrary** library) {
     *library = FindVariant(a.variant);
     if (*library == nullptr) return VariantMissing(Where(a), a.variant, error);
   }
-  const bool bwd = a.target == kBwdTarget;
-  if (bwd ? (*library)->bwd == nullptr : (*library)->fwd == nullptr) {
+  const VariantLibrary& found = **library;
+  const bool bwd = a.target == kBwdTarget, decode = a.target == kDecodeTarget;
+  const bool exported = bwd ? found.bwd != nullptr : decode ? found.decode != nullptr
+                                                            : found.fwd != nullptr;
+  if (!exported) {
+    // A library exports one direction's entry: a variant of another direction, or a stale build.
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      Where(a) + "the library registered for '" + key + "' (" + (*library)->path +
-                          ") does not export jaxflash_variant_" + (bwd ? "bwd" : "fwd") +
-                          "; rebuild it with `python -m jaxflash.build --force --variants " +
-                          key + "`");
+                      Where(a) + "the library registered for '" + key + "' (" + found.path +
+                          ") does not export jaxflash_variant_" +
+                          (bwd ? "bwd" : decode ? "decode" : "fwd") + " (it is a " +
+                          (found.fwd ? "forward" : found.bwd ? "backward" : "decode") +
+                          " variant); pass a " +
+                          (bwd ? "backward" : decode ? "decode" : "forward") +
+                          " variant, or rebuild it with `python -m jaxflash.build --force "
+                          "--variants " + key + "`");
   }
   return ffi::Error::Success();
 }
@@ -452,7 +464,7 @@ ffi::Error AttentionFwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
       return Invalid(attrs, "seqlen_k is 0 and a sink is given: empty calls with a sink are "
                             "handled before the custom call (jaxflash.attention)");
     }
-    return FillEmptyRows(variant, stream, *out, *lse);
+    return FillEmptyRows(Where(attrs), stream, *out, *lse);
   }
 
   args.q = q.untyped_data();
@@ -616,6 +628,194 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Split-KV decode (kernel_abi.h, JaxflashDecodeArgs): q (batch, rows, num_kv_heads, head_dim),
+// k / v pages (num_pages, page_size, num_kv_heads, head_dim[_v]), page_table (batch, max_pages)
+// and lengths (batch,) int32 in; out_partial (batch, num_splits, rows, num_kv_heads, head_dim_v)
+// and lse_partial (batch, num_splits, num_kv_heads, rows) float32 out.
+
+// The decode attributes against the variant library and q's dtype.
+ffi::Error CheckDecodeAttrs(const CallAttrs& a, const JaxflashVariantInfo& info,
+                            ffi::DataType dtype, int32_t seqlen_q) {
+  const ffi::DataType built_for = info.dtype == 1 ? ffi::DataType::BF16 : ffi::DataType::F16;
+  if (dtype != built_for) {
+    return Invalid(a, std::string("q has dtype ") + DtypeName(dtype) +
+                          ", the variant was built for " + DtypeName(built_for));
+  }
+  if (a.head_dim != info.head_dim || a.head_dim_v != info.head_dim_v) {
+    return Invalid(a, "attributes head_dim=" + std::to_string(a.head_dim) + ", head_dim_v=" +
+                          std::to_string(a.head_dim_v) + " do not match the variant's " +
+                          std::to_string(info.head_dim) + ", " + std::to_string(info.head_dim_v));
+  }
+  if (seqlen_q < 1) {
+    return Invalid(a, "attribute seqlen_q=" + std::to_string(seqlen_q) +
+                          ": expected >= 1 (the new tokens per sequence)");
+  }
+  if (std::abs(static_cast<int64_t>(a.window_left)) > kUnbounded ||
+      std::abs(static_cast<int64_t>(a.window_right)) > kUnbounded) {
+    return Invalid(a, "window (" + std::to_string(a.window_left) + ", " +
+                          std::to_string(a.window_right) + "): each side needs |w| <= " +
+                          std::to_string(kUnbounded) + " (the unbounded value)");
+  }
+  if (a.softcap != 0 && !(std::isfinite(a.softcap) && a.softcap > 0)) {
+    return Invalid(a, "softcap " + std::to_string(a.softcap) +
+                          ": expected a finite value > 0, or 0 (off)");
+  }
+  if (!std::isfinite(a.softmax_scale)) {
+    return Invalid(a, "softmax_scale " + std::to_string(a.softmax_scale) + " is not finite");
+  }
+  return ffi::Error::Success();
+}
+
+// Ranks, dtypes and shapes of the decode buffers against the attributes and each other; fills
+// the extents of `args`.
+ffi::Error CheckDecodeBuffers(const CallAttrs& a, const JaxflashVariantInfo& info,
+                              int32_t seqlen_q, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                              const ffi::AnyBuffer& v, const ffi::AnyBuffer& page_table,
+                              const ffi::AnyBuffer& lengths, const ffi::AnyBuffer& out_partial,
+                              const ffi::AnyBuffer& lse_partial, JaxflashDecodeArgs* args) {
+  struct Named { const char* name; const ffi::AnyBuffer* buffer; size_t rank; const char* layout; };
+  for (const Named& n : {
+           Named{"q", &q, 4, "(batch, rows, num_kv_heads, head_dim)"},
+           Named{"k", &k, 4, "(num_pages, page_size, num_kv_heads, head_dim)"},
+           Named{"v", &v, 4, "(num_pages, page_size, num_kv_heads, head_dim_v)"},
+           Named{"page_table", &page_table, 2, "(batch, max_pages)"},
+           Named{"lengths", &lengths, 1, "(batch,)"},
+           Named{"out_partial", &out_partial, 5,
+                 "(batch, num_splits, rows, num_kv_heads, head_dim_v)"},
+           Named{"lse_partial", &lse_partial, 4, "(batch, num_splits, num_kv_heads, rows)"}}) {
+    if (n.buffer->dimensions().size() != n.rank) {
+      return Invalid(a, std::string(n.name) + " has shape " + Shape(*n.buffer) +
+                            ", expected rank " + std::to_string(n.rank) + ": " + n.layout);
+    }
+  }
+  const ffi::DataType dtype = q.element_type();
+  if (dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16) {
+    return Invalid(a, std::string("q has ") + DtypeName(dtype) + ", accepted: float16, bfloat16");
+  }
+  for (const Named& n : {Named{"k", &k, 4, ""}, Named{"v", &v, 4, ""}}) {
+    if (n.buffer->element_type() != dtype) {
+      return Invalid(a, std::string(n.name) + " has " + DtypeName(n.buffer->element_type()) +
+                            ", q has " + DtypeName(dtype));
+    }
+  }
+  if (ffi::Error e = CheckDecodeAttrs(a, info, dtype, seqlen_q); e.failure()) return e;
+
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const int64_t b = qd[0], rows = qd[1], hk = qd[2];
+  const int64_t pages = kd[0], page_size = kd[1];
+  const bool ok_q = qd[3] == a.head_dim;
+  const bool ok_k = kd[2] == hk && kd[3] == a.head_dim;
+  const bool ok_v = vd[0] == pages && vd[1] == page_size && vd[2] == hk && vd[3] == a.head_dim_v;
+  if (!ok_q || !ok_k || !ok_v) {
+    return Invalid(a, "q " + Shape(q) + ", k " + Shape(k) + ", v " + Shape(v) +
+                          " do not fit q (batch, rows, num_kv_heads, " +
+                          std::to_string(a.head_dim) + "), k (num_pages, page_size, "
+                          "num_kv_heads, " + std::to_string(a.head_dim) + "), v (num_pages, "
+                          "page_size, num_kv_heads, " + std::to_string(a.head_dim_v) + ")");
+  }
+  if (rows % seqlen_q != 0) {
+    return Invalid(a, "q has " + std::to_string(rows) + " rows, not a multiple of seqlen_q " +
+                          std::to_string(seqlen_q) + " (rows = seqlen_q * query heads per kv "
+                          "head)");
+  }
+  const ffi::DataType s32 = ffi::DataType::S32, f32 = ffi::DataType::F32;
+  auto pd = page_table.dimensions();
+  if (page_table.element_type() != s32 || pd[0] != b) {
+    return Invalid(a, std::string("page_table is ") + DtypeName(page_table.element_type()) + " " +
+                          Shape(page_table) + ", expected int32 (" + std::to_string(b) +
+                          ", max_pages): batch as q's");
+  }
+  // The kernel loads keys in boxes of 16 rows, which must not straddle pages (a single page,
+  // e.g. a contiguous cache, may end in a partial box).
+  if (page_size % 16 != 0 && pd[1] != 1) {
+    return Invalid(a, "k has page_size " + std::to_string(page_size) + " (dim 1), expected a "
+                          "multiple of 16 when page_table has more than one column");
+  }
+  const int64_t max_pages = pd[1];
+  if (ffi::Error e = CheckExact(a, "lengths", lengths, {b}, s32); e.failure()) return e;
+  const int64_t splits = out_partial.dimensions()[1];
+  if (ffi::Error e = CheckExact(a, "out_partial", out_partial,
+                                {b, splits, rows, hk, a.head_dim_v}, f32);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckExact(a, "lse_partial", lse_partial, {b, splits, hk, rows}, f32);
+      e.failure()) {
+    return e;
+  }
+  for (int64_t d : {b, rows, hk, pages, page_size, max_pages, splits}) {
+    // The kernel ABI takes int32 extents; larger ones would silently wrap.
+    if (d > std::numeric_limits<int32_t>::max()) {
+      return Invalid(a, "dimension " + std::to_string(d) + " exceeds the int32 range");
+    }
+  }
+  // The grid is (row tiles, splits, batch * kv heads): CUDA caps gridDim.y and .z at 65535.
+  if (splits > 65535) {
+    return Invalid(a, "num_splits " + std::to_string(splits) + " (out_partial dim 1) exceeds "
+                          "65535");
+  }
+  if (b * hk > 65535) {
+    return Invalid(a, "batch * num_kv_heads = " + std::to_string(b) + " * " + std::to_string(hk) +
+                          " exceeds 65535; split the call over batch");
+  }
+  args->batch = static_cast<int32_t>(b);
+  args->rows = static_cast<int32_t>(rows);
+  args->num_kv_heads = static_cast<int32_t>(hk);
+  args->head_dim = a.head_dim;
+  args->head_dim_v = a.head_dim_v;
+  args->num_pages = static_cast<int32_t>(pages);
+  args->page_size = static_cast<int32_t>(page_size);
+  args->max_pages = static_cast<int32_t>(max_pages);
+  args->num_splits = static_cast<int32_t>(splits);
+  args->seqlen_q = seqlen_q;
+  return ffi::Error::Success();
+}
+
+ffi::Error KvCacheAttention(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer q,
+                            ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer page_table,
+                            ffi::AnyBuffer lengths, ffi::Result<ffi::AnyBuffer> out_partial,
+                            ffi::Result<ffi::AnyBuffer> lse_partial, std::string_view variant,
+                            float softmax_scale, int32_t seqlen_q, int32_t window_left,
+                            int32_t window_right, float softcap, int32_t head_dim,
+                            int32_t head_dim_v) {
+  // Causal is window_right = 0: the attribute stays false.
+  const CallAttrs attrs{variant, softmax_scale, false,      window_left,  window_right,
+                        softcap, head_dim,      head_dim_v, kDecodeTarget};
+  const VariantLibrary* library = nullptr;
+  if (ffi::Error e = FindLibrary(attrs, &library); e.failure()) return e;
+  JaxflashDecodeArgs args{};
+  if (ffi::Error e = CheckDecodeBuffers(attrs, library->info, seqlen_q, q, k, v, page_table,
+                                        lengths, *out_partial, *lse_partial, &args);
+      e.failure()) {
+    return e;
+  }
+  // batch, rows, num_kv_heads or num_splits is 0: nothing to write.
+  if (out_partial->element_count() == 0) return ffi::Error::Success();
+
+  ScopedStreamDevice device(device_ordinal);
+  if (args.num_pages == 0 || args.page_size == 0 || args.max_pages == 0) {
+    // An empty cache: no sequence has a key.
+    return FillEmptyRows(Where(attrs), stream, *out_partial, *lse_partial, "out_partial",
+                         "lse_partial");
+  }
+  args.q = q.untyped_data();
+  args.k = k.untyped_data();
+  args.v = v.untyped_data();
+  args.page_table = static_cast<const int32_t*>(page_table.untyped_data());
+  args.lengths = static_cast<const int32_t*>(lengths.untyped_data());
+  args.out_partial = static_cast<float*>(out_partial->untyped_data());
+  args.lse_partial = static_cast<float*>(lse_partial->untyped_data());
+  args.softmax_scale = softmax_scale;
+  args.window_left = window_left;
+  args.window_right = window_right;
+  args.softcap = softcap;
+  if (int32_t status = library->decode(&args, stream); status != 0) {
+    return LaunchError(Where(attrs), status, q, k);
+  }
+  return ffi::Error::Success();
+}
+
 // The instantiate stage of `target`: registers the call's variant from the kernel folders
 // unless Python already did (jaxflash.attention's lowering does; a deserialized program's calls
 // arrive here).
@@ -631,6 +831,9 @@ ffi::Error LoadCallVariant(std::string_view target, ffi::Dictionary attrs) {
 // One instantiate handler per target, so that its errors name the target like execute's do.
 ffi::Error LoadFwdCallVariant(ffi::Dictionary attrs) { return LoadCallVariant(kFwdTarget, attrs); }
 ffi::Error LoadBwdCallVariant(ffi::Dictionary attrs) { return LoadCallVariant(kBwdTarget, attrs); }
+ffi::Error LoadDecodeCallVariant(ffi::Dictionary attrs) {
+  return LoadCallVariant(kDecodeTarget, attrs);
+}
 
 }  // namespace
 }  // namespace jaxflash
@@ -659,6 +862,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ffi::Ffi::BindInstantiate().Attrs());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxflashAttentionBwdInstantiate, jaxflash::LoadBwdCallVariant,
+    ffi::Ffi::BindInstantiate().Attrs());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxflashKvCacheAttentionInstantiate, jaxflash::LoadDecodeCallVariant,
     ffi::Ffi::BindInstantiate().Attrs());
 
 // Command-buffer compatible: each call launches the same device work for the same attributes
@@ -714,4 +920,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("head_dim")                 // q/k head dim the variant was built for
         .Attr<int32_t>("head_dim_v")               // v/out head dim the variant was built for
         .Attr<bool>("deterministic"),              // dq accumulated in a fixed order
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxflashKvCacheAttention, jaxflash::KvCacheAttention,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream XLA runs this call on
+        .Ctx<ffi::DeviceOrdinal>()                 // the device of that stream
+        .Arg<ffi::AnyBuffer>()                     // q  (batch, rows, num_kv_heads, head_dim)
+        .Arg<ffi::AnyBuffer>()                     // k  (num_pages, page_size, kv_heads, head_dim)
+        .Arg<ffi::AnyBuffer>()                     // v  (num_pages, page_size, kv_heads, dv)
+        .Arg<ffi::AnyBuffer>()                     // page_table (batch, max_pages) int32
+        .Arg<ffi::AnyBuffer>()                     // lengths    (batch,) int32
+        .Ret<ffi::AnyBuffer>()                     // out_partial (batch, splits, rows, hk, dv) f32
+        .Ret<ffi::AnyBuffer>()                     // lse_partial (batch, splits, hk, rows) f32
+        .Attr<std::string_view>("variant")         // KernelVariant.key of the kernel to run
+        .Attr<float>("softmax_scale")              // multiplies q.k before the softmax
+        .Attr<int32_t>("seqlen_q")                 // new tokens per sequence (rows / group)
+        .Attr<int32_t>("window_left")              // keys visible left of a query, 2^30: all
+        .Attr<int32_t>("window_right")             // keys visible right of a query; 0: causal
+        .Attr<float>("softcap")                    // softcap * tanh(s / softcap); 0: off
+        .Attr<int32_t>("head_dim")                 // q/k head dim the variant was built for
+        .Attr<int32_t>("head_dim_v"),              // v/out head dim the variant was built for
     {ffi::Traits::kCmdBufferCompatible});

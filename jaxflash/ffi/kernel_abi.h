@@ -7,7 +7,7 @@
 
 #include <stdint.h>
 
-#define JAXFLASH_KERNEL_ABI_VERSION 9
+#define JAXFLASH_KERNEL_ABI_VERSION 10
 
 #ifdef __cplusplus
 extern "C" {
@@ -16,7 +16,8 @@ extern "C" {
 // What a variant library was built for. The handler checks each call's attributes and buffers
 // against it; the variant key is only a name.
 typedef struct {
-  int32_t direction;      // 0: forward (exports jaxflash_variant_fwd), 1: backward (_bwd)
+  int32_t direction;      // 0: forward (exports jaxflash_variant_fwd), 1: backward (_bwd),
+                          // 2: split-KV decode (_decode)
   int32_t dtype;          // 0: float16, 1: bfloat16 (q, k, v, out and the gradients);
                           // 2: float8_e4m3fn q, k, v with bfloat16 or float16 out
                           // (forward only; JaxflashFwdArgs.out_float16)
@@ -24,7 +25,8 @@ typedef struct {
   int32_t head_dim_v;     // of v and out
   int32_t causal;         // 1: bottom-right aligned causal mask
   int32_t deterministic;  // backward: 1 when dQ is accumulated in a fixed order
-  int32_t tile_m;         // query rows per tile (the backward's scratch rows round up to it)
+  int32_t tile_m;         // query rows per tile (the backward's scratch rows round up to it;
+                          // decode: packed query rows per CTA)
   int32_t max_dq_copies;  // backward: most dQ accumulator copies a call may hold (1 or 2)
   int32_t masked;         // 1: takes a JaxflashMask (windows, segment ids; causal at run time)
   int32_t tile_n;         // key rows per block (the masked operands' column / row padding)
@@ -137,6 +139,45 @@ typedef struct {
   JaxflashMask mask;                  // masked variants; all NULL otherwise
 } JaxflashBwdArgs;
 
+// Split-KV decode call (jaxflash/ffi/variant_decode.cc): the query rows of each (batch, kv head)
+// against one split of that sequence's keys per CTA, keys read through a page table. Tensors
+// are dense row-major:
+//   q           (batch, rows, num_kv_heads, head_dim)   fp16/bf16; rows = seqlen_q * group (group
+//               = query heads per kv head): row i * group + j is query token i of query head
+//               kv * group + j
+//   k           (num_pages, page_size, num_kv_heads, head_dim)    same dtype as q; a contiguous
+//               cache is num_pages = batch, page_size = its length, page_table[b] = {b}
+//   v           (num_pages, page_size, num_kv_heads, head_dim_v)  same dtype as q
+//   page_table  (batch, max_pages) int32: key position p of sequence b is row p % page_size of
+//               page page_table[b, p / page_size]; entries must lie in [0, num_pages) for
+//               every page that holds a key below lengths[b]
+//   lengths     (batch,) int32: valid keys per sequence, in [0, max_pages * page_size]
+//   out_partial (batch, num_splits, rows, num_kv_heads, head_dim_v) float32: each split's
+//               attention output over its keys
+//   lse_partial (batch, num_splits, num_kv_heads, rows) float32: each split's log-sum-exp of the
+//               scaled (and soft-capped) scores, natural log; -inf, with out_partial 0, for a
+//               split in which a row sees no key
+// How a sequence's keys divide into the num_splits splits is the kernel's
+// (kernels/decode_sm90.py); the caller combines the splits by their lse. Query token i of
+// sequence b sits at position lengths[b] - seqlen_q + i and sees key j < lengths[b] iff
+// position - window_left <= j <= position + window_right.
+typedef struct {
+  const void* q;
+  const void* k;
+  const void* v;
+  const int32_t* page_table;
+  const int32_t* lengths;
+  float* out_partial;
+  float* lse_partial;
+  int32_t batch, rows, num_kv_heads, head_dim, head_dim_v, num_pages, page_size, max_pages,
+      num_splits, seqlen_q;
+  float softmax_scale;
+  int32_t window_left, window_right;  // keys visible left / right of a query's position;
+                                      // causal is window_right = 0; unbounded: 2^30
+                                      // (jaxflash.config.WINDOW_UNBOUNDED)
+  float softcap;                      // > 0: scores become softcap * tanh(s / softcap); 0: off
+} JaxflashDecodeArgs;
+
 // Returns JAXFLASH_KERNEL_ABI_VERSION; the handler refuses a library with another version.
 int32_t jaxflash_variant_abi_version(void);
 // The KernelVariant.key the library was built for (a NUL-terminated static string).
@@ -149,6 +190,8 @@ int32_t jaxflash_variant_load(void);
 int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream);
 // Backward libraries export this instead of jaxflash_variant_fwd. Same return convention.
 int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream);
+// Decode libraries export this instead. Same return convention.
+int32_t jaxflash_variant_decode(const JaxflashDecodeArgs* args, void* stream);
 
 #ifdef __cplusplus
 }  // extern "C"

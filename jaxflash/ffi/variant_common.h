@@ -1,16 +1,18 @@
-// What the forward and backward glue of a variant library share: the build macros, the exported
-// version / key / info functions, and the one-time module load.
+// What the forward, backward and decode glue of a variant library share: the build macros, the
+// exported version / key / info functions, and the one-time module load.
 //
-// The glue sources (variant_fwd.cc, variant_bwd.cc) are compiled once per KernelVariant; the
-// variant comes in through macros that `jaxflash.kernels.compile.glue_defines` lists:
+// The glue sources (variant_fwd.cc, variant_bwd.cc, variant_decode.cc) are compiled once per
+// KernelVariant; the variant comes in through macros that
+// `jaxflash.kernels.compile.glue_defines` lists:
 //   -DJAXFLASH_VARIANT_KEY="\"<key>\""   KernelVariant.key, as a quoted string
-//   -DJAXFLASH_DIRECTION=<0 fwd | 1 bwd>  -DJAXFLASH_DTYPE=<0 float16 | 1 bfloat16 | 2 e4m3>
+//   -DJAXFLASH_DIRECTION=<0 fwd | 1 bwd | 2 decode>
+//   -DJAXFLASH_DTYPE=<0 float16 | 1 bfloat16 | 2 e4m3>
 //   -DJAXFLASH_HEAD_DIM=<d>  -DJAXFLASH_HEAD_DIM_V=<dv>  -DJAXFLASH_CAUSAL=<0|1>
 //   -DJAXFLASH_DETERMINISTIC=<0|1>  -DJAXFLASH_TILE_M=<query rows per tile>
 //   -DJAXFLASH_TILE_N=<key rows per block>  -DJAXFLASH_MAX_DQ_COPIES=<1|2>
 //   -DJAXFLASH_MASKED=<0|1>
 //   -DJAXFLASH_PREFIX_<PART>=<prefix>  -DJAXFLASH_HEADER_<PART>="\"<out_dir>/<file>.h\""
-//     for each exported object: MAIN (both directions), PRE and POST (backward)
+//     for each exported object: MAIN (every direction), PRE and POST (backward)
 // Link: jaxflash.build.link_variant (docs/build.md). Only the kernel_abi.h functions are
 // exported.
 #ifndef JAXFLASH_FFI_VARIANT_COMMON_H_

@@ -78,9 +78,11 @@ std::string RegisterVariant(std::string_view key, std::string_view path) {
   auto load = LookUp<int32_t (*)()>(handle, "jaxflash_variant_load");
   auto fwd = LookUp<int32_t (*)(const JaxflashFwdArgs*, void*)>(handle, "jaxflash_variant_fwd");
   auto bwd = LookUp<int32_t (*)(const JaxflashBwdArgs*, void*)>(handle, "jaxflash_variant_bwd");
-  // One direction per library: the forward or the backward entry, not both.
-  if (!abi_version || !variant_key || !variant_info || !load ||
-      (fwd == nullptr) == (bwd == nullptr)) {
+  auto decode = LookUp<int32_t (*)(const JaxflashDecodeArgs*, void*)>(
+      handle, "jaxflash_variant_decode");
+  // One direction per library: exactly one of the forward, backward and decode entries.
+  const int entries = (fwd != nullptr) + (bwd != nullptr) + (decode != nullptr);
+  if (!abi_version || !variant_key || !variant_info || !load || entries != 1) {
     return fail(where + " does not export the jaxflash kernel ABI (kernel_abi.h); rebuild it with "
                 "`python -m jaxflash.build --force --variants " + std::string(key) + "`");
   }
@@ -94,7 +96,8 @@ std::string RegisterVariant(std::string_view key, std::string_view path) {
     return fail(where + " was built for variant '" + std::string(built_for) + "'");
   }
   const JaxflashVariantInfo* info = variant_info();
-  if (info == nullptr || info->direction != (bwd != nullptr ? 1 : 0)) {
+  const int32_t direction = fwd != nullptr ? 0 : bwd != nullptr ? 1 : 2;
+  if (info == nullptr || info->direction != direction) {
     return fail(where + " describes itself (jaxflash_variant_info) as another direction than "
                 "the entry point it exports; rebuild it with `python -m jaxflash.build --force "
                 "--variants " + std::string(key) + "`");
@@ -112,6 +115,7 @@ std::string RegisterVariant(std::string_view key, std::string_view path) {
   entry->info = *info;
   entry->fwd = fwd;
   entry->bwd = bwd;
+  entry->decode = decode;
   registry.emplace(entry->key, std::move(entry));
   return "";
 }

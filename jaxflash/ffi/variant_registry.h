@@ -18,9 +18,10 @@ struct VariantLibrary {
   std::string path;
   void* handle = nullptr;  // from dlopen; never closed (handlers may run until exit)
   JaxflashVariantInfo info = {};  // what the library was built for
-  // Exactly one is set: a library is either a forward or a backward variant.
+  // Exactly one is set: a library is a forward, a backward or a decode variant.
   int32_t (*fwd)(const JaxflashFwdArgs* args, void* stream) = nullptr;
   int32_t (*bwd)(const JaxflashBwdArgs* args, void* stream) = nullptr;
+  int32_t (*decode)(const JaxflashDecodeArgs* args, void* stream) = nullptr;
 };
 
 // Returns the registered library for `key`, or nullptr. Entries live until process exit.

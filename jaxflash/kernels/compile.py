@@ -23,6 +23,7 @@ from jaxflash import config
 from jaxflash.kernels.bwd_postprocess import FlashAttentionBackwardPostprocess
 from jaxflash.kernels.bwd_preprocess import FlashAttentionBackwardPreprocess
 from jaxflash.kernels.bwd_sm90 import FlashAttentionBackwardSm90
+from jaxflash.kernels.decode_sm90 import FlashAttentionDecodeSm90
 from jaxflash.kernels.fwd_fp8_sm90 import FlashAttentionForwardFp8Sm90
 from jaxflash.kernels.fwd_sm90 import FlashAttentionForwardSm90
 from jaxflash.kernels.sm90_gemm import DTYPES
@@ -41,7 +42,8 @@ class ExportedKernel:
   The header declares `<function_prefix>_Kernel_Module_Load/Unload` and
   `cute_dsl_<function_prefix>_wrapper(...)`; `cubin` is the embedded device code (for SASS
   inspection), `compile_seconds` the wall time of cute.compile + export. `defines` are the
-  -D flags that compile the variant's glue (`glue_source`, see the top of that file).
+  -D flags that compile the variant's glue (`glue_source`: variant_fwd.cc, variant_bwd.cc or
+  variant_decode.cc by direction; see the top of that file).
   """
 
   variant: config.KernelVariant
@@ -172,6 +174,52 @@ def fp8_fwd_signature(variant: config.KernelVariant):
   return q, k, v, out, lse, sink, q_descale, kv_descale
 
 
+def decode_signature(variant: config.KernelVariant):
+  """Fake (q, k, v, page_table, lengths, out_partial, lse_partial) tensors of the split-KV
+  decode kernel (kernel_abi.h, JaxflashDecodeArgs); shapes dynamic, head dims static:
+
+    q           (batch, rows, num_kv_heads, d)              fp16/bf16
+    k           (num_pages, page_size, num_kv_heads, d)     same dtype
+    v           (num_pages, page_size, num_kv_heads, dv)    same dtype
+    page_table  (batch, max_pages)                          int32
+    lengths     (batch,)                                    int32
+    out_partial (batch, num_splits, rows, num_kv_heads, dv) float32
+    lse_partial (batch, num_splits, num_kv_heads, rows)     float32
+
+  Extents that must be equal share one SymInt (batch, rows, num_kv_heads, num_splits, and
+  num_pages / page_size of k and v). page_size may be any size with one page per sequence (a
+  contiguous cache), else a multiple of 16 (the glue checks it). Every tensor is dense
+  row-major with a unit last stride; its other strides are 64-bit SymInts in mode order, but that of the kv-head mode before a static head dim, which is the head dim
+  (the C glue's Dense fills them so). q, k, v and the float32 partials are 16-byte aligned,
+  the page table and lengths 4-byte.
+  """
+  dtype = DTYPES[variant.dtype]
+  d, dv = variant.head_dim, variant.head_dim_v
+  batch, rows, num_kv_heads = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+  num_pages, page_size = cute.sym_int32(), cute.sym_int32()
+  max_pages, num_splits = cute.sym_int32(), cute.sym_int32()
+
+  def dense(shape, inner, dt, align):
+    """Dense row-major: dynamic strides for the leading modes, `inner` (a static head dim, or
+    1) for the last dynamic one, 1 for the last."""
+    if inner == 1:  # the last mode is a dynamic extent with a unit stride
+      strides = tuple(cute.sym_int64() for _ in shape[:-1]) + (1,)
+    else:  # (..., kv heads, head dim)
+      strides = tuple(cute.sym_int64(divisibility=inner) for _ in shape[:-2]) + (inner, 1)
+    return make_fake_tensor(dt, shape, strides, assumed_align=align)
+
+  q = dense((batch, rows, num_kv_heads, d), d, dtype, _ASSUMED_ALIGN)
+  k = dense((num_pages, page_size, num_kv_heads, d), d, dtype, _ASSUMED_ALIGN)
+  v = dense((num_pages, page_size, num_kv_heads, dv), dv, dtype, _ASSUMED_ALIGN)
+  page_table = dense((batch, max_pages), 1, cutlass.Int32, 4)
+  lengths = make_fake_tensor(cutlass.Int32, (batch,), (1,), assumed_align=4)
+  out_partial = dense((batch, num_splits, rows, num_kv_heads, dv), dv, cutlass.Float32,
+                      _ASSUMED_ALIGN)
+  lse_partial = dense((batch, num_splits, num_kv_heads, rows), 1, cutlass.Float32,
+                      _ASSUMED_ALIGN)
+  return q, k, v, page_table, lengths, out_partial, lse_partial
+
+
 def _checked(variant: config.KernelVariant, kernel_class) -> config.KernelVariant:
   """`variant`, or ValueError when its arch has no compiler target or the kernel refuses it."""
   if variant.arch not in _GPU_ARCH:
@@ -189,6 +237,11 @@ def build_kernel(variant: config.KernelVariant) -> FlashAttentionForwardSm90:
   return FlashAttentionForwardSm90(_checked(variant, FlashAttentionForwardSm90))
 
 
+def build_decode_kernel(variant: config.KernelVariant) -> FlashAttentionDecodeSm90:
+  """The split-KV decode kernel object of a variant, or ValueError with the reason."""
+  return FlashAttentionDecodeSm90(_checked(variant, FlashAttentionDecodeSm90))
+
+
 def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
   """Compiles one variant for its arch and writes `<key>.h` and `<key>.o` into out_dir.
 
@@ -196,14 +249,20 @@ def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
   """
   if variant.direction == "bwd":
     return export_bwd_variant(variant, out_dir)
-  kernel = build_kernel(variant)
+  decode = variant.direction == "decode"
+  kernel = build_decode_kernel(variant) if decode else build_kernel(variant)
   load_dsl_runtime()
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   prefix = function_prefix(variant)
   start = time.perf_counter()
   options = f"--gpu-arch {_GPU_ARCH[variant.arch]}"
-  if variant.dtype == config.FP8_DTYPE:
+  if decode:
+    # softmax_scale, seqlen_q, window_left, window_right, softcap: run-time scalars.
+    compiled = cute.compile(kernel, *decode_signature(variant), cutlass.Float32(1.0),
+                            cutlass.Int32(1), cutlass.Int32(0), cutlass.Int32(0),
+                            cutlass.Float32(0.0), make_fake_stream(), options=options)
+  elif variant.dtype == config.FP8_DTYPE:
     compiled = cute.compile(kernel, *fp8_fwd_signature(variant), cutlass.Float32(1.0),
                             cutlass.Int32(0), cutlass.Int32(0), make_fake_stream(),
                             options=options)
@@ -220,17 +279,18 @@ def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
   return ExportedKernel(
       variant=variant, header_path=header_path, object_path=object_path.resolve(),
       function_prefix=prefix, cubin=extract_cubin(object_path), compile_seconds=seconds,
-      defines=glue_defines(variant, {"main": (prefix, header_path)}))
+      defines=glue_defines(variant, {"main": (prefix, header_path)}),
+      glue_source="variant_decode.cc" if decode else "variant_fwd.cc")
 
 
-_DIRECTION_CODE = {"fwd": 0, "bwd": 1}
+_DIRECTION_CODE = {"fwd": 0, "bwd": 1, "decode": 2}
 _DTYPE_CODE = {"float16": 0, "bfloat16": 1, config.FP8_DTYPE: 2}
 
 
 def glue_defines(variant: config.KernelVariant, parts: dict) -> tuple[str, ...]:
-  """The -D flags of a variant's glue (jaxflash/ffi/variant_{fwd,bwd}.cc; argv items, no shell
-  quoting): what the library reports through jaxflash_variant_info, and for each exported part
-  ("main", and "pre" / "post" of the backward) its function prefix and header:
+  """The -D flags of a variant's glue (jaxflash/ffi/variant_{fwd,bwd,decode}.cc; argv items, no
+  shell quoting): what the library reports through jaxflash_variant_info, and for each exported
+  part ("main", and "pre" / "post" of the backward) its function prefix and header:
   parts = {part: (prefix, header_path)}."""
   schedule = variant.schedule
   defines = [f'-DJAXFLASH_VARIANT_KEY="{variant.key}"',

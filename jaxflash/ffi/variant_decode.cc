@@ -1,0 +1,110 @@
+// Per-variant glue of the split-KV decode kernel: implements kernel_abi.h's decode entry on top
+// of ONE exported object (macros and link: variant_common.h).
+
+#include <stdint.h>
+
+#include <mutex>
+
+#include "kernel_abi.h"
+#include "tensor_args.h"
+#include "variant_common.h"
+#include JAXFLASH_HEADER_MAIN
+
+#define JF_NAME(suffix) JF_CAT(JAXFLASH_PREFIX_MAIN, suffix)
+
+namespace {
+
+using jaxflash::Aligned;
+using jaxflash::Dense;
+using jaxflash::kSignatureMatches;
+
+using Module = JF_NAME(_Kernel_Module_t);
+using TensorQ = JF_NAME(_Tensor_mQ_t);
+using TensorK = JF_NAME(_Tensor_mK_t);
+using TensorV = JF_NAME(_Tensor_mV_t);
+using TensorPageTable = JF_NAME(_Tensor_mPageTable_t);
+using TensorLengths = JF_NAME(_Tensor_mLengths_t);
+using TensorOPart = JF_NAME(_Tensor_mOPart_t);
+using TensorLsePart = JF_NAME(_Tensor_mLSEPart_t);
+
+// q, k, v: 3 dynamic extents and 2 dynamic strides each; the others are checked by Dense against
+// the extents it fills (page_table 2 / 1, lengths 1 / 0, out_partial and lse_partial 4 / 3).
+static_assert(kSignatureMatches<TensorQ> && kSignatureMatches<TensorK> &&
+                  kSignatureMatches<TensorV>,
+              "exported tensor structs do not match jaxflash.kernels.compile.decode_signature");
+static_assert(JAXFLASH_DIRECTION == 2, "variant_decode.cc builds decode variants");
+
+// CUDA's limit on gridDim.y and gridDim.z.
+constexpr int64_t kMaxGridYZ = 65535;
+
+Module g_module = {};
+std::once_flag g_load_once;
+int32_t g_load_status = -1;
+
+// cudaErrorInvalidValue for what the kernel cannot take, else 0.
+int32_t Validate(const JaxflashDecodeArgs* a) {
+  const int32_t kInvalid = static_cast<int32_t>(cudaErrorInvalidValue);
+  if (a == nullptr || a->head_dim != JAXFLASH_HEAD_DIM || a->head_dim_v != JAXFLASH_HEAD_DIM_V) {
+    return kInvalid;
+  }
+  // An empty grid is not a valid launch, and TMA descriptors need every extent >= 1: the
+  // caller handles empty tensors (no pages: out_partial = 0, lse_partial = -inf).
+  if (a->batch <= 0 || a->rows <= 0 || a->num_kv_heads <= 0 || a->num_pages <= 0 ||
+      a->page_size <= 0 || a->max_pages <= 0 || a->num_splits <= 0) {
+    return kInvalid;
+  }
+  // rows = seqlen_q * (query heads per kv head).
+  if (a->seqlen_q <= 0 || a->rows % a->seqlen_q != 0) return kInvalid;
+  // The kernel loads keys in boxes of 16 rows, which must not straddle pages (one page, e.g. a
+  // contiguous cache, may end in a partial box: TMA fills past its end).
+  if (a->page_size % 16 != 0 && a->max_pages != 1) return kInvalid;
+  // Grid (row tiles, splits, batch * kv heads).
+  const int64_t row_tiles = (static_cast<int64_t>(a->rows) + JAXFLASH_TILE_M - 1) / JAXFLASH_TILE_M;
+  if (row_tiles > INT32_MAX || a->num_splits > kMaxGridYZ ||
+      static_cast<int64_t>(a->batch) * a->num_kv_heads > kMaxGridYZ) {
+    return kInvalid;
+  }
+  // TMA needs 16-byte aligned global addresses (q, k, v); the float32 partials are 16-byte
+  // aligned as every XLA buffer is; the int32 page table and lengths are read as scalars.
+  if (!Aligned(a->q, 16) || !Aligned(a->k, 16) || !Aligned(a->v, 16) ||
+      !Aligned(a->out_partial, 16) || !Aligned(a->lse_partial, 16) ||
+      !Aligned(a->page_table, 4) || !Aligned(a->lengths, 4) || a->page_table == nullptr ||
+      a->lengths == nullptr) {
+    return kInvalid;
+  }
+  return 0;
+}
+
+}  // namespace
+
+JF_EXPORT int32_t jaxflash_variant_load(void) {
+  std::call_once(g_load_once, [] {
+    g_load_status = jaxflash::LoadModules([] {
+      JF_NAME(_Kernel_Module_Load)(&g_module);
+      return g_module.module != nullptr;
+    });
+  });
+  return g_load_status;
+}
+
+JF_EXPORT int32_t jaxflash_variant_decode(const JaxflashDecodeArgs* args, void* stream) {
+  if (int32_t invalid = Validate(args); invalid != 0) return invalid;
+  const int32_t status = jaxflash_variant_load();
+  if (status != 0) return status;
+
+  const int32_t b = args->batch, rows = args->rows, hk = args->num_kv_heads;
+  const int32_t pages = args->num_pages, page_size = args->page_size;
+  const int32_t splits = args->num_splits;
+  TensorQ q = Dense<TensorQ>(args->q, {b, rows, hk}, JAXFLASH_HEAD_DIM);
+  TensorK k = Dense<TensorK>(args->k, {pages, page_size, hk}, JAXFLASH_HEAD_DIM);
+  TensorV v = Dense<TensorV>(args->v, {pages, page_size, hk}, JAXFLASH_HEAD_DIM_V);
+  TensorPageTable page_table = Dense<TensorPageTable>(args->page_table, {b, args->max_pages});
+  TensorLengths lengths = Dense<TensorLengths>(args->lengths, {b});
+  TensorOPart o_part = Dense<TensorOPart>(args->out_partial, {b, splits, rows, hk},
+                                          JAXFLASH_HEAD_DIM_V);
+  TensorLsePart lse_part = Dense<TensorLsePart>(args->lse_partial, {b, splits, hk, rows});
+  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &page_table, &lengths, &o_part,
+                                          &lse_part, args->softmax_scale, args->seqlen_q,
+                                          args->window_left, args->window_right, args->softcap,
+                                          static_cast<cudaStream_t>(stream));
+}

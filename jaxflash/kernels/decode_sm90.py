@@ -1,0 +1,497 @@
+"""Hopper (sm_90a) split-KV attention of a few query rows over a KV cache, contiguous or paged.
+
+Imports cutlass, jaxflash.config and the sibling helper modules only (never jax).
+"""
+
+import dataclasses
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from jaxflash import config
+from jaxflash.kernels import sm90_gemm
+from jaxflash.kernels import softmax
+from jaxflash.kernels.fwd_sm90 import FlashAttentionForwardSm90, _Consumer
+
+_select = sm90_gemm.select_modes
+DTYPES = sm90_gemm.DTYPES
+_WARPGROUP_THREADS = sm90_gemm.WARPGROUP_THREADS
+# Keys move in boxes of this many rows: the smallest page (a page is a power of two from 16).
+BOX_ROWS = 16
+# Named barrier 1: the consumer warpgroup, after it zeroed V rows past the cache length.
+_V_TAIL_BARRIER = 1
+# (producer, consumer) registers per thread after setmaxnreg: one consumer warpgroup.
+_PRODUCER_REGS, _CONSUMER_REGS = 56, 256
+
+
+def _swizzle_elems(dtype, major_size: int) -> int:
+  """Elements of 16-bit `dtype` per row of the swizzle atom sm90_gemm.smem_layout picks for a
+  contiguous mode of major_size (128-, 64- or 32-byte swizzle): the widest TMA box column."""
+  for width_bytes in (128, 64, 32):
+    elems = width_bytes * 8 // dtype.width
+    if major_size % elems == 0:
+      return elems
+  raise ValueError(f"contiguous mode of {major_size} elements has no swizzle atom")
+
+
+def _smem_buffers(variant: config.KernelVariant) -> dict:
+  """Shared buffers after the mbarriers, in storage order: {name: (type, count, alignment)}."""
+  dtype, s = DTYPES[variant.dtype], variant.schedule
+  align = sm90_gemm.SMEM_ALIGN
+  return dict(sQ=(dtype, s.tile_m * variant.head_dim, align),
+              sK=(dtype, s.num_stages * s.tile_n * variant.head_dim, align),
+              sV=(dtype, s.num_stages * s.tile_n * variant.head_dim_v, align))
+
+
+class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
+  """Attention of each sequence's new query tokens over its cached keys, split across CTAs.
+
+  Query rows come packed (pack-GQA): the group of query heads sharing kv head h is one matrix
+  of seqlen_q * group rows (row i * group + j: token i, query head h * group + j), so a tile of
+  64 rows reads each key once for the whole group. CTA (m_block, split, batch * kv_heads + h)
+  takes rows [64 m_block, 64 m_block + 64) and the split-th of num_splits equal runs of the key
+  blocks the rows can see (from the sequence's length, read at run time, so work and bytes
+  follow the valid lengths); it writes its rows' partial output (normalised over its keys) and
+  lse in float32, which the caller merges over the splits through the lse (the learnable sink
+  joins there). A split with no key writes 0 and lse -inf.
+
+  Keys are read through a page table: logical key p of sequence b is row p % page_size of page
+  page_table[b, p / page_size] of the pool (a contiguous cache is a pool of `batch` pages of
+  max_len rows with page_table[b] = [b]). The producer warp loads each K / V stage in boxes of
+  16 keys (the smallest page), so one kernel takes every page size; boxes at or past the
+  sequence's length become out-of-bounds TMA boxes (zero-filled, no memory read) and page-table
+  entries are clamped into the pool. Query token i of a sequence of length L sits at position
+  L - seqlen_q + i and sees the keys p with pos - window_left <= p <= pos + window_right
+  (causal: window_right = 0) and p < L; soft-capping as in the masked forward. The consumer
+  warpgroup runs the forward's S / softmax / PV overlap (FlashAttentionForwardSm90) on 64 x
+  tile_n blocks, masking only blocks that cross a bound.
+  """
+
+  def __init__(self, variant: config.KernelVariant):
+    schedule = variant.schedule
+    self.variant = variant
+    self.dtype = DTYPES[variant.dtype]
+    self.out_dtype = Float32
+    self.head_dim = variant.head_dim
+    self.head_dim_v = variant.head_dim_v
+    self.head_dim_padded = (variant.head_dim + 15) // 16 * 16
+    self.tile_m = schedule.tile_m
+    self.tile_n = schedule.tile_n
+    self.num_stages = schedule.num_stages
+    assert self.tile_m == 64 and self.tile_n % BOX_ROWS == 0, schedule
+    self.causal = False  # run-time: window_right
+    self.num_mma_warpgroups = 1
+    self.num_mma_threads = _WARPGROUP_THREADS
+    self.num_threads = 2 * _WARPGROUP_THREADS
+    self.num_producer_regs, self.num_mma_regs = _PRODUCER_REGS, _CONSUMER_REGS
+    self.pingpong = False
+    self.persistent = False
+    self.lpt = False
+    self.rescale_o_before_pv = variant.head_dim_v > 128
+    # No side buffer rides the K stages: K is released as soon as its GEMM is done.
+    self.masked = False
+    self.k_box_cols = _swizzle_elems(self.dtype, self.head_dim)
+    self.v_box_rows = _swizzle_elems(self.dtype, self.head_dim_v)
+
+  @staticmethod
+  def smem_bytes(variant: config.KernelVariant) -> int:
+    """Shared memory of one CTA: mbarriers, Q, the K and V rings, alignment."""
+    return sm90_gemm.smem_bytes(_smem_buffers(variant))
+
+  @staticmethod
+  def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:
+    if variant.direction != "decode":
+      return False, f"variant {variant.key} is not a decode variant"
+    return config.kernel_support("decode", variant.dtype, variant.head_dim, variant.head_dim_v)
+
+  def _setup_attributes(self):
+    """Tiled MMAs, shared layouts (the rings and the 16-key boxes TMA fills), byte counts."""
+    k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+    self.tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+        self.dtype, self.dtype, k_major, k_major, Float32, (1, 1, 1), (64, self.tile_n))
+    self.tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+        self.dtype, self.dtype, k_major, mn_major, Float32, (1, 1, 1), (64, self.head_dim_v),
+        a_source=warpgroup.OperandSource.RMEM)
+    self.sQ_layout = sm90_gemm.smem_layout(self.dtype, self.tile_m, self.head_dim)
+    self.sK_layout = sm90_gemm.smem_layout(self.dtype, self.tile_n, self.head_dim,
+                                           self.num_stages)
+    self.sV_layout = sm90_gemm.smem_layout(self.dtype, self.head_dim_v, self.tile_n,
+                                           self.num_stages, col_major=True)
+    # One TMA box: 16 keys by one swizzle atom's width of the head dim. Inside a ring stage such
+    # a box sits at a multiple of the swizzle period, with exactly this layout.
+    self.sK_box = sm90_gemm.smem_layout(self.dtype, BOX_ROWS, self.k_box_cols)
+    self.sV_box = sm90_gemm.smem_layout(self.dtype, self.v_box_rows, BOX_ROWS, col_major=True)
+    self.tma_bytes_q = cute.size_in_bytes(self.dtype, self.sQ_layout)
+    self.tma_bytes_k = self.tile_n * self.head_dim * self.dtype.width // 8
+    self.tma_bytes_v = self.tile_n * self.head_dim_v * self.dtype.width // 8
+    buffers = _smem_buffers(self.variant)
+    for name, layout in (("sQ", self.sQ_layout), ("sK", self.sK_layout),
+                         ("sV", self.sV_layout)):
+      assert buffers[name][1] == cute.cosize(layout), name
+    fields = dict(
+        mbar_q=cute.struct.MemRange[cutlass.Int64, 2],
+        mbar_k=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
+        mbar_v=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
+        **sm90_gemm.smem_fields(buffers))
+    self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+  @cute.jit
+  def __call__(
+      self,
+      mQ: cute.Tensor,  # (batch, rows, num_kv_heads, head_dim): rows = seqlen_q * group
+      mK: cute.Tensor,  # (num_pages, page_size, num_kv_heads, head_dim)
+      mV: cute.Tensor,  # (num_pages, page_size, num_kv_heads, head_dim_v)
+      mPageTable: cute.Tensor,  # (batch, max_pages) int32
+      mLengths: cute.Tensor,  # (batch,) int32 valid keys per sequence
+      mOPart: cute.Tensor,  # (batch, num_splits, rows, num_kv_heads, head_dim_v) float32
+      mLSEPart: cute.Tensor,  # (batch, num_splits, num_kv_heads, rows) float32
+      softmax_scale: Float32,
+      seqlen_q: Int32,  # query tokens per sequence (rows / group)
+      window_left: Int32,  # keys visible left of a query's position (config.WINDOW_UNBOUNDED)
+      window_right: Int32,  # keys visible right of it: 0 is causal
+      softcap: Float32,  # > 0: scores become softcap * tanh(s / softcap); 0: off
+      stream: cuda.CUstream,
+  ):
+    if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == self.dtype)):
+      raise TypeError(f"q, k and v must all be {self.dtype}")
+    if const_expr(mOPart.element_type != Float32 or mLSEPart.element_type != Float32):
+      raise TypeError("the partial out and lse must be Float32")
+    self._setup_attributes()
+    # Kernel order puts the tile modes first.
+    mQ = _select(mQ, [1, 3, 2, 0])  # (rows, head_dim, kv heads, batch)
+    mK = _select(mK, [1, 3, 2, 0])  # (page_size, head_dim, kv heads, pages)
+    mVt = _select(mV, [3, 1, 2, 0])  # (head_dim_v, page_size, kv heads, pages)
+    load_op = cpasync.CopyBulkTensorTileG2SOp()
+    tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
+        load_op, mQ, self.sQ_layout, (self.tile_m, self.head_dim))
+    tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
+        load_op, mK, self.sK_box, (BOX_ROWS, self.k_box_cols))
+    tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
+        load_op, mVt, self.sV_box, (self.v_box_rows, BOX_ROWS))
+    grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mOPart.shape[1],
+            mQ.shape[3] * mQ.shape[2])
+    self.kernel(
+        tma_q, tma_k, tma_v, tma_atom_q, tma_atom_k, tma_atom_v, mPageTable, mLengths,
+        mOPart, mLSEPart, softmax_scale, seqlen_q, window_left, window_right, softcap,
+        self.sQ_layout, self.sK_layout, self.sV_layout,
+        self.tiled_mma_qk, self.tiled_mma_pv,
+    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+  @cute.kernel
+  def kernel(
+      self,
+      mQ: cute.Tensor,  # TMA coordinates of (rows, head_dim, kv heads, batch)
+      mK: cute.Tensor,  # TMA coordinates of (page_size, head_dim, kv heads, pages)
+      mV: cute.Tensor,  # TMA coordinates of (head_dim_v, page_size, kv heads, pages)
+      tma_atom_q: cute.CopyAtom,
+      tma_atom_k: cute.CopyAtom,
+      tma_atom_v: cute.CopyAtom,
+      mPageTable: cute.Tensor,
+      mLengths: cute.Tensor,
+      mOPart: cute.Tensor,
+      mLSEPart: cute.Tensor,
+      softmax_scale: Float32,
+      seqlen_q: Int32,
+      window_left: Int32,
+      window_right: Int32,
+      softcap: Float32,
+      sQ_layout: cute.ComposedLayout,
+      sK_layout: cute.ComposedLayout,
+      sV_layout: cute.ComposedLayout,
+      tiled_mma_qk: cute.TiledMma,
+      tiled_mma_pv: cute.TiledMma,
+  ):
+    tidx, _, _ = cute.arch.thread_idx()
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    self._prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v))
+    storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+    pipeline_q, pipeline_k, pipeline_v = self._make_pipelines(storage)
+    sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+    sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+    sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+    # Soft-capping: the S registers hold t = tanh(S * scale / softcap), so the softmax scale
+    # becomes softcap.
+    capped = softcap > Float32(0.0)
+    tanh_scale = Float32(0.0)
+    if capped:
+      tanh_scale = softmax_scale / softcap
+      softmax_scale = softcap
+    cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+
+    m_block, split, batch_head = cute.arch.block_idx()
+    num_kv_heads = mQ.shape[2]
+    batch = batch_head // num_kv_heads
+    head_kv = batch_head - batch * num_kv_heads
+    work = self._work(mQ.shape[0], mK.shape[0], mPageTable, mLengths, mOPart.shape[1],
+                      m_block, split, batch, seqlen_q, window_left, window_right)
+    warpgroup_idx = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS)
+    if warpgroup_idx == 0:
+      cute.arch.setmaxregister_decrease(self.num_producer_regs)
+      if warp_idx == 0:
+        self.load_decode(mQ, mK, mV, tma_atom_q, tma_atom_k, tma_atom_v, sQ, sK, sV,
+                         pipeline_q, pipeline_k, pipeline_v, mPageTable, work, m_block,
+                         head_kv, batch)
+    else:
+      cute.arch.setmaxregister_increase(self.num_mma_regs)
+      self.mma_decode(mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_q,
+                      pipeline_k, pipeline_v, softmax_scale, Int32(capped), tanh_scale, work,
+                      m_block, split, head_kv, batch, seqlen_q, window_left, window_right,
+                      mQ.shape[0])
+
+  @cute.jit
+  def _work(self, rows: Int32, page_size: Int32, mPageTable: cute.Tensor, mLengths: cute.Tensor,
+            num_splits: Int32, m_block: Int32, split: Int32, batch: Int32, seqlen_q: Int32,
+            window_left: Int32, window_right: Int32):
+    """This CTA's share of the keys, the same in the producer and the consumers.
+
+    Returns a _Work: the sequence's length (clamped to [0, the table's capacity]), the key
+    blocks [n_start, n_end) of this split, and [full_lo, full_hi): the blocks every row of the
+    tile sees whole (no elementwise mask).
+    """
+    capacity = mPageTable.shape[1] * page_size
+    length = cutlass.min(cutlass.max(mLengths[batch], Int32(0)), capacity)
+    group = rows // seqlen_q
+    first_row = m_block * self.tile_m
+    last_row = cutlass.min(first_row + self.tile_m, rows) - 1
+    # Positions of the tile's first and last query tokens.
+    pos_lo = length - seqlen_q + first_row // group
+    pos_hi = length - seqlen_q + last_row // group
+    key_lo = cutlass.max(pos_lo - window_left, Int32(0))
+    key_hi = cutlass.min(pos_hi + window_right + 1, length)  # one past the last visible key
+    n_lo = key_lo // self.tile_n
+    n_hi = n_lo
+    if key_hi > key_lo:
+      n_hi = (key_hi + self.tile_n - 1) // self.tile_n
+    per_split = (n_hi - n_lo + num_splits - 1) // num_splits
+    n_start = cutlass.min(n_lo + split * per_split, n_hi)
+    n_end = cutlass.min(n_start + per_split, n_hi)
+    full_hi = cutlass.max(cutlass.min(pos_lo + window_right + 1, length), Int32(0)) // self.tile_n
+    full_lo = (cutlass.max(pos_hi - window_left, Int32(0)) + self.tile_n - 1) // self.tile_n
+    return _Work(length=length, n_start=n_start, n_end=n_end, full_lo=full_lo, full_hi=full_hi)
+
+  @cute.jit
+  def load_decode(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                  tma_atom_q: cute.CopyAtom, tma_atom_k: cute.CopyAtom,
+                  tma_atom_v: cute.CopyAtom, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                  pipeline_q, pipeline_k, pipeline_v, mPageTable: cute.Tensor, work,
+                  m_block: Int32, head_kv: Int32, batch: Int32):
+    """Producer warp: K(n_end-1), Q, then K(n-1), V(n) down the split, then V(n_start) (the
+    consumers' overlap order, as the forward's producer)."""
+    one_cta = cute.make_layout(1)
+    gQ = cute.local_tile(mQ[None, None, head_kv, batch], (self.tile_m, self.head_dim),
+                         (m_block, 0))
+    tQsQ, tQgQ = cpasync.tma_partition(
+        tma_atom_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+    # Boxes: (16 keys, k_box_cols) of K, (v_box_rows, 16 keys) of V^T.
+    box_k = (BOX_ROWS, self.k_box_cols)
+    box_v = (self.v_box_rows, BOX_ROWS)
+    tKsK, tKgK = cpasync.tma_partition(
+        tma_atom_k, 0, one_cta, cute.group_modes(cute.flat_divide(sK, box_k), 0, 2),
+        cute.group_modes(cute.flat_divide(mK, box_k), 0, 2))
+    tVsV, tVgV = cpasync.tma_partition(
+        tma_atom_v, 0, one_cta, cute.group_modes(cute.flat_divide(sV, box_v), 0, 2),
+        cute.group_modes(cute.flat_divide(mV, box_v), 0, 2))
+    q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+    kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+    n_start, n_end = work.n_start, work.n_end
+    if n_end > n_start:
+      pipeline_k.producer_acquire(kv_state)
+      self._load_block(tma_atom_k, tKgK, tKsK, pipeline_k, kv_state, mPageTable, mK.shape[0],
+                       mK.shape[3], work.length, n_end - 1, head_kv, batch, True)
+    pipeline_q.producer_acquire(q_state)
+    cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+    for i in cutlass.range(n_end - 1 - n_start, unroll=1):
+      n_block = n_end - 1 - i
+      v_state = kv_state.clone()
+      kv_state.advance()
+      pipeline_k.producer_acquire(kv_state)
+      self._load_block(tma_atom_k, tKgK, tKsK, pipeline_k, kv_state, mPageTable, mK.shape[0],
+                       mK.shape[3], work.length, n_block - 1, head_kv, batch, True)
+      pipeline_v.producer_acquire(v_state)
+      self._load_block(tma_atom_v, tVgV, tVsV, pipeline_v, v_state, mPageTable, mK.shape[0],
+                       mK.shape[3], work.length, n_block, head_kv, batch, False)
+    if n_end > n_start:
+      pipeline_v.producer_acquire(kv_state)
+      self._load_block(tma_atom_v, tVgV, tVsV, pipeline_v, kv_state, mPageTable, mK.shape[0],
+                       mK.shape[3], work.length, n_start, head_kv, batch, False)
+
+  @cute.jit
+  def _load_block(self, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cute.Tensor,
+                  pipe, state, mPageTable: cute.Tensor, page_size: Int32, num_pages: Int32,
+                  length: Int32, n_block: Int32, head_kv: Int32, batch: Int32,
+                  is_k: cutlass.Constexpr):
+    """Copies key block n_block of K (is_k) or V into ring slot `state`, box by box: the boxes
+    of 16 keys at or past `length` are out of bounds (zero-filled, nothing read), page-table
+    entries are clamped into the pool. A page_size that is no multiple of 16 (a contiguous
+    cache's max_len) ends in a partial box, which TMA fills past the end. tXgX: (box, row boxes of a page, column
+    boxes, kv heads, pages) for K, (box, column boxes, row boxes, kv heads, pages) for V."""
+    barrier = pipe.producer_get_barrier(state)
+    cols = self.head_dim // self.k_box_cols if const_expr(is_k) else (
+        self.head_dim_v // self.v_box_rows)
+    for b in cutlass.range_constexpr(self.tile_n // BOX_ROWS):
+      key = n_block * self.tile_n + b * BOX_ROWS
+      page = Int32(0)
+      row_box = (page_size + BOX_ROWS - 1) // BOX_ROWS  # wholly out of bounds
+      if key < length:
+        slot = key // page_size
+        page = cutlass.min(cutlass.max(mPageTable[batch, slot], Int32(0)), num_pages - 1)
+        row_box = (key - slot * page_size) // BOX_ROWS
+      for c in cutlass.range_constexpr(cols):
+        if const_expr(is_k):
+          cute.copy(tma_atom, tXgX[None, row_box, c, head_kv, page],
+                    tXsX[None, b, c, state.index], tma_bar_ptr=barrier)
+        else:
+          cute.copy(tma_atom, tXgX[None, c, row_box, head_kv, page],
+                    tXsX[None, c, b, state.index], tma_bar_ptr=barrier)
+
+  @cute.jit
+  def mma_decode(self, mOPart: cute.Tensor, mLSEPart: cute.Tensor, sQ: cute.Tensor,
+                 sK: cute.Tensor, sV: cute.Tensor, tiled_mma_qk: cute.TiledMma,
+                 tiled_mma_pv: cute.TiledMma, pipeline_q, pipeline_k, pipeline_v,
+                 softmax_scale: Float32, capped: Int32, tanh_scale: Float32, work,
+                 m_block: Int32, split: Int32, head_kv: Int32, batch: Int32, seqlen_q: Int32,
+                 window_left: Int32, window_right: Int32, rows: Int32):
+    """Consumer warpgroup: S = Q K^T, online softmax, O += P V over the split's key blocks
+    (highest first), then the partial out and lse."""
+    tidx, _, _ = cute.arch.thread_idx()
+    mma_tidx = tidx - _WARPGROUP_THREADS
+    thr_mma_qk = tiled_mma_qk.get_slice(mma_tidx)
+    thr_mma_pv = tiled_mma_pv.get_slice(mma_tidx)
+    tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
+    tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
+    tOrV = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sV))
+    acc_shape_s = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+    acc_o = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m,
+                                                                      self.head_dim_v)))
+    tScS_mn = softmax.make_acc_mn_view(
+        thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+    num_rows = cute.size(tScS_mn, mode=[0])
+    online = self._online_softmax(softmax_scale, num_rows, None)
+    row_scale = cute.make_rmem_tensor(num_rows, Float32)
+    tOrP = self._p_fragment(thr_mma_pv, acc_shape_s)
+    # The keys each of this thread's rows sees: [key_lo, key_hi).
+    key_lo = cute.make_rmem_tensor(num_rows, Int32)
+    key_hi = cute.make_rmem_tensor(num_rows, Int32)
+    group = rows // seqlen_q
+    for i in cutlass.range_constexpr(num_rows):
+      pos = work.length - seqlen_q + (m_block * self.tile_m + tScS_mn[i, 0][0]) // group
+      key_lo[i] = pos - window_left
+      key_hi[i] = cutlass.min(pos + window_right + 1, work.length)
+    band = _KeyBand(capped=capped, tanh_scale=tanh_scale, key_lo=key_lo, key_hi=key_hi,
+                    length=work.length, sV=sV)
+    c = _Consumer(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_s, acc_o, tOrP,
+                  tScS_mn, online, row_scale, pipeline_k, pipeline_v, band, None)
+
+    q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+    kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+    online.reset()
+    acc_o.fill(0.0)
+    pipeline_q.consumer_wait(q_state)
+    n_start, n_end = work.n_start, work.n_end
+    if n_end > n_start:
+      top = n_end - 1
+      self.first_block(c, kv_state, m_block, top, seqlen_q, work.length)
+      # Masked blocks down to full_hi, whole ones down to full_lo, masked ones down to n_start.
+      hi = cutlass.max(cutlass.min(work.full_hi, top), n_start)
+      lo = cutlass.max(cutlass.min(work.full_lo, hi), n_start)
+      for upper, lower, is_masked in ((top, hi, True), (hi, lo, False), (lo, n_start, True)):
+        for i in cutlass.range(upper - lower, unroll=1):
+          v_state = kv_state.clone()
+          kv_state.advance()
+          self.overlap_step(c, kv_state, v_state, Int32(0), m_block, upper - 1 - i, seqlen_q,
+                            work.length, is_masked)
+      self.last_block(c, kv_state)
+    self.epilogue_decode(mOPart, mLSEPart, thr_mma_pv, acc_o, online, m_block, split, head_kv,
+                         batch, rows)
+
+  @cute.jit
+  def first_block(self, c, kv_state, m_block: Int32, n_block: Int32, seqlen_q: Int32,
+                  seqlen_k: Int32):
+    """The forward's first block, then: V rows past the cache length inside the last loaded
+    box of 16 keys hold whatever the cache has there (maybe not finite), and P = 0 times such a
+    value would still poison O: they are zeroed before the P V GEMM reads the stage."""
+    FlashAttentionForwardSm90.first_block(self, c, kv_state, m_block, n_block, seqlen_q,
+                                          seqlen_k)
+    band = c.masking
+    tail = band.length - n_block * self.tile_n  # valid keys in this block
+    box_end = cutlass.min((tail + BOX_ROWS - 1) // BOX_ROWS * BOX_ROWS, self.tile_n)
+    if tail < box_end:
+      c.pipeline_v.consumer_wait(kv_state)
+      tidx, _, _ = cute.arch.thread_idx()
+      sV_stage = band.sV[None, None, kv_state.index]  # (head_dim_v, tile_n)
+      count = (box_end - tail) * self.head_dim_v
+      for idx in cutlass.range(tidx - _WARPGROUP_THREADS, count, _WARPGROUP_THREADS,
+                               unroll=1):
+        key = tail + idx // self.head_dim_v
+        sV_stage[idx - (key - tail) * self.head_dim_v, key] = self.dtype(0.0)
+      # Generic-proxy writes, read next by WGMMA (async proxy) of the whole warpgroup.
+      cute.arch.fence_proxy("async.shared", space="cta")
+      cute.arch.barrier(barrier_id=_V_TAIL_BARRIER, number_of_threads=_WARPGROUP_THREADS)
+
+  @cute.jit
+  def _softmax(self, c, acc_s: cute.Tensor, m_block: Int32, n_block: Int32, seqlen_q: Int32,
+               seqlen_k: Int32, is_masked: cutlass.Constexpr, k_state):
+    """Soft-cap (when on), mask the keys outside each row's band (is_masked), online softmax."""
+    band = c.masking
+    acc_s_mn = softmax.make_acc_mn_view(acc_s)
+    if band.capped != 0:
+      softmax.soft_cap(acc_s, band.tanh_scale)
+    if const_expr(is_masked):
+      col_base = n_block * self.tile_n
+      for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
+        key = col_base + c.tScS_mn[0, j][1]
+        for i in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
+          if key < band.key_lo[i] or key >= band.key_hi[i]:
+            acc_s_mn[i, j] = -Float32.inf
+    c.online.online_softmax(acc_s_mn, c.row_scale)
+
+  @cute.jit
+  def epilogue_decode(self, mOPart: cute.Tensor, mLSEPart: cute.Tensor, thr_mma_pv,
+                      acc_o: cute.Tensor, online, m_block: Int32, split: Int32, head_kv: Int32,
+                      batch: Int32, rows: Int32):
+    """Normalises O over this split's keys and stores it and the lse (float32, rows < rows):
+    straight from registers, the rows are few."""
+    acc_o_mn = softmax.make_acc_mn_view(acc_o)
+    num_rows = cute.size(acc_o_mn, mode=[0])
+    row_inv = cute.make_rmem_tensor(num_rows, Float32)
+    lse = cute.make_rmem_tensor(num_rows, Float32)
+    online.finalize(row_inv, lse, -Float32.inf)
+    tOcO_mn = softmax.make_acc_mn_view(
+        thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+    for i in cutlass.range_constexpr(num_rows):
+      row = m_block * self.tile_m + tOcO_mn[i, 0][0]
+      if row < rows:
+        # One lane of each quad (the one holding column 0) writes the row's lse.
+        if tOcO_mn[0, 0][1] == 0:
+          mLSEPart[batch, split, head_kv, row] = lse[i]
+        for j in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
+          mOPart[batch, split, row, head_kv, tOcO_mn[i, j][1]] = acc_o_mn[i, j] * row_inv[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+  """A CTA's keys (see FlashAttentionDecodeSm90._work)."""
+
+  length: Int32
+  n_start: Int32
+  n_end: Int32
+  full_lo: Int32
+  full_hi: Int32
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeyBand:
+  """What the consumer's softmax and first block need of the call (in _Consumer.masking)."""
+
+  capped: Int32  # 1: soft-capping on
+  tanh_scale: Float32
+  key_lo: cute.Tensor  # per row of this thread: first visible key (may be negative)
+  key_hi: cute.Tensor  # one past the last visible key (<= the length)
+  length: Int32
+  sV: cute.Tensor  # the V ring (the first block zeroes rows past the length)

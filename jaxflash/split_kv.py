@@ -1,0 +1,110 @@
+"""The decode kernel's call around it: query heads packed per kv head, the split count, and the
+merge of the splits' partial results (XLA ops on either side of the custom call).
+
+Imports jax, config and jaxflash/decode_kernel.py (the custom call).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxflash import config, decode_kernel
+
+# Wave efficiency the split count must reach, as a share of the best count's (FlashAttention-3's
+# heuristic): more splits than that add partial results to merge for little gain.
+_SPLIT_EFFICIENCY = 0.85
+MAX_SPLITS = 128
+# Streaming multiprocessors of an H100 / H200, when the device does not say.
+_DEFAULT_SMS = 132
+
+
+def num_sms() -> int:
+  """Streaming multiprocessors of the first device (its core_count), else an H200's."""
+  try:
+    count = getattr(jax.devices()[0], "core_count", None)
+  except RuntimeError:
+    count = None
+  return int(count) if count else _DEFAULT_SMS
+
+
+def choose_num_splits(tiles: int, key_blocks: int, sms: int) -> int:
+  """How many parts each (sequence, kv head, query tile) splits its key blocks into: 1 when the
+  tiles alone fill most of the GPU, else the smallest count whose wave efficiency (CTAs over
+  whole waves of one CTA per SM) is within 85 % of the best count's. tiles: CTAs per split;
+  key_blocks: blocks of the longest sequence the cache can hold."""
+  if tiles >= 0.8 * sms or key_blocks <= 1:
+    return 1
+  limit = max(1, min(MAX_SPLITS, key_blocks, sms))
+  efficiency = [tiles * s / sms / math.ceil(tiles * s / sms) for s in range(1, limit + 1)]
+  best = max(efficiency)
+  return next(s for s, e in enumerate(efficiency, 1) if e >= _SPLIT_EFFICIENCY * best)
+
+
+def pack_query(query, num_kv_heads: int):
+  """(batch, seq_q, heads, d) -> (batch, seq_q * group, kv heads, d): row i * group + j holds
+  token i of query head kv * group + j (the heads that share kv head kv)."""
+  b, seq_q, h, d = query.shape
+  group = h // num_kv_heads
+  q = query.reshape(b, seq_q, num_kv_heads, group, d).transpose(0, 1, 3, 2, 4)
+  return q.reshape(b, seq_q * group, num_kv_heads, d)
+
+
+def merge_splits(out_partial, lse_partial, sink, seq_q: int, dtype):
+  """Merges the splits' partial results through their lse and unpacks the rows.
+
+  out_partial (batch, splits, rows, kv heads, dv) holds each split's output normalised over its
+  keys, lse_partial (batch, splits, kv heads, rows) its lse (-inf: no key). The learnable sink
+  (num_heads,) float32 or None joins every row's denominator here. Returns out (batch, seq_q,
+  heads, dv) in `dtype` and lse (batch, heads, seq_q) float32; a row with no key at all has
+  out 0 and lse -inf (or its sink).
+  """
+  b, _, rows, hk, dv = out_partial.shape
+  group = rows // seq_q
+  lse = jnp.swapaxes(lse_partial, 2, 3)  # (b, splits, rows, hk)
+  top = jnp.max(lse, axis=1)
+  if sink is not None:
+    # Head kv * group + j is row i * group + j's head.
+    sink_rows = jnp.tile(sink.astype(jnp.float32).reshape(hk, group).T, (seq_q, 1))
+    top = jnp.maximum(top, sink_rows[None])
+  top = jnp.where(jnp.isfinite(top), top, 0.0)  # no key and no sink: every weight is 0
+  weights = jnp.exp(lse - top[:, None])
+  total = jnp.sum(weights, axis=1)
+  if sink is not None:
+    total = total + jnp.exp(sink_rows[None] - top)
+  out = jnp.einsum("bsrh,bsrhd->brhd", weights, out_partial,
+                   precision=jax.lax.Precision.HIGHEST)
+  out = jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+  lse_out = jnp.where(total > 0, top + jnp.log(total), -jnp.inf)
+  out = out.reshape(b, seq_q, group, hk, dv).transpose(0, 1, 3, 2, 4)
+  out = out.reshape(b, seq_q, hk * group, dv).astype(dtype)
+  lse_out = lse_out.reshape(b, seq_q, group, hk).transpose(0, 3, 2, 1)
+  return out, lse_out.reshape(b, hk * group, seq_q)
+
+
+def kernel_forward(cfg: config.AttentionConfig, query, k_cache, v_cache, lengths, page_table,
+                   sink, num_splits):
+  """kv_cache_attention on the decode kernel: (out, lse) as the reference returns them, with
+  the sink. lengths are clamped already; page_table None means contiguous caches (then a pool
+  of `batch` pages of max_len rows)."""
+  b, seq_q, h, d = query.shape
+  hk, dv = k_cache.shape[2], v_cache.shape[-1]
+  if page_table is None:
+    page_table = jnp.arange(b, dtype=jnp.int32)[:, None]
+  variant = config.decode_variant(str(query.dtype), d, dv)
+  rows = seq_q * (h // hk)
+  if num_splits is None:
+    capacity = page_table.shape[1] * k_cache.shape[1]
+    tiles = b * hk * -(-rows // variant.schedule.tile_m)
+    num_splits = choose_num_splits(tiles, -(-capacity // variant.schedule.tile_n), num_sms())
+  right = cfg.window_right  # causal: no key right of a query's position
+  if cfg.causal:
+    right = 0 if right is None else min(right, 0)
+  out_partial, lse_partial = decode_kernel.decode_partials(
+      pack_query(query, hk), k_cache, v_cache, page_table, lengths, variant=variant,
+      softmax_scale=cfg.softmax_scale, seqlen_q=seq_q, window_left=cfg.window_left,
+      window_right=right, softcap=cfg.softcap,
+      num_splits=num_splits)
+  return merge_splits(out_partial, lse_partial, sink, seq_q, query.dtype)

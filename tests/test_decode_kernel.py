@@ -1,0 +1,136 @@
+"""jaxflash.decode_kernel on a CPU host: shapes, the custom call it lowers to for CUDA, vmap,
+and the errors (the kernel itself runs on a GPU only)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxflash import _jax_internal, config, ffi
+from jaxflash.decode_kernel import decode_p, decode_partials
+
+VARIANT = config.decode_variant("bfloat16", 128, 128)
+# batch 2, seqlen_q 2 x group 4 = 8 rows, 2 kv heads; a pool of 10 pages of 16 keys.
+B, ROWS, HK, PAGES, PAGE_SIZE, MAX_PAGES, SPLITS = 2, 8, 2, 10, 16, 5, 3
+OPTIONS = dict(variant=VARIANT, softmax_scale=0.125, seqlen_q=2, window_left=None,
+               window_right=0, softcap=None, num_splits=SPLITS)
+
+
+def _operands(variant=VARIANT, rows=ROWS, page_size=PAGE_SIZE):
+  dtype = jnp.dtype(variant.dtype)
+  return (jnp.zeros((B, rows, HK, variant.head_dim), dtype),
+          jnp.zeros((PAGES, page_size, HK, variant.head_dim), dtype),
+          jnp.zeros((PAGES, page_size, HK, variant.head_dim_v), dtype),
+          jnp.zeros((B, MAX_PAGES), jnp.int32), jnp.zeros((B,), jnp.int32))
+
+
+def _call(**changes):
+  return lambda *args: decode_partials(*args, **dict(OPTIONS, **changes))
+
+
+def test_partials_are_float32_per_split():
+  variant = config.decode_variant("float16", 192, 128)
+  out, lse = jax.eval_shape(_call(variant=variant), *_operands(variant))
+  assert (out.shape, out.dtype) == ((B, SPLITS, ROWS, HK, 128), jnp.float32)
+  assert (lse.shape, lse.dtype) == ((B, SPLITS, HK, ROWS), jnp.float32)
+
+
+def test_cuda_lowering_is_the_decode_custom_call_with_typed_attributes():
+  """Cross-lowered on a host without a GPU (no library needed): one custom call to
+  config.DECODE_TARGET whose attributes are ffi.decode_attributes'."""
+  text = jax.jit(_call(softcap=30.0, window_left=64)).trace(*_operands()).lower(
+      lowering_platforms=("cuda",)).as_text()
+  calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+  assert len(calls) == 1 and f"@{config.DECODE_TARGET}(" in calls[0], calls
+  for attribute in (f'variant = "{VARIANT.key}"', "seqlen_q = 2 : i32", "window_left = 64 : i32",
+                    "window_right = 0 : i32", "softcap = 3.000000e+01 : f32",
+                    "softmax_scale = 1.250000e-01 : f32", "head_dim = 128 : i32",
+                    "head_dim_v = 128 : i32"):
+    assert attribute in calls[0], attribute
+  assert re.search(r"-> \(tensor<2x3x8x2x128xf32>, tensor<2x3x2x8xf32>\)", calls[0]), calls[0]
+
+
+def test_cuda_lowering_provides_the_variant_on_a_gpu_host(monkeypatch):
+  """As the forward's lowering: the variant's library is found or built before the call lowers
+  (where a CUDA device is present)."""
+  provided = []
+  monkeypatch.setattr(_jax_internal, "has_cuda_device", lambda: True)
+  monkeypatch.setattr(ffi, "ensure_variant", provided.append)
+  jax.jit(_call()).trace(*_operands()).lower(lowering_platforms=("cuda",))
+  assert provided == [VARIANT]
+
+
+def test_lowering_for_another_platform_names_the_gpu_it_needs():
+  with pytest.raises(ValueError, match="decode_partials: the split-KV decode kernel needs an "
+                                       "NVIDIA Hopper GPU"):
+    jax.jit(_call()).lower(*_operands())
+
+
+def test_vmap_calls_the_kernel_once_per_mapped_element():
+  """A mapped axis does not fold into the batch (the page table indexes the one pool): vmap runs
+  one call per element, the pool shared when it is not mapped."""
+  q, k, v, page_table, lengths = _operands()
+  stack = lambda x: jnp.stack([x] * 4)
+  mapped = jax.vmap(_call(), in_axes=(0, None, None, 0, 0))
+  out, lse = jax.eval_shape(mapped, stack(q), k, v, stack(page_table), stack(lengths))
+  assert out.shape == (4, B, SPLITS, ROWS, HK, 128) and lse.shape == (4, B, SPLITS, HK, ROWS)
+  jaxpr = jax.make_jaxpr(mapped)(stack(q), k, v, stack(page_table), stack(lengths))
+  (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+  assert scan.params["length"] == 4
+  inner = [e for e in scan.params["jaxpr"].jaxpr.eqns if e.primitive is decode_p]
+  assert len(inner) == 1 and inner[0].outvars[0].aval.shape == (B, SPLITS, ROWS, HK, 128)
+  # The pool mapped too, on another axis.
+  out, _ = jax.eval_shape(jax.vmap(_call(), in_axes=(None, 1, 1, None, None)), q,
+                          jnp.stack([k] * 3, 1), jnp.stack([v] * 3, 1), page_table, lengths)
+  assert out.shape == (3, B, SPLITS, ROWS, HK, 128)
+
+
+@pytest.mark.parametrize("change,error", [
+    (dict(variant=config.shipped_variants()[0]),
+     "variant: expected a decode KernelVariant (config.decode_variant), got fwd-"),
+    (dict(seqlen_q=3), "seqlen_q: expected an int >= 1 that divides q_packed's 8 rows"),
+    (dict(seqlen_q=0), "seqlen_q: expected an int >= 1"),
+    (dict(num_splits=0), "num_splits: expected an int from 1 to 65535, got 0"),
+    (dict(num_splits=70000), "num_splits: expected an int from 1 to 65535, got 70000"),
+    (dict(variant=config.decode_variant("float16", 128, 128)),
+     "q_packed: dtype bfloat16 differs from the variant's float16"),
+])
+def test_options_the_kernel_does_not_take_are_named(change, error):
+  with pytest.raises((ValueError, TypeError), match=re.escape(error)):
+    _call(**change)(*_operands())
+
+
+def test_operands_the_kernel_does_not_take_are_named():
+  q, k, v, page_table, lengths = _operands()
+  cases = [
+      ((q[0], k, v, page_table, lengths), ValueError,
+       "q_packed: expected rank 4 (batch, rows, num_kv_heads, head_dim), got shape (8, 2, 128)"),
+      ((q, k[:, :, :1], v, page_table, lengths), ValueError,
+       "k_pool: shape (10, 16, 1, 128) must end in (num_kv_heads, head_dim) = (2, 128)"),
+      ((q, k, v[..., :64], page_table, lengths), ValueError,
+       "v_pool: expected shape (10, 16, 2, 128)"),
+      ((q, k[:, :8], v[:, :8], page_table, lengths), ValueError,
+       "k_pool: page_size 8 (dim 1) must be a multiple of 16"),
+      ((q, k, v, page_table[:1], lengths), ValueError,
+       "page_table: batch 1 differs from q_packed's 2"),
+      ((q, k, v, page_table, lengths[:1]), ValueError, "lengths: expected shape (2,), got (1,)"),
+      ((q, k, v, page_table.astype(jnp.int16), lengths), TypeError,
+       "page_table: expected int32, got int16"),
+      ((q, k.astype(jnp.float16), v, page_table, lengths), TypeError,
+       "k_pool: dtype float16 differs from the variant's bfloat16"),
+  ]
+  for args, kind, error in cases:
+    with pytest.raises(kind, match=re.escape(error)):
+      _call()(*args)
+
+
+def test_an_empty_call_has_empty_partials():
+  """Empty extents pass through (the handler writes nothing, or the empty cache's 0 / -inf)."""
+  variant = VARIANT
+  q = jnp.zeros((0, ROWS, HK, 128), jnp.bfloat16)
+  out, lse = jax.eval_shape(_call(), q, *_operands(variant)[1:3],
+                            jnp.zeros((0, MAX_PAGES), jnp.int32), jnp.zeros((0,), jnp.int32))
+  assert out.shape == (0, SPLITS, ROWS, HK, 128) and lse.shape == (0, SPLITS, HK, ROWS)
+  assert np.dtype(lse.dtype) == np.float32

@@ -1,0 +1,117 @@
+"""The split-KV decode variants compiled for sm_90a on a GPU-less host: every shipped one
+exports with the signature the glue calls (jaxflash/ffi/variant_decode.cc), and a linked library
+exports the decode ABI, describes its variant and refuses what the kernel cannot take.
+
+Needs nvidia-cutlass-dsl (marker `cutlass`, skipped elsewhere). The kernel's own SASS checks
+belong with the kernel (kernels/decode_sm90.py).
+"""
+
+import ctypes
+import re
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from jaxflash import build, config, ffi  # noqa: E402
+from tests import _sass  # noqa: E402
+
+pytestmark = pytest.mark.cutlass
+
+VARIANTS = config.shipped_variants("sm90a", "decode")
+# The exported launcher's parameters after the module, in order (compile.decode_signature, then
+# the run-time scalars and the stream).
+WRAPPER_PARAMETERS = [
+    ("Tensor_mQ_t *", "mQ"), ("Tensor_mK_t *", "mK"), ("Tensor_mV_t *", "mV"),
+    ("Tensor_mPageTable_t *", "mPageTable"), ("Tensor_mLengths_t *", "mLengths"),
+    ("Tensor_mOPart_t *", "mOPart"), ("Tensor_mLSEPart_t *", "mLSEPart"),
+    ("float", "softmax_scale"), ("int32_t", "seqlen_q"), ("int32_t", "window_left"),
+    ("int32_t", "window_right"), ("float", "softcap"), ("cudaStream_t", "stream")]
+# Dynamic extents and strides of each exported tensor struct (tensor_args.h's Dense fills them).
+TENSOR_MODES = {"mQ": (3, 2), "mK": (3, 2), "mV": (3, 2), "mPageTable": (2, 1),
+                "mLengths": (1, 0), "mOPart": (4, 3), "mLSEPart": (4, 3)}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+  return _sass.exporter(tmp_path_factory)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.key)
+def test_every_decode_variant_exports_the_signature_of_the_glue(exported, variant):
+  e = exported(variant).exp
+  assert e.cubin[:4] == b"\x7fELF" and e.glue_source == "variant_decode.cc"
+  assert "-DJAXFLASH_DIRECTION=2" in e.defines
+  assert f"-DJAXFLASH_TILE_M={variant.schedule.tile_m}" in e.defines
+  header = e.header_path.read_text()
+  prefix = e.function_prefix
+  wrapper = re.search(rf"cute_dsl_{prefix}_wrapper\((.*?)\)\s*{{", header, re.S).group(1)
+  params = [p.strip() for p in wrapper.split(",")]
+  assert params[0] == f"{prefix}_Kernel_Module_t *module"
+  want = [f"{prefix}_{t}{name}" if t.startswith("Tensor") else f"{t} {name}"
+          for t, name in WRAPPER_PARAMETERS]
+  assert params[1:] == want
+  for name, (extents, strides) in TENSOR_MODES.items():
+    body = re.search(rf"typedef struct \{{(.*?)\}} {prefix}_Tensor_{name}_t;", header, re.S)
+    assert f"int32_t dynamic_shapes[{extents}];" in body.group(1), name
+    assert (f"int64_t dynamic_strides[{strides}];" in body.group(1)) == (strides > 0), name
+
+
+class _Info(ctypes.Structure):
+  _fields_ = [(name, ctypes.c_int32) for name in (
+      "direction", "dtype", "head_dim", "head_dim_v", "causal", "deterministic", "tile_m",
+      "max_dq_copies", "masked", "tile_n")]
+
+
+class _DecodeArgs(ctypes.Structure):
+  """kernel_abi.h's JaxflashDecodeArgs."""
+  _fields_ = ([(name, ctypes.c_void_p) for name in (
+      "q", "k", "v", "page_table", "lengths", "out_partial", "lse_partial")]
+              + [(name, ctypes.c_int32) for name in (
+                  "batch", "rows", "num_kv_heads", "head_dim", "head_dim_v", "num_pages",
+                  "page_size", "max_pages", "num_splits", "seqlen_q")]
+              + [("softmax_scale", ctypes.c_float), ("window_left", ctypes.c_int32),
+                 ("window_right", ctypes.c_int32), ("softcap", ctypes.c_float)])
+
+
+def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(exported, tmp_path):
+  variant = next(v for v in VARIANTS if v.head_dim == 128 and v.dtype == "bfloat16")
+  lib_path = tmp_path / "decode.so"
+  build.link_variant(exported(variant).exp, variant, lib_path)
+  assert build.exported_symbols(lib_path) == set(build.variant_abi_symbols("decode"))
+  lib = ctypes.CDLL(str(lib_path))
+  lib.jaxflash_variant_info.restype = ctypes.POINTER(_Info)
+  lib.jaxflash_variant_key.restype = ctypes.c_char_p
+  lib.jaxflash_variant_decode.argtypes = [ctypes.POINTER(_DecodeArgs), ctypes.c_void_p]
+  info = lib.jaxflash_variant_info().contents
+  assert lib.jaxflash_variant_key().decode() == variant.key
+  assert lib.jaxflash_variant_abi_version() == _sass.abi_version()
+  assert {name: getattr(info, name) for name, _ in _Info._fields_} == dict(
+      direction=2, dtype=1, head_dim=128, head_dim_v=128, causal=0, deterministic=0, tile_m=64,
+      max_dq_copies=1, masked=0, tile_n=variant.schedule.tile_n)
+
+  invalid = 1  # cudaErrorInvalidValue, before any CUDA call
+  assert lib.jaxflash_variant_decode(None, None) == invalid
+  buffer = ctypes.create_string_buffer(1 << 12)
+  base = (ctypes.addressof(buffer) + 255) // 256 * 256
+
+  def call(**changes):
+    fields = dict(q=base, k=base, v=base, page_table=base, lengths=base, out_partial=base,
+                  lse_partial=base, batch=2, rows=8, num_kv_heads=2, head_dim=128,
+                  head_dim_v=128, num_pages=10, page_size=16, max_pages=5, num_splits=3,
+                  seqlen_q=2, softmax_scale=0.125, window_left=1 << 30, window_right=0,
+                  softcap=0.0)
+    fields.update(changes)
+    return lib.jaxflash_variant_decode(ctypes.byref(_DecodeArgs(**fields)), None)
+
+  refused = [dict(head_dim=64), dict(head_dim_v=64), dict(batch=0), dict(rows=0),
+             dict(num_pages=0), dict(page_size=0), dict(max_pages=0), dict(num_splits=0),
+             dict(seqlen_q=0), dict(seqlen_q=3), dict(page_size=24), dict(num_splits=65536),
+             dict(batch=40000), dict(q=base + 8), dict(k=base + 4), dict(out_partial=base + 4),
+             dict(lengths=base + 2), dict(page_table=None), dict(lengths=None)]
+  for changes in refused:
+    assert call(**changes) == invalid, changes
+  if not ffi._cuda_device_present():  # a GPU would launch on these host pointers
+    # What passes validation goes on to the module load, which needs a GPU.
+    status = call(page_table=base + 4, lengths=base + 4)
+    assert status != invalid and status != 0
