@@ -14,23 +14,14 @@ import pytest
 import jaxflash
 from tests._cases import x64
 from tests._oracle import assert_close_to_oracle
-from tests.test_kv_cache import _oracle
+from tests.test_kv_cache import _oracle, _paged
 
 pytestmark = pytest.mark.gpu
 
 
-def _pool(cache, page_size, seed, spare_pages=3):
-  """The contiguous cache in a pool of pages of page_size rows, pages in a random order with
-  unused pages between; returns (pool, page_table)."""
-  b, capacity = cache.shape[:2]
-  pages = -(-capacity // page_size)
-  padded = jnp.pad(cache, ((0, 0), (0, pages * page_size - capacity), (0, 0), (0, 0)))
-  order = np.random.default_rng(seed).permutation(b * pages + spare_pages)
-  table = order[:b * pages].reshape(b, pages)
-  pool = jnp.zeros((b * pages + spare_pages, page_size) + cache.shape[2:], cache.dtype)
-  pool = pool.at[table.reshape(-1)].set(padded.reshape(b * pages, page_size,
-                                                       *cache.shape[2:]))
-  return pool, jnp.asarray(table, jnp.int32)
+def _pool(cache, page_size, seed):
+  """The cache in a pool of pages of page_size rows, permuted, unused pages between."""
+  return _paged(cache, seed, page_size=page_size)
 
 
 def _check(q, k, v, lengths, options, page_size=None, sink=None, num_splits=None):

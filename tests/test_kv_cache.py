@@ -27,16 +27,17 @@ def _inputs(seed, b, seq_q, h, h_kv, d, capacity, dv=None, dtype=jnp.float64):
   return q, k, v
 
 
-def _paged(cache, seed, spare_pages=3):
-  """The contiguous cache's keys in a pool of pages (PAGE rows) in a random order, with unused
-  pages in between; returns (pool, page_table)."""
+def _paged(cache, seed, spare_pages=3, page_size=PAGE):
+  """The contiguous cache's keys in a pool of pages (page_size rows) in a random order, with
+  unused pages in between; returns (pool, page_table)."""
   b, capacity = cache.shape[:2]
-  pages = -(-capacity // PAGE)
-  padded = jnp.pad(cache, ((0, 0), (0, pages * PAGE - capacity), (0, 0), (0, 0)))
+  pages = -(-capacity // page_size)
+  padded = jnp.pad(cache, ((0, 0), (0, pages * page_size - capacity), (0, 0), (0, 0)))
   order = np.random.default_rng(seed).permutation(b * pages + spare_pages)
   table = order[:b * pages].reshape(b, pages)
-  pool = jnp.zeros((b * pages + spare_pages, PAGE) + cache.shape[2:], cache.dtype)
-  pool = pool.at[table.reshape(-1)].set(padded.reshape(b * pages, PAGE, *cache.shape[2:]))
+  pool = jnp.zeros((b * pages + spare_pages, page_size) + cache.shape[2:], cache.dtype)
+  pool = pool.at[table.reshape(-1)].set(padded.reshape(b * pages, page_size,
+                                                       *cache.shape[2:]))
   return pool, jnp.asarray(table, jnp.int32)
 
 
