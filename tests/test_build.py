@@ -183,21 +183,6 @@ def test_bwd_variant_builds_and_exports_the_backward_abi(built_bwd, cache):
   assert build.manifest_is_current(variant, cache)
 
 
-@pytest.mark.cutlass
-def test_handler_registry_accepts_a_backward_library(built_bwd, cache):
-  if ffi._cuda_device_present():
-    pytest.skip("a CUDA device is present: loading succeeds here")
-  variant, _ = built_bwd
-  build.build_handler_library(cache)
-  lib = ctypes.CDLL(str(cache / HANDLER_LIBRARY))
-  lib.jaxflash_ffi_register_variant.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
-  lib.jaxflash_ffi_last_error.restype = ctypes.c_char_p
-  path = str(cache / variant.key / VARIANT_LIBRARY).encode()
-  # The ABI check passes (a bwd entry instead of the fwd one); only the cubin load needs a GPU.
-  assert lib.jaxflash_ffi_register_variant(variant.key.encode(), path) == 1
-  assert "loading the kernel module failed" in lib.jaxflash_ffi_last_error().decode()
-
-
 @pytest.fixture(scope="module")
 def built_decode(cache):
   """The first shipped decode variant (variant_decode.cc glue), built once."""
@@ -221,16 +206,18 @@ def test_decode_variant_builds_and_exports_the_decode_abi(built_decode, cache):
 
 
 @pytest.mark.cutlass
-def test_handler_registry_accepts_a_decode_library(built_decode, cache):
+@pytest.mark.parametrize("built", ["built_bwd", "built_decode"])
+def test_handler_registry_accepts_backward_and_decode_libraries(built, cache, request):
   if ffi._cuda_device_present():
     pytest.skip("a CUDA device is present: loading succeeds here")
-  variant, _ = built_decode
+  variant, _ = request.getfixturevalue(built)
   build.build_handler_library(cache)
   lib = ctypes.CDLL(str(cache / HANDLER_LIBRARY))
   lib.jaxflash_ffi_register_variant.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
   lib.jaxflash_ffi_last_error.restype = ctypes.c_char_p
   path = str(cache / variant.key / VARIANT_LIBRARY).encode()
-  # The ABI check passes (the decode entry, direction 2); only the cubin load needs a GPU.
+  # The ABI check passes (the library's bwd or decode entry instead of the fwd one); only the
+  # cubin load needs a GPU.
   assert lib.jaxflash_ffi_register_variant(variant.key.encode(), path) == 1
   assert "loading the kernel module failed" in lib.jaxflash_ffi_last_error().decode()
 
