@@ -38,11 +38,11 @@ def decode_partials(q_packed, k_pool, v_pool, page_table, lengths, *, variant: K
       bfloat16): rows = seqlen_q * group (group = query heads per kv head); row i * group + j
       is query token i of query head kv * group + j.
     k_pool, v_pool: (num_pages, page_size, num_kv_heads, head_dim) and (..., head_dim_v) in
-      the same dtype, page_size a multiple of 16. A contiguous cache (batch, max_len, ...) is a
+      the same dtype, page_size a power of two >= 16. A contiguous cache (batch, max_len, ...) is a
       pool of batch pages of max_len keys with page_table[b] = [b].
     page_table: (batch, max_pages) int32: key position p of sequence b is row p % page_size of
       page page_table[b, p // page_size]; the entries of pages that hold keys below the length
-      must lie in [0, num_pages) (the kernel does not clamp them).
+      must lie in [0, num_pages) (the kernel clamps entries into the pool).
     lengths: (batch,) int32: valid keys per sequence, in [0, max_pages * page_size].
     variant: the decode KernelVariant (config.decode_variant) of the dtype and head dims.
     softmax_scale: multiplies q.k before the softmax.
@@ -98,8 +98,9 @@ def _check(q, k, v, page_table, lengths, variant, seqlen_q, num_splits):
   if tuple(v.shape) != tuple(k.shape[:3]) + (variant.head_dim_v,):
     raise ValueError(f"v_pool: expected shape {tuple(k.shape[:3]) + (variant.head_dim_v,)} "
                      f"(k_pool's with head_dim_v {variant.head_dim_v}), got {tuple(v.shape)}")
-  if k.shape[1] % 16 and page_table.shape[1] != 1:
-    raise ValueError(f"k_pool: page_size {k.shape[1]} (dim 1) must be a multiple of 16 when "
+  page_size = k.shape[1]
+  if (page_size < 16 or page_size & (page_size - 1)) and page_table.shape[1] != 1:
+    raise ValueError(f"k_pool: page_size {page_size} (dim 1) must be a power of two >= 16 when "
                      f"page_table has more than one column (a single page may have any size)")
   if page_table.shape[0] != b:
     raise ValueError(f"page_table: batch {page_table.shape[0]} differs from q_packed's {b}")

@@ -151,7 +151,8 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
       `page_table` a page pool (num_pages, page_size, num_kv_heads, head_dim[_v]), page_size a
       power of two from 16 to 512. num_heads % num_kv_heads == 0 (GQA/MQA).
     cache_lengths: (batch,) integers: valid keys per sequence, the new tokens included. Keys
-      at or past a sequence's length are never attended to. Values are clamped to [0,
+      at or past a sequence's length are never attended to, and the kernel reads no key block
+      that lies wholly past it (work and bytes follow the lengths). Values are clamped to [0,
       capacity] (max_len, or max_pages_per_sequence * page_size). A sequence of length 0
       outputs zeros (lse -inf, or its sink).
     page_table: (batch, max_pages_per_sequence) integers: key position p of sequence b lives

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 
 from jaxflash import config, decode_kernel
 
-# Wave efficiency the split count must reach, as a share of the best count's (FlashAttention-3's
-# heuristic): more splits than that add partial results to merge for little gain.
-_SPLIT_EFFICIENCY = 0.85
 MAX_SPLITS = 128
+# A decode CTA's fixed cost in key blocks (choose_num_splits): 16 splits of 2 blocks each ran
+# 1.3x slower than 1 split of 32 at 64 x 4k keys, 8 kv heads, on the H200.
+_CTA_FIXED_BLOCKS = 1
 # Streaming multiprocessors of an H100 / H200, when the device does not say.
 _DEFAULT_SMS = 132
 
@@ -31,16 +31,23 @@ def num_sms() -> int:
 
 
 def choose_num_splits(tiles: int, key_blocks: int, sms: int) -> int:
-  """How many parts each (sequence, kv head, query tile) splits its key blocks into: 1 when the
-  tiles alone fill most of the GPU, else the smallest count whose wave efficiency (CTAs over
-  whole waves of one CTA per SM) is within 85 % of the best count's. tiles: CTAs per split;
-  key_blocks: blocks of the longest sequence the cache can hold."""
-  if tiles >= 0.8 * sms or key_blocks <= 1:
-    return 1
-  limit = max(1, min(MAX_SPLITS, key_blocks, sms))
-  efficiency = [tiles * s / sms / math.ceil(tiles * s / sms) for s in range(1, limit + 1)]
-  best = max(efficiency)
-  return next(s for s, e in enumerate(efficiency, 1) if e >= _SPLIT_EFFICIENCY * best)
+  """How many parts each (sequence, kv head, query tile) splits its key blocks into.
+
+  With s splits, tiles * s CTAs run in ceil(tiles * s / sms) waves of one CTA per SM, and a CTA
+  streams up to ceil(key_blocks / s) blocks plus a fixed cost (prologue, Q, epilogue) of about
+  one block: the count with the least waves times that wins, the fewest splits among equals.
+  FlashAttention-3's wave-efficiency heuristic, which ignores the rounding of blocks per split
+  and the fixed cost, picked 8 instead of 16 splits at 1 x 128k keys, 8 kv heads
+  (docs/kernels.md, "Decode"). tiles: CTAs per split; key_blocks: blocks of the longest sequence
+  the cache can hold (lengths are run-time values: a ragged batch is costed as if every
+  sequence were full).
+  """
+  limit = max(1, min(MAX_SPLITS, key_blocks))
+
+  def cost(s):
+    return math.ceil(tiles * s / sms) * (math.ceil(key_blocks / s) + _CTA_FIXED_BLOCKS)
+
+  return min(range(1, limit + 1), key=lambda s: (cost(s), s))
 
 
 def pack_query(query, num_kv_heads: int):

@@ -16,8 +16,12 @@
 #                                       #   pytest (JAXFLASH_GPU_WORKERS workers, default 12)
 #   scripts/gpu_check.sh sanitize [FAMILY...]  # compute-sanitizer's memcheck, racecheck,
 #                                       #   synccheck and initcheck on jaxflash's kernels
-#                                       #   (devtools/sanitize/calls.py), one line per tool and
-#                                       #   family
+#                                       #   (devtools/sanitize/calls.py): one line per tool and
+#                                       #   family, with where its reports are, in
+#                                       #   sanitize_summary.txt (sanitize_runs.txt as runs end);
+#                                       #   the logs in sanitize_logs.tar.gz. JAXFLASH_SANITIZE_JOBS
+#                                       #   runs at a time (4), each JAXFLASH_SANITIZE_TIMEOUT s
+#                                       #   at most (150)
 #   scripts/gpu_check.sh bench [ARGS]   # benchmarks/bench_attention.py ARGS (e.g. --bwd-only)
 #   scripts/gpu_check.sh masked [ARGS]  # benchmarks/bench_masked.py ARGS
 #   scripts/gpu_check.sh decode [ARGS]  # benchmarks/bench_decode.py ARGS (KV-cache attention)
@@ -112,36 +116,55 @@ if [ "$mode" = sanitize ]; then
   tools=(memcheck racecheck synccheck initcheck)
   mkdir -p "$out/sanitize"
   run_one() {  # tool family: one sanitizer run, its log in $out/sanitize/
-    local log="$out/sanitize/$1-$2.log" report=(--print-limit 20) filter=(cat)
+    local log="$out/sanitize/$1-$2.log" report=(--print-limit 10000) filter=(cat)
+    local kernels=(--kernel-name kns=jaxflashkernels)
     if [ "$1" = racecheck ]; then  # every hazard, condensed to one line per access pair
       report=(--racecheck-report hazard --print-limit 0)
       filter=(awk -f devtools/sanitize/hazard_pairs.awk)
     fi
+    # initcheck knows a byte is written only from the kernels it instruments (and host copies):
+    # filtered to jaxflash's kernels, every input an XLA kernel wrote (packed queries, page
+    # tables, sinks, dO) would read as uninitialized. So it instruments XLA's kernels too; the
+    # summary lists its reports per kernel.
+    [ "$1" = initcheck ] && kernels=()
     # One device allocation per XLA buffer (no pooling), so memcheck sees each buffer's bounds;
-    # no GEMM autotuning in XLA's own programs (the tools check jaxflash's kernels only).
+    # no GEMM autotuning and no CUDA graphs in XLA's own programs (kernels launched one by one);
+    # no host backtraces (a report names the kernel and PC).
+    local start=$SECONDS
     XLA_PYTHON_CLIENT_ALLOCATOR=platform \
-    XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false ${XLA_FLAGS:-}" \
-      timeout "${JAXFLASH_SANITIZE_TIMEOUT:-300}" \
-      compute-sanitizer --tool "$1" --kernel-name kns=jaxflashkernels "${report[@]}" \
+    XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false \
+               --xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}" \
+      timeout "${JAXFLASH_SANITIZE_TIMEOUT:-150}" \
+      compute-sanitizer --tool "$1" "${kernels[@]}" --show-backtrace no "${report[@]}" \
       --error-exitcode 99 "$py" devtools/sanitize/calls.py "$2" 2>&1 | "${filter[@]}" > "$log"
-    echo "rc=${PIPESTATUS[0]}" >> "$log"
+    echo "rc=${PIPESTATUS[0]} seconds=$((SECONDS - start))" >> "$log"
+    summarize_one "$1" "$2" >> "$out/sanitize_runs.txt"  # one write: runs end in any order
   }
-  export -f run_one
+  summarize_one() {  # tool family: the run's summary line, then where its reports are
+    local log="$out/sanitize/$1-$2.log" summary done_line rc sites
+    summary=$(grep -E "(ERROR|RACECHECK|SYNCCHECK|INITCHECK) SUMMARY" "$log" | tail -1)
+    done_line=$(grep -c "calls.py $2: done" "$log")
+    rc=$(grep -o "^rc=[0-9]* seconds=[0-9]*" "$log" | tail -1)
+    # (type, kernel, PCs) with counts, the most frequent first.
+    if [ "$1" = racecheck ]; then sites=$(grep "^hazards " "$log")
+    else sites=$(awk -f devtools/sanitize/error_sites.awk "$log" | grep "^reports \|^host-API")
+    fi
+    printf 'sanitize %s %s: %s (%s, calls finished: %s)\n%s\n' "$1" "$2" \
+      "${summary:-no summary}" "${rc:-not finished}" "$done_line" \
+      "$(printf '%s\n' "$sites" | sort -k2,2nr | head -8 | sed '/^$/d; s/^/    /')" | sed '/^$/d'
+  }
+  export -f run_one summarize_one
   export out py
-  # Independent runs share the GPU, a few at a time.
-  for t in "${tools[@]}"; do for f in "${families[@]}"; do echo "$t $f"; done; done \
+  # Independent runs share the GPU, several at a time, family by family in calls.py's order.
+  # Each run's summary lands in sanitize_runs.txt as it ends (what a killed call leaves); the
+  # full summary, tool by tool, follows.
+  : > "$out/sanitize_runs.txt"
+  for f in "${families[@]}"; do for t in "${tools[@]}"; do echo "$t $f"; done; done \
     | xargs -P "${JAXFLASH_SANITIZE_JOBS:-4}" -n 2 bash -c 'run_one "$0" "$1"'
   for t in "${tools[@]}"; do
-    for f in "${families[@]}"; do
-      log="$out/sanitize/$t-$f.log"
-      summary=$(grep -E "(ERROR|RACECHECK|SYNCCHECK|INITCHECK) SUMMARY" "$log" | tail -1)
-      done_line=$(grep -c "calls.py $f: done" "$log")
-      rc=$(grep -o "^rc=[0-9]*" "$log" | tail -1)
-      echo "sanitize $t $f: ${summary:-no summary} (${rc}, calls finished: $done_line)"
-      { [ "$done_line" -eq 1 ] && [ "$rc" = "rc=0" ]; } || status=1
-    done
+    for f in "${families[@]}"; do summarize_one "$t" "$f"; done
   done | tee "$out/sanitize_summary.txt"
-  grep -q "calls finished: 0\|rc=[1-9]" "$out/sanitize_summary.txt" && status=1
+  grep -q "calls finished: 0\|rc=[1-9]\|not finished" "$out/sanitize_summary.txt" && status=1
   # The hand-off in miniature: which orderings racecheck follows (docs/kernels.md, "Sanitizer").
   if [ -x .kcpack/bulk_copy_probe ]; then
     for m in lane0 all nowait; do
@@ -153,6 +176,8 @@ if [ "$mode" = sanitize ]; then
            | tr -s ' ' | tr '\n' ';')"
     done | tee -a "$out/sanitize_summary.txt"
   fi
+  # The per-run logs as one file.
+  tar -czf "$out/sanitize_logs.tar.gz" -C "$out" sanitize && rm -rf "$out/sanitize"
 fi
 if [ "$mode" = decode ]; then
   "$py" benchmarks/bench_decode.py --out "$out" "$@" 2>&1 | tee "$out/bench_decode.log"

@@ -106,8 +106,8 @@ def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(export
 
   refused = [dict(head_dim=64), dict(head_dim_v=64), dict(batch=0), dict(rows=0),
              dict(num_pages=0), dict(page_size=0), dict(max_pages=0), dict(num_splits=0),
-             dict(seqlen_q=0), dict(seqlen_q=3), dict(page_size=24), dict(num_splits=65536),
-             dict(batch=40000), dict(q=base + 8), dict(k=base + 4), dict(out_partial=base + 4),
+             dict(seqlen_q=0), dict(seqlen_q=3), dict(page_size=24), dict(page_size=48),
+             dict(num_splits=65536), dict(batch=40000), dict(q=base + 8), dict(k=base + 4), dict(out_partial=base + 4),
              dict(lengths=base + 2), dict(page_table=None), dict(lengths=None)]
   for changes in refused:
     assert call(**changes) == invalid, changes

@@ -13,5 +13,5 @@
   match($0, /\+0x[0-9a-f]+/)
   pairs[type " " kernel " read" read_pc " write" substr($0, RSTART, RLENGTH) " reader_lane0=" lane0]++
 }
-/SUMMARY|calls.py .*: done|Segmentation|Error: / && !/Potential/ { print }
+/SUMMARY|calls.py |Segmentation|Error: / && !/Potential/ { print }
 END { for (p in pairs) print "hazards " pairs[p] " " p }

@@ -726,11 +726,12 @@ ffi::Error CheckDecodeBuffers(const CallAttrs& a, const JaxflashVariantInfo& inf
                           Shape(page_table) + ", expected int32 (" + std::to_string(b) +
                           ", max_pages): batch as q's");
   }
-  // The kernel loads keys in boxes of 16 rows, which must not straddle pages (a single page,
-  // e.g. a contiguous cache, may end in a partial box).
-  if (page_size % 16 != 0 && pd[1] != 1) {
+  // Pages smaller than a key block go in boxes of 16 rows, which must not straddle pages, and
+  // a key block must start at a page boundary: powers of two from 16 (a single page, e.g. a
+  // contiguous cache, may have any size).
+  if ((page_size < 16 || (page_size & (page_size - 1)) != 0) && pd[1] != 1) {
     return Invalid(a, "k has page_size " + std::to_string(page_size) + " (dim 1), expected a "
-                          "multiple of 16 when page_table has more than one column");
+                          "power of two >= 16 when page_table has more than one column");
   }
   const int64_t max_pages = pd[1];
   if (ffi::Error e = CheckExact(a, "lengths", lengths, {b}, s32); e.failure()) return e;

@@ -55,9 +55,11 @@ int32_t Validate(const JaxflashDecodeArgs* a) {
   }
   // rows = seqlen_q * (query heads per kv head).
   if (a->seqlen_q <= 0 || a->rows % a->seqlen_q != 0) return kInvalid;
-  // The kernel loads keys in boxes of 16 rows, which must not straddle pages (one page, e.g. a
-  // contiguous cache, may end in a partial box: TMA fills past its end).
-  if (a->page_size % 16 != 0 && a->max_pages != 1) return kInvalid;
+  // Pages: powers of two from 16 keys (kernels/decode_sm90.py, _load_block), or one page per
+  // sequence of any size (a contiguous cache; TMA fills past its end).
+  if ((a->page_size < 16 || (a->page_size & (a->page_size - 1)) != 0) && a->max_pages != 1) {
+    return kInvalid;
+  }
   // Grid (row tiles, splits, batch * kv heads).
   const int64_t row_tiles = (static_cast<int64_t>(a->rows) + JAXFLASH_TILE_M - 1) / JAXFLASH_TILE_M;
   if (row_tiles > INT32_MAX || a->num_splits > kMaxGridYZ ||

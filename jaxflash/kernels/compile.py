@@ -188,7 +188,7 @@ def decode_signature(variant: config.KernelVariant):
 
   Extents that must be equal share one SymInt (batch, rows, num_kv_heads, num_splits, and
   num_pages / page_size of k and v). page_size may be any size with one page per sequence (a
-  contiguous cache), else a multiple of 16 (the glue checks it). Every tensor is dense
+  contiguous cache), else a power of two from 16 (the glue checks it). Every tensor is dense
   row-major with a unit last stride; its other strides are 64-bit SymInts in mode order, but that of the kv-head mode before a static head dim, which is the head dim
   (the C glue's Dense fills them so). q, k, v and the float32 partials are 16-byte aligned,
   the page table and lengths 4-byte.

@@ -62,9 +62,11 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
 
   Keys are read through a page table: logical key p of sequence b is row p % page_size of page
   page_table[b, p / page_size] of the pool (a contiguous cache is a pool of `batch` pages of
-  max_len rows with page_table[b] = [b]). The producer warp loads each K / V stage in boxes of
-  16 keys (the smallest page), so one kernel takes every page size; boxes at or past the
-  sequence's length become out-of-bounds TMA boxes (zero-filled, no memory read) and page-table
+  max_len rows with page_table[b] = [b]). When every key block lies in one page (a contiguous
+  cache, or pages a multiple of tile_n) the producer warp copies each K / V block whole, with
+  one page-table read; smaller pages (16 to tile_n / 2 keys, powers of two) go in boxes of 16
+  keys, whose page-table reads are issued together before their copies, and boxes at or past
+  the sequence's length become out-of-bounds TMA boxes (zero-filled, no memory read). Table
   entries are clamped into the pool. Query token i of a sequence of length L sits at position
   L - seqlen_q + i and sees the keys p with pos - window_left <= p <= pos + window_right
   (causal: window_right = 0) and p < L; soft-capping as in the masked forward. The consumer
@@ -173,10 +175,17 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
         load_op, mK, self.sK_box, (BOX_ROWS, self.k_box_cols))
     tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
         load_op, mVt, self.sV_box, (self.v_box_rows, BOX_ROWS))
+    # Whole key blocks, when every block lies in one page.
+    tma_atom_kt, tma_kt = cpasync.make_tiled_tma_atom(
+        load_op, mK, cute.slice_(self.sK_layout, (None, None, 0)), (self.tile_n, self.head_dim))
+    tma_atom_vt, tma_vt = cpasync.make_tiled_tma_atom(
+        load_op, mVt, cute.slice_(self.sV_layout, (None, None, 0)),
+        (self.head_dim_v, self.tile_n))
     grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mOPart.shape[1],
             mQ.shape[3] * mQ.shape[2])
     self.kernel(
-        tma_q, tma_k, tma_v, tma_atom_q, tma_atom_k, tma_atom_v, mPageTable, mLengths,
+        tma_q, tma_k, tma_v, tma_kt, tma_vt, tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_kt,
+        tma_atom_vt, mPageTable, mLengths,
         mOPart, mLSEPart, softmax_scale, seqlen_q, window_left, window_right, softcap,
         self.sQ_layout, self.sK_layout, self.sV_layout,
         self.tiled_mma_qk, self.tiled_mma_pv,
@@ -188,9 +197,13 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       mQ: cute.Tensor,  # TMA coordinates of (rows, head_dim, kv heads, batch)
       mK: cute.Tensor,  # TMA coordinates of (page_size, head_dim, kv heads, pages)
       mV: cute.Tensor,  # TMA coordinates of (head_dim_v, page_size, kv heads, pages)
+      mKt: cute.Tensor,  # the same coordinates as mK, for whole-block copies
+      mVt: cute.Tensor,  # the same coordinates as mV, for whole-block copies
       tma_atom_q: cute.CopyAtom,
       tma_atom_k: cute.CopyAtom,
       tma_atom_v: cute.CopyAtom,
+      tma_atom_kt: cute.CopyAtom,
+      tma_atom_vt: cute.CopyAtom,
       mPageTable: cute.Tensor,
       mLengths: cute.Tensor,
       mOPart: cute.Tensor,
@@ -208,7 +221,8 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    self._prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v))
+    self._prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_kt,
+                                          tma_atom_vt))
     storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
     pipeline_q, pipeline_k, pipeline_v = self._make_pipelines(storage)
     sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -234,9 +248,9 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     if warpgroup_idx == 0:
       cute.arch.setmaxregister_decrease(self.num_producer_regs)
       if warp_idx == 0:
-        self.load_decode(mQ, mK, mV, tma_atom_q, tma_atom_k, tma_atom_v, sQ, sK, sV,
-                         pipeline_q, pipeline_k, pipeline_v, mPageTable, work, m_block,
-                         head_kv, batch)
+        self.load_decode(mQ, mK, mV, mKt, mVt, tma_atom_q, tma_atom_k, tma_atom_v,
+                         tma_atom_kt, tma_atom_vt, sQ, sK, sV, pipeline_q, pipeline_k,
+                         pipeline_v, mPageTable, work, m_block, head_kv, batch)
     else:
       cute.arch.setmaxregister_increase(self.num_mma_regs)
       self.mma_decode(mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_q,
@@ -251,10 +265,16 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     """This CTA's share of the keys, the same in the producer and the consumers.
 
     Returns a _Work: the sequence's length (clamped to [0, the table's capacity]), the key
-    blocks [n_start, n_end) of this split, and [full_lo, full_hi): the blocks every row of the
-    tile sees whole (no elementwise mask).
+    blocks [n_start, n_end) of this split, [full_lo, full_hi): the blocks every row of the
+    tile sees whole (no elementwise mask), and whether every key block lies in one page (pages
+    a multiple of tile_n, or one page per sequence: a contiguous cache).
     """
     capacity = mPageTable.shape[1] * page_size
+    whole_blocks = Int32(0)
+    if page_size % self.tile_n == 0:
+      whole_blocks = Int32(1)
+    if mPageTable.shape[1] == 1:
+      whole_blocks = Int32(1)
     length = cutlass.min(cutlass.max(mLengths[batch], Int32(0)), capacity)
     group = rows // seqlen_q
     first_row = m_block * self.tile_m
@@ -273,12 +293,14 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     n_end = cutlass.min(n_start + per_split, n_hi)
     full_hi = cutlass.max(cutlass.min(pos_lo + window_right + 1, length), Int32(0)) // self.tile_n
     full_lo = (cutlass.max(pos_hi - window_left, Int32(0)) + self.tile_n - 1) // self.tile_n
-    return _Work(length=length, n_start=n_start, n_end=n_end, full_lo=full_lo, full_hi=full_hi)
+    return _Work(length=length, n_start=n_start, n_end=n_end, full_lo=full_lo, full_hi=full_hi,
+                 whole_blocks=whole_blocks)
 
   @cute.jit
-  def load_decode(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
-                  tma_atom_q: cute.CopyAtom, tma_atom_k: cute.CopyAtom,
-                  tma_atom_v: cute.CopyAtom, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+  def load_decode(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mKt: cute.Tensor,
+                  mVt: cute.Tensor, tma_atom_q: cute.CopyAtom, tma_atom_k: cute.CopyAtom,
+                  tma_atom_v: cute.CopyAtom, tma_atom_kt: cute.CopyAtom,
+                  tma_atom_vt: cute.CopyAtom, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                   pipeline_q, pipeline_k, pipeline_v, mPageTable: cute.Tensor, work,
                   m_block: Int32, head_kv: Int32, batch: Int32):
     """Producer warp: K(n_end-1), Q, then K(n-1), V(n) down the split, then V(n_start) (the
@@ -288,7 +310,8 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
                          (m_block, 0))
     tQsQ, tQgQ = cpasync.tma_partition(
         tma_atom_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-    # Boxes: (16 keys, k_box_cols) of K, (v_box_rows, 16 keys) of V^T.
+    # Boxes: (16 keys, k_box_cols) of K, (v_box_rows, 16 keys) of V^T; whole blocks: (tile_n,
+    # head_dim) of K, (head_dim_v, tile_n) of V^T.
     box_k = (BOX_ROWS, self.k_box_cols)
     box_v = (self.v_box_rows, BOX_ROWS)
     tKsK, tKgK = cpasync.tma_partition(
@@ -297,13 +320,21 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     tVsV, tVgV = cpasync.tma_partition(
         tma_atom_v, 0, one_cta, cute.group_modes(cute.flat_divide(sV, box_v), 0, 2),
         cute.group_modes(cute.flat_divide(mV, box_v), 0, 2))
+    tKsKt, tKgKt = cpasync.tma_partition(
+        tma_atom_kt, 0, one_cta, cute.group_modes(sK, 0, 2),
+        cute.group_modes(cute.flat_divide(mKt, (self.tile_n, self.head_dim)), 0, 2))
+    tVsVt, tVgVt = cpasync.tma_partition(
+        tma_atom_vt, 0, one_cta, cute.group_modes(sV, 0, 2),
+        cute.group_modes(cute.flat_divide(mVt, (self.head_dim_v, self.tile_n)), 0, 2))
+    k_copy = _BlockCopy(tma_atom_k, tKgK, tKsK, tma_atom_kt, tKgKt, tKsKt)
+    v_copy = _BlockCopy(tma_atom_v, tVgV, tVsV, tma_atom_vt, tVgVt, tVsVt)
+    paging = self._paging(mPageTable, mK.shape[0], mK.shape[3], work, head_kv, batch)
     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
     n_start, n_end = work.n_start, work.n_end
     if n_end > n_start:
       pipeline_k.producer_acquire(kv_state)
-      self._load_block(tma_atom_k, tKgK, tKsK, pipeline_k, kv_state, mPageTable, mK.shape[0],
-                       mK.shape[3], work.length, n_end - 1, head_kv, batch, True)
+      self._load_block(k_copy, pipeline_k, kv_state, paging, n_end - 1, True)
     pipeline_q.producer_acquire(q_state)
     cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
     for i in cutlass.range(n_end - 1 - n_start, unroll=1):
@@ -311,44 +342,80 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       v_state = kv_state.clone()
       kv_state.advance()
       pipeline_k.producer_acquire(kv_state)
-      self._load_block(tma_atom_k, tKgK, tKsK, pipeline_k, kv_state, mPageTable, mK.shape[0],
-                       mK.shape[3], work.length, n_block - 1, head_kv, batch, True)
+      self._load_block(k_copy, pipeline_k, kv_state, paging, n_block - 1, True)
       pipeline_v.producer_acquire(v_state)
-      self._load_block(tma_atom_v, tVgV, tVsV, pipeline_v, v_state, mPageTable, mK.shape[0],
-                       mK.shape[3], work.length, n_block, head_kv, batch, False)
+      self._load_block(v_copy, pipeline_v, v_state, paging, n_block, False)
     if n_end > n_start:
       pipeline_v.producer_acquire(kv_state)
-      self._load_block(tma_atom_v, tVgV, tVsV, pipeline_v, kv_state, mPageTable, mK.shape[0],
-                       mK.shape[3], work.length, n_start, head_kv, batch, False)
+      self._load_block(v_copy, pipeline_v, kv_state, paging, n_start, False)
 
   @cute.jit
-  def _load_block(self, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cute.Tensor,
-                  pipe, state, mPageTable: cute.Tensor, page_size: Int32, num_pages: Int32,
-                  length: Int32, n_block: Int32, head_kv: Int32, batch: Int32,
-                  is_k: cutlass.Constexpr):
-    """Copies key block n_block of K (is_k) or V into ring slot `state`, box by box: the boxes
-    of 16 keys at or past `length` are out of bounds (zero-filled, nothing read), page-table
-    entries are clamped into the pool. A page_size that is no multiple of 16 (a contiguous
-    cache's max_len) ends in a partial box, which TMA fills past the end. tXgX: (box, row boxes of a page, column
-    boxes, kv heads, pages) for K, (box, column boxes, row boxes, kv heads, pages) for V."""
+  def _paging(self, mPageTable: cute.Tensor, page_size: Int32, num_pages: Int32, work,
+              head_kv: Int32, batch: Int32):
+    """What the producer needs to find a key block's pages (see _load_block)."""
+    # Paged caches have power-of-two pages from 16 keys (the FFI checks it): a page of
+    # 16 << box_shift keys holds 1 << box_shift boxes, and a smaller page than tile_n starts
+    # at a block boundary.
+    box_shift = Int32(0)
+    for p in cutlass.range_constexpr(5, 10):
+      if page_size >= (1 << p):
+        box_shift = box_shift + 1
+    return _Paging(table=mPageTable, page_size=page_size, num_pages=num_pages,
+                   max_slot=mPageTable.shape[1] - 1, box_shift=box_shift,
+                   whole_blocks=work.whole_blocks, length=work.length, head_kv=head_kv,
+                   batch=batch)
+
+  @cute.jit
+  def _page(self, paging, slot: Int32) -> Int32:
+    """Pool page of a sequence's slot-th page, both clamped (slot to the table, the entry to
+    the pool)."""
+    entry = paging.table[paging.batch, cutlass.min(slot, paging.max_slot)]
+    return cutlass.min(cutlass.max(entry, Int32(0)), paging.num_pages - 1)
+
+  @cute.jit
+  def _load_block(self, copy, pipe, state, paging, n_block: Int32, is_k: cutlass.Constexpr):
+    """Copies key block n_block of K (is_k) or V into ring slot `state`.
+
+    When every block lies in one page (paging.whole_blocks): one page-table read and one TMA
+    copy for the block (a contiguous cache's last block may run past max_len: TMA fills those
+    rows with zeros). Else (pages of 16 to tile_n / 2 keys) box by box: the page-table reads of
+    the block's boxes go out together, then a copy per box; boxes at or past the sequence's
+    length are out of bounds (zero-filled, nothing read).
+    """
     barrier = pipe.producer_get_barrier(state)
-    cols = self.head_dim // self.k_box_cols if const_expr(is_k) else (
-        self.head_dim_v // self.v_box_rows)
-    for b in cutlass.range_constexpr(self.tile_n // BOX_ROWS):
-      key = n_block * self.tile_n + b * BOX_ROWS
-      page = Int32(0)
-      row_box = (page_size + BOX_ROWS - 1) // BOX_ROWS  # wholly out of bounds
-      if key < length:
-        slot = key // page_size
-        page = cutlass.min(cutlass.max(mPageTable[batch, slot], Int32(0)), num_pages - 1)
-        row_box = (key - slot * page_size) // BOX_ROWS
-      for c in cutlass.range_constexpr(cols):
-        if const_expr(is_k):
-          cute.copy(tma_atom, tXgX[None, row_box, c, head_kv, page],
-                    tXsX[None, b, c, state.index], tma_bar_ptr=barrier)
-        else:
-          cute.copy(tma_atom, tXgX[None, c, row_box, head_kv, page],
-                    tXsX[None, c, b, state.index], tma_bar_ptr=barrier)
+    key0 = n_block * self.tile_n
+    if paging.whole_blocks != 0:
+      slot = key0 // paging.page_size
+      page = self._page(paging, slot)
+      row_block = (key0 - slot * paging.page_size) // self.tile_n
+      if const_expr(is_k):
+        cute.copy(copy.atom_block, copy.g_block[None, row_block, 0, paging.head_kv, page],
+                  copy.s_block[None, state.index], tma_bar_ptr=barrier)
+      else:
+        cute.copy(copy.atom_block, copy.g_block[None, 0, row_block, paging.head_kv, page],
+                  copy.s_block[None, state.index], tma_bar_ptr=barrier)
+    else:
+      boxes = self.tile_n // BOX_ROWS
+      cols = self.head_dim // self.k_box_cols if const_expr(is_k) else (
+          self.head_dim_v // self.v_box_rows)
+      # Block n_block is pages [slot0, slot0 + pages per block) of the sequence.
+      slot0 = n_block * (Int32(boxes) >> paging.box_shift)
+      box_mask = (Int32(1) << paging.box_shift) - 1
+      pages = cute.make_rmem_tensor(boxes, Int32)
+      for b in cutlass.range_constexpr(boxes):
+        pages[b] = self._page(paging, slot0 + (Int32(b) >> paging.box_shift))
+      for b in cutlass.range_constexpr(boxes):
+        # Box index inside its page, or one past the page's last box: out of bounds.
+        row_box = Int32(b) & box_mask
+        if key0 + b * BOX_ROWS >= paging.length:
+          row_box = box_mask + 1
+        for c in cutlass.range_constexpr(cols):
+          if const_expr(is_k):
+            cute.copy(copy.atom_box, copy.g_box[None, row_box, c, paging.head_kv, pages[b]],
+                      copy.s_box[None, b, c, state.index], tma_bar_ptr=barrier)
+          else:
+            cute.copy(copy.atom_box, copy.g_box[None, c, row_box, paging.head_kv, pages[b]],
+                      copy.s_box[None, c, b, state.index], tma_bar_ptr=barrier)
 
   @cute.jit
   def mma_decode(self, mOPart: cute.Tensor, mLSEPart: cute.Tensor, sQ: cute.Tensor,
@@ -384,7 +451,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       key_lo[i] = pos - window_left
       key_hi[i] = cutlass.min(pos + window_right + 1, work.length)
     band = _KeyBand(capped=capped, tanh_scale=tanh_scale, key_lo=key_lo, key_hi=key_hi,
-                    length=work.length, sV=sV)
+                    length=work.length, whole_blocks=work.whole_blocks, sV=sV)
     c = _Consumer(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_s, acc_o, tOrP,
                   tScS_mn, online, row_scale, pipeline_k, pipeline_v, band, None)
 
@@ -413,14 +480,17 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
   @cute.jit
   def first_block(self, c, kv_state, m_block: Int32, n_block: Int32, seqlen_q: Int32,
                   seqlen_k: Int32):
-    """The forward's first block, then: V rows past the cache length inside the last loaded
-    box of 16 keys hold whatever the cache has there (maybe not finite), and P = 0 times such a
-    value would still poison O: they are zeroed before the P V GEMM reads the stage."""
+    """The forward's first block, then: V rows past the cache length that were copied (the rest
+    of a whole block, or of the last box of 16 keys) hold whatever the cache has there (maybe
+    not finite), and P = 0 times such a value would still poison O: they are zeroed before the
+    P V GEMM reads the stage."""
     FlashAttentionForwardSm90.first_block(self, c, kv_state, m_block, n_block, seqlen_q,
                                           seqlen_k)
     band = c.masking
     tail = band.length - n_block * self.tile_n  # valid keys in this block
     box_end = cutlass.min((tail + BOX_ROWS - 1) // BOX_ROWS * BOX_ROWS, self.tile_n)
+    if band.whole_blocks != 0:
+      box_end = self.tile_n
     if tail < box_end:
       c.pipeline_v.consumer_wait(kv_state)
       tidx, _, _ = cute.arch.thread_idx()
@@ -483,6 +553,35 @@ class _Work:
   n_end: Int32
   full_lo: Int32
   full_hi: Int32
+  whole_blocks: Int32  # 1: each key block lies in one page (copied whole), 0: boxes of 16 keys
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockCopy:
+  """The TMA copies of K or V: atom, global coordinates and ring partition, per 16-key box and
+  per whole block."""
+
+  atom_box: cute.CopyAtom
+  g_box: cute.Tensor
+  s_box: cute.Tensor
+  atom_block: cute.CopyAtom
+  g_block: cute.Tensor
+  s_block: cute.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _Paging:
+  """Where a sequence's key blocks live (see FlashAttentionDecodeSm90._load_block)."""
+
+  table: cute.Tensor  # (batch, max_pages) int32
+  page_size: Int32
+  num_pages: Int32
+  max_slot: Int32  # max_pages - 1
+  box_shift: Int32  # log2(page_size / 16) for page sizes up to 512
+  whole_blocks: Int32
+  length: Int32
+  head_kv: Int32
+  batch: Int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -494,4 +593,5 @@ class _KeyBand:
   key_lo: cute.Tensor  # per row of this thread: first visible key (may be negative)
   key_hi: cute.Tensor  # one past the last visible key (<= the length)
   length: Int32
+  whole_blocks: Int32  # _Work.whole_blocks
   sV: cute.Tensor  # the V ring (the first block zeroes rows past the length)
