@@ -2,16 +2,20 @@
 
 One call of the decode kernel (kernels/decode_sm90.py, kernel_abi.h's JaxflashDecodeArgs): the
 query rows of each (batch, kv head), the query heads of the kv head packed into them, against
-num_splits parts of each sequence's keys in a KV cache read through a page table, giving each
-split's output and lse. The caller (jaxflash/kv_cache.py) packs the rows, picks num_splits,
-combines the partials and shards the call (jax.shard_map); nothing here does.
+num_splits parts of each sequence's keys in a KV cache (contiguous, or read through a page
+table), giving each split's output and lse. The caller (jaxflash/split_kv.py) packs the rows,
+picks num_splits and combines the partials.
 
-A primitive whose CUDA lowering emits the FFI custom call config.DECODE_TARGET after making the
-variant's library present (ffi.ensure_variant, as the forward's lowering does); a lowering for
-any other platform raises, since there is no reference path here. Under vmap the call runs once
-per mapped element (a sequential `lax.map`): the page table and lengths index the one page pool
-per call, so a mapped axis cannot fold into the batch in general. Imports config, primitives,
-_jax_internal and ffi (at lowering); never Flax.
+Two primitives: decode_p is one kernel call, whose CUDA lowering emits the FFI custom call
+config.DECODE_TARGET after making the variant's library present (ffi.ensure_variant, as the
+forward's lowering does), and whose lowering elsewhere computes the same partials in XLA ops
+(_reference_partials: tests of the call around the kernel on any host). decode_call_p, which
+decode_partials binds, runs decode_p per shard of batch and kv heads through
+custom_partitioning (jaxflash/sharding.py's decode rules), so a sharded cache is never
+gathered. Under vmap the call runs once per mapped element (a sequential `lax.map`): the page
+table and lengths index the one page pool per call, so a mapped axis cannot fold into the batch
+in general. Imports config, primitives, sharding, _jax_internal and ffi (at lowering); never
+Flax.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import batching, mlir
 
-from jaxflash import _jax_internal, primitives
-from jaxflash.config import DECODE_TARGET, KernelVariant
+from jax.experimental.custom_partitioning import custom_partitioning
+
+from jaxflash import _jax_internal, primitives, sharding
+from jaxflash.config import DECODE_TARGET, WINDOW_UNBOUNDED, KernelVariant
 
 
 def decode_partials(q_packed, k_pool, v_pool, page_table, lengths, *, variant: KernelVariant,
@@ -38,11 +44,11 @@ def decode_partials(q_packed, k_pool, v_pool, page_table, lengths, *, variant: K
       bfloat16): rows = seqlen_q * group (group = query heads per kv head); row i * group + j
       is query token i of query head kv * group + j.
     k_pool, v_pool: (num_pages, page_size, num_kv_heads, head_dim) and (..., head_dim_v) in
-      the same dtype, page_size a power of two >= 16. A contiguous cache (batch, max_len, ...) is a
-      pool of batch pages of max_len keys with page_table[b] = [b].
+      the same dtype, page_size a power of two >= 16; or, with page_table None, contiguous
+      caches (batch, max_len, num_kv_heads, head_dim[_v]) of any max_len.
     page_table: (batch, max_pages) int32: key position p of sequence b is row p % page_size of
-      page page_table[b, p // page_size]; the entries of pages that hold keys below the length
-      must lie in [0, num_pages) (the kernel clamps entries into the pool).
+      page page_table[b, p // page_size] (the kernel clamps entries into the pool); None:
+      contiguous caches.
     lengths: (batch,) int32: valid keys per sequence, in [0, max_pages * page_size].
     variant: the decode KernelVariant (config.decode_variant) of the dtype and head dims.
     softmax_scale: multiplies q.k before the softmax.
@@ -58,16 +64,27 @@ def decode_partials(q_packed, k_pool, v_pool, page_table, lengths, *, variant: K
     output over its keys, and lse_partial (batch, num_splits, num_kv_heads, rows) float32, its
     log-sum-exp (natural log; -inf where a split holds no key a row sees, out_partial 0 there).
 
+  Under jit with shardings, the call runs per shard of batch and kv heads (a page pool split
+  by kv heads; sharding.decode_partition): no cache is gathered.
+
   Raises:
     TypeError, ValueError: an argument the kernel does not take (the message names it).
-    ValueError: at lowering, for a platform other than CUDA.
   """
+  paged = page_table is not None
+  if not paged:
+    page_table = jnp.zeros((np.shape(q_packed)[0], 1), jnp.int32)  # for the checks only
   _check(q_packed, k_pool, v_pool, page_table, lengths, variant, seqlen_q, num_splits)
+  if not paged and np.shape(k_pool)[0] != np.shape(q_packed)[0]:
+    raise ValueError(f"k_pool: contiguous caches (page_table None) hold one sequence per row of "
+                     f"dim 0: expected {np.shape(q_packed)[0]} (q_packed's batch), got shape "
+                     f"{tuple(np.shape(k_pool))}")
   params = dict(variant=variant, softmax_scale=float(softmax_scale), seqlen_q=int(seqlen_q),
                 window_left=None if window_left is None else int(window_left),
                 window_right=None if window_right is None else int(window_right),
                 softcap=None if softcap is None else float(softcap), num_splits=int(num_splits))
-  return tuple(decode_p.bind(q_packed, k_pool, v_pool, page_table, lengths, **params))
+  tables = (page_table,) if paged else ()
+  return tuple(decode_call_p.bind(q_packed, k_pool, v_pool, lengths, *tables, paged=paged,
+                                  **params))
 
 
 def _check(q, k, v, page_table, lengths, variant, seqlen_q, num_splits):
@@ -137,26 +154,121 @@ def _lower_cuda(ctx, q, k, v, page_table, lengths, *, variant, softmax_scale, se
   return jax.ffi.ffi_lowering(DECODE_TARGET)(ctx, q, k, v, page_table, lengths, **attrs)
 
 
-def _lower_elsewhere(ctx, *args, **params):
-  del ctx, args, params
-  raise ValueError("decode_partials: the split-KV decode kernel needs an NVIDIA Hopper GPU, but "
-                   "this computation is lowered for a platform other than cuda; use "
-                   "kv_cache_attention's reference implementation there")
+def _reference_partials(q, k, v, page_table, lengths, *, variant, softmax_scale, seqlen_q,
+                        window_left, window_right, softcap, num_splits):
+  """The kernel's partials in XLA ops, float32: the same split of each row tile's key blocks
+  (FlashAttentionDecodeSm90._work), masks and soft-capping. decode_p's lowering on platforms
+  other than CUDA (tests of the call around the kernel; it gathers every sequence's keys)."""
+  f32 = jnp.float32
+  tile_m, tile_n = variant.schedule.tile_m, variant.schedule.tile_n
+  b, rows, hk, d = q.shape
+  num_pages, page_size = k.shape[:2]
+  capacity = page_table.shape[1] * page_size
+  length = jnp.clip(lengths, 0, capacity)[:, None]  # (b, 1)
+  pages = jnp.clip(page_table, 0, num_pages - 1)
+  keys = k[pages].reshape(b, capacity, hk, d).astype(f32)
+  values = v[pages].reshape(b, capacity, hk, v.shape[-1]).astype(f32)
+  bound = lambda w: WINDOW_UNBOUNDED if w is None else max(-WINDOW_UNBOUNDED,
+                                                           min(int(w), WINDOW_UNBOUNDED))
+  left, right = bound(window_left), bound(window_right)
+  group = rows // seqlen_q
+  row, key = np.arange(rows), jnp.arange(capacity)
+  pos = length - seqlen_q + row // group  # (b, rows)
+  visible = ((key >= pos[..., None] - left) & (key <= pos[..., None] + right)
+             & (key < length[..., None]))  # (b, rows, capacity)
+  # Row tile m's key blocks [n_lo, n_hi), cut into num_splits runs of per_split blocks.
+  first = row // tile_m * tile_m
+  last = np.minimum(first + tile_m, rows) - 1
+  key_lo = jnp.maximum(length - seqlen_q + first // group - left, 0)
+  key_hi = jnp.minimum(length - seqlen_q + last // group + right + 1, length)
+  n_lo = key_lo // tile_n
+  n_hi = jnp.where(key_hi > key_lo, -(-key_hi // tile_n), n_lo)
+  per_split = -(-(n_hi - n_lo) // num_splits)
+  split = jnp.arange(num_splits)
+  n_start = jnp.minimum(n_lo[..., None] + split * per_split[..., None], n_hi[..., None])
+  n_end = jnp.minimum(n_start + per_split[..., None], n_hi[..., None])  # (b, rows, splits)
+  block = (key // tile_n)[None, None, None]
+  mine = (block >= n_start[..., None]) & (block < n_end[..., None])  # (b, rows, splits, cap)
+  mask = jnp.swapaxes(mine & visible[:, :, None], 1, 2)[:, :, :, None]  # (b, s, rows, 1, cap)
+  scores = jnp.einsum("brhd,bkhd->brhk", q.astype(f32), keys) * softmax_scale
+  if softcap is not None:
+    scores = softcap * jnp.tanh(scores / softcap)
+  scores = jnp.where(mask, scores[:, None], -jnp.inf)  # (b, s, rows, hk, cap)
+  top = jnp.max(scores, axis=-1)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  p = jnp.exp(scores - top[..., None])
+  total = jnp.sum(p, axis=-1)  # (b, s, rows, hk)
+  out = jnp.einsum("bsrhk,bkhe->bsrhe", p, values)
+  out = jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+  lse = jnp.where(total > 0, top + jnp.log(total), -jnp.inf)
+  return out, jnp.swapaxes(lse, 2, 3)
 
 
-def _batch_sequential(args, dims, **params):
+def _batch_sequential(prim):
   """vmap: one call per mapped element (lax.map), unmapped operands shared by every call."""
-  mapped = [jnp.moveaxis(a, d, 0) for a, d in zip(args, dims) if d is not None]
 
-  def one(xs):
-    xs = iter(xs)
-    operands = [a if d is None else next(xs) for a, d in zip(args, dims)]
-    return tuple(decode_p.bind(*operands, **params))
+  def rule(args, dims, **params):
+    mapped = [jnp.moveaxis(a, d, 0) for a, d in zip(args, dims) if d is not None]
 
-  return jax.lax.map(one, mapped), (0, 0)
+    def one(xs):
+      xs = iter(xs)
+      operands = [a if d is None else next(xs) for a, d in zip(args, dims)]
+      return tuple(prim.bind(*operands, **params))
+
+    return jax.lax.map(one, mapped), (0, 0)
+
+  return rule
 
 
+# decode_p: one kernel call on whatever it is given (the CUDA custom call; elsewhere the XLA
+# reference of its partials).
 decode_p = primitives.make_primitive("jaxflash_decode_kernel", _abstract)
-mlir.register_lowering(decode_p, _lower_elsewhere)
+mlir.register_lowering(decode_p, mlir.lower_fun(_reference_partials, multiple_results=True))
 mlir.register_lowering(decode_p, _lower_cuda, platform="cuda")
-batching.primitive_batchers[decode_p] = _batch_sequential
+batching.primitive_batchers[decode_p] = _batch_sequential(decode_p)
+
+
+# decode_call_p: decode_p per shard of batch and kv heads, through custom_partitioning
+# (sharding.decode_sharding_rule / decode_partition). Operands (q, k, v, lengths[, page_table]):
+# contiguous caches have no table operand, each shard numbering its own sequences' pages.
+def _call_abstract(q, k, v, lengths, *page_table, paged, **params):
+  del paged
+  return _abstract(q, k, v, page_table[0] if page_table else lengths, lengths, **params)
+
+
+def _partitioned(static):
+  paged, params = static[0], dict(static[1:])
+
+  def compute(*args):  # (q, k, v, page_table, lengths) of one shard
+    return tuple(decode_p.bind(*args, **params))
+
+  def impl(static, q, k, v, lengths, *page_table):
+    del static
+    table = page_table[0] if paged else jnp.arange(q.shape[0], dtype=jnp.int32)[:, None]
+    return compute(q, k, v, table, lengths)
+
+  def partition(static, mesh, arg_shapes, result_shapes):
+    del static, result_shapes
+    arg_shardings, result_shardings, per_shard = sharding.decode_partition(
+        paged, mesh, arg_shapes, compute)
+    return mesh, per_shard, result_shardings, arg_shardings
+
+  def rule(static, mesh, operand_types, result_types):
+    del static, mesh, operand_types, result_types
+    return sharding.decode_sharding_rule(paged)
+
+  partitioned = custom_partitioning(impl, static_argnums=(0,))
+  partitioned.def_partition(partition=partition, sharding_rule=rule)
+  return partitioned
+
+
+def _call_lowering(ctx, *args, paged, **params):
+  static = (paged,) + tuple(sorted(params.items()))
+  partitioned = _partitioned(static)
+  return mlir.lower_fun(lambda *a: partitioned(static, *a), multiple_results=True)(ctx, *args)
+
+
+decode_call_p = primitives.make_primitive("jaxflash_decode", _call_abstract)
+mlir.register_lowering(decode_call_p, _call_lowering)
+batching.primitive_batchers[decode_call_p] = _batch_sequential(decode_call_p)
+_jax_internal.require_devices_during_lowering(decode_call_p)

@@ -94,16 +94,13 @@ def merge_splits(out_partial, lse_partial, sink, seq_q: int, dtype):
 def kernel_forward(cfg: config.AttentionConfig, query, k_cache, v_cache, lengths, page_table,
                    sink, num_splits):
   """kv_cache_attention on the decode kernel: (out, lse) as the reference returns them, with
-  the sink. lengths are clamped already; page_table None means contiguous caches (then a pool
-  of `batch` pages of max_len rows)."""
+  the sink. lengths are clamped already; page_table None means contiguous caches."""
   b, seq_q, h, d = query.shape
   hk, dv = k_cache.shape[2], v_cache.shape[-1]
-  if page_table is None:
-    page_table = jnp.arange(b, dtype=jnp.int32)[:, None]
   variant = config.decode_variant(str(query.dtype), d, dv)
   rows = seq_q * (h // hk)
   if num_splits is None:
-    capacity = page_table.shape[1] * k_cache.shape[1]
+    capacity = k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
     tiles = b * hk * -(-rows // variant.schedule.tile_m)
     num_splits = choose_num_splits(tiles, -(-capacity // variant.schedule.tile_n), num_sms())
   right = cfg.window_right  # causal: no key right of a query's position

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflash import _jax_internal, config, ffi
-from jaxflash.decode_kernel import decode_p, decode_partials
+from jaxflash import _jax_internal, config, ffi, split_kv
+from jaxflash.decode_kernel import decode_call_p, decode_partials
+from jaxflash.kv_cache import kv_cache_attention
 
 VARIANT = config.decode_variant("bfloat16", 128, 128)
 # batch 2, seqlen_q 2 x group 4 = 8 rows, 2 kv heads; a pool of 10 pages of 16 keys.
@@ -62,10 +63,41 @@ def test_cuda_lowering_provides_the_variant_on_a_gpu_host(monkeypatch):
   assert provided == [VARIANT]
 
 
-def test_lowering_for_another_platform_names_the_gpu_it_needs():
-  with pytest.raises(ValueError, match="decode_partials: the split-KV decode kernel needs an "
-                                       "NVIDIA Hopper GPU"):
-    jax.jit(_call()).lower(*_operands())
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+@pytest.mark.parametrize("options", [dict(), dict(window_left=5, softcap=3.0),
+                                     dict(window_right=None, num_splits=7)],
+                         ids=["causal", "window_softcap", "full_7_splits"])
+def test_partials_elsewhere_merge_to_the_reference_attention(paged, options):
+  """Off CUDA, decode_p computes the kernel's partials in XLA: merged through their lse they
+  give kv_cache_attention's reference result (lengths 0, 1, 17, a partial page, full)."""
+  rng = np.random.default_rng(3)
+  b, seq_q, group, hk, d, page_size, pages = 5, 2, 4, 2, 128, 16, 3
+  bf16 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+  q = bf16(b, seq_q, hk * group, d)
+  k, v = bf16(b, pages * page_size, hk, d), bf16(b, pages * page_size, hk, d)
+  lengths = jnp.asarray([0, 1, 17, 40, 48], jnp.int32)
+  table = None
+  if paged:
+    order = rng.permutation(b * pages)
+    table = jnp.asarray(order.reshape(b, pages), jnp.int32)
+    pool = lambda x: jnp.zeros((b * pages, page_size, hk, d), x.dtype).at[order].set(
+        x.reshape(b * pages, page_size, hk, d))
+    k_in, v_in = pool(k), pool(v)
+  else:
+    k_in, v_in = k, v
+  kw = dict(OPTIONS, window_left=None, seqlen_q=seq_q)
+  kw.update(options)
+  out_p, lse_p = jax.jit(lambda *a: decode_partials(*a, **kw))(
+      split_kv.pack_query(q, hk), k_in, v_in, table, lengths)
+  assert out_p.shape[1] == kw["num_splits"]
+  out, lse = split_kv.merge_splits(out_p, lse_p, None, seq_q, jnp.float32)
+  f32 = lambda x: x.astype(jnp.float32)
+  want, want_lse = kv_cache_attention(
+      f32(q), f32(k), f32(v), lengths, causal=kw["window_right"] == 0, softmax_scale=0.125,
+      window_size=(kw["window_left"], None if kw["window_right"] == 0 else kw["window_right"]),
+      softcap=kw["softcap"], return_lse=True, implementation="reference")
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-5, atol=2e-5)
 
 
 def test_vmap_calls_the_kernel_once_per_mapped_element():
@@ -79,7 +111,7 @@ def test_vmap_calls_the_kernel_once_per_mapped_element():
   jaxpr = jax.make_jaxpr(mapped)(stack(q), k, v, stack(page_table), stack(lengths))
   (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
   assert scan.params["length"] == 4
-  inner = [e for e in scan.params["jaxpr"].jaxpr.eqns if e.primitive is decode_p]
+  inner = [e for e in scan.params["jaxpr"].jaxpr.eqns if e.primitive is decode_call_p]
   assert len(inner) == 1 and inner[0].outvars[0].aval.shape == (B, SPLITS, ROWS, HK, 128)
   # The pool mapped too, on another axis.
   out, _ = jax.eval_shape(jax.vmap(_call(), in_axes=(None, 1, 1, None, None)), q,

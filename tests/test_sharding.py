@@ -193,6 +193,23 @@ def test_kv_cache_attention_runs_per_shard(results, name):
   assert tuple(r["out_spec"]) == _multidevice.padded_spec(KV_CACHE_CASES[name][0]), r
 
 
+DECODE_CALL_CASES = {  # the kernel path's call (decode_partials), its CPU lowering per shard
+    "decode_call_batch": (P("data"), P("data"), False),
+    "decode_call_batch_heads": (P("data", None, "model"), P("data", None, "model"), False),
+    "decode_call_paged_batch_heads": (P("data", None, "model"), P(None, None, "model"), True),
+}
+
+
+@pytest.mark.parametrize("name", DECODE_CALL_CASES.keys())
+def test_decode_call_runs_per_shard(results, name):
+  """The decode kernel's call partitions like the reference path: per shard of batch and kv
+  heads (a page pool by kv heads), the unsharded result, no collective, no gathered cache."""
+  r = results[name]
+  assert r["error"] <= 1e-6, r
+  assert r["collectives"] == dict.fromkeys(_multidevice.COLLECTIVES, 0), r["collectives"]
+  assert tuple(r["out_spec"]) == _multidevice.padded_spec(DECODE_CALL_CASES[name][0]), r
+
+
 @pytest.mark.gpu
 def test_kernels_run_per_shard_on_gpus():
   """Batch sharding over real GPUs: the FFI kernel runs per shard, no collective, same result."""
@@ -328,12 +345,51 @@ def _run_kv_cache_case(q_spec, cache_spec, paged):
           "out_spec": _spec_json(got[0].sharding)}
 
 
+def _run_decode_call_case(q_spec, cache_spec, paged):
+  """split_kv.kernel_forward's call (decode_partials, then the merge) on bf16 caches; on CPU
+  its partials come from decode_p's XLA lowering."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import AxisType, Mesh, NamedSharding
+
+  from jaxflash import split_kv
+  from jaxflash.config import AttentionConfig
+
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"),
+              axis_types=(AxisType.Auto,) * 2)
+  rng = np.random.default_rng(11)
+  b, seq_q, h, h_kv, d, page_size, pages = 8, 2, 8, 4, 64, 16, 3
+  bf16 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+  q = bf16(b, seq_q, h, d)
+  cache_shape = (b * pages, page_size, h_kv, d) if paged else (b, pages * page_size, h_kv, d)
+  k_cache, v_cache = bf16(*cache_shape), bf16(*cache_shape)
+  lengths = jnp.asarray(rng.integers(0, pages * page_size + 1, b), jnp.int32)
+  table = (jnp.asarray(rng.permutation(b * pages).reshape(b, pages), jnp.int32) if paged
+           else None)
+  cfg = AttentionConfig(causal=True, softmax_scale=d ** -0.5, window_left=20)
+
+  def attend(q, k_cache, v_cache, lengths, table):
+    return split_kv.kernel_forward(cfg, q, k_cache, v_cache, lengths, table, None, 3)
+
+  want = jax.jit(attend)(q, k_cache, v_cache, lengths, table)
+  batch = P(q_spec[0]) if len(q_spec) and q_spec[0] else P()
+  specs = (q_spec, cache_spec, cache_spec, batch, None if table is None else batch)
+  placed = tuple(None if a is None else jax.device_put(a, NamedSharding(mesh, s))
+                 for a, s in zip((q, k_cache, v_cache, lengths, table), specs))
+  fn = jax.jit(attend)
+  got = fn(*placed)
+  return {"error": _multidevice.max_relative_l2(got, want),
+          "collectives": _multidevice.collective_counts(fn.lower(*placed).compile().as_text()),
+          "out_spec": _spec_json(got[0].sharding)}
+
+
 def _worker():
   import jax
   jax.config.update("jax_enable_x64", True)
   assert jax.device_count() == _multidevice.NUM_DEVICES, jax.devices()
   results = {name: _run_case(name, *case) for name, case in CASES.items()}
   results.update({name: _run_kv_cache_case(*case) for name, case in KV_CACHE_CASES.items()})
+  results.update({name: _run_decode_call_case(*case) for name, case in DECODE_CALL_CASES.items()})
   _multidevice.emit(results)
 
 
