@@ -311,76 +311,60 @@ def _run_case(name, heads, kv_heads, q_spec, kv_spec, options):
   }
 
 
-def _run_kv_cache_case(q_spec, cache_spec, paged):
+def _run_cache_case(q_spec, cache_spec, paged, attend, dtype, head_dim, seed):
+  """attend(q, k_cache, v_cache, lengths, page_table) on 8 x 2 new tokens, 8 / 4 heads, caches
+  of 48 keys (pages of 16, permuted in the pool when paged), placed per the specs, against the
+  unsharded call."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import AxisType, Mesh, NamedSharding
 
-  import jaxflash
-
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"),
               axis_types=(AxisType.Auto,) * 2)
-  rng = np.random.default_rng(10)
-  b, seq_q, h, h_kv, d, page_size, pages = 8, 2, 8, 4, 16, 16, 3
-  q = jnp.asarray(rng.standard_normal((b, seq_q, h, d)))
+  rng = np.random.default_rng(seed)
+  b, seq_q, h, h_kv, d, page_size, pages = 8, 2, 8, 4, head_dim, 16, 3
+  q = jnp.asarray(rng.standard_normal((b, seq_q, h, d)), dtype)
   cache_shape = (b * pages, page_size, h_kv, d) if paged else (b, pages * page_size, h_kv, d)
-  k_cache, v_cache = (jnp.asarray(rng.standard_normal(cache_shape)) for _ in range(2))
+  k_cache, v_cache = (jnp.asarray(rng.standard_normal(cache_shape), dtype) for _ in range(2))
   lengths = jnp.asarray(rng.integers(0, pages * page_size + 1, b), jnp.int32)
   table = (jnp.asarray(rng.permutation(b * pages).reshape(b, pages), jnp.int32) if paged
            else None)
+  want = jax.jit(attend)(q, k_cache, v_cache, lengths, table)
+  batch = P(q_spec[0]) if len(q_spec) and q_spec[0] else P()
+  specs = (q_spec, cache_spec, cache_spec, batch, None if table is None else batch)
+  placed = tuple(None if a is None else jax.device_put(a, NamedSharding(mesh, s))
+                 for a, s in zip((q, k_cache, v_cache, lengths, table), specs))
+  fn = jax.jit(attend)
+  got = fn(*placed)
+  return {"error": _multidevice.max_relative_l2(got, want),
+          "collectives": _multidevice.collective_counts(fn.lower(*placed).compile().as_text()),
+          "out_spec": _spec_json(got[0].sharding)}
+
+
+def _run_kv_cache_case(q_spec, cache_spec, paged):
+  import jaxflash
 
   def attend(q, k_cache, v_cache, lengths, table):
     return jaxflash.kv_cache_attention(q, k_cache, v_cache, lengths, page_table=table,
                                        window_size=(20, None), return_lse=True)
 
-  want = jax.jit(attend)(q, k_cache, v_cache, lengths, table)
-  batch = P(q_spec[0]) if len(q_spec) and q_spec[0] else P()
-  specs = (q_spec, cache_spec, cache_spec, batch, None if table is None else batch)
-  placed = tuple(None if a is None else jax.device_put(a, NamedSharding(mesh, s))
-                 for a, s in zip((q, k_cache, v_cache, lengths, table), specs))
-  fn = jax.jit(attend)
-  got = fn(*placed)
-  return {"error": _multidevice.max_relative_l2(got, want),
-          "collectives": _multidevice.collective_counts(fn.lower(*placed).compile().as_text()),
-          "out_spec": _spec_json(got[0].sharding)}
+  return _run_cache_case(q_spec, cache_spec, paged, attend, np.float64, 16, 10)
 
 
 def _run_decode_call_case(q_spec, cache_spec, paged):
   """split_kv.kernel_forward's call (decode_partials, then the merge) on bf16 caches; on CPU
   its partials come from decode_p's XLA lowering."""
-  import jax
   import jax.numpy as jnp
-  from jax.sharding import AxisType, Mesh, NamedSharding
 
   from jaxflash import split_kv
   from jaxflash.config import AttentionConfig
 
-  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"),
-              axis_types=(AxisType.Auto,) * 2)
-  rng = np.random.default_rng(11)
-  b, seq_q, h, h_kv, d, page_size, pages = 8, 2, 8, 4, 64, 16, 3
-  bf16 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
-  q = bf16(b, seq_q, h, d)
-  cache_shape = (b * pages, page_size, h_kv, d) if paged else (b, pages * page_size, h_kv, d)
-  k_cache, v_cache = bf16(*cache_shape), bf16(*cache_shape)
-  lengths = jnp.asarray(rng.integers(0, pages * page_size + 1, b), jnp.int32)
-  table = (jnp.asarray(rng.permutation(b * pages).reshape(b, pages), jnp.int32) if paged
-           else None)
-  cfg = AttentionConfig(causal=True, softmax_scale=d ** -0.5, window_left=20)
+  cfg = AttentionConfig(causal=True, softmax_scale=64 ** -0.5, window_left=20)
 
   def attend(q, k_cache, v_cache, lengths, table):
     return split_kv.kernel_forward(cfg, q, k_cache, v_cache, lengths, table, None, 3)
 
-  want = jax.jit(attend)(q, k_cache, v_cache, lengths, table)
-  batch = P(q_spec[0]) if len(q_spec) and q_spec[0] else P()
-  specs = (q_spec, cache_spec, cache_spec, batch, None if table is None else batch)
-  placed = tuple(None if a is None else jax.device_put(a, NamedSharding(mesh, s))
-                 for a, s in zip((q, k_cache, v_cache, lengths, table), specs))
-  fn = jax.jit(attend)
-  got = fn(*placed)
-  return {"error": _multidevice.max_relative_l2(got, want),
-          "collectives": _multidevice.collective_counts(fn.lower(*placed).compile().as_text()),
-          "out_spec": _spec_json(got[0].sharding)}
+  return _run_cache_case(q_spec, cache_spec, paged, attend, jnp.bfloat16, 64, 11)
 
 
 def _worker():
