@@ -1,16 +1,23 @@
 """Decoding attention on one GPU: jaxflash.kv_cache_attention vs cuDNN and XLA, one run.
 
-Each case is (batch, seq_q, cache length, query heads / kv heads, head_dim), bf16 unless
-`--dtype`: the new tokens of every sequence against its cache. Columns:
+Each case is (batch, seq_q, cache length, query heads / kv heads, head_dim), in each dtype of
+`--dtypes` (bf16): the new tokens of every sequence against its cache. Columns:
   jaxflash: kv_cache_attention on contiguous caches (max_len = the longest length);
   paged64 / paged256: the same keys in a pool of 64- / 256-token pages, in a random order;
+  attention: jaxflash.attention(causal=True) over the whole caches (not for ragged lengths),
+    which few-row calls run on the decode kernel (jaxflash/few_rows.py);
+  prefill: the same call on the prefill kernel (few_rows.MAX_PACKED_ROWS set to 0 while it is
+    traced): what the routing gains;
+  nn: jaxflash.dot_product_attention with key_value_seq_lengths, as the cudnn column calls jax.nn
+    (seq_q 1 only);
   cudnn / xla: jax.nn.dot_product_attention (implementation "cudnn" / "xla") over the caches
     with key_value_seq_lengths; not causal (jax.nn aligns causal top-left, so a one-token query
     would see key 0 only) unless seq_q > 1, where no jax.nn column is comparable and they are
     left out; they never take softcap or sinks (the softcap_sink case's jax.nn columns are the
     plain call).
 Bandwidth = the K and V bytes of the valid keys / time (H200 HBM: 4.8 TB/s). Timing as
-benchmarks/bench_attention.py (warm-ups, CALLS calls back to back, median of REPS). Results go
+benchmarks/bench_attention.py (warm-ups, CALLS calls back to back, median of REPS), with a
+case's columns taking turns within each repetition. Results go
 to OUT/bench_decode.json and a markdown table on stdout.
 """
 
@@ -18,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxflash
+from jaxflash import few_rows
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench_attention.py
 import bench_attention  # noqa: E402
@@ -54,8 +64,12 @@ CASES = {
     "b8_q1_32k_gqa8_d64": Case(8, 1, 32768, 32, 4, head_dim=64),
     "b8_q1_32k_gqa8_d256": Case(8, 1, 32768, 32, 4, head_dim=256),
     "b8_q1_32k_gqa8_softcap_sink": Case(8, 1, 32768, 32, 4, softcap_sink=True),
+    # The bound of the few-row routing: 64 packed rows (8 tokens x 8 heads a group; 64 tokens
+    # of one head).
+    "b8_q8_8k_gqa8": Case(8, 8, 8192, 32, 4),
+    "b4_q64_8k_mha": Case(4, 64, 8192, 16, 16),
 }
-IMPLS = ("jaxflash", "paged64", "paged256", "cudnn", "xla")
+IMPLS = ("jaxflash", "paged64", "paged256", "attention", "prefill", "nn", "cudnn", "xla")
 
 
 def lengths_of(case: Case) -> np.ndarray:
@@ -81,6 +95,15 @@ def paged(cache, page_size: int, seed: int):
   return pool, jnp.asarray(order.reshape(b, pages), jnp.int32)
 
 
+def _on_prefill(trace):
+  """trace() with no call on the decode kernel: the prefill kernel's time of a few-row call."""
+  bound, few_rows.MAX_PACKED_ROWS = few_rows.MAX_PACKED_ROWS, 0
+  try:
+    return trace()
+  finally:
+    few_rows.MAX_PACKED_ROWS = bound
+
+
 def calls(case: Case, dtype, impls) -> dict:
   """impl -> (jitted fn, args) for the case."""
   rng = np.random.default_rng(1)
@@ -103,6 +126,15 @@ def calls(case: Case, dtype, impls) -> dict:
       fn = jax.jit(lambda q, k, v, n, t: jaxflash.kv_cache_attention(q, k, v, n, page_table=t,
                                                                      **options))
       out[name] = (fn, (q, k_pool, v_pool, lengths, table))
+  if "attention" in impls and not case.ragged:
+    out["attention"] = (jax.jit(lambda q, k, v: jaxflash.attention(q, k, v, causal=True,
+                                                                    **options)), (q, k, v))
+  if "prefill" in impls and not case.ragged:
+    out["prefill"] = (jax.jit(lambda q, k, v: _on_prefill(lambda: jaxflash.attention(
+        q, k, v, causal=True, **options))), (q, k, v))
+  if case.seq_q == 1 and "nn" in impls:
+    out["nn"] = (jax.jit(lambda q, k, v, n: jaxflash.dot_product_attention(
+        q, k, v, key_value_seq_lengths=n)), (q, k, v, lengths))
   if case.seq_q == 1:
     for impl in ("cudnn", "xla"):
       if impl in impls:
@@ -112,20 +144,41 @@ def calls(case: Case, dtype, impls) -> dict:
   return out
 
 
-def run(case_names, dtype, impls) -> list[dict]:
+def run(case_names, dtypes, impls) -> list[dict]:
   records = []
-  for name in case_names:
-    case = CASES[name]
-    moved = kv_bytes(case, dtype)
-    for impl, (fn, args) in calls(case, dtype, impls).items():
-      try:
-        ms = bench_attention.time_ms(fn, *args)
-      except Exception as e:  # noqa: BLE001 - a failing column is reported, the rest still run
-        records.append({"case": name, "impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
-        continue
-      records.append({"case": name, "impl": impl, "us": ms * 1e3,
-                      "tb_per_s": moved / (ms * 1e-3) / 1e12,
-                      "hbm_limit_us": moved / (HBM_TB_PER_S * 1e12) * 1e6})
+  for dtype in dtypes:
+    for name in case_names:
+      records += _run_case(name, dtype, impls)
+  return records
+
+
+def _run_case(name, dtype, impls) -> list[dict]:
+  """One case's columns, timed round-robin (every column once per repetition, the median of
+  REPS), so a drift of the GPU's clock during the case reaches every column alike."""
+  records, ready = [], {}
+  case = CASES[name]
+  moved = kv_bytes(case, dtype)
+  if dtype != jnp.bfloat16:
+    name = f"{name} {jnp.dtype(dtype).name}"
+  for impl, (fn, args) in calls(case, dtype, impls).items():
+    try:
+      for _ in range(bench_attention.WARMUPS):
+        jax.block_until_ready(fn(*args))
+      ready[impl] = (fn, args, [])
+    except Exception as e:  # noqa: BLE001 - a failing column is reported, the rest still run
+      records.append({"case": name, "impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
+  for _ in range(bench_attention.REPS):
+    for fn, args, samples in ready.values():
+      start = time.perf_counter()
+      for _ in range(bench_attention.CALLS):
+        result = fn(*args)
+      jax.block_until_ready(result)
+      samples.append((time.perf_counter() - start) / bench_attention.CALLS)
+  for impl, (_, _, samples) in ready.items():
+    seconds = statistics.median(samples)
+    records.append({"case": name, "impl": impl, "us": seconds * 1e6,
+                    "tb_per_s": moved / seconds / 1e12,
+                    "hbm_limit_us": moved / (HBM_TB_PER_S * 1e12) * 1e6})
   return records
 
 
@@ -152,11 +205,11 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
   p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
-  p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+  p.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=("bfloat16", "float16"))
   bench_attention.add_run_arguments(p)
   args = p.parse_args(argv)
   bench_attention.spin_up(args.spin_up)
-  records = run(args.cases, jnp.dtype(args.dtype), args.impls)
+  records = run(args.cases, [jnp.dtype(d) for d in args.dtypes], args.impls)
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "bench_decode.json").write_text(json.dumps(records, indent=1))
   print(markdown(records, args.impls))

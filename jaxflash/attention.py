@@ -8,7 +8,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from jaxflash import _jax_internal, checks, fp8, primitives
+from jaxflash import _jax_internal, checks, few_rows, fp8, primitives
 from jaxflash.sink import add_learnable_sink, check_learnable_sink
 from jaxflash.config import AttentionConfig, KernelVariant, kernel_support
 
@@ -141,8 +141,39 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
 
   The forward kernels take the sink as a run-time operand and add it to each row's
   denominator in their epilogue; its gradient is a reduction over (out, lse) in XLA
-  (jaxflash/sink.py).
+  (jaxflash/sink.py). Calls with few query rows (decoding: seq_q x query heads per kv head up
+  to 64, no segment ids) run the forward on the split-KV decode kernel of
+  `kv_cache_attention` and the backward on the usual kernels (jaxflash/few_rows.py).
   """
+  return _attention(query, key, value, None, causal=causal, softmax_scale=softmax_scale,
+                    window_size=window_size, softcap=softcap, q_segment_ids=q_segment_ids,
+                    kv_segment_ids=kv_segment_ids, learnable_sink=learnable_sink,
+                    q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                    out_dtype=out_dtype, deterministic=deterministic, return_lse=return_lse,
+                    implementation=implementation)
+
+
+def attention_with_kv_lengths(query, key, value, kv_lengths, **options):
+  """`attention(query, key, value, **options)` with the keys at or past kv_lengths[b] (int32
+  (batch,), a run-time value) masked: segment ids (queries 0; keys 0 below the length, 1
+  past it), except that a call with few query rows and no causal mask or window gives the
+  decode kernel the lengths themselves. jaxflash.dot_product_attention's key_value_seq_lengths
+  without query_seq_lengths."""
+  batch, seq_q = query.shape[:2]
+  kv_ids = (jnp.arange(key.shape[1])[None] >= kv_lengths[:, None]).astype(jnp.int32)
+  return _attention(query, key, value, kv_lengths,
+                    q_segment_ids=jnp.zeros((batch, seq_q), jnp.int32), kv_segment_ids=kv_ids,
+                    **options)
+
+
+def _attention(query, key, value, kv_lengths, *, causal: bool = False,
+               softmax_scale: Optional[float] = None, window_size=(None, None),
+               softcap: Optional[float] = None, q_segment_ids=None, kv_segment_ids=None,
+               learnable_sink=None, q_descale=None, k_descale=None, v_descale=None,
+               out_dtype=None, deterministic: bool = False, return_lse: bool = False,
+               implementation: Optional[str] = None):
+  """attention(); kv_lengths: None, or the lengths behind the segment ids (see
+  attention_with_kv_lengths)."""
   dtype = checks.check_tensors(query, key, value, extra_dtypes=(fp8.FP8_DTYPE,))
   config = checks.check_options(causal, softmax_scale, window_size, softcap, deterministic,
                           return_lse, implementation, query.shape[-1])
@@ -170,8 +201,14 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
       q_segment_ids = jnp.asarray(q_segment_ids, jnp.int32)
       kv_segment_ids = jnp.asarray(kv_segment_ids, jnp.int32)
     config = config.replace(has_sink=learnable_sink is not None)
-    out, lse = primitives.attention_core(config, query, key, value, q_segment_ids,
-                                         kv_segment_ids, learnable_sink)
+    # Masked by lengths, the decode kernel takes the lengths instead of the segment ids.
+    few = config.replace(has_segment_ids=False) if kv_lengths is not None else config
+    if few_rows.takes(few, dtype, query.shape, key.shape, value.shape[-1],
+                      kv_lengths=kv_lengths is not None):
+      out, lse = few_rows.attention_core(few, query, key, value, kv_lengths, learnable_sink)
+    else:
+      out, lse = primitives.attention_core(config, query, key, value, q_segment_ids,
+                                           kv_segment_ids, learnable_sink)
   return (out, lse) if return_lse else out
 
 

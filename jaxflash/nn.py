@@ -1,12 +1,13 @@
 """`dot_product_attention`: a drop-in for `jax.nn.dot_product_attention` built on jaxflash.
 
 Same signature and results as jax.nn's XLA path (top-left causal, its window and length rules).
-Imports jax and the public `jaxflash.attention` only.
+Imports jax, jaxflash/attention.py and jaxflash/kv_cache.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from typing import Optional
 
@@ -14,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash.attention import attention
+from jaxflash.attention import attention, attention_with_kv_lengths
+from jaxflash.kv_cache import kv_cache_attention
 
 # jax.nn.dot_product_attention's implementation names -> jaxflash's.
 _IMPLEMENTATIONS = {None: None, "xla": "reference", "cudnn": "cute"}
@@ -143,6 +145,42 @@ def _row_states(band: _Band, seq_q: int, seq_k: int, q_lengths, kv_lengths):
   return valid, valid & (jnp.asarray(lo)[None] <= hi)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _mean_of_values(key, value, needed, heads: int, implementation):
+  """(batch, 1, heads, head_dim_v) in value's dtype: each head's mean of all of its values
+  where `needed` (batch,) is set, zeros elsewhere.
+
+  kv_cache_attention of a zero query (equal scores: the uniform average) over all keys of the
+  needed sequences and none of the others, so a decoding step whose sequences all have keys
+  reads no value twice (a mean over every sequence would read the values again).
+  """
+  batch, seq_k = key.shape[:2]
+  zero = jnp.zeros((batch, 1, heads, key.shape[3]), value.dtype)
+  lengths = jnp.where(needed, seq_k, 0).astype(jnp.int32)
+  # Auto for "cute": off a GPU (lowering for CUDA elsewhere) the reference computes the mean.
+  return kv_cache_attention(zero, key, value, lengths, causal=False,
+                            implementation=None if implementation == "cute" else implementation)
+
+
+def _mean_fwd(key, value, needed, heads, implementation):
+  return _mean_of_values(key, value, needed, heads, implementation), (key, value, needed)
+
+
+def _mean_bwd(heads, implementation, residuals, cotangent):
+  """The mean's gradient: each value row of a needed sequence gets its heads' cotangents /
+  seq_k."""
+  del implementation
+  key, value, needed = residuals
+  batch, seq_k, kv_heads, dv = value.shape
+  per_kv = cotangent.astype(jnp.float32).reshape(batch, kv_heads, heads // kv_heads, dv)
+  per_kv = jnp.where(needed[:, None, None], per_kv.sum(axis=2) / seq_k, 0.0)
+  d_value = jnp.broadcast_to(per_kv[:, None], value.shape).astype(value.dtype)
+  return jnp.zeros_like(key), d_value, None
+
+
+_mean_of_values.defvjp(_mean_fwd, _mean_bwd)
+
+
 def _mapped_attention(query, key, value, band: _Band, scale: float, q_lengths, kv_lengths,
                       implementation, return_residual):
   """jaxflash on the kept prefix, then jax.nn's values for rows that see no key."""
@@ -150,14 +188,17 @@ def _mapped_attention(query, key, value, band: _Band, scale: float, q_lengths, k
   seq_k, kv_heads = key.shape[1], key.shape[2]
   keep_q, keep_k, causal, window = band.to_jaxflash(seq_q, seq_k)
   if keep_q:
-    segments = {}
-    if q_lengths is not None or kv_lengths is not None:
-      segments = dict(q_segment_ids=_segment_ids(q_lengths, seq_q, batch, 1)[:, :keep_q],
-                      kv_segment_ids=_segment_ids(kv_lengths, seq_k, batch, 2)[:, :keep_k])
-    result = attention(
-        query[:, :keep_q], key[:, :keep_k], value[:, :keep_k], causal=causal,
-        softmax_scale=scale, window_size=window, return_lse=return_residual,
-        implementation=implementation, **segments)
+    options = dict(causal=causal, softmax_scale=scale, window_size=window,
+                   return_lse=return_residual, implementation=implementation)
+    q, k, v = query[:, :keep_q], key[:, :keep_k], value[:, :keep_k]
+    if q_lengths is None and kv_lengths is not None:  # decoding: lengths reach the kernel
+      result = attention_with_kv_lengths(q, k, v, kv_lengths, **options)
+    elif q_lengths is not None or kv_lengths is not None:
+      q_ids = _segment_ids(q_lengths, seq_q, batch, 1)[:, :keep_q]
+      kv_ids = _segment_ids(kv_lengths, seq_k, batch, 2)[:, :keep_k]
+      result = attention(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, **options)
+    else:
+      result = attention(q, k, v, **options)
     out, lse = result if return_residual else (result, None)
     # Rows cut off the end see no key: zeros here, jax.nn's fill below.
     out = jnp.pad(out, ((0, 0), (0, seq_q - keep_q), (0, 0), (0, 0)))
@@ -171,8 +212,12 @@ def _mapped_attention(query, key, value, band: _Band, scale: float, q_lengths, k
     valid, nonempty = states
     # jax.nn masks with a finite logit, so a real query with no visible key averages all
     # values uniformly; padded queries (past query_seq_lengths) are zeroed.
-    mean = jnp.mean(value.astype(jnp.float32), axis=1)  # (batch, kv_heads, head_dim)
-    mean = jnp.repeat(mean, heads // kv_heads, axis=1).astype(query.dtype)[:, None]
+    if kv_lengths is None:  # which rows are empty is static
+      mean = jnp.mean(value.astype(jnp.float32), axis=1)  # (batch, kv_heads, head_dim)
+      mean = jnp.repeat(mean, heads // kv_heads, axis=1).astype(query.dtype)[:, None]
+    else:
+      mean = _mean_of_values(key, value, jnp.any(valid & ~nonempty, axis=1), heads,
+                             implementation)
     fill = jnp.where(valid[..., None, None], mean, jnp.zeros((), query.dtype))
     out = jnp.where(nonempty[..., None, None], out, fill)
   if not return_residual:

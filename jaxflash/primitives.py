@@ -360,7 +360,9 @@ def _core_fwd(config, q, k, v, q_segment_ids, kv_segment_ids, sink=None):
   return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, sink, out, lse)
 
 
-def _core_bwd(config, residuals, cotangents):
+def attention_core_bwd(config, residuals, cotangents):
+  """attention_core's backward: (dq, dk, dv, None, None, d_sink) from the residuals (q, k, v,
+  q_segment_ids, kv_segment_ids, sink, out, lse) and the cotangents of (out, lse)."""
   # lse includes the sink, so the backward's probabilities exp(s - lse) are the sink-normalised
   # ones: the kernels need nothing else, and the sink's own gradient is a reduction in XLA.
   q, k, v, q_segment_ids, kv_segment_ids, sink, out, lse = residuals
@@ -372,4 +374,4 @@ def _core_bwd(config, residuals, cotangents):
   return dq, dk, dv, None, None, d_sink
 
 
-attention_core.defvjp(_core_fwd, _core_bwd)
+attention_core.defvjp(_core_fwd, attention_core_bwd)

@@ -244,11 +244,17 @@ def test_decode_benchmark_columns_compute_the_same_attention(decode):
   lengths = decode.lengths_of(case)
   assert lengths.min() >= 1 and lengths.max() <= 300 and len(set(lengths)) > 1
   assert decode.kv_bytes(case, jnp.bfloat16) == int(lengths.sum()) * 2 * 2 * 16 * 2
-  runs = decode.calls(case, jnp.float32, ("jaxflash", "paged64", "paged256", "xla"))
-  assert set(runs) == {"jaxflash", "paged64", "paged256", "xla"}
+  runs = decode.calls(case, jnp.float32, decode.IMPLS)
+  # attention / prefill take whole caches: not ragged ones; jax.nn has no cuDNN on a CPU.
+  assert set(runs) == {"jaxflash", "paged64", "paged256", "nn", "cudnn", "xla"}
   want = np.asarray(runs["xla"][0](*runs["xla"][1]))
-  for name in ("jaxflash", "paged64", "paged256"):
+  for name in ("jaxflash", "paged64", "paged256", "nn"):
     fn, args = runs[name]
+    np.testing.assert_allclose(fn(*args), want, rtol=2e-5, atol=2e-5, err_msg=name)
+  full = decode.calls(case._replace(ragged=False), jnp.float32, decode.IMPLS)
+  want = np.asarray(full["xla"][0](*full["xla"][1]))
+  for name in ("attention", "prefill"):
+    fn, args = full[name]
     np.testing.assert_allclose(fn(*args), want, rtol=2e-5, atol=2e-5, err_msg=name)
   # jax.nn has no per-sequence causal alignment: no jax.nn column for several new tokens.
   assert "xla" not in decode.calls(case._replace(seq_q=2), jnp.float32, ("jaxflash", "xla"))

@@ -2,7 +2,9 @@
 
 Outputs are poisoned: the raw FFI call writes into donated NaN-filled buffers (checked to be the
 same memory), so an element the kernel leaves unwritten shows up as NaN.
-Run with JAXFLASH_CACHE_DIR pointing at prebuilt kernels (scripts/gpu_check.sh).
+Run with JAXFLASH_CACHE_DIR pointing at prebuilt kernels (scripts/gpu_check.sh). The public
+calls here take the prefill kernels at every shape, few query rows included (which
+jaxflash.attention otherwise runs on the decode kernel: tests/test_gpu_few_rows.py).
 """
 
 import functools
@@ -15,13 +17,21 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import block_ranges, config, ffi, reference
+from jaxflash import block_ranges, config, few_rows, ffi, reference
 from jaxflash.config import FWD_TARGET, AttentionConfig, KernelVariant
 from tests._cases import make_qkv, x64
 from tests._oracle import assert_close_to_oracle
 from tests.conftest import FWD_ONLY_PAIR
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _prefill_kernels_only():
+  """No call of this module on the decode kernel: these tests are the prefill kernels' own."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(few_rows, "MAX_PACKED_ROWS", 0)
+    yield
 
 # Dense fp16/bf16; masked: below; FP8: tests/test_gpu_fp8.py.
 VARIANTS = [v for v in config.shipped_variants() if not v.masked and v.dtype != config.FP8_DTYPE]
