@@ -12,10 +12,11 @@ forward's lowering does), and whose lowering elsewhere computes the same partial
 (_reference_partials: tests of the call around the kernel on any host). decode_call_p, which
 decode_partials binds, runs decode_p per shard of batch and kv heads through
 custom_partitioning (jaxflash/sharding.py's decode rules), so a sharded cache is never
-gathered. Under vmap the call runs once per mapped element (a sequential `lax.map`): the page
-table and lengths index the one page pool per call, so a mapped axis cannot fold into the batch
-in general. Imports config, primitives, sharding, _jax_internal and ffi (at lowering); never
-Flax.
+gathered. Under vmap a mapped axis folds into the batch where every sequence keeps its keys:
+contiguous caches mapped with the queries (each element's own caches), or one page pool that
+every element's page table indexes; otherwise (a mapped pool, shared contiguous caches) the call
+runs once per mapped element (a sequential `lax.map`). Imports config, primitives, sharding,
+_jax_internal and ffi (at lowering); never Flax.
 """
 
 from __future__ import annotations
@@ -268,7 +269,30 @@ def _call_lowering(ctx, *args, paged, **params):
   return mlir.lower_fun(lambda *a: partitioned(static, *a), multiple_results=True)(ctx, *args)
 
 
+def _batch_call(args, dims, *, paged, **params):
+  """vmap of decode_call_p: one call over batch x the mapped size when that keeps every
+  sequence's keys its own (mapped contiguous caches, or an unmapped page pool: the page table
+  indexes the one pool whatever the batch row), else one call per mapped element. The split
+  count stays the call's."""
+  cache_dims = dims[1:3]
+  if paged and any(d is not None for d in cache_dims):
+    return _batch_sequential(decode_call_p)(args, dims, paged=paged, **params)
+  if not paged and any(d is None for d in cache_dims):  # folding would copy shared caches
+    return _batch_sequential(decode_call_p)(args, dims, paged=paged, **params)
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+
+  def fold(i, a, d):
+    if paged and i in (1, 2):  # the pool
+      return a
+    a = jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
+    return a.reshape((size * a.shape[1],) + a.shape[2:])
+
+  outs = decode_call_p.bind(*(fold(i, a, d) for i, (a, d) in enumerate(zip(args, dims))),
+                            paged=paged, **params)
+  return tuple(x.reshape((size, x.shape[0] // size) + x.shape[1:]) for x in outs), (0, 0)
+
+
 decode_call_p = primitives.make_primitive("jaxflash_decode", _call_abstract)
 mlir.register_lowering(decode_call_p, _call_lowering)
-batching.primitive_batchers[decode_call_p] = _batch_sequential(decode_call_p)
+batching.primitive_batchers[decode_call_p] = _batch_call
 _jax_internal.require_devices_during_lowering(decode_call_p)

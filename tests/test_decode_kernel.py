@@ -100,23 +100,69 @@ def test_partials_elsewhere_merge_to_the_reference_attention(paged, options):
   np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-5, atol=2e-5)
 
 
-def test_vmap_calls_the_kernel_once_per_mapped_element():
-  """A mapped axis does not fold into the batch (the page table indexes the one pool): vmap runs
-  one call per element, the pool shared when it is not mapped."""
+def _decode_calls(jaxpr):
+  """(batch of each decode_call_p, lengths of each scan) in a jaxpr, scans' bodies included."""
+  calls, scans = [], []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is decode_call_p:
+      calls.append(eqn.outvars[0].aval.shape[0])
+    elif eqn.primitive.name == "scan":
+      scans.append(eqn.params["length"])
+      inner = _decode_calls(eqn.params["jaxpr"].jaxpr)
+      calls += inner[0]
+      scans += inner[1]
+  return calls, scans
+
+
+def _random_operands(seed, paged):
+  """Operands with values: q, k, v, the page table (None: contiguous caches) and lengths."""
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  lengths = jnp.asarray(rng.integers(0, MAX_PAGES * PAGE_SIZE + 1, B), jnp.int32)
+  if paged:
+    table = jnp.asarray(rng.permutation(PAGES)[:B * MAX_PAGES].reshape(B, MAX_PAGES),
+                        jnp.int32)
+    return (normal(B, ROWS, HK, 128), normal(PAGES, PAGE_SIZE, HK, 128),
+            normal(PAGES, PAGE_SIZE, HK, 128), table, lengths)
+  cap = MAX_PAGES * PAGE_SIZE
+  return (normal(B, ROWS, HK, 128), normal(B, cap, HK, 128), normal(B, cap, HK, 128), None,
+          lengths)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_vmap_folds_into_the_batch_where_each_sequence_keeps_its_keys(paged):
+  """Contiguous caches mapped with the queries, or one pool that every element's page table
+  indexes: one call of batch x mapped size, the results of the calls one by one."""
+  elements = [_random_operands(seed, paged) for seed in range(3)]
+  stacked = [None if x[0] is None else jnp.stack(x) for x in zip(*elements)]
+  in_axes = [0, None, None, 0, 0] if paged else [0, 0, 0, None, 0]
+  if paged:  # one pool for all: each element's table indexes it
+    stacked[1], stacked[2] = elements[0][1], elements[0][2]
+    elements = [(e[0], stacked[1], stacked[2], e[3], e[4]) for e in elements]
+  mapped = jax.vmap(_call(), in_axes=in_axes)
+  calls, scans = _decode_calls(jax.make_jaxpr(mapped)(*stacked).jaxpr)
+  assert calls == [3 * B] and scans == []
+  out, lse = jax.jit(mapped)(*stacked)
+  for i, element in enumerate(elements):
+    want_out, want_lse = jax.jit(_call())(*element)
+    np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(want_out))
+    np.testing.assert_array_equal(np.asarray(lse[i]), np.asarray(want_lse))
+
+
+def test_vmap_of_a_mapped_pool_or_shared_caches_runs_one_call_per_element():
+  """A mapped pool (each element's table indexes its own pool) and contiguous caches shared by
+  mapped queries (folding would copy them) run one call per element."""
   q, k, v, page_table, lengths = _operands()
-  stack = lambda x: jnp.stack([x] * 4)
-  mapped = jax.vmap(_call(), in_axes=(0, None, None, 0, 0))
-  out, lse = jax.eval_shape(mapped, stack(q), k, v, stack(page_table), stack(lengths))
-  assert out.shape == (4, B, SPLITS, ROWS, HK, 128) and lse.shape == (4, B, SPLITS, HK, ROWS)
-  jaxpr = jax.make_jaxpr(mapped)(stack(q), k, v, stack(page_table), stack(lengths))
-  (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
-  assert scan.params["length"] == 4
-  inner = [e for e in scan.params["jaxpr"].jaxpr.eqns if e.primitive is decode_call_p]
-  assert len(inner) == 1 and inner[0].outvars[0].aval.shape == (B, SPLITS, ROWS, HK, 128)
-  # The pool mapped too, on another axis.
   out, _ = jax.eval_shape(jax.vmap(_call(), in_axes=(None, 1, 1, None, None)), q,
                           jnp.stack([k] * 3, 1), jnp.stack([v] * 3, 1), page_table, lengths)
   assert out.shape == (3, B, SPLITS, ROWS, HK, 128)
+  jaxpr = jax.make_jaxpr(jax.vmap(_call(), in_axes=(None, 1, 1, None, None)))(
+      q, jnp.stack([k] * 3, 1), jnp.stack([v] * 3, 1), page_table, lengths)
+  assert _decode_calls(jaxpr.jaxpr) == ([B], [3])
+  q, k, v, _, lengths = _random_operands(0, paged=False)
+  jaxpr = jax.make_jaxpr(jax.vmap(_call(), in_axes=(0, None, None, None, None)))(
+      jnp.stack([q] * 4), k, v, None, lengths)
+  assert _decode_calls(jaxpr.jaxpr) == ([B], [4])
 
 
 @pytest.mark.parametrize("change,error", [
