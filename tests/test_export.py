@@ -21,8 +21,8 @@ import pytest
 from jax.export import DisabledSafetyCheck
 
 import jaxflash
-from jaxflash.config import (BWD_TARGET, FWD_ATTRIBUTE_NAMES, FWD_TARGET, AttentionConfig,
-                             KernelVariant)
+from jaxflash.config import (BWD_TARGET, DECODE_TARGET, FWD_ATTRIBUTE_NAMES, FWD_TARGET,
+                             AttentionConfig, KernelVariant)
 from tests import _multidevice
 
 pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
@@ -123,6 +123,22 @@ def test_cuda_export_from_cpu_host_holds_the_stable_target():
 def test_cuda_export_without_disabled_check_names_the_target():
   with pytest.raises(ValueError, match=FWD_TARGET):
     _cuda_export([])
+
+
+def test_cuda_export_of_a_decoding_step_holds_the_decode_target():
+  """A one-token call runs on the decode kernel (jaxflash/few_rows.py): its export names
+  DECODE_TARGET, which must be allowed too, and needs no partitioner."""
+  q = jax.ShapeDtypeStruct((2, 1, 8, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 300, 2, 64), jnp.bfloat16)
+  step = jax.jit(lambda q, k, v: jaxflash.attention(q, k, v, implementation="cute"))
+  with pytest.raises(ValueError, match=DECODE_TARGET):
+    jax.export.export(step, platforms=("cuda",), disabled_checks=DISABLED_CHECKS)(q, kv, kv)
+  exported = jax.export.export(
+      step, platforms=("cuda",),
+      disabled_checks=DISABLED_CHECKS + [DisabledSafetyCheck.custom_call(DECODE_TARGET)])(
+          q, kv, kv)
+  text = jax.export.deserialize(exported.serialize()).mlir_module()
+  assert f"custom_call @{DECODE_TARGET}(" in text and "CustomSPMDPartitioning" not in text
 
 
 def test_sharded_export_through_shard_map():
