@@ -159,10 +159,8 @@ def attention_with_kv_lengths(query, key, value, kv_lengths, **options):
   past it), except that a call with few query rows and no causal mask or window gives the
   decode kernel the lengths themselves. jaxflash.dot_product_attention's key_value_seq_lengths
   without query_seq_lengths."""
-  batch, seq_q = query.shape[:2]
-  kv_ids = (jnp.arange(key.shape[1])[None] >= kv_lengths[:, None]).astype(jnp.int32)
-  return _attention(query, key, value, kv_lengths,
-                    q_segment_ids=jnp.zeros((batch, seq_q), jnp.int32), kv_segment_ids=kv_ids,
+  q_ids, kv_ids = few_rows.length_segment_ids(*query.shape[:2], key.shape[1], kv_lengths)
+  return _attention(query, key, value, kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
                     **options)
 
 

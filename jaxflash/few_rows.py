@@ -77,6 +77,13 @@ def _lengths(key, kv_lengths):
   return jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, seq_k)
 
 
+def length_segment_ids(batch: int, seq_q: int, seq_k: int, kv_lengths):
+  """(q_ids (batch, seq_q), kv_ids (batch, seq_k)) int32: the mask "keys at or past
+  kv_lengths[b]" as segment ids (queries 0; keys 0 below the length, 1 past it)."""
+  kv_ids = jnp.arange(seq_k)[None] >= jnp.asarray(kv_lengths, jnp.int32)[:, None]
+  return jnp.zeros((batch, seq_q), jnp.int32), kv_ids.astype(jnp.int32)
+
+
 def _forward(config, q, k, v, kv_lengths, sink):
   return split_kv.kernel_forward(config, _on_gpu_p.bind(q), k, v, _lengths(k, kv_lengths), None,
                                  sink, None)
@@ -99,11 +106,8 @@ def _core_fwd(config, q, k, v, kv_lengths, sink=None):
 def _core_bwd(config, residuals, cotangents):
   q, k, v, kv_lengths, sink, out, lse = residuals
   q_ids = kv_ids = None
-  if kv_lengths is not None:  # the same mask as segment ids: query 0, keys 0 below the length
-    batch, seq_q = q.shape[:2]
-    q_ids = jnp.zeros((batch, seq_q), jnp.int32)
-    kv_ids = (jnp.arange(k.shape[1])[None] >= _lengths(k, kv_lengths)[:, None]).astype(
-        jnp.int32)
+  if kv_lengths is not None:  # the backward kernels take the mask as segment ids
+    q_ids, kv_ids = length_segment_ids(*q.shape[:2], k.shape[1], kv_lengths)
     config = config.replace(has_segment_ids=True)
   dq, dk, dv, _, _, d_sink = primitives.attention_core_bwd(
       config, (q, k, v, q_ids, kv_ids, sink, out, lse), cotangents)
