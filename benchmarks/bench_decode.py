@@ -15,10 +15,14 @@ Each case is (batch, seq_q, cache length, query heads / kv heads, head_dim), in 
     would see key 0 only) unless seq_q > 1, where no jax.nn column is comparable and they are
     left out; they never take softcap or sinks (the softcap_sink case's jax.nn columns are the
     plain call).
+  split<N>: kv_cache_attention with num_splits=N on contiguous caches (`--splits N ...`).
 Bandwidth = the K and V bytes of the valid keys / time (H200 HBM: 4.8 TB/s). Timing as
-benchmarks/bench_attention.py (warm-ups, CALLS calls back to back, median of REPS), with a
-case's columns taking turns within each repetition. Results go
-to OUT/bench_decode.json and a markdown table on stdout.
+benchmarks/bench_attention.py (warm-ups, calls back to back, median of REPS), with a case's
+columns taking turns within each repetition, but `--calls` (20) calls per repetition: a
+decoding call is short, and the host's latency before the first call reaches the GPU then
+weighs on the mean (on the H200, the same program at 8 x 1 x 32k took 179 us per call over 5
+calls and 151 us over 20; a generation loop runs in the steady state). Results go to
+OUT/bench_decode.json and a markdown table on stdout.
 """
 
 from __future__ import annotations
@@ -104,8 +108,8 @@ def _on_prefill(trace):
     few_rows.MAX_PACKED_ROWS = bound
 
 
-def calls(case: Case, dtype, impls) -> dict:
-  """impl -> (jitted fn, args) for the case."""
+def calls(case: Case, dtype, impls, splits=()) -> dict:
+  """impl -> (jitted fn, args) for the case (and split<N> for each N of `splits`)."""
   rng = np.random.default_rng(1)
   q = jnp.asarray(rng.standard_normal((case.batch, case.seq_q, case.heads, case.head_dim)),
                   dtype)
@@ -135,6 +139,9 @@ def calls(case: Case, dtype, impls) -> dict:
   if case.seq_q == 1 and "nn" in impls:
     out["nn"] = (jax.jit(lambda q, k, v, n: jaxflash.dot_product_attention(
         q, k, v, key_value_seq_lengths=n)), (q, k, v, lengths))
+  for n in splits:
+    out[f"split{n}"] = (jax.jit(lambda q, k, v, lengths, n=n: jaxflash.kv_cache_attention(
+        q, k, v, lengths, num_splits=n, **options)), (q, k, v, lengths))
   if case.seq_q == 1:
     for impl in ("cudnn", "xla"):
       if impl in impls:
@@ -144,15 +151,15 @@ def calls(case: Case, dtype, impls) -> dict:
   return out
 
 
-def run(case_names, dtypes, impls) -> list[dict]:
+def run(case_names, dtypes, impls, splits=(), num_calls=20) -> list[dict]:
   records = []
   for dtype in dtypes:
     for name in case_names:
-      records += _run_case(name, dtype, impls)
+      records += _run_case(name, dtype, impls, splits, num_calls)
   return records
 
 
-def _run_case(name, dtype, impls) -> list[dict]:
+def _run_case(name, dtype, impls, splits, num_calls) -> list[dict]:
   """One case's columns, timed round-robin (every column once per repetition, the median of
   REPS), so a drift of the GPU's clock during the case reaches every column alike."""
   records, ready = [], {}
@@ -160,7 +167,7 @@ def _run_case(name, dtype, impls) -> list[dict]:
   moved = kv_bytes(case, dtype)
   if dtype != jnp.bfloat16:
     name = f"{name} {jnp.dtype(dtype).name}"
-  for impl, (fn, args) in calls(case, dtype, impls).items():
+  for impl, (fn, args) in calls(case, dtype, impls, splits).items():
     try:
       for _ in range(bench_attention.WARMUPS):
         jax.block_until_ready(fn(*args))
@@ -170,10 +177,10 @@ def _run_case(name, dtype, impls) -> list[dict]:
   for _ in range(bench_attention.REPS):
     for fn, args, samples in ready.values():
       start = time.perf_counter()
-      for _ in range(bench_attention.CALLS):
+      for _ in range(num_calls):
         result = fn(*args)
       jax.block_until_ready(result)
-      samples.append((time.perf_counter() - start) / bench_attention.CALLS)
+      samples.append((time.perf_counter() - start) / num_calls)
   for impl, (_, _, samples) in ready.items():
     seconds = statistics.median(samples)
     records.append({"case": name, "impl": impl, "us": seconds * 1e6,
@@ -206,13 +213,19 @@ def main(argv=None) -> int:
   p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
   p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
   p.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=("bfloat16", "float16"))
+  p.add_argument("--splits", nargs="*", type=int, default=[], metavar="N",
+                 help="also time kv_cache_attention with num_splits=N (columns split<N>)")
+  p.add_argument("--calls", type=int, default=20, help="calls back to back per repetition")
   bench_attention.add_run_arguments(p)
   args = p.parse_args(argv)
   bench_attention.spin_up(args.spin_up)
-  records = run(args.cases, [jnp.dtype(d) for d in args.dtypes], args.impls)
+  if args.calls < 1 or any(n < 1 for n in args.splits):
+    p.error(f"--calls and --splits take integers >= 1, got {args.calls} and {args.splits}")
+  records = run(args.cases, [jnp.dtype(d) for d in args.dtypes], args.impls, args.splits,
+                args.calls)
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "bench_decode.json").write_text(json.dumps(records, indent=1))
-  print(markdown(records, args.impls))
+  print(markdown(records, list(args.impls) + [f"split{n}" for n in args.splits]))
   return 0
 
 

@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.extend
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.interpreters import batching, mlir
 
@@ -71,10 +72,12 @@ batching.primitive_batchers[_on_gpu_p] = lambda args, dims: (_on_gpu_p.bind(*arg
 
 
 def _lengths(key, kv_lengths):
+  """The decode kernel's lengths: kv_lengths (the kernel clamps them to [0, seq_k]), or seq_k
+  as a constant (no XLA kernel fills it at run time)."""
   batch, seq_k = key.shape[:2]
   if kv_lengths is None:
-    return jnp.full((batch,), seq_k, jnp.int32)
-  return jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, seq_k)
+    return np.full((batch,), seq_k, np.int32)
+  return jnp.asarray(kv_lengths, jnp.int32)
 
 
 def length_segment_ids(batch: int, seq_q: int, seq_k: int, kv_lengths):

@@ -119,10 +119,12 @@ def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _forward(config: AttentionConfig, num_splits: Optional[int], query, k_cache, v_cache,
              lengths, page_table, sink):
-  if config.implementation == "cute":
+  if config.implementation == "cute":  # the kernel clamps the lengths itself
     return split_kv.kernel_forward(config, query, k_cache, v_cache, lengths, page_table, sink,
                                    num_splits)
-  out, lse = reference.blocked_kv_cache_forward(query, k_cache, v_cache, lengths, config,
+  capacity = reference.cache_capacity(k_cache, page_table)
+  out, lse = reference.blocked_kv_cache_forward(query, k_cache, v_cache,
+                                                jnp.clip(lengths, 0, capacity), config,
                                                 page_table)
   if sink is not None:
     out, lse = add_learnable_sink(out, lse, sink)
@@ -185,7 +187,7 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
   if learnable_sink is not None:
     check_learnable_sink(learnable_sink, query.shape[2], accept_float64=dtype == "float64")
   capacity = reference.cache_capacity(k_cache, page_table)
-  lengths = jnp.clip(jnp.asarray(cache_lengths, jnp.int32), 0, capacity)
+  lengths = jnp.asarray(cache_lengths, jnp.int32)
   if page_table is not None:
     page_table = jnp.asarray(page_table, jnp.int32)
   b, seq_q, h, _ = query.shape
@@ -245,7 +247,7 @@ def update_kv_cache(k_cache, v_cache, new_k, new_v, cache_lengths, *, page_table
   if tuple(cache_lengths.shape) != (b,):
     raise ValueError(f"cache_lengths: expected shape ({b},), got {tuple(cache_lengths.shape)}")
   capacity = reference.cache_capacity(k_cache, page_table)
-  lengths = jnp.clip(jnp.asarray(cache_lengths, jnp.int32), 0, capacity)
+  lengths = jnp.asarray(cache_lengths, jnp.int32)
   positions = lengths[:, None] + jnp.arange(n, dtype=jnp.int32)  # (b, n)
   keep = positions < capacity
   if paged:

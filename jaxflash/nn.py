@@ -187,12 +187,21 @@ def _mapped_attention(query, key, value, band: _Band, scale: float, q_lengths, k
   batch, seq_q, heads, _ = query.shape
   seq_k, kv_heads = key.shape[1], key.shape[2]
   keep_q, keep_k, causal, window = band.to_jaxflash(seq_q, seq_k)
+  filled = None  # (batch,): sequences whose rows got jax.nn's fill in the attention call
   if keep_q:
     options = dict(causal=causal, softmax_scale=scale, window_size=window,
                    return_lse=return_residual, implementation=implementation)
     q, k, v = query[:, :keep_q], key[:, :keep_k], value[:, :keep_k]
     if q_lengths is None and kv_lengths is not None:  # decoding: lengths reach the kernel
-      result = attention_with_kv_lengths(q, k, v, kv_lengths, **options)
+      lengths = kv_lengths
+      if band == _Band(None, None):
+        # jax.nn's fill for a sequence with no key, the uniform average of all its values, is
+        # the attention of a zero query over all its keys: such sequences join the same call
+        # (exact in the gradient too: no gradient reaches q or k through a zero query).
+        filled = kv_lengths <= 0
+        q = jnp.where(filled[:, None, None, None], jnp.zeros((), q.dtype), q)
+        lengths = jnp.where(filled, seq_k, kv_lengths)
+      result = attention_with_kv_lengths(q, k, v, lengths, **options)
     elif q_lengths is not None or kv_lengths is not None:
       q_ids = _segment_ids(q_lengths, seq_q, batch, 1)[:, :keep_q]
       kv_ids = _segment_ids(kv_lengths, seq_k, batch, 2)[:, :keep_k]
@@ -208,7 +217,7 @@ def _mapped_attention(query, key, value, band: _Band, scale: float, q_lengths, k
     out = jnp.zeros(query.shape, query.dtype)
     lse = jnp.full((batch, heads, seq_q), -jnp.inf, jnp.float32)
   states = _row_states(band, seq_q, seq_k, q_lengths, kv_lengths)
-  if states is not None:
+  if states is not None and filled is None:
     valid, nonempty = states
     # jax.nn masks with a finite logit, so a real query with no visible key averages all
     # values uniformly; padded queries (past query_seq_lengths) are zeroed.

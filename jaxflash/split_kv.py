@@ -17,6 +17,13 @@ MAX_SPLITS = 128
 # A decode CTA's fixed cost in key blocks (choose_num_splits): 16 splits of 2 blocks each ran
 # 1.3x slower than 1 split of 32 at 64 x 4k keys, 8 kv heads, on the H200.
 _CTA_FIXED_BLOCKS = 1
+# Keys one split may hold (choose_num_splits). Lengths are run-time values, so a batch of
+# unequal lengths is costed as if every sequence were full; this cap splits its long sequences
+# anyway, so that CTAs of short ones fill the SMs beside them: 32 sequences of 1..32k keys in
+# 32k caches, 4 kv heads, ran in 299 us with 4 splits of 8k keys against 361 us with the one
+# split of the full-cache cost (H200, docs/kernels.md, "Decode"); no full-length row of that
+# table changed its count.
+MAX_SPLIT_KEYS = 8192
 # Streaming multiprocessors of an H100 / H200, when the device does not say.
 _DEFAULT_SMS = 132
 
@@ -30,12 +37,13 @@ def num_sms() -> int:
   return int(count) if count else _DEFAULT_SMS
 
 
-def choose_num_splits(tiles: int, key_blocks: int, sms: int) -> int:
+def choose_num_splits(tiles: int, key_blocks: int, sms: int, max_blocks: int) -> int:
   """How many parts each (sequence, kv head, query tile) splits its key blocks into.
 
   With s splits, tiles * s CTAs run in ceil(tiles * s / sms) waves of one CTA per SM, and a CTA
   streams up to ceil(key_blocks / s) blocks plus a fixed cost (prologue, Q, epilogue) of about
-  one block: the count with the least waves times that wins, the fewest splits among equals.
+  one block: the count with the least waves times that wins, the fewest splits among equals,
+  among the counts that leave at most max_blocks blocks per split (MAX_SPLIT_KEYS).
   FlashAttention-3's wave-efficiency heuristic, which ignores the rounding of blocks per split
   and the fixed cost, picked 8 instead of 16 splits at 1 x 128k keys, 8 kv heads
   (docs/kernels.md, "Decode"). tiles: CTAs per split; key_blocks: blocks of the longest sequence
@@ -43,11 +51,12 @@ def choose_num_splits(tiles: int, key_blocks: int, sms: int) -> int:
   sequence were full).
   """
   limit = max(1, min(MAX_SPLITS, key_blocks))
+  fewest = min(limit, max(1, -(-key_blocks // max(1, max_blocks))))
 
   def cost(s):
     return math.ceil(tiles * s / sms) * (math.ceil(key_blocks / s) + _CTA_FIXED_BLOCKS)
 
-  return min(range(1, limit + 1), key=lambda s: (cost(s), s))
+  return min(range(fewest, limit + 1), key=lambda s: (cost(s), s))
 
 
 def pack_query(query, num_kv_heads: int):
@@ -94,7 +103,8 @@ def merge_splits(out_partial, lse_partial, sink, seq_q: int, dtype):
 def kernel_forward(cfg: config.AttentionConfig, query, k_cache, v_cache, lengths, page_table,
                    sink, num_splits):
   """kv_cache_attention on the decode kernel: (out, lse) as the reference returns them, with
-  the sink. lengths are clamped already; page_table None means contiguous caches."""
+  the sink. The kernel clamps the lengths to [0, capacity]; page_table None means contiguous
+  caches."""
   b, seq_q, h, d = query.shape
   hk, dv = k_cache.shape[2], v_cache.shape[-1]
   variant = config.decode_variant(str(query.dtype), d, dv)
@@ -102,7 +112,9 @@ def kernel_forward(cfg: config.AttentionConfig, query, k_cache, v_cache, lengths
   if num_splits is None:
     capacity = k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
     tiles = b * hk * -(-rows // variant.schedule.tile_m)
-    num_splits = choose_num_splits(tiles, -(-capacity // variant.schedule.tile_n), num_sms())
+    tile_n = variant.schedule.tile_n
+    num_splits = choose_num_splits(tiles, -(-capacity // tile_n), num_sms(),
+                                   MAX_SPLIT_KEYS // tile_n)
   right = cfg.window_right  # causal: no key right of a query's position
   if cfg.causal:
     right = 0 if right is None else min(right, 0)

@@ -244,11 +244,12 @@ def test_decode_benchmark_columns_compute_the_same_attention(decode):
   lengths = decode.lengths_of(case)
   assert lengths.min() >= 1 and lengths.max() <= 300 and len(set(lengths)) > 1
   assert decode.kv_bytes(case, jnp.bfloat16) == int(lengths.sum()) * 2 * 2 * 16 * 2
-  runs = decode.calls(case, jnp.float32, decode.IMPLS)
+  runs = decode.calls(case, jnp.float32, decode.IMPLS, splits=(1, 3))
   # attention / prefill take whole caches: not ragged ones; jax.nn has no cuDNN on a CPU.
-  assert set(runs) == {"jaxflash", "paged64", "paged256", "nn", "cudnn", "xla"}
+  assert set(runs) == {"jaxflash", "paged64", "paged256", "nn", "cudnn", "xla", "split1",
+                       "split3"}
   want = np.asarray(runs["xla"][0](*runs["xla"][1]))
-  for name in ("jaxflash", "paged64", "paged256", "nn"):
+  for name in ("jaxflash", "paged64", "paged256", "nn", "split1", "split3"):
     fn, args = runs[name]
     np.testing.assert_allclose(fn(*args), want, rtol=2e-5, atol=2e-5, err_msg=name)
   full = decode.calls(case._replace(ragged=False), jnp.float32, decode.IMPLS)

@@ -7,22 +7,28 @@ import pytest
 from jaxflash import split_kv
 
 
-@pytest.mark.parametrize("tiles, key_blocks, expected", [
-    (32, 256, 4),  # 8 x 32k keys, 4 kv heads, d128: 128 CTAs in one wave
-    (8, 1024, 16),  # 1 x 128k keys, 8 kv heads: 15 splits would leave 69 blocks per CTA
-    (512, 32, 1),  # 64 x 4k, 8 kv heads: four waves of whole sequences already
-    (128, 256, 1),  # 32 x 32k, 4 kv heads: one wave
-    (1, 1, 1), (0, 0, 1), (3, 2, 2),
+@pytest.mark.parametrize("tiles, key_blocks, max_blocks, expected", [
+    (32, 256, 64, 4),  # 8 x 32k keys, 4 kv heads, d128: 128 CTAs in one wave
+    (8, 1024, 64, 16),  # 1 x 128k keys, 8 kv heads: 15 splits would leave 69 blocks per CTA
+    (512, 32, 64, 1),  # 64 x 4k, 8 kv heads: four waves of whole sequences already
+    (32, 512, 128, 4),  # 8 x 32k keys in blocks of 64 (head_dim 256)
+    # 32 x 32k, 4 kv heads: one wave of whole caches, but at most 8k keys a split
+    (128, 256, 64, 4),
+    (128, 256, 1024, 1),  # the same without the cap
+    (1, 1, 64, 1), (0, 0, 64, 1), (3, 2, 64, 2), (1, 100000, 64, split_kv.MAX_SPLITS),
 ])
-def test_split_count_minimises_waves_times_blocks(tiles, key_blocks, expected):
-  assert split_kv.choose_num_splits(tiles, key_blocks, 132) == expected
+def test_split_count_minimises_waves_times_blocks(tiles, key_blocks, max_blocks, expected):
+  assert split_kv.choose_num_splits(tiles, key_blocks, 132, max_blocks) == expected
 
 
 def test_split_count_stays_within_the_blocks_and_the_limit():
   for tiles in (1, 5, 64, 300):
     for blocks in (1, 7, 100, 4096):
-      s = split_kv.choose_num_splits(tiles, blocks, 132)
-      assert 1 <= s <= min(blocks, split_kv.MAX_SPLITS)
+      for max_blocks in (1, 64, 10 ** 6):
+        s = split_kv.choose_num_splits(tiles, blocks, 132, max_blocks)
+        assert 1 <= s <= min(blocks, split_kv.MAX_SPLITS)
+        if s < split_kv.MAX_SPLITS:
+          assert -(-blocks // s) <= max_blocks
 
 
 def _partials(keys, splits, q, k, v, scale):

@@ -1,0 +1,81 @@
+"""One jitted attention call inside a CUDA profiler range, for Nsight Compute (devtools, not
+shipped): the call is compiled and warmed up first, then run once between cuProfilerStart and
+cuProfilerStop, so `ncu --profile-from-start off` sees exactly the kernels of one call.
+
+  python devtools/kernel_selftest/profile_call.py decode CASE IMPL   # bench_decode.py's cases
+  python devtools/kernel_selftest/profile_call.py fwd HDIM SEQ IMPL [--causal]  # batch*seq=16k
+  python devtools/kernel_selftest/profile_call.py masked CASE IMPL   # bench_masked.py's forward
+
+IMPL: a column of that benchmark (jaxflash, cudnn, xla, paged64, ...).
+"""
+import argparse
+import ctypes
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_attention  # noqa: E402
+import bench_decode  # noqa: E402
+import bench_masked  # noqa: E402
+
+
+def decode_call(case: str, impl: str):
+  calls = bench_decode.calls(bench_decode.CASES[case], jnp.bfloat16, [impl])
+  if impl not in calls:
+    raise SystemExit(f"bench_decode case {case} has no column {impl}")
+  return calls[impl]
+
+
+def fwd_call(head_dim: int, seq: int, impl: str, causal: bool):
+  batch, heads = 16384 // seq, 2048 // head_dim
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  q, k, v = (jax.random.normal(key, (batch, seq, heads, head_dim), jnp.bfloat16)
+             for key in keys)
+  return jax.jit(bench_attention.attention_fn(impl, causal, head_dim, head_dim)), (q, k, v)
+
+
+def masked_call(case: str, impl: str):
+  spec = bench_masked.cases()[case]
+  if impl not in spec.impls:
+    raise SystemExit(f"bench_masked case {case} has no column {impl}")
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  q, k, v = (jax.random.normal(key, spec.shape + (16, 128), jnp.bfloat16) for key in keys)
+  return jax.jit(spec.impls[impl]), (q, k, v, spec.data)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  sub = p.add_subparsers(dest="kind", required=True)
+  d = sub.add_parser("decode")
+  d.add_argument("case", choices=list(bench_decode.CASES))
+  d.add_argument("impl", choices=bench_decode.IMPLS)
+  f = sub.add_parser("fwd")
+  f.add_argument("head_dim", type=int)
+  f.add_argument("seq", type=int)
+  f.add_argument("impl")
+  f.add_argument("--causal", action="store_true")
+  m = sub.add_parser("masked")
+  m.add_argument("case", choices=bench_masked.CASES)
+  m.add_argument("impl")
+  args = p.parse_args()
+  if args.kind == "decode":
+    fn, call_args = decode_call(args.case, args.impl)
+  elif args.kind == "fwd":
+    fn, call_args = fwd_call(args.head_dim, args.seq, args.impl, args.causal)
+  else:
+    fn, call_args = masked_call(args.case, args.impl)
+  for _ in range(2):
+    jax.block_until_ready(fn(*call_args))
+  cuda = ctypes.CDLL("libcuda.so.1")
+  cuda.cuProfilerStart()
+  jax.block_until_ready(fn(*call_args))
+  cuda.cuProfilerStop()
+  np.asarray(jax.tree.leaves(fn(*call_args))[0]).ravel()[:1]  # the call ran to the end
+
+
+if __name__ == "__main__":
+  main()
