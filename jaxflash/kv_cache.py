@@ -247,7 +247,7 @@ def update_kv_cache(k_cache, v_cache, new_k, new_v, cache_lengths, *, page_table
   if tuple(cache_lengths.shape) != (b,):
     raise ValueError(f"cache_lengths: expected shape ({b},), got {tuple(cache_lengths.shape)}")
   capacity = reference.cache_capacity(k_cache, page_table)
-  lengths = jnp.asarray(cache_lengths, jnp.int32)
+  lengths = jnp.clip(jnp.asarray(cache_lengths, jnp.int32), 0, capacity)
   positions = lengths[:, None] + jnp.arange(n, dtype=jnp.int32)  # (b, n)
   keep = positions < capacity
   if paged:

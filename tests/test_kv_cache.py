@@ -192,6 +192,12 @@ def test_update_drops_tokens_past_the_capacity_and_writes_in_place_when_donated(
   np.testing.assert_array_equal(k2[1, 5], new[1, 0])  # positions 6 and 7 are dropped
   assert not np.asarray(k2[0, 4:]).any() and not np.asarray(k2[1, :5]).any()
   np.testing.assert_array_equal(v2[0, 0], 1)
+  # Lengths outside [0, capacity] are clamped first: a negative one writes at 0.
+  k4, _, lengths = jaxflash.update_kv_cache(k_cache, v_cache, new, new,
+                                            jnp.asarray([-3, 9], jnp.int32))
+  np.testing.assert_array_equal(lengths, [3, 6])
+  np.testing.assert_array_equal(k4[0, :3], new[0])
+  assert not np.asarray(k4[0, 3:]).any() and not np.asarray(k4[1]).any()
 
   step = jax.jit(jaxflash.update_kv_cache, donate_argnums=(0, 1))
   before = k_cache.unsafe_buffer_pointer()
