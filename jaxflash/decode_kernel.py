@@ -50,7 +50,8 @@ def decode_partials(q_packed, k_pool, v_pool, page_table, lengths, *, variant: K
     page_table: (batch, max_pages) int32: key position p of sequence b is row p % page_size of
       page page_table[b, p // page_size] (the kernel clamps entries into the pool); None:
       contiguous caches.
-    lengths: (batch,) int32: valid keys per sequence, in [0, max_pages * page_size].
+    lengths: (batch,) int32: valid keys per sequence; the kernel clamps them to [0, max_pages *
+      page_size].
     variant: the decode KernelVariant (config.decode_variant) of the dtype and head dims.
     softmax_scale: multiplies q.k before the softmax.
     seqlen_q: new tokens per sequence; token i of sequence b sits at position lengths[b] -

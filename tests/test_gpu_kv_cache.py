@@ -130,3 +130,24 @@ def test_auto_mode_takes_the_kernel_under_jit_and_vmap():
   stacked = jax.vmap(lambda *a: jaxflash.kv_cache_attention(*a, implementation="cute"))(
       q[None], k[None], v[None], lengths[None])
   np.testing.assert_array_equal(np.asarray(stacked[0]), np.asarray(want))
+
+
+def test_lengths_outside_the_capacity_are_clamped_by_the_kernel():
+  """The lengths reach the kernel unclamped (jaxflash/kv_cache.py): negative ones read no key
+  and ones past the capacity read the whole cache, contiguous and paged, as the clamped
+  lengths do."""
+  q, k, v = _inputs(9, 3, 1, 8, 2, 128, 128, 256, "bfloat16")
+  wild = jnp.asarray([-5, 256 + 100, 2 ** 31 - 1], jnp.int32)
+  clamped = jnp.asarray([0, 256, 256], jnp.int32)
+  for page_size in (None, 64):
+    caches, table = (k, v), None
+    if page_size is not None:
+      (k_pool, table), (v_pool, _) = _pool(k, page_size, 3), _pool(v, page_size, 3)
+      caches = (k_pool, v_pool)
+    got = jaxflash.kv_cache_attention(q, *caches, wild, page_table=table, causal=False,
+                                      return_lse=True, implementation="cute")
+    want = jaxflash.kv_cache_attention(q, *caches, clamped, page_table=table, causal=False,
+                                       return_lse=True, implementation="cute")
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  _check(q, k, v, clamped, {"causal": False})

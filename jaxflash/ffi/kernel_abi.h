@@ -151,7 +151,8 @@ typedef struct {
 //   page_table  (batch, max_pages) int32: key position p of sequence b is row p % page_size of
 //               page page_table[b, p / page_size]; entries must lie in [0, num_pages) for
 //               every page that holds a key below lengths[b]
-//   lengths     (batch,) int32: valid keys per sequence, in [0, max_pages * page_size]
+//   lengths     (batch,) int32: valid keys per sequence; the kernel clamps them to
+//               [0, max_pages * page_size]
 //   out_partial (batch, num_splits, rows, num_kv_heads, head_dim_v) float32: each split's
 //               attention output over its keys
 //   lse_partial (batch, num_splits, num_kv_heads, rows) float32: each split's log-sum-exp of the
