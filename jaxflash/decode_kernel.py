@@ -1,22 +1,24 @@
-"""The split-KV decode kernel's call from JAX: `decode_partials`.
+"""The split-KV decode kernel's call from JAX: `decode_attention`.
 
-One call of the decode kernel (kernels/decode_sm90.py, kernel_abi.h's JaxflashDecodeArgs): the
-query rows of each (batch, kv head), the query heads of the kv head packed into them, against
-num_splits parts of each sequence's keys in a KV cache (contiguous, or read through a page
-table), giving each split's output and lse. The caller (jaxflash/split_kv.py) packs the rows,
-picks num_splits and combines the partials.
+One call of the decode kernels (kernels/decode_sm90.py and the merge kernels/decode_combine.py,
+kernel_abi.h's JaxflashDecodeArgs): the query rows of each (batch, kv head), the query heads of
+the kv head packed into them, against num_splits parts of each sequence's keys in a KV cache
+(contiguous, or read through a page table), the splits merged through their lse into the
+output and its lse. The caller (jaxflash/split_kv.py) packs and unpacks the rows and picks
+num_splits.
 
 Two primitives: decode_p is one kernel call, whose CUDA lowering emits the FFI custom call
 config.DECODE_TARGET after making the variant's library present (ffi.ensure_variant, as the
-forward's lowering does), and whose lowering elsewhere computes the same partials in XLA ops
-(_reference_partials: tests of the call around the kernel on any host). decode_call_p, which
-decode_partials binds, runs decode_p per shard of batch and kv heads through
-custom_partitioning (jaxflash/sharding.py's decode rules), so a sharded cache is never
-gathered. Under vmap a mapped axis folds into the batch where every sequence keeps its keys:
-contiguous caches mapped with the queries (each element's own caches), or one page pool that
-every element's page table indexes; otherwise (a mapped pool, shared contiguous caches) the call
-runs once per mapped element (a sequential `lax.map`). Imports config, primitives, sharding,
-_jax_internal and ffi (at lowering); never Flax.
+forward's lowering does), and whose lowering elsewhere computes the same partials and merge in
+XLA ops (_reference: tests of the call around the kernel on any host); its results include the
+partials, the kernel's scratch. decode_call_p, which decode_attention binds, runs decode_p per
+shard of batch and kv heads through custom_partitioning (jaxflash/sharding.py's decode rules),
+so a sharded cache is never gathered, and returns the output and lse only. Under vmap a mapped
+axis folds into the batch where every sequence keeps its keys: contiguous caches mapped with the
+queries (each element's own caches), or one page pool that every element's page table indexes;
+otherwise (a mapped pool, shared contiguous caches) the call runs once per mapped element (a
+sequential `lax.map`). Imports config, primitives, sharding, split_kv's merge, _jax_internal and
+ffi (at lowering); never Flax.
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ from jaxflash import _jax_internal, primitives, sharding
 from jaxflash.config import DECODE_TARGET, WINDOW_UNBOUNDED, KernelVariant
 
 
-def decode_partials(q_packed, k_pool, v_pool, page_table, lengths, *, variant: KernelVariant,
-                    softmax_scale: float, seqlen_q: int, window_left: Optional[int],
-                    window_right: Optional[int], softcap: Optional[float], num_splits: int):
-  """(out_partial, lse_partial) of the split-KV decode kernel.
+def decode_attention(q_packed, k_pool, v_pool, page_table, lengths, sink=None, *,
+                     variant: KernelVariant, softmax_scale: float, seqlen_q: int,
+                     window_left: Optional[int], window_right: Optional[int],
+                     softcap: Optional[float], num_splits: int):
+  """(out, lse) of the split-KV decode kernels, in the packed layout.
 
   Args:
-    q_packed: (batch, rows, num_kv_heads, head_dim) in the variant's dtype (float16 /
+    q_packed: (batch, num_kv_heads, rows, head_dim) in the variant's dtype (float16 /
       bfloat16): rows = seqlen_q * group (group = query heads per kv head); row i * group + j
       is query token i of query head kv * group + j.
     k_pool, v_pool: (num_pages, page_size, num_kv_heads, head_dim) and (..., head_dim_v) in
@@ -52,6 +55,8 @@ def decode_partials(q_packed, k_pool, v_pool, page_table, lengths, *, variant: K
       contiguous caches.
     lengths: (batch,) int32: valid keys per sequence; the kernel clamps them to [0, max_pages *
       page_size].
+    sink: (num_kv_heads, group) float32 learnable sinks (that of query head kv * group + j), or
+      None.
     variant: the decode KernelVariant (config.decode_variant) of the dtype and head dims.
     softmax_scale: multiplies q.k before the softmax.
     seqlen_q: new tokens per sequence; token i of sequence b sits at position lengths[b] -
@@ -62,9 +67,9 @@ def decode_partials(q_packed, k_pool, v_pool, page_table, lengths, *, variant: K
     num_splits: parts each sequence's keys are split into (1 to 65535).
 
   Returns:
-    out_partial (batch, num_splits, rows, num_kv_heads, head_dim_v) float32, each split's
-    output over its keys, and lse_partial (batch, num_splits, num_kv_heads, rows) float32, its
-    log-sum-exp (natural log; -inf where a split holds no key a row sees, out_partial 0 there).
+    out (batch, num_kv_heads, rows, head_dim_v) in q's dtype and lse (batch, num_kv_heads,
+    rows) float32 (natural log, the sink included; a row that sees no key: out 0, lse -inf or
+    its sink).
 
   Under jit with shardings, the call runs per shard of batch and kv heads (a page pool split
   by kv heads; sharding.decode_partition): no cache is gathered.
@@ -76,17 +81,29 @@ def decode_partials(q_packed, k_pool, v_pool, page_table, lengths, *, variant: K
   if not paged:
     page_table = jnp.zeros((np.shape(q_packed)[0], 1), jnp.int32)  # for the checks only
   _check(q_packed, k_pool, v_pool, page_table, lengths, variant, seqlen_q, num_splits)
-  if not paged and np.shape(k_pool)[0] != np.shape(q_packed)[0]:
+  b, hk, rows, _ = q_packed.shape
+  group = rows // seqlen_q
+  if sink is None:  # a constant of the program: no kernel fills it at run time
+    sink = np.full((hk, group), -np.inf, np.float32)
+  elif tuple(np.shape(sink)) != (hk, group) or np.dtype(sink.dtype) != np.float32:
+    raise ValueError(f"sink: expected float32 of shape {(hk, group)} (num_kv_heads, group), "
+                     f"got {np.dtype(sink.dtype).name} {tuple(np.shape(sink))}")
+  if not paged and np.shape(k_pool)[0] != b:
     raise ValueError(f"k_pool: contiguous caches (page_table None) hold one sequence per row of "
-                     f"dim 0: expected {np.shape(q_packed)[0]} (q_packed's batch), got shape "
+                     f"dim 0: expected {b} (q_packed's batch), got shape "
                      f"{tuple(np.shape(k_pool))}")
+  if 0 in (np.shape(k_pool)[0], np.shape(k_pool)[1], np.shape(page_table)[1]):
+    # No key anywhere (TMA cannot describe an empty cache): each row is its sink.
+    lse = jnp.broadcast_to(jnp.asarray(sink, jnp.float32)[None], (b, hk, group))
+    lse = jnp.tile(lse, (1, 1, seqlen_q))
+    return jnp.zeros((b, hk, rows, variant.head_dim_v), q_packed.dtype), lse
   params = dict(variant=variant, softmax_scale=float(softmax_scale), seqlen_q=int(seqlen_q),
                 window_left=None if window_left is None else int(window_left),
                 window_right=None if window_right is None else int(window_right),
                 softcap=None if softcap is None else float(softcap), num_splits=int(num_splits))
   tables = (page_table,) if paged else ()
-  return tuple(decode_call_p.bind(q_packed, k_pool, v_pool, lengths, *tables, paged=paged,
-                                  **params))
+  return tuple(decode_call_p.bind(q_packed, k_pool, v_pool, lengths, sink, *tables,
+                                  paged=paged, **params))
 
 
 def _check(q, k, v, page_table, lengths, variant, seqlen_q, num_splits):
@@ -95,7 +112,7 @@ def _check(q, k, v, page_table, lengths, variant, seqlen_q, num_splits):
     raise ValueError(f"variant: expected a decode KernelVariant (config.decode_variant), got "
                      f"{seen}")
   for name, x, rank, layout in (
-      ("q_packed", q, 4, "(batch, rows, num_kv_heads, head_dim)"),
+      ("q_packed", q, 4, "(batch, num_kv_heads, rows, head_dim)"),
       ("k_pool", k, 4, "(num_pages, page_size, num_kv_heads, head_dim)"),
       ("v_pool", v, 4, "(num_pages, page_size, num_kv_heads, head_dim_v)"),
       ("page_table", page_table, 2, "(batch, max_pages)"), ("lengths", lengths, 1, "(batch,)")):
@@ -108,7 +125,7 @@ def _check(q, k, v, page_table, lengths, variant, seqlen_q, num_splits):
   for name, x in (("page_table", page_table), ("lengths", lengths)):
     if np.dtype(x.dtype) != np.int32:
       raise TypeError(f"{name}: expected int32, got {np.dtype(x.dtype).name}")
-  b, rows, hk, d = q.shape
+  b, hk, rows, d = q.shape
   if d != variant.head_dim:
     raise ValueError(f"q_packed: head_dim {d} differs from the variant's {variant.head_dim}")
   if tuple(k.shape[2:]) != (hk, variant.head_dim):
@@ -136,16 +153,20 @@ def _is_int(x) -> bool:
   return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _abstract(q, k, v, page_table, lengths, *, variant, num_splits, **_):
-  b, rows, hk, _ = q.shape
-  ins = (q, k, v, page_table, lengths)
+def _abstract(q, k, v, page_table, lengths, sink, *, variant, num_splits, **_):
+  """decode_p's results: out, lse, then the scratch out_partial and lse_partial."""
+  b, hk, rows, _ = q.shape
+  ins = (q, k, v, page_table, lengths, sink)
   f32 = np.dtype(np.float32)
-  out = _jax_internal.shaped_like(q, (b, num_splits, rows, hk, variant.head_dim_v), f32, ins)
-  lse = _jax_internal.shaped_like(q, (b, num_splits, hk, rows), f32, ins)
-  return out, lse
+  out = _jax_internal.shaped_like(q, (b, hk, rows, variant.head_dim_v), q.dtype, ins)
+  lse = _jax_internal.shaped_like(q, (b, hk, rows), f32, ins)
+  out_partial = _jax_internal.shaped_like(q, (b, num_splits, hk, rows, variant.head_dim_v), f32,
+                                          ins)
+  lse_partial = _jax_internal.shaped_like(q, (b, num_splits, hk, rows), f32, ins)
+  return out, lse, out_partial, lse_partial
 
 
-def _lower_cuda(ctx, q, k, v, page_table, lengths, *, variant, softmax_scale, seqlen_q,
+def _lower_cuda(ctx, q, k, v, page_table, lengths, sink, *, variant, softmax_scale, seqlen_q,
                 window_left, window_right, softcap, num_splits):
   del num_splits  # out_partial's dim 1 carries it
   from jaxflash import ffi  # imported on first CUDA lowering only: keeps `import jaxflash` light
@@ -153,17 +174,19 @@ def _lower_cuda(ctx, q, k, v, page_table, lengths, *, variant, softmax_scale, se
     ffi.ensure_variant(variant)  # cross-lowering on a CPU host needs no library
   attrs = ffi.decode_attributes(variant, softmax_scale, seqlen_q, window_left, window_right,
                                 softcap)
-  return jax.ffi.ffi_lowering(DECODE_TARGET)(ctx, q, k, v, page_table, lengths, **attrs)
+  return jax.ffi.ffi_lowering(DECODE_TARGET)(ctx, q, k, v, page_table, lengths, sink, **attrs)
 
 
-def _reference_partials(q, k, v, page_table, lengths, *, variant, softmax_scale, seqlen_q,
-                        window_left, window_right, softcap, num_splits):
-  """The kernel's partials in XLA ops, float32: the same split of each row tile's key blocks
-  (FlashAttentionDecodeSm90._work), masks and soft-capping. decode_p's lowering on platforms
-  other than CUDA (tests of the call around the kernel; it gathers every sequence's keys)."""
+def _reference(q, k, v, page_table, lengths, sink, *, variant, softmax_scale, seqlen_q,
+               window_left, window_right, softcap, num_splits):
+  """The kernels' results in XLA ops: the same split of each row tile's key blocks
+  (FlashAttentionDecodeSm90._work), masks and soft-capping for the float32 partials, merged as
+  DecodeCombine does. decode_p's lowering on platforms other than CUDA (tests of the call
+  around the kernel; it gathers every sequence's keys)."""
+  from jaxflash import split_kv  # split_kv imports this module
   f32 = jnp.float32
   tile_m, tile_n = variant.schedule.tile_m, variant.schedule.tile_n
-  b, rows, hk, d = q.shape
+  b, hk, rows, d = q.shape
   num_pages, page_size = k.shape[:2]
   capacity = page_table.shape[1] * page_size
   length = jnp.clip(lengths, 0, capacity)[:, None]  # (b, 1)
@@ -191,19 +214,21 @@ def _reference_partials(q, k, v, page_table, lengths, *, variant, softmax_scale,
   n_end = jnp.minimum(n_start + per_split[..., None], n_hi[..., None])  # (b, rows, splits)
   block = (key // tile_n)[None, None, None]
   mine = (block >= n_start[..., None]) & (block < n_end[..., None])  # (b, rows, splits, cap)
-  mask = jnp.swapaxes(mine & visible[:, :, None], 1, 2)[:, :, :, None]  # (b, s, rows, 1, cap)
-  scores = jnp.einsum("brhd,bkhd->brhk", q.astype(f32), keys) * softmax_scale
+  mask = jnp.moveaxis(mine & visible[:, :, None], 2, 1)[:, :, None]  # (b, s, 1, rows, cap)
+  scores = jnp.einsum("bhrd,bkhd->bhrk", q.astype(f32), keys) * softmax_scale
   if softcap is not None:
     scores = softcap * jnp.tanh(scores / softcap)
-  scores = jnp.where(mask, scores[:, None], -jnp.inf)  # (b, s, rows, hk, cap)
+  scores = jnp.where(mask, scores[:, None], -jnp.inf)  # (b, s, hk, rows, cap)
   top = jnp.max(scores, axis=-1)
   top = jnp.where(jnp.isfinite(top), top, 0.0)
   p = jnp.exp(scores - top[..., None])
-  total = jnp.sum(p, axis=-1)  # (b, s, rows, hk)
-  out = jnp.einsum("bsrhk,bkhe->bsrhe", p, values)
-  out = jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
-  lse = jnp.where(total > 0, top + jnp.log(total), -jnp.inf)
-  return out, jnp.swapaxes(lse, 2, 3)
+  total = jnp.sum(p, axis=-1)  # (b, s, hk, rows)
+  out_partial = jnp.einsum("bshrk,bkhe->bshre", p, values)
+  out_partial = jnp.where(total[..., None] > 0,
+                          out_partial / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+  lse_partial = jnp.where(total > 0, top + jnp.log(total), -jnp.inf)
+  out, lse = split_kv.merge_splits(out_partial, lse_partial, sink, seqlen_q)
+  return out.astype(q.dtype), lse, out_partial, lse_partial
 
 
 def _batch_sequential(prim):
@@ -225,29 +250,31 @@ def _batch_sequential(prim):
 # decode_p: one kernel call on whatever it is given (the CUDA custom call; elsewhere the XLA
 # reference of its partials).
 decode_p = primitives.make_primitive("jaxflash_decode_kernel", _abstract)
-mlir.register_lowering(decode_p, mlir.lower_fun(_reference_partials, multiple_results=True))
+mlir.register_lowering(decode_p, mlir.lower_fun(_reference, multiple_results=True))
 mlir.register_lowering(decode_p, _lower_cuda, platform="cuda")
 batching.primitive_batchers[decode_p] = _batch_sequential(decode_p)
 
 
 # decode_call_p: decode_p per shard of batch and kv heads, through custom_partitioning
-# (sharding.decode_sharding_rule / decode_partition). Operands (q, k, v, lengths[, page_table]):
-# contiguous caches have no table operand, each shard numbering its own sequences' pages.
-def _call_abstract(q, k, v, lengths, *page_table, paged, **params):
+# (sharding.decode_sharding_rule / decode_partition), returning out and lse (the partials are
+# decode_p's scratch). Operands (q, k, v, lengths, sink[, page_table]): contiguous caches have
+# no table operand, each shard numbering its own sequences' pages.
+def _call_abstract(q, k, v, lengths, sink, *page_table, paged, **params):
   del paged
-  return _abstract(q, k, v, page_table[0] if page_table else lengths, lengths, **params)
+  return _abstract(q, k, v, page_table[0] if page_table else lengths, lengths, sink,
+                   **params)[:2]
 
 
 def _partitioned(static):
   paged, params = static[0], dict(static[1:])
 
-  def compute(*args):  # (q, k, v, page_table, lengths) of one shard
-    return tuple(decode_p.bind(*args, **params))
+  def compute(*args):  # (q, k, v, page_table, lengths, sink) of one shard
+    return tuple(decode_p.bind(*args, **params))[:2]
 
-  def impl(static, q, k, v, lengths, *page_table):
+  def impl(static, q, k, v, lengths, sink, *page_table):
     del static
     table = page_table[0] if paged else jnp.arange(q.shape[0], dtype=jnp.int32)[:, None]
-    return compute(q, k, v, table, lengths)
+    return compute(q, k, v, table, lengths, sink)
 
   def partition(static, mesh, arg_shapes, result_shapes):
     del static, result_shapes
@@ -273,9 +300,11 @@ def _call_lowering(ctx, *args, paged, **params):
 def _batch_call(args, dims, *, paged, **params):
   """vmap of decode_call_p: one call over batch x the mapped size when that keeps every
   sequence's keys its own (mapped contiguous caches, or an unmapped page pool: the page table
-  indexes the one pool whatever the batch row), else one call per mapped element. The split
-  count stays the call's."""
+  indexes the one pool whatever the batch row) and one sink for all, else one call per mapped
+  element. The split count stays the call's."""
   cache_dims = dims[1:3]
+  if dims[4] is not None:  # the sink is per head: a mapped one has no batch row to fold into
+    return _batch_sequential(decode_call_p)(args, dims, paged=paged, **params)
   if paged and any(d is not None for d in cache_dims):
     return _batch_sequential(decode_call_p)(args, dims, paged=paged, **params)
   if not paged and any(d is None for d in cache_dims):  # folding would copy shared caches
@@ -283,7 +312,7 @@ def _batch_call(args, dims, *, paged, **params):
   size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
 
   def fold(i, a, d):
-    if paged and i in (1, 2):  # the pool
+    if (paged and i in (1, 2)) or i == 4:  # the pool, the sink
       return a
     a = jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
     return a.reshape((size * a.shape[1],) + a.shape[2:])

@@ -304,24 +304,26 @@ def _named(mesh, specs):
 
 
 # ---------------------------------------------------------------------------------------------
-# The split-KV decode call (jaxflash/decode_kernel.py): packed queries (batch, rows, kv heads,
+# The split-KV decode call (jaxflash/decode_kernel.py): packed queries (batch, kv heads, rows,
 # head_dim), caches contiguous (batch, max_len, kv heads, .) or a page pool (pages, page_size,
-# kv heads, .), lengths (batch,), the page table (batch, max_pages) when paged -> out_partial
-# (batch, splits, rows, kv heads, head_dim_v), lse_partial (batch, splits, kv heads, rows).
-ROWS, SPLITS, MAX_PAGES, PAGES, PAGE_ROWS = "rows", "splits", "max_pages", "pages", "page_rows"
+# kv heads, .), lengths (batch,), sinks (kv heads, query heads per kv head), the page table
+# (batch, max_pages) when paged -> out (batch, kv heads, rows, head_dim_v), lse (batch, kv
+# heads, rows).
+ROWS, MAX_PAGES, PAGES, PAGE_ROWS = "rows", "max_pages", "pages", "page_rows"
 
 
 def decode_sharding_rule(paged: bool):
-  """(rule string, keyword arguments) of the decode call: batch and kv heads shard; a page
-  pool shards by kv heads only (any sequence may own any page)."""
-  q = f"{BATCH} {ROWS} {KV_HEADS} {HEAD_DIM}"
+  """(rule string, keyword arguments) of the decode call (q, k, v, lengths, sink[, page_table])
+  -> (out, lse): batch and kv heads shard; a page pool shards by kv heads only (any sequence
+  may own any page)."""
+  q = f"{BATCH} {KV_HEADS} {ROWS} {HEAD_DIM}"
   cache = f"{PAGES} {PAGE_ROWS}" if paged else f"{BATCH} {SEQ_K}"
-  operands = [q, f"{cache} {KV_HEADS} {HEAD_DIM}", f"{cache} {KV_HEADS} {HEAD_DIM_V}", BATCH]
+  operands = [q, f"{cache} {KV_HEADS} {HEAD_DIM}", f"{cache} {KV_HEADS} {HEAD_DIM_V}", BATCH,
+              f"{KV_HEADS} {Q_PER_KV}"]
   if paged:
     operands.append(f"{BATCH} {MAX_PAGES}")
-  results = [f"{BATCH} {SPLITS} {ROWS} {KV_HEADS} {HEAD_DIM_V}",
-             f"{BATCH} {SPLITS} {KV_HEADS} {ROWS}"]
-  whole = (ROWS, HEAD_DIM, HEAD_DIM_V, SPLITS) + (
+  results = [f"{BATCH} {KV_HEADS} {ROWS} {HEAD_DIM_V}", f"{BATCH} {KV_HEADS} {ROWS}"]
+  whole = (ROWS, HEAD_DIM, HEAD_DIM_V, Q_PER_KV) + (
       (PAGES, PAGE_ROWS, MAX_PAGES) if paged else (SEQ_K,))
   return _rule(operands, results, {}, whole)
 
@@ -332,8 +334,9 @@ def decode_partition(paged: bool, mesh, arg_shapes,
 
   Batch: q's batch axes, else (contiguous caches) the cache's; kv heads: q's kv-head axes,
   else the cache's, those not used by batch; trailing axes drop until their size divides
-  batch / kv heads. Everything else is gathered. `compute(q, k, v, page_table, lengths)` runs
-  one shard; for contiguous caches each shard's page table is its own sequences, page b = b.
+  batch / kv heads. Everything else is gathered. `compute(q, k, v, page_table, lengths, sink)`
+  runs one shard; for contiguous caches each shard's page table is its own sequences, page
+  b = b.
   """
   mesh_shape = dict(mesh.shape)
   q, k = arg_shapes[:2]
@@ -341,18 +344,19 @@ def decode_partition(paged: bool, mesh, arg_shapes,
   q_axes, k_axes = _axes_of(q, 4), _axes_of(k, 4)
   batch_axes = known(q_axes[0] or (() if paged else k_axes[0]))
   batch_axes = _divisible_prefix(batch_axes, mesh_shape, lambda n: q.shape[0] % n == 0)
-  head_axes = tuple(a for a in known(q_axes[2] or k_axes[2]) if a not in batch_axes)
-  head_axes = _divisible_prefix(head_axes, mesh_shape, lambda n: q.shape[2] % n == 0)
+  head_axes = tuple(a for a in known(q_axes[1] or k_axes[2]) if a not in batch_axes)
+  head_axes = _divisible_prefix(head_axes, mesh_shape, lambda n: q.shape[1] % n == 0)
   b, h = _entry(batch_axes), _entry(head_axes)
   cache = PartitionSpec(None if paged else b, None, h, None)
-  args = (PartitionSpec(b, None, h, None), cache, cache, PartitionSpec(b))
+  args = (PartitionSpec(b, h, None, None), cache, cache, PartitionSpec(b),
+          PartitionSpec(h, None))
   if paged:
     args += (PartitionSpec(b, None),)
-  results = (PartitionSpec(b, None, None, h, None), PartitionSpec(b, None, h, None))
+  results = (PartitionSpec(b, h, None, None), PartitionSpec(b, h, None))
 
-  def per_shard(q, k, v, lengths, *page_table):
+  def per_shard(q, k, v, lengths, sink, *page_table):
     if not paged:
       page_table = (jnp.arange(q.shape[0], dtype=jnp.int32)[:, None],)
-    return tuple(compute(q, k, v, *page_table, lengths))
+    return tuple(compute(q, k, v, *page_table, lengths, sink))
 
   return _named(mesh, args), _named(mesh, results), per_shard

@@ -1,5 +1,6 @@
-"""The decode kernel's call around it: query heads packed per kv head, the split count, and the
-merge of the splits' partial results (XLA ops on either side of the custom call).
+"""The decode kernel's call around it: query heads packed per kv head (and unpacked after), the
+split count, and the merge of the splits' partial results in XLA ops (the reference of the
+call's merge kernel, kernels/decode_combine.py).
 
 Imports jax, config and jaxflash/decode_kernel.py (the custom call).
 """
@@ -60,49 +61,55 @@ def choose_num_splits(tiles: int, key_blocks: int, sms: int, max_blocks: int) ->
 
 
 def pack_query(query, num_kv_heads: int):
-  """(batch, seq_q, heads, d) -> (batch, seq_q * group, kv heads, d): row i * group + j holds
-  token i of query head kv * group + j (the heads that share kv head kv)."""
+  """(batch, seq_q, heads, d) -> (batch, kv heads, seq_q * group, d): row i * group + j of kv
+  head kv holds token i of query head kv * group + j (the heads that share kv head kv). A
+  reshape when seq_q is 1."""
   b, seq_q, h, d = query.shape
   group = h // num_kv_heads
-  q = query.reshape(b, seq_q, num_kv_heads, group, d).transpose(0, 1, 3, 2, 4)
-  return q.reshape(b, seq_q * group, num_kv_heads, d)
+  q = query.reshape(b, seq_q, num_kv_heads, group, d).transpose(0, 2, 1, 3, 4)
+  return q.reshape(b, num_kv_heads, seq_q * group, d)
 
 
-def merge_splits(out_partial, lse_partial, sink, seq_q: int, dtype):
-  """Merges the splits' partial results through their lse and unpacks the rows.
-
-  out_partial (batch, splits, rows, kv heads, dv) holds each split's output normalised over its
-  keys, lse_partial (batch, splits, kv heads, rows) its lse (-inf: no key). The learnable sink
-  (num_heads,) float32 or None joins every row's denominator here. Returns out (batch, seq_q,
-  heads, dv) in `dtype` and lse (batch, heads, seq_q) float32; a row with no key at all has
-  out 0 and lse -inf (or its sink).
-  """
-  b, _, rows, hk, dv = out_partial.shape
+def unpack(out, lse, seq_q: int):
+  """pack_query's inverse for the results: out (batch, kv heads, rows, dv) -> (batch, seq_q,
+  heads, dv) and lse (batch, kv heads, rows) -> (batch, heads, seq_q). Reshapes when seq_q is
+  1."""
+  b, hk, rows, dv = out.shape
   group = rows // seq_q
-  lse = jnp.swapaxes(lse_partial, 2, 3)  # (b, splits, rows, hk)
-  top = jnp.max(lse, axis=1)
+  out = out.reshape(b, hk, seq_q, group, dv).transpose(0, 2, 1, 3, 4)
+  lse = lse.reshape(b, hk, seq_q, group).transpose(0, 1, 3, 2)
+  return out.reshape(b, seq_q, hk * group, dv), lse.reshape(b, hk * group, seq_q)
+
+
+def merge_splits(out_partial, lse_partial, sink, seq_q: int):
+  """The splits' partial results merged through their lse, in the packed layout (what
+  kernels/decode_combine.py computes; the decode call's reference and its tests).
+
+  out_partial (batch, splits, kv heads, rows, dv) holds each split's output normalised over
+  its keys, lse_partial (batch, splits, kv heads, rows) its lse (-inf: no key). sink (kv heads,
+  group) float32 or None joins every row's denominator (row i * group + j: sink[kv, j]).
+  Returns out (batch, kv heads, rows, dv) and lse (batch, kv heads, rows) float32; a row with
+  no key at all has out 0 and lse -inf (or its sink).
+  """
+  top = jnp.max(lse_partial, axis=1)  # (b, hk, rows)
   if sink is not None:
-    # Head kv * group + j is row i * group + j's head.
-    sink_rows = jnp.tile(sink.astype(jnp.float32).reshape(hk, group).T, (seq_q, 1))
-    top = jnp.maximum(top, sink_rows[None])
+    sink_rows = jnp.tile(jnp.asarray(sink, jnp.float32), (1, seq_q))[None]  # (1, hk, rows)
+    top = jnp.maximum(top, sink_rows)
   top = jnp.where(jnp.isfinite(top), top, 0.0)  # no key and no sink: every weight is 0
-  weights = jnp.exp(lse - top[:, None])
+  weights = jnp.exp(lse_partial - top[:, None])
   total = jnp.sum(weights, axis=1)
   if sink is not None:
-    total = total + jnp.exp(sink_rows[None] - top)
-  out = jnp.einsum("bsrh,bsrhd->brhd", weights, out_partial,
+    total = total + jnp.exp(sink_rows - top)
+  out = jnp.einsum("bshr,bshrd->bhrd", weights, out_partial,
                    precision=jax.lax.Precision.HIGHEST)
   out = jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
-  lse_out = jnp.where(total > 0, top + jnp.log(total), -jnp.inf)
-  out = out.reshape(b, seq_q, group, hk, dv).transpose(0, 1, 3, 2, 4)
-  out = out.reshape(b, seq_q, hk * group, dv).astype(dtype)
-  lse_out = lse_out.reshape(b, seq_q, group, hk).transpose(0, 3, 2, 1)
-  return out, lse_out.reshape(b, hk * group, seq_q)
+  lse = jnp.where(total > 0, top + jnp.log(total), -jnp.inf)
+  return out, lse
 
 
 def kernel_forward(cfg: config.AttentionConfig, query, k_cache, v_cache, lengths, page_table,
                    sink, num_splits):
-  """kv_cache_attention on the decode kernel: (out, lse) as the reference returns them, with
+  """kv_cache_attention on the decode kernels: (out, lse) as the reference returns them, with
   the sink. The kernel clamps the lengths to [0, capacity]; page_table None means contiguous
   caches."""
   b, seq_q, h, d = query.shape
@@ -118,9 +125,10 @@ def kernel_forward(cfg: config.AttentionConfig, query, k_cache, v_cache, lengths
   right = cfg.window_right  # causal: no key right of a query's position
   if cfg.causal:
     right = 0 if right is None else min(right, 0)
-  out_partial, lse_partial = decode_kernel.decode_partials(
-      pack_query(query, hk), k_cache, v_cache, page_table, lengths, variant=variant,
+  if sink is not None:  # query head kv * group + j's sink at [kv, j]
+    sink = jnp.asarray(sink, jnp.float32).reshape(hk, h // hk)
+  out, lse = decode_kernel.decode_attention(
+      pack_query(query, hk), k_cache, v_cache, page_table, lengths, sink, variant=variant,
       softmax_scale=cfg.softmax_scale, seqlen_q=seq_q, window_left=cfg.window_left,
-      window_right=right, softcap=cfg.softcap,
-      num_splits=num_splits)
-  return merge_splits(out_partial, lse_partial, sink, seq_q, query.dtype)
+      window_right=right, softcap=cfg.softcap, num_splits=num_splits)
+  return unpack(out, lse, seq_q)

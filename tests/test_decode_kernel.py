@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxflash import _jax_internal, config, ffi, split_kv
-from jaxflash.decode_kernel import decode_call_p, decode_partials
+from jaxflash.decode_kernel import decode_attention, decode_call_p
 from jaxflash.kv_cache import kv_cache_attention
 
 VARIANT = config.decode_variant("bfloat16", 128, 128)
@@ -21,21 +21,21 @@ OPTIONS = dict(variant=VARIANT, softmax_scale=0.125, seqlen_q=2, window_left=Non
 
 def _operands(variant=VARIANT, rows=ROWS, page_size=PAGE_SIZE):
   dtype = jnp.dtype(variant.dtype)
-  return (jnp.zeros((B, rows, HK, variant.head_dim), dtype),
+  return (jnp.zeros((B, HK, rows, variant.head_dim), dtype),
           jnp.zeros((PAGES, page_size, HK, variant.head_dim), dtype),
           jnp.zeros((PAGES, page_size, HK, variant.head_dim_v), dtype),
           jnp.zeros((B, MAX_PAGES), jnp.int32), jnp.zeros((B,), jnp.int32))
 
 
 def _call(**changes):
-  return lambda *args: decode_partials(*args, **dict(OPTIONS, **changes))
+  return lambda *args: decode_attention(*args, **dict(OPTIONS, **changes))
 
 
-def test_partials_are_float32_per_split():
+def test_out_has_the_query_dtype_and_lse_is_float32():
   variant = config.decode_variant("float16", 192, 128)
   out, lse = jax.eval_shape(_call(variant=variant), *_operands(variant))
-  assert (out.shape, out.dtype) == ((B, SPLITS, ROWS, HK, 128), jnp.float32)
-  assert (lse.shape, lse.dtype) == ((B, SPLITS, HK, ROWS), jnp.float32)
+  assert (out.shape, out.dtype) == ((B, HK, ROWS, 128), jnp.float16)
+  assert (lse.shape, lse.dtype) == ((B, HK, ROWS), jnp.float32)
 
 
 def test_cuda_lowering_is_the_decode_custom_call_with_typed_attributes():
@@ -50,7 +50,11 @@ def test_cuda_lowering_is_the_decode_custom_call_with_typed_attributes():
                     "softmax_scale = 1.250000e-01 : f32", "head_dim = 128 : i32",
                     "head_dim_v = 128 : i32"):
     assert attribute in calls[0], attribute
-  assert re.search(r"-> \(tensor<2x3x8x2x128xf32>, tensor<2x3x2x8xf32>\)", calls[0]), calls[0]
+  # Operands q, k, v, page table, lengths, sink; results out, lse and the float32 partials.
+  assert re.search(r"\(tensor<2x2x8x128xbf16>, tensor<10x16x2x128xbf16>, "
+                   r"tensor<10x16x2x128xbf16>, tensor<2x5xi32>, tensor<2xi32>, "
+                   r"tensor<2x4xf32>\) -> \(tensor<2x2x8x128xbf16>, tensor<2x2x8xf32>, "
+                   r"tensor<2x3x2x8x128xf32>, tensor<2x3x2x8xf32>\)", calls[0]), calls[0]
 
 
 def test_cuda_lowering_provides_the_variant_on_a_gpu_host(monkeypatch):
@@ -67,9 +71,9 @@ def test_cuda_lowering_provides_the_variant_on_a_gpu_host(monkeypatch):
 @pytest.mark.parametrize("options", [dict(), dict(window_left=5, softcap=3.0),
                                      dict(window_right=None, num_splits=7)],
                          ids=["causal", "window_softcap", "full_7_splits"])
-def test_partials_elsewhere_merge_to_the_reference_attention(paged, options):
-  """Off CUDA, decode_p computes the kernel's partials in XLA: merged through their lse they
-  give kv_cache_attention's reference result (lengths 0, 1, 17, a partial page, full)."""
+def test_the_call_elsewhere_is_the_reference_attention(paged, options):
+  """Off CUDA, decode_p computes the kernels' partials and merge in XLA: kv_cache_attention's
+  reference result (lengths 0, 1, 17, a partial page, full), with a sink."""
   rng = np.random.default_rng(3)
   b, seq_q, group, hk, d, page_size, pages = 5, 2, 4, 2, 128, 16, 3
   bf16 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
@@ -87,16 +91,18 @@ def test_partials_elsewhere_merge_to_the_reference_attention(paged, options):
     k_in, v_in = k, v
   kw = dict(OPTIONS, window_left=None, seqlen_q=seq_q)
   kw.update(options)
-  out_p, lse_p = jax.jit(lambda *a: decode_partials(*a, **kw))(
-      split_kv.pack_query(q, hk), k_in, v_in, table, lengths)
-  assert out_p.shape[1] == kw["num_splits"]
-  out, lse = split_kv.merge_splits(out_p, lse_p, None, seq_q, jnp.float32)
+  sink = jnp.asarray(rng.standard_normal(hk * group), jnp.float32)
+  packed = jax.jit(lambda *a: decode_attention(*a, **kw))(
+      split_kv.pack_query(q, hk), k_in, v_in, table, lengths, sink.reshape(hk, group))
+  assert packed[0].dtype == jnp.bfloat16
+  out, lse = split_kv.unpack(*packed, seq_q)
   f32 = lambda x: x.astype(jnp.float32)
   want, want_lse = kv_cache_attention(
       f32(q), f32(k), f32(v), lengths, causal=kw["window_right"] == 0, softmax_scale=0.125,
       window_size=(kw["window_left"], None if kw["window_right"] == 0 else kw["window_right"]),
-      softcap=kw["softcap"], return_lse=True, implementation="reference")
-  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+      softcap=kw["softcap"], learnable_sink=sink, return_lse=True, implementation="reference")
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), rtol=1e-2,
+                             atol=1e-2)
   np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-5, atol=2e-5)
 
 
@@ -122,10 +128,10 @@ def _random_operands(seed, paged):
   if paged:
     table = jnp.asarray(rng.permutation(PAGES)[:B * MAX_PAGES].reshape(B, MAX_PAGES),
                         jnp.int32)
-    return (normal(B, ROWS, HK, 128), normal(PAGES, PAGE_SIZE, HK, 128),
+    return (normal(B, HK, ROWS, 128), normal(PAGES, PAGE_SIZE, HK, 128),
             normal(PAGES, PAGE_SIZE, HK, 128), table, lengths)
   cap = MAX_PAGES * PAGE_SIZE
-  return (normal(B, ROWS, HK, 128), normal(B, cap, HK, 128), normal(B, cap, HK, 128), None,
+  return (normal(B, HK, ROWS, 128), normal(B, cap, HK, 128), normal(B, cap, HK, 128), None,
           lengths)
 
 
@@ -155,7 +161,7 @@ def test_vmap_of_a_mapped_pool_or_shared_caches_runs_one_call_per_element():
   q, k, v, page_table, lengths = _operands()
   out, _ = jax.eval_shape(jax.vmap(_call(), in_axes=(None, 1, 1, None, None)), q,
                           jnp.stack([k] * 3, 1), jnp.stack([v] * 3, 1), page_table, lengths)
-  assert out.shape == (3, B, SPLITS, ROWS, HK, 128)
+  assert out.shape == (3, B, HK, ROWS, 128)
   jaxpr = jax.make_jaxpr(jax.vmap(_call(), in_axes=(None, 1, 1, None, None)))(
       q, jnp.stack([k] * 3, 1), jnp.stack([v] * 3, 1), page_table, lengths)
   assert _decode_calls(jaxpr.jaxpr) == ([B], [3])
@@ -184,7 +190,7 @@ def test_operands_the_kernel_does_not_take_are_named():
   q, k, v, page_table, lengths = _operands()
   cases = [
       ((q[0], k, v, page_table, lengths), ValueError,
-       "q_packed: expected rank 4 (batch, rows, num_kv_heads, head_dim), got shape (8, 2, 128)"),
+       "q_packed: expected rank 4 (batch, num_kv_heads, rows, head_dim), got shape (2, 8, 128)"),
       ((q, k[:, :, :1], v, page_table, lengths), ValueError,
        "k_pool: shape (10, 16, 1, 128) must end in (num_kv_heads, head_dim) = (2, 128)"),
       ((q, k, v[..., :64], page_table, lengths), ValueError,
@@ -206,11 +212,41 @@ def test_operands_the_kernel_does_not_take_are_named():
       _call()(*args)
 
 
-def test_an_empty_call_has_empty_partials():
-  """Empty extents pass through (the handler writes nothing, or the empty cache's 0 / -inf)."""
+def test_an_empty_call_has_empty_results():
+  """Empty extents pass through (the handler writes nothing)."""
   variant = VARIANT
-  q = jnp.zeros((0, ROWS, HK, 128), jnp.bfloat16)
+  q = jnp.zeros((0, HK, ROWS, 128), jnp.bfloat16)
   out, lse = jax.eval_shape(_call(), q, *_operands(variant)[1:3],
                             jnp.zeros((0, MAX_PAGES), jnp.int32), jnp.zeros((0,), jnp.int32))
-  assert out.shape == (0, SPLITS, ROWS, HK, 128) and lse.shape == (0, SPLITS, HK, ROWS)
+  assert out.shape == (0, HK, ROWS, 128) and lse.shape == (0, HK, ROWS)
   assert np.dtype(lse.dtype) == np.float32
+
+
+def test_an_empty_cache_gives_each_row_its_sink_without_a_kernel_call():
+  """TMA cannot describe an empty pool: such calls are computed in XLA (out 0, lse the sink or
+  -inf), and lower to no custom call."""
+  q, k, v, page_table, lengths = _operands()
+  sink = jnp.asarray(np.arange(HK * 4, dtype=np.float32).reshape(HK, 4))
+  empty = lambda x: x[:0]
+  for args in ((q, empty(k), empty(v), page_table, lengths, sink),
+               (q, k, v, page_table[:, :0], lengths, sink)):
+    out, lse = _call()(*args)
+    assert not np.asarray(out, np.float32).any()
+    np.testing.assert_array_equal(np.asarray(lse), np.tile(np.asarray(sink), (1, 2))[None]
+                                  .repeat(B, 0))
+    text = jax.jit(_call()).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert config.DECODE_TARGET not in text
+  _, lse = _call()(q, empty(k), empty(v), page_table, lengths)
+  assert np.all(np.asarray(lse) == -np.inf)
+
+
+def test_vmap_over_the_sink_runs_one_call_per_element():
+  q, k, v, page_table, lengths = _random_operands(1, paged=True)
+  sinks = jnp.asarray(np.random.default_rng(2).standard_normal((3, HK, 4)), jnp.float32)
+  mapped = jax.vmap(lambda s: _call()(q, k, v, page_table, lengths, s))
+  assert _decode_calls(jax.make_jaxpr(mapped)(sinks).jaxpr) == ([B], [3])
+  out, lse = jax.jit(mapped)(sinks)
+  for i in range(3):
+    want_out, want_lse = jax.jit(_call())(q, k, v, page_table, lengths, sinks[i])
+    np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(want_out))
+    np.testing.assert_array_equal(np.asarray(lse[i]), np.asarray(want_lse))

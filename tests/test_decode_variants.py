@@ -24,12 +24,14 @@ VARIANTS = config.shipped_variants("sm90a", "decode")
 WRAPPER_PARAMETERS = [
     ("Tensor_mQ_t *", "mQ"), ("Tensor_mK_t *", "mK"), ("Tensor_mV_t *", "mV"),
     ("Tensor_mPageTable_t *", "mPageTable"), ("Tensor_mLengths_t *", "mLengths"),
-    ("Tensor_mOPart_t *", "mOPart"), ("Tensor_mLSEPart_t *", "mLSEPart"),
+    ("Tensor_mSink_t *", "mSink"), ("Tensor_mOPart_t *", "mOPart"),
+    ("Tensor_mLSEPart_t *", "mLSEPart"), ("Tensor_mO_t *", "mO"), ("Tensor_mLSE_t *", "mLSE"),
     ("float", "softmax_scale"), ("int32_t", "seqlen_q"), ("int32_t", "window_left"),
     ("int32_t", "window_right"), ("float", "softcap"), ("cudaStream_t", "stream")]
 # Dynamic extents and strides of each exported tensor struct (tensor_args.h's Dense fills them).
 TENSOR_MODES = {"mQ": (3, 2), "mK": (3, 2), "mV": (3, 2), "mPageTable": (2, 1),
-                "mLengths": (1, 0), "mOPart": (4, 3), "mLSEPart": (4, 3)}
+                "mLengths": (1, 0), "mSink": (2, 1), "mOPart": (4, 3), "mLSEPart": (4, 3),
+                "mO": (3, 2), "mLSE": (3, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +59,24 @@ def test_every_decode_variant_exports_the_signature_of_the_glue(exported, varian
     assert (f"int64_t dynamic_strides[{strides}];" in body.group(1)) == (strides > 0), name
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.key)
+def test_every_decode_variant_holds_the_split_kernel_and_the_merge_without_spills(exported,
+                                                                                  variant):
+  """One cubin, two kernels: the splits (TMA copies, WGMMAs) and their merge
+  (kernels/decode_combine.py: warp shuffles, no shared memory)."""
+  sass = exported(variant).sass["main"]
+  parts = {}
+  for name, body in re.findall(r"\.text\.(\S+?):\n(.*?)(?=\.text\.|\Z)", sass, re.S):
+    kind = "combine" if "DecodeCombine" in name else "decode" if "DecodeSm90" in name else name
+    parts[kind] = _sass.opcodes(body)
+  assert set(parts) == {"decode", "combine"}, list(parts)
+  for kind, ops in parts.items():
+    _sass.assert_no_spills(ops, f"{variant.key} {kind}")
+  assert "HGMMA" in parts["decode"] and "UTMALDG" in parts["decode"]
+  assert "SHFL" in parts["combine"] and "HGMMA" not in parts["combine"]
+  assert not {"LDS", "STS", "BAR"} & set(parts["combine"])
+
+
 class _Info(ctypes.Structure):
   _fields_ = [(name, ctypes.c_int32) for name in (
       "direction", "dtype", "head_dim", "head_dim_v", "causal", "deterministic", "tile_m",
@@ -66,7 +86,8 @@ class _Info(ctypes.Structure):
 class _DecodeArgs(ctypes.Structure):
   """kernel_abi.h's JaxflashDecodeArgs."""
   _fields_ = ([(name, ctypes.c_void_p) for name in (
-      "q", "k", "v", "page_table", "lengths", "out_partial", "lse_partial")]
+      "q", "k", "v", "page_table", "lengths", "sink", "out_partial", "lse_partial", "out",
+      "lse")]
               + [(name, ctypes.c_int32) for name in (
                   "batch", "rows", "num_kv_heads", "head_dim", "head_dim_v", "num_pages",
                   "page_size", "max_pages", "num_splits", "seqlen_q")]
@@ -96,8 +117,9 @@ def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(export
   base = (ctypes.addressof(buffer) + 255) // 256 * 256
 
   def call(**changes):
-    fields = dict(q=base, k=base, v=base, page_table=base, lengths=base, out_partial=base,
-                  lse_partial=base, batch=2, rows=8, num_kv_heads=2, head_dim=128,
+    fields = dict(q=base, k=base, v=base, page_table=base, lengths=base, sink=base,
+                  out_partial=base, lse_partial=base, out=base, lse=base, batch=2, rows=8,
+                  num_kv_heads=2, head_dim=128,
                   head_dim_v=128, num_pages=10, page_size=16, max_pages=5, num_splits=3,
                   seqlen_q=2, softmax_scale=0.125, window_left=1 << 30, window_right=0,
                   softcap=0.0)
@@ -107,8 +129,10 @@ def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(export
   refused = [dict(head_dim=64), dict(head_dim_v=64), dict(batch=0), dict(rows=0),
              dict(num_pages=0), dict(page_size=0), dict(max_pages=0), dict(num_splits=0),
              dict(seqlen_q=0), dict(seqlen_q=3), dict(page_size=24), dict(page_size=48),
-             dict(num_splits=65536), dict(batch=40000), dict(q=base + 8), dict(k=base + 4), dict(out_partial=base + 4),
-             dict(lengths=base + 2), dict(page_table=None), dict(lengths=None)]
+             dict(num_splits=65536), dict(batch=40000), dict(q=base + 8), dict(k=base + 4),
+             dict(out_partial=base + 4), dict(out=base + 8), dict(lse=base + 4),
+             dict(lengths=base + 2), dict(sink=base + 2), dict(page_table=None),
+             dict(lengths=None), dict(sink=None)]
   for changes in refused:
     assert call(**changes) == invalid, changes
   if not ffi._cuda_device_present():  # a GPU would launch on these host pointers

@@ -193,7 +193,7 @@ def test_kv_cache_attention_runs_per_shard(results, name):
   assert tuple(r["out_spec"]) == _multidevice.padded_spec(KV_CACHE_CASES[name][0]), r
 
 
-DECODE_CALL_CASES = {  # the kernel path's call (decode_partials), its CPU lowering per shard
+DECODE_CALL_CASES = {  # the kernel path's call (decode_attention), its CPU lowering per shard
     "decode_call_batch": (P("data"), P("data"), False),
     "decode_call_batch_heads": (P("data", None, "model"), P("data", None, "model"), False),
     "decode_call_paged_batch_heads": (P("data", None, "model"), P(None, None, "model"), True),
@@ -352,8 +352,8 @@ def _run_kv_cache_case(q_spec, cache_spec, paged):
 
 
 def _run_decode_call_case(q_spec, cache_spec, paged):
-  """split_kv.kernel_forward's call (decode_partials, then the merge) on bf16 caches; on CPU
-  its partials come from decode_p's XLA lowering."""
+  """split_kv.kernel_forward's call (decode_attention) on bf16 caches with a learnable sink,
+  which shards with the kv heads; on CPU its results come from decode_p's XLA lowering."""
   import jax.numpy as jnp
 
   from jaxflash import split_kv
@@ -361,8 +361,10 @@ def _run_decode_call_case(q_spec, cache_spec, paged):
 
   cfg = AttentionConfig(causal=True, softmax_scale=64 ** -0.5, window_left=20)
 
+  sink = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+
   def attend(q, k_cache, v_cache, lengths, table):
-    return split_kv.kernel_forward(cfg, q, k_cache, v_cache, lengths, table, None, 3)
+    return split_kv.kernel_forward(cfg, q, k_cache, v_cache, lengths, table, sink, 3)
 
   return _run_cache_case(q_spec, cache_spec, paged, attend, jnp.bfloat16, 64, 11)
 

@@ -59,13 +59,15 @@ def test_merge_matches_one_softmax_over_all_keys(with_sink):
     v = rng.standard_normal((keys, hk, d))
     # The merge takes sink logits in float32 (as the public API): these are exact there.
     sink = rng.standard_normal(heads).astype(np.float32).astype(np.float64) if with_sink else None
-    packed = np.asarray(split_kv.pack_query(q, hk))[0]  # (rows, hk, d)
-    out_p = np.zeros((1, splits, rows, hk, d))
+    packed = np.asarray(split_kv.pack_query(q, hk))[0]  # (hk, rows, d)
+    out_p = np.zeros((1, splits, hk, rows, d))
     lse_p = np.zeros((1, splits, hk, rows))
     for h in range(hk):
-      o, l = _partials(keys, splits, packed[:, h], k[:, h], v[:, h], 0.5)
-      out_p[0, :, :, h], lse_p[0, :, h] = o, l
-    out, lse = split_kv.merge_splits(out_p, lse_p, sink, seq_q, np.float64)
+      o, l = _partials(keys, splits, packed[h], k[:, h], v[:, h], 0.5)
+      out_p[0, :, h], lse_p[0, :, h] = o, l
+    merged = split_kv.merge_splits(out_p, lse_p, None if sink is None else sink.reshape(hk, group),
+                                   seq_q)
+    out, lse = split_kv.unpack(*merged, seq_q)
     for i in range(seq_q):
       for head in range(heads):
         s = 0.5 * k[:, head // group] @ q[0, i, head]
@@ -82,7 +84,21 @@ def test_merge_matches_one_softmax_over_all_keys(with_sink):
 
 
 def test_merge_of_rows_without_keys_is_zero_with_lse_minus_inf():
-  out_p = np.full((1, 2, 2, 1, 4), 7.0, np.float32)  # whatever a split left there
+  out_p = np.full((1, 2, 1, 2, 4), 7.0, np.float32)  # whatever a split left there
   lse_p = np.full((1, 2, 1, 2), -np.inf, np.float32)
-  out, lse = split_kv.merge_splits(out_p, lse_p, None, 1, np.float32)
+  out, lse = split_kv.merge_splits(out_p, lse_p, None, 1)
   assert np.all(np.asarray(out) == 0) and np.all(np.asarray(lse) == -np.inf)
+
+
+def test_pack_and_unpack_are_inverse_and_reshapes_at_one_token():
+  x = np.arange(2 * 3 * 8 * 4, dtype=np.float32).reshape(2, 3, 8, 4)  # (b, seq_q, heads, d)
+  packed = np.asarray(split_kv.pack_query(x, 2))
+  assert packed.shape == (2, 2, 12, 4)
+  # Row i * group + j of kv head h: token i of query head h * group + j.
+  np.testing.assert_array_equal(packed[1, 1, 2 * 4 + 3], x[1, 2, 1 * 4 + 3])
+  lse = packed[..., 0]
+  out, lse_out = split_kv.unpack(packed, lse, 3)
+  np.testing.assert_array_equal(np.asarray(out), x)
+  np.testing.assert_array_equal(np.asarray(lse_out), np.swapaxes(x[..., 0], 1, 2))
+  one = x[:, :1]
+  np.testing.assert_array_equal(np.asarray(split_kv.pack_query(one, 2)).ravel(), one.ravel())

@@ -629,10 +629,12 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
 }
 
 // ---------------------------------------------------------------------------------------------
-// Split-KV decode (kernel_abi.h, JaxflashDecodeArgs): q (batch, rows, num_kv_heads, head_dim),
+// Split-KV decode (kernel_abi.h, JaxflashDecodeArgs): q (batch, num_kv_heads, rows, head_dim),
 // k / v pages (num_pages, page_size, num_kv_heads, head_dim[_v]), page_table (batch, max_pages)
-// and lengths (batch,) int32 in; out_partial (batch, num_splits, rows, num_kv_heads, head_dim_v)
-// and lse_partial (batch, num_splits, num_kv_heads, rows) float32 out.
+// and lengths (batch,) int32, sink (num_kv_heads, group) float32 in; out (batch, num_kv_heads,
+// rows, head_dim_v) in q's dtype and lse (batch, num_kv_heads, rows) float32 out, with the
+// scratch out_partial (batch, num_splits, num_kv_heads, rows, head_dim_v) and lse_partial
+// (batch, num_splits, num_kv_heads, rows) float32.
 
 // The decode attributes against the variant library and q's dtype.
 ffi::Error CheckDecodeAttrs(const CallAttrs& a, const JaxflashVariantInfo& info,
@@ -672,17 +674,22 @@ ffi::Error CheckDecodeAttrs(const CallAttrs& a, const JaxflashVariantInfo& info,
 ffi::Error CheckDecodeBuffers(const CallAttrs& a, const JaxflashVariantInfo& info,
                               int32_t seqlen_q, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                               const ffi::AnyBuffer& v, const ffi::AnyBuffer& page_table,
-                              const ffi::AnyBuffer& lengths, const ffi::AnyBuffer& out_partial,
+                              const ffi::AnyBuffer& lengths, const ffi::AnyBuffer& sink,
+                              const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
+                              const ffi::AnyBuffer& out_partial,
                               const ffi::AnyBuffer& lse_partial, JaxflashDecodeArgs* args) {
   struct Named { const char* name; const ffi::AnyBuffer* buffer; size_t rank; const char* layout; };
   for (const Named& n : {
-           Named{"q", &q, 4, "(batch, rows, num_kv_heads, head_dim)"},
+           Named{"q", &q, 4, "(batch, num_kv_heads, rows, head_dim)"},
            Named{"k", &k, 4, "(num_pages, page_size, num_kv_heads, head_dim)"},
            Named{"v", &v, 4, "(num_pages, page_size, num_kv_heads, head_dim_v)"},
            Named{"page_table", &page_table, 2, "(batch, max_pages)"},
            Named{"lengths", &lengths, 1, "(batch,)"},
+           Named{"sink", &sink, 2, "(num_kv_heads, group)"},
+           Named{"out", &out, 4, "(batch, num_kv_heads, rows, head_dim_v)"},
+           Named{"lse", &lse, 3, "(batch, num_kv_heads, rows)"},
            Named{"out_partial", &out_partial, 5,
-                 "(batch, num_splits, rows, num_kv_heads, head_dim_v)"},
+                 "(batch, num_splits, num_kv_heads, rows, head_dim_v)"},
            Named{"lse_partial", &lse_partial, 4, "(batch, num_splits, num_kv_heads, rows)"}}) {
     if (n.buffer->dimensions().size() != n.rank) {
       return Invalid(a, std::string(n.name) + " has shape " + Shape(*n.buffer) +
@@ -702,14 +709,14 @@ ffi::Error CheckDecodeBuffers(const CallAttrs& a, const JaxflashVariantInfo& inf
   if (ffi::Error e = CheckDecodeAttrs(a, info, dtype, seqlen_q); e.failure()) return e;
 
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  const int64_t b = qd[0], rows = qd[1], hk = qd[2];
+  const int64_t b = qd[0], hk = qd[1], rows = qd[2];
   const int64_t pages = kd[0], page_size = kd[1];
   const bool ok_q = qd[3] == a.head_dim;
   const bool ok_k = kd[2] == hk && kd[3] == a.head_dim;
   const bool ok_v = vd[0] == pages && vd[1] == page_size && vd[2] == hk && vd[3] == a.head_dim_v;
   if (!ok_q || !ok_k || !ok_v) {
     return Invalid(a, "q " + Shape(q) + ", k " + Shape(k) + ", v " + Shape(v) +
-                          " do not fit q (batch, rows, num_kv_heads, " +
+                          " do not fit q (batch, num_kv_heads, rows, " +
                           std::to_string(a.head_dim) + "), k (num_pages, page_size, "
                           "num_kv_heads, " + std::to_string(a.head_dim) + "), v (num_pages, "
                           "page_size, num_kv_heads, " + std::to_string(a.head_dim_v) + ")");
@@ -735,9 +742,16 @@ ffi::Error CheckDecodeBuffers(const CallAttrs& a, const JaxflashVariantInfo& inf
   }
   const int64_t max_pages = pd[1];
   if (ffi::Error e = CheckExact(a, "lengths", lengths, {b}, s32); e.failure()) return e;
+  if (ffi::Error e = CheckExact(a, "sink", sink, {hk, rows / seqlen_q}, f32); e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckExact(a, "out", out, {b, hk, rows, a.head_dim_v}, dtype); e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckExact(a, "lse", lse, {b, hk, rows}, f32); e.failure()) return e;
   const int64_t splits = out_partial.dimensions()[1];
   if (ffi::Error e = CheckExact(a, "out_partial", out_partial,
-                                {b, splits, rows, hk, a.head_dim_v}, f32);
+                                {b, splits, hk, rows, a.head_dim_v}, f32);
       e.failure()) {
     return e;
   }
@@ -775,7 +789,9 @@ ffi::Error CheckDecodeBuffers(const CallAttrs& a, const JaxflashVariantInfo& inf
 
 ffi::Error KvCacheAttention(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer q,
                             ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer page_table,
-                            ffi::AnyBuffer lengths, ffi::Result<ffi::AnyBuffer> out_partial,
+                            ffi::AnyBuffer lengths, ffi::AnyBuffer sink,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                            ffi::Result<ffi::AnyBuffer> out_partial,
                             ffi::Result<ffi::AnyBuffer> lse_partial, std::string_view variant,
                             float softmax_scale, int32_t seqlen_q, int32_t window_left,
                             int32_t window_right, float softcap, int32_t head_dim,
@@ -787,19 +803,23 @@ ffi::Error KvCacheAttention(cudaStream_t stream, int32_t device_ordinal, ffi::An
   if (ffi::Error e = FindLibrary(attrs, &library); e.failure()) return e;
   JaxflashDecodeArgs args{};
   if (ffi::Error e = CheckDecodeBuffers(attrs, library->info, seqlen_q, q, k, v, page_table,
-                                        lengths, *out_partial, *lse_partial, &args);
+                                        lengths, sink, *out, *lse, *out_partial, *lse_partial,
+                                        &args);
       e.failure()) {
     return e;
   }
-  // batch, rows, num_kv_heads or num_splits is 0: nothing to write.
-  if (out_partial->element_count() == 0) return ffi::Error::Success();
+  // batch, rows or num_kv_heads is 0: nothing to write.
+  if (out->element_count() == 0) return ffi::Error::Success();
+  if (args.num_splits == 0 || args.num_pages == 0 || args.page_size == 0 ||
+      args.max_pages == 0) {
+    // TMA cannot describe an empty cache; jaxflash computes such calls without the kernel
+    // (jaxflash/decode_kernel.py).
+    return Invalid(attrs, "an empty cache (k " + Shape(k) + ", page_table " +
+                              Shape(page_table) + ") or no split (out_partial " +
+                              Shape(*out_partial) + "): the kernel needs keys to read");
+  }
 
   ScopedStreamDevice device(device_ordinal);
-  if (args.num_pages == 0 || args.page_size == 0 || args.max_pages == 0) {
-    // An empty cache: no sequence has a key.
-    return FillEmptyRows(Where(attrs), stream, *out_partial, *lse_partial, "out_partial",
-                         "lse_partial");
-  }
   args.q = q.untyped_data();
   args.k = k.untyped_data();
   args.v = v.untyped_data();
@@ -807,6 +827,9 @@ ffi::Error KvCacheAttention(cudaStream_t stream, int32_t device_ordinal, ffi::An
   args.lengths = static_cast<const int32_t*>(lengths.untyped_data());
   args.out_partial = static_cast<float*>(out_partial->untyped_data());
   args.lse_partial = static_cast<float*>(lse_partial->untyped_data());
+  args.sink = static_cast<const float*>(sink.untyped_data());
+  args.out = out->untyped_data();
+  args.lse = static_cast<float*>(lse->untyped_data());
   args.softmax_scale = softmax_scale;
   args.window_left = window_left;
   args.window_right = window_right;
@@ -928,12 +951,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream XLA runs this call on
         .Ctx<ffi::DeviceOrdinal>()                 // the device of that stream
-        .Arg<ffi::AnyBuffer>()                     // q  (batch, rows, num_kv_heads, head_dim)
+        .Arg<ffi::AnyBuffer>()                     // q  (batch, num_kv_heads, rows, head_dim)
         .Arg<ffi::AnyBuffer>()                     // k  (num_pages, page_size, kv_heads, head_dim)
         .Arg<ffi::AnyBuffer>()                     // v  (num_pages, page_size, kv_heads, dv)
         .Arg<ffi::AnyBuffer>()                     // page_table (batch, max_pages) int32
         .Arg<ffi::AnyBuffer>()                     // lengths    (batch,) int32
-        .Ret<ffi::AnyBuffer>()                     // out_partial (batch, splits, rows, hk, dv) f32
+        .Arg<ffi::AnyBuffer>()                     // sink       (num_kv_heads, group) f32
+        .Ret<ffi::AnyBuffer>()                     // out (batch, num_kv_heads, rows, dv), q's dtype
+        .Ret<ffi::AnyBuffer>()                     // lse (batch, num_kv_heads, rows) f32
+        .Ret<ffi::AnyBuffer>()                     // out_partial (batch, splits, hk, rows, dv) f32
         .Ret<ffi::AnyBuffer>()                     // lse_partial (batch, splits, hk, rows) f32
         .Attr<std::string_view>("variant")         // KernelVariant.key of the kernel to run
         .Attr<float>("softmax_scale")              // multiplies q.k before the softmax

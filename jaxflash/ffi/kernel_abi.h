@@ -7,7 +7,7 @@
 
 #include <stdint.h>
 
-#define JAXFLASH_KERNEL_ABI_VERSION 10
+#define JAXFLASH_KERNEL_ABI_VERSION 11
 
 #ifdef __cplusplus
 extern "C" {
@@ -140,9 +140,9 @@ typedef struct {
 } JaxflashBwdArgs;
 
 // Split-KV decode call (jaxflash/ffi/variant_decode.cc): the query rows of each (batch, kv head)
-// against one split of that sequence's keys per CTA, keys read through a page table. Tensors
-// are dense row-major:
-//   q           (batch, rows, num_kv_heads, head_dim)   fp16/bf16; rows = seqlen_q * group (group
+// against one split of that sequence's keys per CTA, keys read through a page table, then the
+// merge of each row's splits. Tensors are dense row-major:
+//   q           (batch, num_kv_heads, rows, head_dim)   fp16/bf16; rows = seqlen_q * group (group
 //               = query heads per kv head): row i * group + j is query token i of query head
 //               kv * group + j
 //   k           (num_pages, page_size, num_kv_heads, head_dim)    same dtype as q; a contiguous
@@ -153,23 +153,32 @@ typedef struct {
 //               every page that holds a key below lengths[b]
 //   lengths     (batch,) int32: valid keys per sequence; the kernel clamps them to
 //               [0, max_pages * page_size]
-//   out_partial (batch, num_splits, rows, num_kv_heads, head_dim_v) float32: each split's
-//               attention output over its keys
-//   lse_partial (batch, num_splits, num_kv_heads, rows) float32: each split's log-sum-exp of the
-//               scaled (and soft-capped) scores, natural log; -inf, with out_partial 0, for a
-//               split in which a row sees no key
+//   sink        (num_kv_heads, group) float32: the learnable sink of query head kv * group + j,
+//               one more logit in its rows' softmax with no value; -inf: none
+//   out_partial (batch, num_splits, num_kv_heads, rows, head_dim_v) float32, scratch: each
+//               split's attention output over its keys
+//   lse_partial (batch, num_splits, num_kv_heads, rows) float32, scratch: each split's
+//               log-sum-exp of the scaled (and soft-capped) scores, natural log; -inf, with
+//               out_partial 0, for a split in which a row sees no key
+//   out         (batch, num_kv_heads, rows, head_dim_v) q's dtype: the attention output
+//   lse         (batch, num_kv_heads, rows) float32: its log-sum-exp, the sink included; a
+//               row with no key outputs 0 and lse -inf (or its sink)
 // How a sequence's keys divide into the num_splits splits is the kernel's
-// (kernels/decode_sm90.py); the caller combines the splits by their lse. Query token i of
-// sequence b sits at position lengths[b] - seqlen_q + i and sees key j < lengths[b] iff
-// position - window_left <= j <= position + window_right.
+// (kernels/decode_sm90.py); a second kernel of the call merges them through their lse
+// (kernels/decode_combine.py). Query token i of sequence b sits at position lengths[b] -
+// seqlen_q + i and sees key j < lengths[b] iff position - window_left <= j <= position +
+// window_right.
 typedef struct {
   const void* q;
   const void* k;
   const void* v;
   const int32_t* page_table;
   const int32_t* lengths;
+  const float* sink;
   float* out_partial;
   float* lse_partial;
+  void* out;
+  float* lse;
   int32_t batch, rows, num_kv_heads, head_dim, head_dim_v, num_pages, page_size, max_pages,
       num_splits, seqlen_q;
   float softmax_scale;

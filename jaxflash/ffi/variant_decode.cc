@@ -24,11 +24,15 @@ using TensorK = JF_NAME(_Tensor_mK_t);
 using TensorV = JF_NAME(_Tensor_mV_t);
 using TensorPageTable = JF_NAME(_Tensor_mPageTable_t);
 using TensorLengths = JF_NAME(_Tensor_mLengths_t);
+using TensorSink = JF_NAME(_Tensor_mSink_t);
 using TensorOPart = JF_NAME(_Tensor_mOPart_t);
 using TensorLsePart = JF_NAME(_Tensor_mLSEPart_t);
+using TensorO = JF_NAME(_Tensor_mO_t);
+using TensorLse = JF_NAME(_Tensor_mLSE_t);
 
 // q, k, v: 3 dynamic extents and 2 dynamic strides each; the others are checked by Dense against
-// the extents it fills (page_table 2 / 1, lengths 1 / 0, out_partial and lse_partial 4 / 3).
+// the extents it fills (page_table and sink 2 / 1, lengths 1 / 0, out_partial and lse_partial
+// 4 / 3, out and lse 3 / 2).
 static_assert(kSignatureMatches<TensorQ> && kSignatureMatches<TensorK> &&
                   kSignatureMatches<TensorV>,
               "exported tensor structs do not match jaxflash.kernels.compile.decode_signature");
@@ -66,12 +70,14 @@ int32_t Validate(const JaxflashDecodeArgs* a) {
       static_cast<int64_t>(a->batch) * a->num_kv_heads > kMaxGridYZ) {
     return kInvalid;
   }
-  // TMA needs 16-byte aligned global addresses (q, k, v); the float32 partials are 16-byte
-  // aligned as every XLA buffer is; the int32 page table and lengths are read as scalars.
+  // TMA needs 16-byte aligned global addresses (q, k, v); the outputs and float32 partials
+  // are 16-byte aligned as every XLA buffer is; the int32 page table and lengths and the sink
+  // are read as scalars.
   if (!Aligned(a->q, 16) || !Aligned(a->k, 16) || !Aligned(a->v, 16) ||
-      !Aligned(a->out_partial, 16) || !Aligned(a->lse_partial, 16) ||
-      !Aligned(a->page_table, 4) || !Aligned(a->lengths, 4) || a->page_table == nullptr ||
-      a->lengths == nullptr) {
+      !Aligned(a->out_partial, 16) || !Aligned(a->lse_partial, 16) || !Aligned(a->out, 16) ||
+      !Aligned(a->lse, 16) || !Aligned(a->page_table, 4) || !Aligned(a->lengths, 4) ||
+      !Aligned(a->sink, 4) || a->page_table == nullptr || a->lengths == nullptr ||
+      a->sink == nullptr) {
     return kInvalid;
   }
   return 0;
@@ -97,16 +103,20 @@ JF_EXPORT int32_t jaxflash_variant_decode(const JaxflashDecodeArgs* args, void* 
   const int32_t b = args->batch, rows = args->rows, hk = args->num_kv_heads;
   const int32_t pages = args->num_pages, page_size = args->page_size;
   const int32_t splits = args->num_splits;
-  TensorQ q = Dense<TensorQ>(args->q, {b, rows, hk}, JAXFLASH_HEAD_DIM);
+  TensorQ q = Dense<TensorQ>(args->q, {b, hk, rows}, JAXFLASH_HEAD_DIM);
   TensorK k = Dense<TensorK>(args->k, {pages, page_size, hk}, JAXFLASH_HEAD_DIM);
   TensorV v = Dense<TensorV>(args->v, {pages, page_size, hk}, JAXFLASH_HEAD_DIM_V);
   TensorPageTable page_table = Dense<TensorPageTable>(args->page_table, {b, args->max_pages});
   TensorLengths lengths = Dense<TensorLengths>(args->lengths, {b});
-  TensorOPart o_part = Dense<TensorOPart>(args->out_partial, {b, splits, rows, hk},
+  TensorSink sink = Dense<TensorSink>(args->sink, {hk, rows / args->seqlen_q});
+  TensorOPart o_part = Dense<TensorOPart>(args->out_partial, {b, splits, hk, rows},
                                           JAXFLASH_HEAD_DIM_V);
   TensorLsePart lse_part = Dense<TensorLsePart>(args->lse_partial, {b, splits, hk, rows});
-  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &page_table, &lengths, &o_part,
-                                          &lse_part, args->softmax_scale, args->seqlen_q,
+  TensorO out = Dense<TensorO>(args->out, {b, hk, rows}, JAXFLASH_HEAD_DIM_V);
+  TensorLse lse = Dense<TensorLse>(args->lse, {b, hk, rows});
+  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &page_table, &lengths, &sink,
+                                          &o_part, &lse_part, &out, &lse,
+                                          args->softmax_scale, args->seqlen_q,
                                           args->window_left, args->window_right, args->softcap,
                                           static_cast<cudaStream_t>(stream));
 }

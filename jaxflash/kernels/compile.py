@@ -175,49 +175,57 @@ def fp8_fwd_signature(variant: config.KernelVariant):
 
 
 def decode_signature(variant: config.KernelVariant):
-  """Fake (q, k, v, page_table, lengths, out_partial, lse_partial) tensors of the split-KV
-  decode kernel (kernel_abi.h, JaxflashDecodeArgs); shapes dynamic, head dims static:
+  """Fake (q, k, v, page_table, lengths, sink, out_partial, lse_partial, out, lse) tensors of
+  the split-KV decode call (kernel_abi.h, JaxflashDecodeArgs); shapes dynamic, head dims
+  static:
 
-    q           (batch, rows, num_kv_heads, d)              fp16/bf16
+    q           (batch, num_kv_heads, rows, d)              fp16/bf16
     k           (num_pages, page_size, num_kv_heads, d)     same dtype
     v           (num_pages, page_size, num_kv_heads, dv)    same dtype
     page_table  (batch, max_pages)                          int32
     lengths     (batch,)                                    int32
-    out_partial (batch, num_splits, rows, num_kv_heads, dv) float32
+    sink        (num_kv_heads, group)                       float32
+    out_partial (batch, num_splits, num_kv_heads, rows, dv) float32
     lse_partial (batch, num_splits, num_kv_heads, rows)     float32
+    out         (batch, num_kv_heads, rows, dv)             q's dtype
+    lse         (batch, num_kv_heads, rows)                 float32
 
   Extents that must be equal share one SymInt (batch, rows, num_kv_heads, num_splits, and
   num_pages / page_size of k and v). page_size may be any size with one page per sequence (a
   contiguous cache), else a power of two from 16 (the glue checks it). Every tensor is dense
-  row-major with a unit last stride; its other strides are 64-bit SymInts in mode order, but that of the kv-head mode before a static head dim, which is the head dim
-  (the C glue's Dense fills them so). q, k, v and the float32 partials are 16-byte aligned,
-  the page table and lengths 4-byte.
+  row-major with a unit last stride; its other strides are 64-bit SymInts in mode order, but
+  that of the mode before a static head dim, which is the head dim (the C glue's Dense fills
+  them so). q, k, v, the outputs and the float32 partials are 16-byte aligned, the page table,
+  lengths and sink 4-byte.
   """
   dtype = DTYPES[variant.dtype]
   d, dv = variant.head_dim, variant.head_dim_v
   batch, rows, num_kv_heads = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
   num_pages, page_size = cute.sym_int32(), cute.sym_int32()
-  max_pages, num_splits = cute.sym_int32(), cute.sym_int32()
+  max_pages, num_splits, group = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
 
   def dense(shape, inner, dt, align):
     """Dense row-major: dynamic strides for the leading modes, `inner` (a static head dim, or
     1) for the last dynamic one, 1 for the last."""
     if inner == 1:  # the last mode is a dynamic extent with a unit stride
       strides = tuple(cute.sym_int64() for _ in shape[:-1]) + (1,)
-    else:  # (..., kv heads, head dim)
+    else:  # (..., rows or kv heads, head dim)
       strides = tuple(cute.sym_int64(divisibility=inner) for _ in shape[:-2]) + (inner, 1)
     return make_fake_tensor(dt, shape, strides, assumed_align=align)
 
-  q = dense((batch, rows, num_kv_heads, d), d, dtype, _ASSUMED_ALIGN)
+  q = dense((batch, num_kv_heads, rows, d), d, dtype, _ASSUMED_ALIGN)
   k = dense((num_pages, page_size, num_kv_heads, d), d, dtype, _ASSUMED_ALIGN)
   v = dense((num_pages, page_size, num_kv_heads, dv), dv, dtype, _ASSUMED_ALIGN)
   page_table = dense((batch, max_pages), 1, cutlass.Int32, 4)
   lengths = make_fake_tensor(cutlass.Int32, (batch,), (1,), assumed_align=4)
-  out_partial = dense((batch, num_splits, rows, num_kv_heads, dv), dv, cutlass.Float32,
+  sink = dense((num_kv_heads, group), 1, cutlass.Float32, 4)
+  out_partial = dense((batch, num_splits, num_kv_heads, rows, dv), dv, cutlass.Float32,
                       _ASSUMED_ALIGN)
   lse_partial = dense((batch, num_splits, num_kv_heads, rows), 1, cutlass.Float32,
                       _ASSUMED_ALIGN)
-  return q, k, v, page_table, lengths, out_partial, lse_partial
+  out = dense((batch, num_kv_heads, rows, dv), dv, dtype, _ASSUMED_ALIGN)
+  lse = dense((batch, num_kv_heads, rows), 1, cutlass.Float32, _ASSUMED_ALIGN)
+  return q, k, v, page_table, lengths, sink, out_partial, lse_partial, out, lse
 
 
 def _checked(variant: config.KernelVariant, kernel_class) -> config.KernelVariant:

@@ -15,6 +15,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash import config
 from jaxflash.kernels import sm90_gemm
+from jaxflash.kernels.decode_combine import DecodeCombine
 from jaxflash.kernels import softmax
 from jaxflash.kernels.fwd_sm90 import FlashAttentionForwardSm90, _Consumer
 
@@ -57,8 +58,9 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
   takes rows [64 m_block, 64 m_block + 64) and the split-th of num_splits equal runs of the key
   blocks the rows can see (from the sequence's length, read at run time, so work and bytes
   follow the valid lengths); it writes its rows' partial output (normalised over its keys) and
-  lse in float32, which the caller merges over the splits through the lse (the learnable sink
-  joins there). A split with no key writes 0 and lse -inf.
+  lse in float32 (a split with no key writes 0 and lse -inf); a second kernel of the same call
+  (DecodeCombine) merges each row's splits through their lse, with the learnable sink, into
+  the output in the query dtype and its lse.
 
   Keys are read through a page table: logical key p of sequence b is row p % page_size of page
   page_table[b, p / page_size] of the pool (a contiguous cache is a pool of `batch` pages of
@@ -145,13 +147,16 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
   @cute.jit
   def __call__(
       self,
-      mQ: cute.Tensor,  # (batch, rows, num_kv_heads, head_dim): rows = seqlen_q * group
+      mQ: cute.Tensor,  # (batch, num_kv_heads, rows, head_dim): rows = seqlen_q * group
       mK: cute.Tensor,  # (num_pages, page_size, num_kv_heads, head_dim)
       mV: cute.Tensor,  # (num_pages, page_size, num_kv_heads, head_dim_v)
       mPageTable: cute.Tensor,  # (batch, max_pages) int32
       mLengths: cute.Tensor,  # (batch,) int32 valid keys per sequence
-      mOPart: cute.Tensor,  # (batch, num_splits, rows, num_kv_heads, head_dim_v) float32
+      mSink: cute.Tensor,  # (num_kv_heads, group) float32 learnable sinks (-inf: none)
+      mOPart: cute.Tensor,  # (batch, num_splits, num_kv_heads, rows, head_dim_v) float32
       mLSEPart: cute.Tensor,  # (batch, num_splits, num_kv_heads, rows) float32
+      mO: cute.Tensor,  # (batch, num_kv_heads, rows, head_dim_v) in q's dtype
+      mLSE: cute.Tensor,  # (batch, num_kv_heads, rows) float32
       softmax_scale: Float32,
       seqlen_q: Int32,  # query tokens per sequence (rows / group)
       window_left: Int32,  # keys visible left of a query's position (config.WINDOW_UNBOUNDED)
@@ -161,11 +166,14 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
   ):
     if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == self.dtype)):
       raise TypeError(f"q, k and v must all be {self.dtype}")
-    if const_expr(mOPart.element_type != Float32 or mLSEPart.element_type != Float32):
-      raise TypeError("the partial out and lse must be Float32")
+    if const_expr(mOPart.element_type != Float32 or mLSEPart.element_type != Float32
+                  or mLSE.element_type != Float32 or mSink.element_type != Float32):
+      raise TypeError("the partial out and lse, the lse and the sink must be Float32")
+    if const_expr(mO.element_type != self.dtype):
+      raise TypeError(f"out must be {self.dtype}")
     self._setup_attributes()
     # Kernel order puts the tile modes first.
-    mQ = _select(mQ, [1, 3, 2, 0])  # (rows, head_dim, kv heads, batch)
+    mQ = _select(mQ, [2, 3, 1, 0])  # (rows, head_dim, kv heads, batch)
     mK = _select(mK, [1, 3, 2, 0])  # (page_size, head_dim, kv heads, pages)
     mVt = _select(mV, [3, 1, 2, 0])  # (head_dim_v, page_size, kv heads, pages)
     load_op = cpasync.CopyBulkTensorTileG2SOp()
@@ -190,6 +198,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
         self.sQ_layout, self.sK_layout, self.sV_layout,
         self.tiled_mma_qk, self.tiled_mma_pv,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+    DecodeCombine(self.dtype, self.head_dim_v)(mOPart, mLSEPart, mSink, mO, mLSE, stream)
 
   @cute.kernel
   def kernel(
@@ -541,7 +550,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
         if tOcO_mn[0, 0][1] == 0:
           mLSEPart[batch, split, head_kv, row] = lse[i]
         for j in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
-          mOPart[batch, split, row, head_kv, tOcO_mn[i, j][1]] = acc_o_mn[i, j] * row_inv[i]
+          mOPart[batch, split, head_kv, row, tOcO_mn[i, j][1]] = acc_o_mn[i, j] * row_inv[i]
 
 
 @dataclasses.dataclass(frozen=True)
