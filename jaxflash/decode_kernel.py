@@ -83,8 +83,8 @@ def decode_attention(q_packed, k_pool, v_pool, page_table, lengths, sink=None, *
   _check(q_packed, k_pool, v_pool, page_table, lengths, variant, seqlen_q, num_splits)
   b, hk, rows, _ = q_packed.shape
   group = rows // seqlen_q
-  if sink is None:  # a constant of the program: no kernel fills it at run time
-    sink = np.full((hk, group), -np.inf, np.float32)
+  if sink is None:  # empty: no kernel fills it at run time
+    sink = np.zeros((hk, 0), np.float32)
   elif tuple(np.shape(sink)) != (hk, group) or np.dtype(sink.dtype) != np.float32:
     raise ValueError(f"sink: expected float32 of shape {(hk, group)} (num_kv_heads, group), "
                      f"got {np.dtype(sink.dtype).name} {tuple(np.shape(sink))}")
@@ -94,8 +94,9 @@ def decode_attention(q_packed, k_pool, v_pool, page_table, lengths, sink=None, *
                      f"{tuple(np.shape(k_pool))}")
   if 0 in (np.shape(k_pool)[0], np.shape(k_pool)[1], np.shape(page_table)[1]):
     # No key anywhere (TMA cannot describe an empty cache): each row is its sink.
-    lse = jnp.broadcast_to(jnp.asarray(sink, jnp.float32)[None], (b, hk, group))
-    lse = jnp.tile(lse, (1, 1, seqlen_q))
+    lse = jnp.full((b, hk, rows), -jnp.inf, jnp.float32)
+    if sink.shape[1]:
+      lse = jnp.tile(jnp.asarray(sink, jnp.float32)[None], (b, 1, seqlen_q))
     return jnp.zeros((b, hk, rows, variant.head_dim_v), q_packed.dtype), lse
   params = dict(variant=variant, softmax_scale=float(softmax_scale), seqlen_q=int(seqlen_q),
                 window_left=None if window_left is None else int(window_left),
@@ -188,6 +189,8 @@ def _reference(q, k, v, page_table, lengths, sink, *, variant, softmax_scale, se
   tile_m, tile_n = variant.schedule.tile_m, variant.schedule.tile_n
   b, hk, rows, d = q.shape
   num_pages, page_size = k.shape[:2]
+  if page_table.shape[1] == 0:  # contiguous caches: sequence b is page b
+    page_table = jnp.arange(b, dtype=jnp.int32)[:, None]
   capacity = page_table.shape[1] * page_size
   length = jnp.clip(lengths, 0, capacity)[:, None]  # (b, 1)
   pages = jnp.clip(page_table, 0, num_pages - 1)
@@ -227,7 +230,8 @@ def _reference(q, k, v, page_table, lengths, sink, *, variant, softmax_scale, se
   out_partial = jnp.where(total[..., None] > 0,
                           out_partial / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
   lse_partial = jnp.where(total > 0, top + jnp.log(total), -jnp.inf)
-  out, lse = split_kv.merge_splits(out_partial, lse_partial, sink, seqlen_q)
+  out, lse = split_kv.merge_splits(out_partial, lse_partial, sink if sink.shape[1] else None,
+                                   seqlen_q)
   return out.astype(q.dtype), lse, out_partial, lse_partial
 
 
@@ -273,7 +277,8 @@ def _partitioned(static):
 
   def impl(static, q, k, v, lengths, sink, *page_table):
     del static
-    table = page_table[0] if paged else jnp.arange(q.shape[0], dtype=jnp.int32)[:, None]
+    # Contiguous caches: a table of no column (sequence b is page b), which nothing fills.
+    table = page_table[0] if paged else jnp.zeros((q.shape[0], 0), jnp.int32)
     return compute(q, k, v, table, lengths, sink)
 
   def partition(static, mesh, arg_shapes, result_shapes):

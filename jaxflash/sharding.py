@@ -335,8 +335,8 @@ def decode_partition(paged: bool, mesh, arg_shapes,
   Batch: q's batch axes, else (contiguous caches) the cache's; kv heads: q's kv-head axes,
   else the cache's, those not used by batch; trailing axes drop until their size divides
   batch / kv heads. Everything else is gathered. `compute(q, k, v, page_table, lengths, sink)`
-  runs one shard; for contiguous caches each shard's page table is its own sequences, page
-  b = b.
+  runs one shard; for contiguous caches the page table has no column (each shard's sequence b
+  is its page b).
   """
   mesh_shape = dict(mesh.shape)
   q, k = arg_shapes[:2]
@@ -355,8 +355,8 @@ def decode_partition(paged: bool, mesh, arg_shapes,
   results = (PartitionSpec(b, h, None, None), PartitionSpec(b, h, None))
 
   def per_shard(q, k, v, lengths, sink, *page_table):
-    if not paged:
-      page_table = (jnp.arange(q.shape[0], dtype=jnp.int32)[:, None],)
+    if not paged:  # a table of no column: sequence b is page b of the shard's caches
+      page_table = (jnp.zeros((q.shape[0], 0), jnp.int32),)
     return tuple(compute(q, k, v, *page_table, lengths, sink))
 
   return _named(mesh, args), _named(mesh, results), per_shard

@@ -50,10 +50,11 @@ def test_cuda_lowering_is_the_decode_custom_call_with_typed_attributes():
                     "softmax_scale = 1.250000e-01 : f32", "head_dim = 128 : i32",
                     "head_dim_v = 128 : i32"):
     assert attribute in calls[0], attribute
-  # Operands q, k, v, page table, lengths, sink; results out, lse and the float32 partials.
+  # Operands q, k, v, page table, lengths, sink (none: empty); results out, lse and the
+  # float32 partials.
   assert re.search(r"\(tensor<2x2x8x128xbf16>, tensor<10x16x2x128xbf16>, "
                    r"tensor<10x16x2x128xbf16>, tensor<2x5xi32>, tensor<2xi32>, "
-                   r"tensor<2x4xf32>\) -> \(tensor<2x2x8x128xbf16>, tensor<2x2x8xf32>, "
+                   r"tensor<2x0xf32>\) -> \(tensor<2x2x8x128xbf16>, tensor<2x2x8xf32>, "
                    r"tensor<2x3x2x8x128xf32>, tensor<2x3x2x8xf32>\)", calls[0]), calls[0]
 
 
@@ -250,3 +251,14 @@ def test_vmap_over_the_sink_runs_one_call_per_element():
     want_out, want_lse = jax.jit(_call())(q, k, v, page_table, lengths, sinks[i])
     np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(want_out))
     np.testing.assert_array_equal(np.asarray(lse[i]), np.asarray(want_lse))
+
+
+def test_contiguous_caches_and_no_sink_lower_without_a_kernel_filling_them():
+  """Contiguous caches pass a page table of no column (sequence b is page b) and no sink an
+  empty one: neither needs an XLA kernel before the call."""
+  q, k, v, _, lengths = _random_operands(0, paged=False)
+  text = jax.jit(_call()).trace(q, k, v, None, lengths).lower(
+      lowering_platforms=("cuda",)).as_text()
+  call = next(line for line in text.splitlines() if "stablehlo.custom_call" in line)
+  assert "tensor<2x0xi32>, tensor<2xi32>, tensor<2x0xf32>) ->" in call, call
+  assert "iota" not in text

@@ -127,15 +127,18 @@ def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(export
     return lib.jaxflash_variant_decode(ctypes.byref(_DecodeArgs(**fields)), None)
 
   refused = [dict(head_dim=64), dict(head_dim_v=64), dict(batch=0), dict(rows=0),
-             dict(num_pages=0), dict(page_size=0), dict(max_pages=0), dict(num_splits=0),
+             dict(num_pages=0), dict(page_size=0), dict(max_pages=-1), dict(num_splits=0),
+             dict(max_pages=0, num_pages=1),  # contiguous: one page per sequence
              dict(seqlen_q=0), dict(seqlen_q=3), dict(page_size=24), dict(page_size=48),
              dict(num_splits=65536), dict(batch=40000), dict(q=base + 8), dict(k=base + 4),
              dict(out_partial=base + 4), dict(out=base + 8), dict(lse=base + 4),
              dict(lengths=base + 2), dict(sink=base + 2), dict(page_table=None),
-             dict(lengths=None), dict(sink=None)]
+             dict(lengths=None)]
   for changes in refused:
     assert call(**changes) == invalid, changes
   if not ffi._cuda_device_present():  # a GPU would launch on these host pointers
     # What passes validation goes on to the module load, which needs a GPU.
-    status = call(page_table=base + 4, lengths=base + 4)
-    assert status != invalid and status != 0
+    for changes in (dict(page_table=base + 4, lengths=base + 4),
+                    dict(max_pages=0, page_table=None, sink=None)):  # contiguous, no sink
+      status = call(**changes)
+      assert status != invalid and status != 0, changes

@@ -194,9 +194,11 @@ def test_kv_cache_attention_runs_per_shard(results, name):
 
 
 DECODE_CALL_CASES = {  # the kernel path's call (decode_attention), its CPU lowering per shard
-    "decode_call_batch": (P("data"), P("data"), False),
-    "decode_call_batch_heads": (P("data", None, "model"), P("data", None, "model"), False),
-    "decode_call_paged_batch_heads": (P("data", None, "model"), P(None, None, "model"), True),
+    "decode_call_batch": (P("data"), P("data"), False, False),
+    "decode_call_batch_heads_sink": (P("data", None, "model"), P("data", None, "model"), False,
+                                     True),
+    "decode_call_paged_batch_heads_sink": (P("data", None, "model"), P(None, None, "model"),
+                                           True, True),
 }
 
 
@@ -351,9 +353,9 @@ def _run_kv_cache_case(q_spec, cache_spec, paged):
   return _run_cache_case(q_spec, cache_spec, paged, attend, np.float64, 16, 10)
 
 
-def _run_decode_call_case(q_spec, cache_spec, paged):
-  """split_kv.kernel_forward's call (decode_attention) on bf16 caches with a learnable sink,
-  which shards with the kv heads; on CPU its results come from decode_p's XLA lowering."""
+def _run_decode_call_case(q_spec, cache_spec, paged, with_sink):
+  """split_kv.kernel_forward's call (decode_attention) on bf16 caches, with_sink a learnable
+  sink, which shards with the kv heads; on CPU its results come from decode_p's XLA lowering."""
   import jax.numpy as jnp
 
   from jaxflash import split_kv
@@ -361,7 +363,7 @@ def _run_decode_call_case(q_spec, cache_spec, paged):
 
   cfg = AttentionConfig(causal=True, softmax_scale=64 ** -0.5, window_left=20)
 
-  sink = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+  sink = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32) if with_sink else None
 
   def attend(q, k_cache, v_cache, lengths, table):
     return split_kv.kernel_forward(cfg, q, k_cache, v_cache, lengths, table, sink, 3)

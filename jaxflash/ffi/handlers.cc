@@ -736,13 +736,20 @@ ffi::Error CheckDecodeBuffers(const CallAttrs& a, const JaxflashVariantInfo& inf
   // Pages smaller than a key block go in boxes of 16 rows, which must not straddle pages, and
   // a key block must start at a page boundary: powers of two from 16 (a single page, e.g. a
   // contiguous cache, may have any size).
-  if ((page_size < 16 || (page_size & (page_size - 1)) != 0) && pd[1] != 1) {
+  if ((page_size < 16 || (page_size & (page_size - 1)) != 0) && pd[1] > 1) {
     return Invalid(a, "k has page_size " + std::to_string(page_size) + " (dim 1), expected a "
                           "power of two >= 16 when page_table has more than one column");
   }
   const int64_t max_pages = pd[1];
+  // No page-table column: contiguous caches, sequence b in page b.
+  if (max_pages == 0 && pages != b) {
+    return Invalid(a, "page_table " + Shape(page_table) + " has no column (contiguous caches) "
+                          "but k " + Shape(k) + " does not hold one page per sequence");
+  }
   if (ffi::Error e = CheckExact(a, "lengths", lengths, {b}, s32); e.failure()) return e;
-  if (ffi::Error e = CheckExact(a, "sink", sink, {hk, rows / seqlen_q}, f32); e.failure()) {
+  // No sink: (num_kv_heads, 0).
+  const int64_t sink_group = sink.element_count() == 0 ? 0 : rows / seqlen_q;
+  if (ffi::Error e = CheckExact(a, "sink", sink, {hk, sink_group}, f32); e.failure()) {
     return e;
   }
   if (ffi::Error e = CheckExact(a, "out", out, {b, hk, rows, a.head_dim_v}, dtype); e.failure()) {
@@ -810,8 +817,7 @@ ffi::Error KvCacheAttention(cudaStream_t stream, int32_t device_ordinal, ffi::An
   }
   // batch, rows or num_kv_heads is 0: nothing to write.
   if (out->element_count() == 0) return ffi::Error::Success();
-  if (args.num_splits == 0 || args.num_pages == 0 || args.page_size == 0 ||
-      args.max_pages == 0) {
+  if (args.num_splits == 0 || args.num_pages == 0 || args.page_size == 0) {
     // TMA cannot describe an empty cache; jaxflash computes such calls without the kernel
     // (jaxflash/decode_kernel.py).
     return Invalid(attrs, "an empty cache (k " + Shape(k) + ", page_table " +
@@ -827,7 +833,7 @@ ffi::Error KvCacheAttention(cudaStream_t stream, int32_t device_ordinal, ffi::An
   args.lengths = static_cast<const int32_t*>(lengths.untyped_data());
   args.out_partial = static_cast<float*>(out_partial->untyped_data());
   args.lse_partial = static_cast<float*>(lse_partial->untyped_data());
-  args.sink = static_cast<const float*>(sink.untyped_data());
+  args.sink = sink.element_count() == 0 ? nullptr : static_cast<const float*>(sink.untyped_data());
   args.out = out->untyped_data();
   args.lse = static_cast<float*>(lse->untyped_data());
   args.softmax_scale = softmax_scale;
@@ -954,9 +960,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // q  (batch, num_kv_heads, rows, head_dim)
         .Arg<ffi::AnyBuffer>()                     // k  (num_pages, page_size, kv_heads, head_dim)
         .Arg<ffi::AnyBuffer>()                     // v  (num_pages, page_size, kv_heads, dv)
-        .Arg<ffi::AnyBuffer>()                     // page_table (batch, max_pages) int32
+        .Arg<ffi::AnyBuffer>()                     // page_table (batch, max_pages) int32; no
+                                                   // column: contiguous caches
         .Arg<ffi::AnyBuffer>()                     // lengths    (batch,) int32
-        .Arg<ffi::AnyBuffer>()                     // sink       (num_kv_heads, group) f32
+        .Arg<ffi::AnyBuffer>()                     // sink (num_kv_heads, group or 0: none) f32
         .Ret<ffi::AnyBuffer>()                     // out (batch, num_kv_heads, rows, dv), q's dtype
         .Ret<ffi::AnyBuffer>()                     // lse (batch, num_kv_heads, rows) f32
         .Ret<ffi::AnyBuffer>()                     // out_partial (batch, splits, hk, rows, dv) f32

@@ -146,15 +146,15 @@ typedef struct {
 //               = query heads per kv head): row i * group + j is query token i of query head
 //               kv * group + j
 //   k           (num_pages, page_size, num_kv_heads, head_dim)    same dtype as q; a contiguous
-//               cache is num_pages = batch, page_size = its length, page_table[b] = {b}
+//               cache is num_pages = batch, page_size = its length, max_pages = 0
 //   v           (num_pages, page_size, num_kv_heads, head_dim_v)  same dtype as q
 //   page_table  (batch, max_pages) int32: key position p of sequence b is row p % page_size of
-//               page page_table[b, p / page_size]; entries must lie in [0, num_pages) for
-//               every page that holds a key below lengths[b]
+//               page page_table[b, p / page_size] (the kernel clamps entries into the pool);
+//               max_pages 0 (page_table may be NULL): contiguous caches, sequence b in page b
 //   lengths     (batch,) int32: valid keys per sequence; the kernel clamps them to
-//               [0, max_pages * page_size]
+//               [0, max(max_pages, 1) * page_size]
 //   sink        (num_kv_heads, group) float32: the learnable sink of query head kv * group + j,
-//               one more logit in its rows' softmax with no value; -inf: none
+//               one more logit in its rows' softmax with no value; NULL: none
 //   out_partial (batch, num_splits, num_kv_heads, rows, head_dim_v) float32, scratch: each
 //               split's attention output over its keys
 //   lse_partial (batch, num_splits, num_kv_heads, rows) float32, scratch: each split's

@@ -54,14 +54,16 @@ int32_t Validate(const JaxflashDecodeArgs* a) {
   // An empty grid is not a valid launch, and TMA descriptors need every extent >= 1: the
   // caller handles empty tensors (no pages: out_partial = 0, lse_partial = -inf).
   if (a->batch <= 0 || a->rows <= 0 || a->num_kv_heads <= 0 || a->num_pages <= 0 ||
-      a->page_size <= 0 || a->max_pages <= 0 || a->num_splits <= 0) {
+      a->page_size <= 0 || a->max_pages < 0 || a->num_splits <= 0) {
     return kInvalid;
   }
+  // No page-table column: contiguous caches, sequence b in page b.
+  if (a->max_pages == 0 && a->num_pages < a->batch) return kInvalid;
   // rows = seqlen_q * (query heads per kv head).
   if (a->seqlen_q <= 0 || a->rows % a->seqlen_q != 0) return kInvalid;
   // Pages: powers of two from 16 keys (kernels/decode_sm90.py, _load_block), or one page per
   // sequence of any size (a contiguous cache; TMA fills past its end).
-  if ((a->page_size < 16 || (a->page_size & (a->page_size - 1)) != 0) && a->max_pages != 1) {
+  if ((a->page_size < 16 || (a->page_size & (a->page_size - 1)) != 0) && a->max_pages > 1) {
     return kInvalid;
   }
   // Grid (row tiles, splits, batch * kv heads).
@@ -76,8 +78,8 @@ int32_t Validate(const JaxflashDecodeArgs* a) {
   if (!Aligned(a->q, 16) || !Aligned(a->k, 16) || !Aligned(a->v, 16) ||
       !Aligned(a->out_partial, 16) || !Aligned(a->lse_partial, 16) || !Aligned(a->out, 16) ||
       !Aligned(a->lse, 16) || !Aligned(a->page_table, 4) || !Aligned(a->lengths, 4) ||
-      !Aligned(a->sink, 4) || a->page_table == nullptr || a->lengths == nullptr ||
-      a->sink == nullptr) {
+      !Aligned(a->sink, 4) || (a->page_table == nullptr && a->max_pages > 0) ||
+      a->lengths == nullptr) {
     return kInvalid;
   }
   return 0;
@@ -108,7 +110,8 @@ JF_EXPORT int32_t jaxflash_variant_decode(const JaxflashDecodeArgs* args, void* 
   TensorV v = Dense<TensorV>(args->v, {pages, page_size, hk}, JAXFLASH_HEAD_DIM_V);
   TensorPageTable page_table = Dense<TensorPageTable>(args->page_table, {b, args->max_pages});
   TensorLengths lengths = Dense<TensorLengths>(args->lengths, {b});
-  TensorSink sink = Dense<TensorSink>(args->sink, {hk, rows / args->seqlen_q});
+  // No sink: an empty tensor, which the merge never reads.
+  TensorSink sink = Dense<TensorSink>(args->sink, {hk, args->sink ? rows / args->seqlen_q : 0});
   TensorOPart o_part = Dense<TensorOPart>(args->out_partial, {b, splits, hk, rows},
                                           JAXFLASH_HEAD_DIM_V);
   TensorLsePart lse_part = Dense<TensorLsePart>(args->lse_partial, {b, splits, hk, rows});

@@ -64,7 +64,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
 
   Keys are read through a page table: logical key p of sequence b is row p % page_size of page
   page_table[b, p / page_size] of the pool (a contiguous cache is a pool of `batch` pages of
-  max_len rows with page_table[b] = [b]). When every key block lies in one page (a contiguous
+  max_len rows with a page table of no column: sequence b is page b). When every key block lies in one page (a contiguous
   cache, or pages a multiple of tile_n) the producer warp copies each K / V block whole, with
   one page-table read; smaller pages (16 to tile_n / 2 keys, powers of two) go in boxes of 16
   keys, whose page-table reads are issued together before their copies, and boxes at or past
@@ -150,9 +150,9 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       mQ: cute.Tensor,  # (batch, num_kv_heads, rows, head_dim): rows = seqlen_q * group
       mK: cute.Tensor,  # (num_pages, page_size, num_kv_heads, head_dim)
       mV: cute.Tensor,  # (num_pages, page_size, num_kv_heads, head_dim_v)
-      mPageTable: cute.Tensor,  # (batch, max_pages) int32
+      mPageTable: cute.Tensor,  # (batch, max_pages) int32; no column: contiguous caches
       mLengths: cute.Tensor,  # (batch,) int32 valid keys per sequence
-      mSink: cute.Tensor,  # (num_kv_heads, group) float32 learnable sinks (-inf: none)
+      mSink: cute.Tensor,  # (num_kv_heads, group or 0: none) float32 learnable sinks
       mOPart: cute.Tensor,  # (batch, num_splits, num_kv_heads, rows, head_dim_v) float32
       mLSEPart: cute.Tensor,  # (batch, num_splits, num_kv_heads, rows) float32
       mO: cute.Tensor,  # (batch, num_kv_heads, rows, head_dim_v) in q's dtype
@@ -276,13 +276,14 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     Returns a _Work: the sequence's length (clamped to [0, the table's capacity]), the key
     blocks [n_start, n_end) of this split, [full_lo, full_hi): the blocks every row of the
     tile sees whole (no elementwise mask), and whether every key block lies in one page (pages
-    a multiple of tile_n, or one page per sequence: a contiguous cache).
+    a multiple of tile_n, or one page per sequence: a contiguous cache). A page table of no
+    column is a contiguous cache: sequence b is page b.
     """
-    capacity = mPageTable.shape[1] * page_size
+    capacity = cutlass.max(mPageTable.shape[1], Int32(1)) * page_size
     whole_blocks = Int32(0)
     if page_size % self.tile_n == 0:
       whole_blocks = Int32(1)
-    if mPageTable.shape[1] == 1:
+    if mPageTable.shape[1] <= 1:
       whole_blocks = Int32(1)
     length = cutlass.min(cutlass.max(mLengths[batch], Int32(0)), capacity)
     group = rows // seqlen_q
@@ -377,9 +378,12 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
   @cute.jit
   def _page(self, paging, slot: Int32) -> Int32:
     """Pool page of a sequence's slot-th page, both clamped (slot to the table, the entry to
-    the pool)."""
-    entry = paging.table[paging.batch, cutlass.min(slot, paging.max_slot)]
-    return cutlass.min(cutlass.max(entry, Int32(0)), paging.num_pages - 1)
+    the pool); sequence b's page b when the table has no column (a contiguous cache)."""
+    page = paging.batch
+    if paging.max_slot >= 0:
+      entry = paging.table[paging.batch, cutlass.min(slot, paging.max_slot)]
+      page = cutlass.min(cutlass.max(entry, Int32(0)), paging.num_pages - 1)
+    return page
 
   @cute.jit
   def _load_block(self, copy, pipe, state, paging, n_block: Int32, is_k: cutlass.Constexpr):
@@ -585,7 +589,7 @@ class _Paging:
   table: cute.Tensor  # (batch, max_pages) int32
   page_size: Int32
   num_pages: Int32
-  max_slot: Int32  # max_pages - 1
+  max_slot: Int32  # max_pages - 1 (-1: a contiguous cache, sequence b in page b)
   box_shift: Int32  # log2(page_size / 16) for page sizes up to 512
   whole_blocks: Int32
   length: Int32
