@@ -31,7 +31,8 @@ def _run(workdir, steps, attention="jaxflash", extra=()):
   for item in OVERRIDES:
     cmd += ["--set", item]
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+             XLA_FLAGS=os.environ.get("XLA_FLAGS", "") +
+             " --xla_force_host_platform_device_count=4")
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
   return json.loads((pathlib.Path(workdir) / "metrics.json").read_text())

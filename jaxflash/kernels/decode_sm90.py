@@ -15,8 +15,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash import config
 from jaxflash.kernels import sm90_gemm
-from jaxflash.kernels.decode_combine import DecodeCombine
 from jaxflash.kernels import softmax
+from jaxflash.kernels.decode_combine import DecodeCombine
 from jaxflash.kernels.fwd_sm90 import FlashAttentionForwardSm90, _Consumer
 
 _select = sm90_gemm.select_modes
@@ -64,11 +64,12 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
 
   Keys are read through a page table: logical key p of sequence b is row p % page_size of page
   page_table[b, p / page_size] of the pool (a contiguous cache is a pool of `batch` pages of
-  max_len rows with a page table of no column: sequence b is page b). When every key block lies in one page (a contiguous
-  cache, or pages a multiple of tile_n) the producer warp copies each K / V block whole, with
-  one page-table read; smaller pages (16 to tile_n / 2 keys, powers of two) go in boxes of 16
-  keys, whose page-table reads are issued together before their copies, and boxes at or past
-  the sequence's length become out-of-bounds TMA boxes (zero-filled, no memory read). Table
+  max_len rows with a page table of no column: sequence b is page b). When every key block
+  lies in one page (a contiguous cache, or pages a multiple of tile_n) the producer warp
+  copies each K / V block whole, with one page-table read; smaller pages (16 to tile_n / 2
+  keys, powers of two) go in boxes of 16 keys, whose page-table reads are issued together
+  before their copies, and boxes at or past the sequence's length become out-of-bounds TMA
+  boxes (zero-filled, no memory read). Table
   entries are clamped into the pool. Query token i of a sequence of length L sits at position
   L - seqlen_q + i and sees the keys p with pos - window_left <= p <= pos + window_right
   (causal: window_right = 0) and p < L; soft-capping as in the masked forward. The consumer
