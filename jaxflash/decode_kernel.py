@@ -80,14 +80,10 @@ def decode_attention(q_packed, k_pool, v_pool, page_table, lengths, sink=None, *
   paged = page_table is not None
   if not paged:
     page_table = jnp.zeros((np.shape(q_packed)[0], 1), jnp.int32)  # for the checks only
-  _check(q_packed, k_pool, v_pool, page_table, lengths, variant, seqlen_q, num_splits)
+  _check(q_packed, k_pool, v_pool, page_table, lengths, sink, variant, seqlen_q, num_splits)
   b, hk, rows, _ = q_packed.shape
-  group = rows // seqlen_q
   if sink is None:  # empty: no kernel fills it at run time
     sink = np.zeros((hk, 0), np.float32)
-  elif tuple(np.shape(sink)) != (hk, group) or np.dtype(sink.dtype) != np.float32:
-    raise ValueError(f"sink: expected float32 of shape {(hk, group)} (num_kv_heads, group), "
-                     f"got {np.dtype(sink.dtype).name} {tuple(np.shape(sink))}")
   if not paged and np.shape(k_pool)[0] != b:
     raise ValueError(f"k_pool: contiguous caches (page_table None) hold one sequence per row of "
                      f"dim 0: expected {b} (q_packed's batch), got shape "
@@ -107,7 +103,7 @@ def decode_attention(q_packed, k_pool, v_pool, page_table, lengths, sink=None, *
                                   paged=paged, **params))
 
 
-def _check(q, k, v, page_table, lengths, variant, seqlen_q, num_splits):
+def _check(q, k, v, page_table, lengths, sink, variant, seqlen_q, num_splits):
   if not isinstance(variant, KernelVariant) or variant.direction != "decode":
     seen = variant.key if isinstance(variant, KernelVariant) else repr(variant)
     raise ValueError(f"variant: expected a decode KernelVariant (config.decode_variant), got "
@@ -148,6 +144,11 @@ def _check(q, k, v, page_table, lengths, variant, seqlen_q, num_splits):
                      f"(rows = seqlen_q * query heads per kv head), got {seqlen_q!r}")
   if not _is_int(num_splits) or not 1 <= num_splits <= 65535:
     raise ValueError(f"num_splits: expected an int from 1 to 65535, got {num_splits!r}")
+  group = rows // seqlen_q
+  if sink is not None and (tuple(np.shape(sink)) != (hk, group)
+                           or np.dtype(sink.dtype) != np.float32):
+    raise ValueError(f"sink: expected float32 of shape {(hk, group)} (num_kv_heads, group), "
+                     f"got {np.dtype(sink.dtype).name} {tuple(np.shape(sink))}")
 
 
 def _is_int(x) -> bool:

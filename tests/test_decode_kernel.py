@@ -207,6 +207,10 @@ def test_operands_the_kernel_does_not_take_are_named():
        "page_table: expected int32, got int16"),
       ((q, k.astype(jnp.float16), v, page_table, lengths), TypeError,
        "k_pool: dtype float16 differs from the variant's bfloat16"),
+      ((q, k, v, page_table, lengths, jnp.zeros((HK, 3), jnp.float32)), ValueError,
+       "sink: expected float32 of shape (2, 4) (num_kv_heads, group), got float32 (2, 3)"),
+      ((q, k, v, page_table, lengths, jnp.zeros((HK, 4), jnp.bfloat16)), ValueError,
+       "sink: expected float32 of shape (2, 4) (num_kv_heads, group), got bfloat16 (2, 4)"),
   ]
   for args, kind, error in cases:
     with pytest.raises(kind, match=re.escape(error)):
