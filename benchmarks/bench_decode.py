@@ -167,20 +167,28 @@ def _run_case(name, dtype, impls, splits, num_calls) -> list[dict]:
   moved = kv_bytes(case, dtype)
   if dtype != jnp.bfloat16:
     name = f"{name} {jnp.dtype(dtype).name}"
+
+  def failed(impl, e):  # a failing column is reported, the rest still run
+    records.append({"case": name, "impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
+
   for impl, (fn, args) in calls(case, dtype, impls, splits).items():
     try:
       for _ in range(bench_attention.WARMUPS):
         jax.block_until_ready(fn(*args))
       ready[impl] = (fn, args, [])
-    except Exception as e:  # noqa: BLE001 - a failing column is reported, the rest still run
-      records.append({"case": name, "impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
+    except Exception as e:  # noqa: BLE001
+      failed(impl, e)
   for _ in range(bench_attention.REPS):
-    for fn, args, samples in ready.values():
-      start = time.perf_counter()
-      for _ in range(num_calls):
-        result = fn(*args)
-      jax.block_until_ready(result)
-      samples.append((time.perf_counter() - start) / num_calls)
+    for impl, (fn, args, samples) in list(ready.items()):
+      try:
+        start = time.perf_counter()
+        for _ in range(num_calls):
+          result = fn(*args)
+        jax.block_until_ready(result)
+        samples.append((time.perf_counter() - start) / num_calls)
+      except Exception as e:  # noqa: BLE001
+        failed(impl, e)
+        del ready[impl]
   for impl, (_, _, samples) in ready.items():
     seconds = statistics.median(samples)
     records.append({"case": name, "impl": impl, "us": seconds * 1e6,

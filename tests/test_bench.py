@@ -267,3 +267,23 @@ def test_decode_benchmark_table_reports_bandwidth_and_errors(decode):
              {"case": "c", "impl": "cudnn", "error": "XlaRuntimeError: no"}]
   table = decode.markdown(records, ("jaxflash", "cudnn", "xla"))
   assert table.splitlines()[2] == "| c | 112 us | 130 us (4.13 TB/s) | error |  |"
+
+
+def test_decode_benchmark_reports_a_column_that_fails_while_timed(decode, monkeypatch):
+  """A column that fails after its warm-ups (a device error, memory) is reported as an error
+  and the other columns keep their times."""
+  import jax.numpy as jnp
+  calls_made = []
+
+  def flaky():
+    calls_made.append(1)
+    if len(calls_made) > decode.bench_attention.WARMUPS:
+      raise RuntimeError("device lost")
+    return jnp.zeros(())
+
+  monkeypatch.setattr(decode, "calls", lambda *a: {"flaky": (flaky, ()),
+                                                    "steady": (lambda: jnp.zeros(()), ())})
+  records = decode._run_case("b8_q1_32k_gqa8", jnp.bfloat16, (), (), num_calls=2)
+  by_impl = {r["impl"]: r for r in records}
+  assert by_impl["flaky"]["error"] == "RuntimeError: device lost"
+  assert by_impl["steady"]["us"] > 0 and "error" not in by_impl["steady"]
