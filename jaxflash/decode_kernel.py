@@ -17,8 +17,8 @@ so a sharded cache is never gathered, and returns the output and lse only. Under
 axis folds into the batch where every sequence keeps its keys: contiguous caches mapped with the
 queries (each element's own caches), or one page pool that every element's page table indexes;
 otherwise (a mapped pool, shared contiguous caches) the call runs once per mapped element (a
-sequential `lax.map`). Imports config, primitives, sharding, split_kv's merge, _jax_internal and
-ffi (at lowering); never Flax.
+sequential `lax.map`). Imports config, primitives, sharding, _jax_internal and ffi (at
+lowering); never Flax.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def decode_attention(q_packed, k_pool, v_pool, page_table, lengths, sink=None, *
     # No key anywhere (TMA cannot describe an empty cache): each row is its sink.
     lse = jnp.full((b, hk, rows), -jnp.inf, jnp.float32)
     if sink.shape[1]:
-      lse = jnp.tile(jnp.asarray(sink, jnp.float32)[None], (b, 1, seqlen_q))
+      lse = jnp.broadcast_to(_sink_rows(sink, seqlen_q), (b, hk, rows))
     return jnp.zeros((b, hk, rows, variant.head_dim_v), q_packed.dtype), lse
   params = dict(variant=variant, softmax_scale=float(softmax_scale), seqlen_q=int(seqlen_q),
                 window_left=None if window_left is None else int(window_left),
@@ -185,7 +185,6 @@ def _reference(q, k, v, page_table, lengths, sink, *, variant, softmax_scale, se
   (FlashAttentionDecodeSm90._work), masks and soft-capping for the float32 partials, merged as
   DecodeCombine does. decode_p's lowering on platforms other than CUDA (tests of the call
   around the kernel; it gathers every sequence's keys)."""
-  from jaxflash import split_kv  # split_kv imports this module
   f32 = jnp.float32
   tile_m, tile_n = variant.schedule.tile_m, variant.schedule.tile_n
   b, hk, rows, d = q.shape
@@ -231,9 +230,40 @@ def _reference(q, k, v, page_table, lengths, sink, *, variant, softmax_scale, se
   out_partial = jnp.where(total[..., None] > 0,
                           out_partial / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
   lse_partial = jnp.where(total > 0, top + jnp.log(total), -jnp.inf)
-  out, lse = split_kv.merge_splits(out_partial, lse_partial, sink if sink.shape[1] else None,
-                                   seqlen_q)
+  out, lse = merge_splits(out_partial, lse_partial, sink if sink.shape[1] else None, seqlen_q)
   return out.astype(q.dtype), lse, out_partial, lse_partial
+
+
+def _sink_rows(sink, seq_q: int):
+  """(kv heads, group) sinks -> (kv heads, seq_q * group) float32: each packed row's sink (row
+  i * group + j: sink[kv, j])."""
+  return jnp.tile(jnp.asarray(sink, jnp.float32), (1, seq_q))
+
+
+def merge_splits(out_partial, lse_partial, sink, seq_q: int):
+  """The splits' partial results merged through their lse, in the packed layout: what
+  kernels/decode_combine.py computes (the decode call's reference and its tests).
+
+  out_partial (batch, splits, kv heads, rows, dv) holds each split's output normalised over
+  its keys, lse_partial (batch, splits, kv heads, rows) its lse (-inf: no key). sink (kv heads,
+  group) float32 or None joins every row's denominator (row i * group + j: sink[kv, j]).
+  Returns out (batch, kv heads, rows, dv) and lse (batch, kv heads, rows) float32; a row with
+  no key at all has out 0 and lse -inf (or its sink).
+  """
+  top = jnp.max(lse_partial, axis=1)  # (b, hk, rows)
+  if sink is not None:
+    sink_rows = _sink_rows(sink, seq_q)[None]  # (1, hk, rows)
+    top = jnp.maximum(top, sink_rows)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)  # no key and no sink: every weight is 0
+  weights = jnp.exp(lse_partial - top[:, None])
+  total = jnp.sum(weights, axis=1)
+  if sink is not None:
+    total = total + jnp.exp(sink_rows - top)
+  out = jnp.einsum("bshr,bshrd->bhrd", weights, out_partial,
+                   precision=jax.lax.Precision.HIGHEST)
+  out = jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+  lse = jnp.where(total > 0, top + jnp.log(total), -jnp.inf)
+  return out, lse
 
 
 def _batch_sequential(prim):

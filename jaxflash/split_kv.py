@@ -1,6 +1,5 @@
-"""The decode kernel's call around it: query heads packed per kv head (and unpacked after), the
-split count, and the merge of the splits' partial results in XLA ops (the reference of the
-call's merge kernel, kernels/decode_combine.py).
+"""The decode kernel's call around it: query heads packed per kv head (and unpacked after) and
+the split count.
 
 Imports jax, config and jaxflash/decode_kernel.py (the custom call).
 """
@@ -79,32 +78,6 @@ def unpack(out, lse, seq_q: int):
   out = out.reshape(b, hk, seq_q, group, dv).transpose(0, 2, 1, 3, 4)
   lse = lse.reshape(b, hk, seq_q, group).transpose(0, 1, 3, 2)
   return out.reshape(b, seq_q, hk * group, dv), lse.reshape(b, hk * group, seq_q)
-
-
-def merge_splits(out_partial, lse_partial, sink, seq_q: int):
-  """The splits' partial results merged through their lse, in the packed layout (what
-  kernels/decode_combine.py computes; the decode call's reference and its tests).
-
-  out_partial (batch, splits, kv heads, rows, dv) holds each split's output normalised over
-  its keys, lse_partial (batch, splits, kv heads, rows) its lse (-inf: no key). sink (kv heads,
-  group) float32 or None joins every row's denominator (row i * group + j: sink[kv, j]).
-  Returns out (batch, kv heads, rows, dv) and lse (batch, kv heads, rows) float32; a row with
-  no key at all has out 0 and lse -inf (or its sink).
-  """
-  top = jnp.max(lse_partial, axis=1)  # (b, hk, rows)
-  if sink is not None:
-    sink_rows = jnp.tile(jnp.asarray(sink, jnp.float32), (1, seq_q))[None]  # (1, hk, rows)
-    top = jnp.maximum(top, sink_rows)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)  # no key and no sink: every weight is 0
-  weights = jnp.exp(lse_partial - top[:, None])
-  total = jnp.sum(weights, axis=1)
-  if sink is not None:
-    total = total + jnp.exp(sink_rows - top)
-  out = jnp.einsum("bshr,bshrd->bhrd", weights, out_partial,
-                   precision=jax.lax.Precision.HIGHEST)
-  out = jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
-  lse = jnp.where(total > 0, top + jnp.log(total), -jnp.inf)
-  return out, lse
 
 
 def kernel_forward(cfg: config.AttentionConfig, query, k_cache, v_cache, lengths, page_table,

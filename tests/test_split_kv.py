@@ -1,10 +1,11 @@
-"""jaxflash.split_kv on a CPU host: the split count and the merge of the splits' partials."""
+"""jaxflash.split_kv on a CPU host: the split count, the packing, and the merge of the splits'
+partials (decode_kernel.merge_splits, the reference of the merge kernel)."""
 
 import jax
 import numpy as np
 import pytest
 
-from jaxflash import split_kv
+from jaxflash import decode_kernel, split_kv
 
 
 @pytest.mark.parametrize("tiles, key_blocks, max_blocks, expected", [
@@ -65,8 +66,8 @@ def test_merge_matches_one_softmax_over_all_keys(with_sink):
     for h in range(hk):
       o, l = _partials(keys, splits, packed[h], k[:, h], v[:, h], 0.5)
       out_p[0, :, h], lse_p[0, :, h] = o, l
-    merged = split_kv.merge_splits(out_p, lse_p, None if sink is None else sink.reshape(hk, group),
-                                   seq_q)
+    sink_packed = None if sink is None else sink.reshape(hk, group)
+    merged = decode_kernel.merge_splits(out_p, lse_p, sink_packed, seq_q)
     out, lse = split_kv.unpack(*merged, seq_q)
     for i in range(seq_q):
       for head in range(heads):
@@ -86,7 +87,7 @@ def test_merge_matches_one_softmax_over_all_keys(with_sink):
 def test_merge_of_rows_without_keys_is_zero_with_lse_minus_inf():
   out_p = np.full((1, 2, 1, 2, 4), 7.0, np.float32)  # whatever a split left there
   lse_p = np.full((1, 2, 1, 2), -np.inf, np.float32)
-  out, lse = split_kv.merge_splits(out_p, lse_p, None, 1)
+  out, lse = decode_kernel.merge_splits(out_p, lse_p, None, 1)
   assert np.all(np.asarray(out) == 0) and np.all(np.asarray(lse) == -np.inf)
 
 
