@@ -15,14 +15,17 @@ Each case is (batch, seq_q, cache length, query heads / kv heads, head_dim), in 
     would see key 0 only) unless seq_q > 1, where no jax.nn column is comparable and they are
     left out; they never take softcap or sinks (the softcap_sink case's jax.nn columns are the
     plain call).
-  split<N>: kv_cache_attention with num_splits=N on contiguous caches (`--splits N ...`).
+  split<N>: kv_cache_attention with num_splits=N on contiguous caches (`--splits N ...`);
+  read: XLA's float32 sums of K and V over the whole caches (not for ragged lengths or
+    `--layers`), a plain read of the same bytes: what this GPU streams in this run.
 Bandwidth = the K and V bytes of the valid keys / time (H200 HBM: 4.8 TB/s). Timing as
 benchmarks/bench_attention.py (warm-ups, calls back to back, median of REPS), with a case's
 columns taking turns within each repetition, but `--calls` (20) calls per repetition: a
 decoding call is short, and the host's latency before the first call reaches the GPU then
 weighs on the mean (on the H200, the same program at 8 x 1 x 32k took 179 us per call over 5
-calls and 151 us over 20; a generation loop runs in the steady state). Results go to
-OUT/bench_decode.json and a markdown table on stdout.
+calls and 151 us over 20; a generation loop runs in the steady state). `--layers L` makes
+each column one program of L calls (a model's decoding step: `layered`) and reports the time
+per call (each layer with its own copy of the caches). Results go to OUT/bench_decode.json and a markdown table on stdout.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ CASES = {
     "b8_q8_8k_gqa8": Case(8, 8, 8192, 32, 4),
     "b4_q64_8k_mha": Case(4, 64, 8192, 16, 16),
 }
-IMPLS = ("jaxflash", "paged64", "paged256", "attention", "prefill", "nn", "cudnn", "xla")
+IMPLS = ("jaxflash", "paged64", "paged256", "attention", "prefill", "nn", "cudnn", "xla",
+         "read")
 
 
 def lengths_of(case: Case) -> np.ndarray:
@@ -108,8 +112,10 @@ def _on_prefill(trace):
     few_rows.MAX_PACKED_ROWS = bound
 
 
-def calls(case: Case, dtype, impls, splits=()) -> dict:
-  """impl -> (jitted fn, args) for the case (and split<N> for each N of `splits`)."""
+def calls(case: Case, dtype, impls, splits=(), layers=1) -> dict:
+  """impl -> (jitted fn, args) for the case (and split<N> for each N of `splits`). layers > 1:
+  each fn is a decoding step of that many attention calls in one program, one query each over
+  the same caches (see `layered`)."""
   rng = np.random.default_rng(1)
   q = jnp.asarray(rng.standard_normal((case.batch, case.seq_q, case.heads, case.head_dim)),
                   dtype)
@@ -148,18 +154,45 @@ def calls(case: Case, dtype, impls, splits=()) -> dict:
         fn = jax.jit(lambda q, k, v, n, impl=impl: jax.nn.dot_product_attention(
             q, k, v, key_value_seq_lengths=n, implementation=impl))
         out[impl] = (fn, (q, k, v, lengths))
+  if "read" in impls and not case.ragged and layers == 1:
+    out["read"] = (jax.jit(lambda k, v: (jnp.sum(k, dtype=jnp.float32),
+                                         jnp.sum(v, dtype=jnp.float32))), (k, v))
+  if layers > 1:
+    queries = [q] + [jnp.asarray(rng.standard_normal(q.shape), dtype) for _ in range(layers - 1)]
+    copies = {}  # one copy of each cache per layer, shared by the columns
+    out = {impl: layered(fn, args, queries, copies) for impl, (fn, args) in out.items()}
   return out
 
 
-def run(case_names, dtypes, impls, splits=(), num_calls=20) -> list[dict]:
+def layered(fn, args, queries, copies: dict):
+  """(fn, args) -> (step, step_args): one program of a call of fn per layer, layer l with the
+  query queries[l] (in place of args[0]) and its own copy of each float array of args (the
+  caches; integer lengths and page tables are shared), returning every output: the per-call
+  time of a model's decoding step, whose layers are one executable with a cache each (with
+  one cache XLA would fuse the layers' jax.nn attentions into one read of it). `copies` maps
+  id(array) to its per-layer copies, so columns over the same caches share them."""
+  def copied(a):
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      return [a] * len(queries)
+    if id(a) not in copies:
+      copies[id(a)] = [a] + [jnp.array(a, copy=True) for _ in queries[1:]]
+    return copies[id(a)]
+
+  rest = [copied(a) for a in args[1:]]
+  layer_args = tuple((q,) + tuple(r[l] for r in rest) for l, q in enumerate(queries))
+  step = jax.jit(lambda per_layer: tuple(fn(*a) for a in per_layer))
+  return step, (layer_args,)
+
+
+def run(case_names, dtypes, impls, splits=(), num_calls=20, layers=1) -> list[dict]:
   records = []
   for dtype in dtypes:
     for name in case_names:
-      records += _run_case(name, dtype, impls, splits, num_calls)
+      records += _run_case(name, dtype, impls, splits, num_calls, layers)
   return records
 
 
-def _run_case(name, dtype, impls, splits, num_calls) -> list[dict]:
+def _run_case(name, dtype, impls, splits, num_calls, layers=1) -> list[dict]:
   """One case's columns, timed round-robin (every column once per repetition, the median of
   REPS), so a drift of the GPU's clock during the case reaches every column alike."""
   records, ready = [], {}
@@ -171,7 +204,7 @@ def _run_case(name, dtype, impls, splits, num_calls) -> list[dict]:
   def failed(impl, e):  # a failing column is reported, the rest still run
     records.append({"case": name, "impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
 
-  for impl, (fn, args) in calls(case, dtype, impls, splits).items():
+  for impl, (fn, args) in calls(case, dtype, impls, splits, layers).items():
     try:
       for _ in range(bench_attention.WARMUPS):
         jax.block_until_ready(fn(*args))
@@ -185,7 +218,7 @@ def _run_case(name, dtype, impls, splits, num_calls) -> list[dict]:
         for _ in range(num_calls):
           result = fn(*args)
         jax.block_until_ready(result)
-        samples.append((time.perf_counter() - start) / num_calls)
+        samples.append((time.perf_counter() - start) / (num_calls * layers))
       except Exception as e:  # noqa: BLE001
         failed(impl, e)
         del ready[impl]
@@ -224,13 +257,17 @@ def main(argv=None) -> int:
   p.add_argument("--splits", nargs="*", type=int, default=[], metavar="N",
                  help="also time kv_cache_attention with num_splits=N (columns split<N>)")
   p.add_argument("--calls", type=int, default=20, help="calls back to back per repetition")
+  p.add_argument("--layers", type=int, default=1,
+                 help="attention calls per program (a model's decoding step of this many "
+                      "layers); times are per attention call")
   bench_attention.add_run_arguments(p)
   args = p.parse_args(argv)
   bench_attention.spin_up(args.spin_up)
-  if args.calls < 1 or any(n < 1 for n in args.splits):
-    p.error(f"--calls and --splits take integers >= 1, got {args.calls} and {args.splits}")
+  if args.calls < 1 or args.layers < 1 or any(n < 1 for n in args.splits):
+    p.error(f"--calls, --layers and --splits take integers >= 1, got {args.calls}, "
+            f"{args.layers} and {args.splits}")
   records = run(args.cases, [jnp.dtype(d) for d in args.dtypes], args.impls, args.splits,
-                args.calls)
+                args.calls, args.layers)
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "bench_decode.json").write_text(json.dumps(records, indent=1))
   print(markdown(records, list(args.impls) + [f"split{n}" for n in args.splits]))

@@ -248,6 +248,9 @@ def test_decode_benchmark_columns_compute_the_same_attention(decode):
   # attention / prefill take whole caches: not ragged ones; jax.nn has no cuDNN on a CPU.
   assert set(runs) == {"jaxflash", "paged64", "paged256", "nn", "cudnn", "xla", "split1",
                        "split3"}
+  full_runs = decode.calls(case._replace(ragged=False), jnp.float32, ("read",))
+  k, v = full_runs["read"][1]
+  np.testing.assert_allclose(full_runs["read"][0](k, v), (k.sum(), v.sum()), rtol=1e-5)
   want = np.asarray(runs["xla"][0](*runs["xla"][1]))
   for name in ("jaxflash", "paged64", "paged256", "nn", "split1", "split3"):
     fn, args = runs[name]
@@ -259,6 +262,30 @@ def test_decode_benchmark_columns_compute_the_same_attention(decode):
     np.testing.assert_allclose(fn(*args), want, rtol=2e-5, atol=2e-5, err_msg=name)
   # jax.nn has no per-sequence causal alignment: no jax.nn column for several new tokens.
   assert "xla" not in decode.calls(case._replace(seq_q=2), jnp.float32, ("jaxflash", "xla"))
+
+
+def test_decode_benchmark_layers_make_one_program_of_distinct_calls(decode):
+  """--layers L: each column is one program of L calls, each with its own query and its own
+  copy of the caches (lengths shared), returning every output (a model's decoding step of L
+  layers); the columns get the same layers' inputs."""
+  import jax.numpy as jnp
+  import numpy as np
+  case = decode.Case(2, 1, 40, 4, 2, head_dim=16, ragged=True)
+  runs = decode.calls(case, jnp.float32, ("jaxflash", "xla"), layers=3)
+  fn, (layer_args,) = runs["jaxflash"]
+  outs = fn(layer_args)
+  assert len(layer_args) == len(outs) == 3
+  single = decode.calls(case, jnp.float32, ("xla",))["xla"][0]
+  for (q, k, v, lengths), out in zip(layer_args, outs):
+    np.testing.assert_allclose(out, single(q, k, v, lengths), rtol=2e-5, atol=2e-5)
+  (_, k0, v0, n0), (_, k1, v1, n1) = layer_args[:2]
+  assert n1 is n0 and k1 is not k0 and v1 is not v0
+  assert k1.unsafe_buffer_pointer() != k0.unsafe_buffer_pointer()
+  assert not np.allclose(outs[0], outs[1])
+  xla_fn, (xla_args,) = runs["xla"]
+  assert all(a is b for la, lb in zip(xla_args, layer_args) for a, b in zip(la, lb))
+  for got, want in zip(xla_fn(xla_args), outs):
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
 def test_decode_benchmark_table_reports_bandwidth_and_errors(decode):
