@@ -129,6 +129,9 @@ class FwdSchedule:
   # Of every 8 score columns, this many take exp2 on the FMA pipe (kernels/softmax.exp2_fma)
   # instead of MUFU.EX2.
   fma_exp2_per_8: int = 0
+  # persistent: a call with more keys per sequence than this launches one CTA per tile
+  # instead, its tile loop then running once (a run-time choice; 0: never).
+  one_cta_above_keys: int = 0
 
   @property
   def key(self) -> str:
@@ -245,6 +248,13 @@ def fp8_fwd_variant(head_dim: int, causal: bool, arch: str = "sm90a",
                        block_descales=block_descales)
 
 
+# Causal dense forwards of these head dims over at most this many keys per sequence run as a
+# static persistent list (FwdSchedule.one_cta_above_keys): measured at 1k (a gain) and 4k (a
+# loss) keys; 2k was not measured.
+CAUSAL_PERSISTENT_HEAD_DIMS = (64, 128)
+CAUSAL_PERSISTENT_MAX_KEYS = 1024
+
+
 def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
                  masked: bool = False) -> FwdSchedule:
   """The forward schedule table (H200 measurements in docs/kernels.md, "Forward tiles").
@@ -254,6 +264,7 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
   ranges give (jaxflash/block_ranges.py), one CTA each.
   """
   causal = causal or masked
+  causal_persistent = causal and not masked and head_dim in CAUSAL_PERSISTENT_HEAD_DIMS
   if head_dim <= 64:
     # 192 x 128, 3 consumer warpgroups (FA-4's tile): +11 % at 4k over 128 x 128.
     tile_m, tile_n = 192, 128
@@ -274,9 +285,13 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
       tile_m=tile_m, tile_n=tile_n, num_stages=2,  # a third stage never helped
       # Off above hdim 128 (as FA-3/FA-4): measured equal at hdim 256.
       pingpong=head_dim <= 128,
-      # Persistent wins on uniform tiles (+3-10 % at seq 1k); causal tiles in LPT order on a
-      # one-CTA-per-tile grid beat a static persistent list by 10-30 % (greedy dispatch).
-      persistent=not causal, lpt=causal and not masked,
+      # Persistent wins on uniform tiles (+3-10 % at seq 1k). Causal tiles in LPT order: at
+      # head_dim 64 and 128 a static persistent list wins on short sequences, whose tiles are
+      # a few key blocks each (+5-8 % at 1k), one CTA per tile (greedy dispatch) on long ones;
+      # at 256 one CTA per tile wins at 1k too (docs/kernels.md, "Forward tiles"). Masked
+      # variants launch one CTA per tile in the order of their block ranges.
+      persistent=not causal or causal_persistent, lpt=causal and not masked,
+      one_cta_above_keys=CAUSAL_PERSISTENT_MAX_KEYS if causal_persistent else 0,
       # O of head_dim_v > 128 is 128+ registers: its rescale runs under the Q K^T GEMM.
       rescale_o_before_pv=head_dim_v > 128)
 

@@ -88,13 +88,18 @@ def test_forward_schedule_table():
     # 192 query rows (3 consumer warpgroups at 160 registers) only at head_dim 64.
     assert s.tile_m == 128 or head_dim == 64
     assert s.pingpong == (head_dim <= 128)
-    assert (s.persistent, s.lpt) == (not causal, causal)
+    # Causal at head_dim 64 and 128: a static persistent list up to 1024 keys per sequence,
+    # one CTA per tile above; other causal head dims one CTA per tile.
+    listed = causal and head_dim in (64, 128)
+    assert (s.persistent, s.lpt) == (not causal or listed, causal)
+    assert s.one_cta_above_keys == (1024 if listed else 0)
     assert s.rescale_o_before_pv == (head_dim_v > 128)
   # Masked variants take the causal tiles, one CTA per tile in the order of their block ranges.
   for v in FWD:
     if v.masked:
       causal = config.fwd_schedule(v.head_dim, v.head_dim_v, True)
-      assert v.schedule == dataclasses.replace(causal, lpt=False)
+      assert v.schedule == dataclasses.replace(causal, lpt=False, persistent=False,
+                                               one_cta_above_keys=0)
 
 
 def test_fp8_forward_schedule_table():

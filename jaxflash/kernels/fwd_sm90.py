@@ -95,6 +95,7 @@ class FlashAttentionForwardSm90:
     self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT[self.num_mma_warpgroups]
     self.pingpong = schedule.pingpong
     self.persistent = schedule.persistent
+    self.one_cta_above_keys = schedule.one_cta_above_keys
     self.lpt = schedule.lpt
     self.rescale_o_before_pv = schedule.rescale_o_before_pv
     self.masked = variant.masked
@@ -214,7 +215,8 @@ class FlashAttentionForwardSm90:
         cpasync.CopyBulkTensorTileS2GOp(), mO, self.sO_layout, (self.tile_m, self.head_dim_v))
     num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
     grid = tile_scheduler.StaticTileScheduler.grid_shape(
-        num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]), self.persistent)
+        num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]), self.persistent,
+        cute.size(mK.shape[0]), self.one_cta_above_keys)
     return ((tma_q, tma_k, tma_v, tma_o), (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o),
             _select(mLSE, [2, 1, 0]), grid)
 

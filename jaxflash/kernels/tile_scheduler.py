@@ -25,7 +25,8 @@ class StaticTileScheduler:
   whose K and V fit in L2 together, and inside a section m_block from the last (most keys) down,
   heads fastest: longest-processing-time first, with L2 reuse of each section's K/V.
   `persistent`: grid = min(tiles, MAX_PERSISTENT_CTAS) and each CTA walks every stride-th tile
-  (its next tile's loads overlap its epilogue); else one CTA per tile.
+  (its next tile's loads overlap its epilogue), unless the host chose a grid of every tile
+  (grid_shape's one_cta_above_keys): then each CTA takes one tile; else one CTA per tile.
   """
 
   def __init__(self, num_m_blocks: Int32, num_heads: Int32, batch: Int32, seqlen_k: Int32,
@@ -43,8 +44,10 @@ class StaticTileScheduler:
     self.stride = self.total_tiles
     if cutlass.const_expr(persistent):
       # %nsmid < grid: the CTAs past it would only run after the others finished; let the
-      # first nsmid CTAs take all the tiles instead.
-      self.stride = cutlass.min(cute.arch.grid_dim()[0], cute.arch.nsmid())
+      # first nsmid CTAs take all the tiles instead. A grid of every tile: one tile per CTA.
+      grid = cute.arch.grid_dim()[0]
+      stride = cutlass.min(grid, cute.arch.nsmid())
+      self.stride = stride + (self.total_tiles - stride) * Int32(grid >= self.total_tiles)
 
   # Run-time fields: the DSL carries the object through the tile loop as these values.
   _DYNAMIC_FIELDS = ("num_m_blocks", "num_heads", "num_hb", "total_tiles", "section", "stride")
@@ -60,11 +63,17 @@ class StaticTileScheduler:
     return new
 
   @staticmethod
-  def grid_shape(num_m_blocks, num_heads, batch, persistent: bool):
-    """Host side: the launch grid (a 1-D grid has no 65535 limit on heads or batch)."""
+  def grid_shape(num_m_blocks, num_heads, batch, persistent: bool, seqlen_k=None,
+                 one_cta_above_keys: int = 0):
+    """Host side: the launch grid (a 1-D grid has no 65535 limit on heads or batch). A
+    persistent variant with one_cta_above_keys > 0 launches every tile when seqlen_k (a
+    run-time value) exceeds it."""
     total = num_m_blocks * num_heads * batch
     if persistent:
-      return (cutlass.min(total, MAX_PERSISTENT_CTAS), 1, 1)
+      grid = cutlass.min(total, MAX_PERSISTENT_CTAS)
+      if one_cta_above_keys > 0:
+        grid = grid + (total - grid) * Int32(seqlen_k > one_cta_above_keys)
+      return (grid, 1, 1)
     return (total, 1, 1)
 
   @cute.jit
