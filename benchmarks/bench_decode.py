@@ -24,8 +24,9 @@ columns taking turns within each repetition, but `--calls` (20) calls per repeti
 decoding call is short, and the host's latency before the first call reaches the GPU then
 weighs on the mean (on the H200, the same program at 8 x 1 x 32k took 179 us per call over 5
 calls and 151 us over 20; a generation loop runs in the steady state). `--layers L` makes
-each column one program of L calls (a model's decoding step: `layered`) and reports the time
-per call (each layer with its own copy of the caches). Results go to OUT/bench_decode.json and a markdown table on stdout.
+each column one program of L calls, each layer with its own copy of the caches (a model's
+decoding step: `layered`), and reports the time per call. Results go to
+OUT/bench_decode.json and a markdown table on stdout.
 """
 
 from __future__ import annotations
@@ -114,8 +115,8 @@ def _on_prefill(trace):
 
 def calls(case: Case, dtype, impls, splits=(), layers=1) -> dict:
   """impl -> (jitted fn, args) for the case (and split<N> for each N of `splits`). layers > 1:
-  each fn is a decoding step of that many attention calls in one program, one query each over
-  the same caches (see `layered`)."""
+  each fn is a decoding step of that many attention calls in one program, each with its own
+  query and its own copy of the caches (`layered`)."""
   rng = np.random.default_rng(1)
   q = jnp.asarray(rng.standard_normal((case.batch, case.seq_q, case.heads, case.head_dim)),
                   dtype)

@@ -287,9 +287,10 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
       pingpong=head_dim <= 128,
       # Persistent wins on uniform tiles (+3-10 % at seq 1k). Causal tiles in LPT order: at
       # head_dim 64 and 128 a static persistent list wins on short sequences, whose tiles are
-      # a few key blocks each (+5-8 % at 1k), one CTA per tile (greedy dispatch) on long ones;
-      # at 256 one CTA per tile wins at 1k too (docs/kernels.md, "Forward tiles"). Masked
-      # variants launch one CTA per tile in the order of their block ranges.
+      # a few key blocks each (+5-8 % at 1k), one CTA per tile (greedy dispatch) on long ones.
+      # Other head dims keep one CTA per tile (at 256 a list measured 0.84x at 1k; 96 and 192
+      # were not measured; docs/kernels.md, "Forward tiles"). Masked variants launch one CTA
+      # per tile in the order of their block ranges.
       persistent=not causal or causal_persistent, lpt=causal and not masked,
       one_cta_above_keys=CAUSAL_PERSISTENT_MAX_KEYS if causal_persistent else 0,
       # O of head_dim_v > 128 is 128+ registers: its rescale runs under the Q K^T GEMM.
