@@ -78,8 +78,23 @@ def _assert_residual_matches(ours, oracle64, naive, name):
 # --------------------------------------------------------------------------------------------
 # Port of JAX's testDotProductAttention* (same cases; impl 'cudnn' maps to jaxflash's kernels).
 
-_CPU_IMPLS = [None, "xla"]
+# On a CPU implementation None and "xla" both run jaxflash's reference: the grid takes None,
+# test_xla_implementation_is_the_reference checks "xla" against it.
+_CPU_IMPLS = [None]
 _GPU_IMPL = pytest.param("cudnn", marks=pytest.mark.gpu, id="cudnn")
+
+
+def test_xla_implementation_is_the_reference():
+  """implementation="xla" runs jaxflash's pure-JAX reference: on a CPU the same results as the
+  automatic choice, bitwise, forward and gradients."""
+  q, k, v = (_normal(i, (2, 24, 4, 16), jnp.bfloat16) for i in range(3))
+  k, v = k[:, :, :2], v[:, :, :2]
+  grad = _normal(3, (2, 24, 4, 16), jnp.bfloat16)
+  results = [_vjp_all(functools.partial(dot_product_attention, is_causal=True,
+                                        implementation=impl), (q, k, v), grad)
+             for impl in (None, "xla")]
+  for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.parametrize("impl", _CPU_IMPLS + [_GPU_IMPL])
