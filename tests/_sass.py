@@ -27,6 +27,25 @@ def abi_version() -> int:
                        KERNEL_ABI_H.read_text()).group(1))
 
 
+def compiled_variants(variants):
+  """The variants whose kernels the compile tests build: every bfloat16 variant and, per
+  (head_dim, head_dim_v), the float16 one with the fewest options (not masked, causal or
+  deterministic where one is). A float16 variant is its bfloat16 twin's code with the other
+  element type: every shipped pair compiles to the same registers and shared memory and
+  neither spills (the wheel build reports both), their SASS differing in the conversions. The
+  wheel build compiles every variant and the GPU suite runs both dtypes; compiling each twin
+  here too would double the suite's largest cost."""
+  chosen = [v for v in variants if v.dtype != "float16"]
+  twins = {}
+  for v in variants:
+    if v.dtype == "float16":
+      options = (v.masked, v.causal, getattr(v, "deterministic", False))
+      pair = (v.head_dim, v.head_dim_v)
+      if pair not in twins or options < twins[pair][0]:
+        twins[pair] = (options, v)
+  return chosen + [v for _, v in twins.values()]
+
+
 class Exported:
   """One variant exported for sm_90a: the ExportedKernel and the SASS of each of its parts
   ("main", and the backward's "pre" / "post")."""
