@@ -38,8 +38,7 @@ def compiled_variants(variants):
   chosen = [v for v in variants if v.dtype != "float16"]
   twins = [v for v in variants if v.dtype == "float16" and (v.head_dim, v.head_dim_v) == (128, 128)]
   if twins:
-    chosen.append(min(twins, key=lambda v: (v.masked, v.causal, getattr(v, "deterministic",
-                                                                         False))))
+    chosen.append(min(twins, key=lambda v: (v.masked, v.causal, v.deterministic)))
   return chosen
 
 
