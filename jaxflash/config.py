@@ -132,6 +132,9 @@ class FwdSchedule:
   # persistent: a call with more keys per sequence than this launches one CTA per tile
   # instead, its tile loop then running once (a run-time choice; 0: never).
   one_cta_above_keys: int = 0
+  # Q slots (O of a tile is staged in its Q slot): 2 lets a persistent CTA load the next
+  # tile's Q while the current tile still computes (16-bit kernel, head_dim == head_dim_v).
+  q_stages: int = 1
 
   @property
   def key(self) -> str:
@@ -251,8 +254,19 @@ def fp8_fwd_variant(head_dim: int, causal: bool, arch: str = "sm90a",
 # Causal dense forwards of these head dims over at most this many keys per sequence run as a
 # static persistent list (FwdSchedule.one_cta_above_keys): measured at 1k (a gain) and 4k (a
 # loss) keys; 2k was not measured.
-CAUSAL_PERSISTENT_HEAD_DIMS = (64, 128)
+CAUSAL_PERSISTENT_HEAD_DIMS = (64, 96, 128)
 CAUSAL_PERSISTENT_MAX_KEYS = 1024
+
+
+# Shared memory of a Hopper CTA.
+SMEM_BYTES = 227 * 1024
+
+
+def _second_q_slot_fits(tile_m: int, tile_n: int, num_stages: int, head_dim: int,
+                        head_dim_v: int) -> bool:
+  """Whether two 16-bit Q slots and the K / V rings fit (1 KiB left for the mbarriers)."""
+  return 2 * (2 * tile_m * head_dim + num_stages * tile_n * (head_dim + head_dim_v)) + 1024 <= (
+      SMEM_BYTES)
 
 
 def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
@@ -281,18 +295,26 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
   else:
     # 128 x 80 (FA-4's; K + V stages fill 224 KiB): +4 % at 4k, +9 % at 16k over 128 x 64.
     tile_m, tile_n = 128, 80
+  persistent = not causal or causal_persistent
+  num_stages = 2  # a third stage never helped
   return FwdSchedule(
-      tile_m=tile_m, tile_n=tile_n, num_stages=2,  # a third stage never helped
+      tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
       # Off above hdim 128 (as FA-3/FA-4): measured equal at hdim 256.
       pingpong=head_dim <= 128,
       # Persistent wins on uniform tiles (+3-10 % at seq 1k). Causal tiles in LPT order: at
-      # head_dim 64 and 128 a static persistent list wins on short sequences, whose tiles are
-      # a few key blocks each (+5-8 % at 1k), one CTA per tile (greedy dispatch) on long ones.
-      # Other head dims keep one CTA per tile (at 256 a list measured 0.84x at 1k; 96 and 192
-      # were not measured; docs/kernels.md, "Forward tiles"). Masked variants launch one CTA
-      # per tile in the order of their block ranges.
-      persistent=not causal or causal_persistent, lpt=causal and not masked,
+      # head_dim 64, 96 and 128 a static persistent list wins on short sequences, whose tiles
+      # are a few key blocks each (+5-8 % at 1k with one Q slot, +7-25 % with two), one CTA
+      # per tile (greedy dispatch) on long ones. Other head dims keep one CTA per tile (at 256
+      # a list measured 0.84x at 1k; 192 was not measured; docs/kernels.md, "Forward tiles").
+      # Masked variants launch one CTA per tile in the order of their block ranges.
+      persistent=persistent, lpt=causal and not masked,
       one_cta_above_keys=CAUSAL_PERSISTENT_MAX_KEYS if causal_persistent else 0,
+      # Two Q slots (a persistent CTA loads the next tile's Q during the current tile) where the
+      # tiles are short and a second slot fits: the causal lists and head_dim 96 (+7-25 % at
+      # 1k). At head_dim 64 not causal two slots gained nothing at 1k and measured 0.95x at 4k
+      # and 16k, so one slot there.
+      q_stages=2 if (causal_persistent or (not causal and head_dim == 96)) and (
+          _second_q_slot_fits(tile_m, tile_n, num_stages, head_dim, head_dim_v)) else 1,
       # O of head_dim_v > 128 is 128+ registers: its rescale runs under the Q K^T GEMM.
       rescale_o_before_pv=head_dim_v > 128)
 

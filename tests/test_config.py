@@ -88,18 +88,27 @@ def test_forward_schedule_table():
     # 192 query rows (3 consumer warpgroups at 160 registers) only at head_dim 64.
     assert s.tile_m == 128 or head_dim == 64
     assert s.pingpong == (head_dim <= 128)
-    # Causal at head_dim 64 and 128: a static persistent list up to 1024 keys per sequence,
-    # one CTA per tile above; other causal head dims one CTA per tile.
-    listed = causal and head_dim in (64, 128)
+    # Causal at head_dim 64, 96 and 128: a static persistent list up to 1024 keys per
+    # sequence, one CTA per tile above; other causal head dims one CTA per tile.
+    listed = causal and head_dim in (64, 96, 128)
     assert (s.persistent, s.lpt) == (not causal or listed, causal)
     assert s.one_cta_above_keys == (1024 if listed else 0)
     assert s.rescale_o_before_pv == (head_dim_v > 128)
+    # Two Q slots only where a CTA may walk a tile list and two slots (each also O's) and the
+    # K / V rings fit 227 KiB.
+    size = lambda q_slots: 2 * (q_slots * s.tile_m * head_dim
+                                + s.num_stages * s.tile_n * (head_dim + head_dim_v))
+    fits = head_dim == head_dim_v and size(2) + 1024 <= 227 * 1024
+    assert s.q_stages == 1 or (s.persistent and fits), (head_dim, head_dim_v, causal)
+  q_stages = {pair: s.q_stages for pair, s in by_pair.items() if s.q_stages != 1}
+  assert q_stages == {(64, 64, True): 2, (96, 96, False): 2, (96, 96, True): 2,
+                      (128, 128, True): 2}
   # Masked variants take the causal tiles, one CTA per tile in the order of their block ranges.
   for v in FWD:
     if v.masked:
       causal = config.fwd_schedule(v.head_dim, v.head_dim_v, True)
       assert v.schedule == dataclasses.replace(causal, lpt=False, persistent=False,
-                                               one_cta_above_keys=0)
+                                               one_cta_above_keys=0, q_stages=1)
 
 
 def test_fp8_forward_schedule_table():
@@ -116,6 +125,7 @@ def test_fp8_forward_schedule_table():
     assert s.tile_n % config.FP8_DESCALE_ROWS == 0 or not v.block_descales
     assert s.pingpong == (v.head_dim != 128)
     assert (s.persistent, s.lpt, s.rescale_o_before_pv) == (False, v.causal, False)
+    assert s.q_stages == 1  # O has a buffer of its own
 
 
 def test_decode_variants_one_per_dtype_and_head_dim_pair():

@@ -42,6 +42,9 @@ SHAPES = {  # name -> (batch, seq_q, seq_k, heads, kv_heads)
     "s4097": (1, 4097, 4097, 2, 2),
     "q17_k1000_gqa": (2, 17, 1000, 4, 2),
     "q1000_k17": (1, 1000, 17, 4, 4),  # causal: the first 983 rows see no key
+    # More tiles than SMs: persistent CTAs walk several tiles (cycling their Q slots), and
+    # causal tiles start above row 0 (700 is no multiple of a tile).
+    "s700_gqa_tiles_over_sms": (2, 700, 700, 40, 8),
 }
 
 

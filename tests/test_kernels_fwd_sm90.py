@@ -77,6 +77,25 @@ def test_pingpong_turns_are_named_barriers(exported, variant):
   assert bool(turns) == variant.schedule.pingpong, turns
 
 
+@pytest.mark.parametrize("variant", [v for v in _sass.compiled_variants(VARIANTS)
+                                     if v.dtype == "bfloat16" and v.head_dim in (64, 128)],
+                         ids=lambda v: v.key)
+def test_causal_first_tile_stores_o_from_registers(exported, variant):
+  """Dense causal tiles end at the last row, so a call's first tile may start above row 0,
+  where a TMA store faults: its O leaves by per-thread global stores (16-bit pairs, which
+  ptxas merges into 32-bit STG.E), the other tiles by the TMA store. Other variants store O by
+  TMA only (their STG.E are the LSE rows)."""
+  sass = exported(variant).sass["main"]
+  s = variant.schedule
+  pairs_per_thread = s.tile_m * variant.head_dim_v // (s.tile_m // 64 * 128) // 2
+  stores = len(re.findall(r"\bSTG\.E ", sass))
+  assert "UTMASTG" in sass
+  if variant.causal and not variant.masked:
+    assert stores >= pairs_per_thread, (stores, pairs_per_thread)
+  else:
+    assert stores < pairs_per_thread, (stores, pairs_per_thread)
+
+
 def test_causal_variant_differs_from_non_causal(exported):
   causal = next(v for v in _sass.compiled_variants(VARIANTS) if v.causal)
   plain = dataclasses.replace(causal, causal=False)

@@ -91,6 +91,11 @@ def dense_fwd():
       _forward(q, k, v, causal=causal)
   q, k, v = _qkv(1, 1, 200, 330, 4, 1, 128)
   _forward(q, k, v, causal=True, learnable_sink=_sink(4, 1.0))
+  # More tiles than SMs: persistent CTAs cycle their two Q slots (causal lists at head_dim 64,
+  # 96 and 128, head_dim 96 not causal); 700 rows start the causal tiles above row 0.
+  for d, causal in ((64, True), (96, False), (96, True), (128, True)):
+    q, k, v = _qkv(d, 2, 700, 700, 40, 8, d)
+    _forward(q, k, v, causal=causal)
 
 
 def dense_bwd():

@@ -88,6 +88,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     self.tile_m = schedule.tile_m
     self.tile_n = schedule.tile_n
     self.num_stages = schedule.num_stages
+    self.q_stages = 1
     assert self.tile_m == 64 and self.tile_n % BOX_ROWS == 0, schedule
     self.causal = False  # run-time: window_right
     self.num_mma_warpgroups = 1
@@ -100,6 +101,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     self.rescale_o_before_pv = variant.head_dim_v > 128
     # No side buffer rides the K stages: K is released as soon as its GEMM is done.
     self.masked = False
+    self.tiles_from_last_row = False
     self.k_box_cols = _swizzle_elems(self.dtype, self.head_dim)
     self.v_box_rows = _swizzle_elems(self.dtype, self.head_dim_v)
 

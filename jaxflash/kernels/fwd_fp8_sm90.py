@@ -121,6 +121,8 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
       assert self.num_mma_warpgroups == 2, variant.key
       self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT_IN_PLACE
     self.o_in_v_ring = o_over_v_ring(variant)
+    self.tiles_from_last_row = False  # query descale chunks start at row 0
+    assert self.q_stages == 1, variant.key  # O has a buffer of its own (or the V ring's)
     self.fma_exp2_per_8 = variant.schedule.fma_exp2_per_8
     self.block_descales = variant.block_descales
 
@@ -440,11 +442,11 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
   def epilogue(self, mO: cute.Tensor, mLSE: cute.Tensor, mSink: cute.Tensor, has_sink: Int32,
                tma_atom_o: cute.CopyAtom, sO: cute.Tensor, tiled_mma_pv: cute.TiledMma,
                thr_mma_pv, acc_o: cute.Tensor, online, pipeline_q, q_state, m_block: Int32,
-               head: Int32, batch: Int32, seqlen_q: Int32):
+               head: Int32, batch: Int32, seqlen_q: Int32, mO_rows=None):
     """O *= the (batch, kv head)'s v max descale, then fwd_sm90's epilogue (normalise, lse,
     16-bit store: _output_fragment)."""
     v_descale = self.kv_descale[_KV_VALUES - 1, head // self.q_per_kv, batch]
     for i in range(cute.size(acc_o)):
       acc_o[i] = acc_o[i] * v_descale
     super().epilogue(mO, mLSE, mSink, has_sink, tma_atom_o, sO, tiled_mma_pv, thr_mma_pv,
-                     acc_o, online, pipeline_q, q_state, m_block, head, batch, seqlen_q)
+                     acc_o, online, pipeline_q, q_state, m_block, head, batch, seqlen_q, mO_rows)

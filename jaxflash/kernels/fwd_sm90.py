@@ -37,12 +37,12 @@ _REGISTER_SPLIT = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 
 def _smem_buffers(variant: config.KernelVariant) -> dict:
   """The shared buffers of the 16-bit forward after its mbarriers, in storage order: {name:
-  (element type, count, alignment)}. Q's buffer also holds O (after the last QK^T GEMM); masked
-  variants add each K stage's key block ids (one bulk copy with the K tile)."""
+  (element type, count, alignment)}. Each Q slot also holds its tile's O (after the last QK^T
+  GEMM); masked variants add each K stage's key block ids (one bulk copy with the K tile)."""
   dtype, s = DTYPES[variant.dtype], variant.schedule
   align = sm90_gemm.SMEM_ALIGN
   buffers = dict(
-      sQ=(dtype, s.tile_m * max(variant.head_dim, variant.head_dim_v), align),
+      sQ=(dtype, s.q_stages * s.tile_m * max(variant.head_dim, variant.head_dim_v), align),
       sK=(dtype, s.num_stages * s.tile_n * variant.head_dim, align),
       sV=(dtype, s.num_stages * s.tile_n * variant.head_dim_v, align))
   if variant.masked:
@@ -55,8 +55,11 @@ class FlashAttentionForwardSm90:
 
   Each consumer warpgroup owns 64 query rows of the tile_m x tile_n block: S = Q K^T (WGMMA, both
   operands in shared memory), online softmax in registers, O += P V (WGMMA, P from registers).
-  K and V ride two mbarrier pipelines of num_stages slots each; Q has a one-slot pipeline that
-  the epilogue releases once the O store has left shared memory (O reuses Q's buffer).
+  K and V ride two mbarrier pipelines of num_stages slots each; Q has a pipeline of q_stages
+  slots (1 or 2), each released by the epilogue once the O store has left shared memory (O
+  reuses its tile's Q slot): with two, a persistent CTA's producer loads the next tile's Q
+  while the current tile computes. Dense causal variants tile the queries from the last row
+  (_row_shift), so a partial tile is the first one, which sees the fewest keys.
   Key blocks overlap inside a warpgroup: S(j+1) = Q K(j+1)^T and O += P(j) V(j) are issued back
   to back and the softmax of j+1 runs while the PV GEMM is in flight (overlap_step).
 
@@ -88,6 +91,9 @@ class FlashAttentionForwardSm90:
     self.tile_m = schedule.tile_m
     self.tile_n = schedule.tile_n
     self.num_stages = schedule.num_stages
+    self.q_stages = schedule.q_stages
+    # O is staged in its tile's Q slot, so each slot must hold both.
+    assert self.q_stages == 1 or variant.head_dim == variant.head_dim_v, variant.key
     self.causal = variant.causal
     self.num_mma_warpgroups = self.tile_m // 64
     self.num_mma_threads = self.num_mma_warpgroups * _WARPGROUP_THREADS
@@ -99,6 +105,10 @@ class FlashAttentionForwardSm90:
     self.lpt = schedule.lpt
     self.rescale_o_before_pv = schedule.rescale_o_before_pv
     self.masked = variant.masked
+    # Dense causal: the query tiles end at the last row (_row_shift), so the partial tile is the
+    # one with the fewest keys. The FP8 kernel keeps tiles from row 0 (its query descales come
+    # in chunks of 64 rows from row 0).
+    self.tiles_from_last_row = variant.causal and not variant.masked
     self.variant = variant
 
   @staticmethod
@@ -125,13 +135,15 @@ class FlashAttentionForwardSm90:
     self.tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
         self.dtype, self.dtype, k_major, mn_major, Float32, atoms, (64, self.head_dim_v),
         a_source=warpgroup.OperandSource.RMEM)
-    self.sQ_layout = sm90_gemm.smem_layout(self.dtype, self.tile_m, self.head_dim)
+    # With one Q slot the Q and O layouts have no slot mode (_q_slot).
+    q_slots = None if self.q_stages == 1 else self.q_stages
+    self.sQ_layout = sm90_gemm.smem_layout(self.dtype, self.tile_m, self.head_dim, q_slots)
     self.sK_layout = sm90_gemm.smem_layout(self.dtype, self.tile_n, self.head_dim, self.num_stages)
     # V^T tile: (head_dim_v, tile_n), head_dim_v contiguous.
     self.sV_layout = sm90_gemm.smem_layout(self.dtype, self.head_dim_v, self.tile_n,
                                            self.num_stages, col_major=True)
-    self.sO_layout = sm90_gemm.smem_layout(self.dtype, self.tile_m, self.head_dim_v)
-    self.tma_bytes_q = cute.size_in_bytes(self.dtype, self.sQ_layout)
+    self.sO_layout = sm90_gemm.smem_layout(self.dtype, self.tile_m, self.head_dim_v, q_slots)
+    self.tma_bytes_q = cute.size_in_bytes(self.dtype, self._q_slot_layout(self.sQ_layout))
     self.tma_bytes_k = cute.size_in_bytes(self.dtype, cute.slice_(self.sK_layout, (None, None, 0)))
     self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.slice_(self.sV_layout, (None, None, 0)))
     if self.masked:
@@ -145,7 +157,7 @@ class FlashAttentionForwardSm90:
     stages = self.num_stages
     # cute.struct reads the class annotations in order.
     fields = dict(
-        mbar_q=cute.struct.MemRange[cutlass.Int64, 2],
+        mbar_q=cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages],
         mbar_k=cute.struct.MemRange[cutlass.Int64, 2 * stages],
         mbar_v=cute.struct.MemRange[cutlass.Int64, 2 * stages],
         **sm90_gemm.smem_fields(buffers))
@@ -185,13 +197,15 @@ class FlashAttentionForwardSm90:
     if const_expr(self.masked):
       mQIds, mKIds = [_select(t, [1, 0]) for t in (mQIds, mKIds)]  # (positions, batch)
       mRanges = _select(mRanges, [2, 1, 0])  # (4, m blocks, batch)
+    # O in kernel order for the stores a TMA store cannot make (a tile starting above row 0).
+    mO_rows = _select(mO, [1, 3, 2, 0]) if const_expr(self.tiles_from_last_row) else None
     self.kernel(
         tma_q, tma_k, tma_v, tma_o, mLSE, mSink,
         tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o,
         softmax_scale, has_sink,
         self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout,
         self.tiled_mma_qk, self.tiled_mma_pv,
-        mQIds, mKIds, mRanges, mOrder, window_left, window_right, softcap,
+        mQIds, mKIds, mRanges, mOrder, window_left, window_right, softcap, mO_rows,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
   def _tma_operands(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -204,7 +218,7 @@ class FlashAttentionForwardSm90:
     mVt = _select(mV, [3, 1, 2, 0])
     load_op = cpasync.CopyBulkTensorTileG2SOp()
     tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
-        load_op, mQ, self.sQ_layout, (self.tile_m, self.head_dim))
+        load_op, mQ, self._q_slot_layout(self.sQ_layout), (self.tile_m, self.head_dim))
     tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
         load_op, mK, cute.slice_(self.sK_layout, (None, None, 0)), (self.tile_n, self.head_dim))
     tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
@@ -212,7 +226,8 @@ class FlashAttentionForwardSm90:
         (self.head_dim_v, self.tile_n))
     # TMA stores clip at the tensor bounds: rows >= seqlen_q are never written.
     tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
-        cpasync.CopyBulkTensorTileS2GOp(), mO, self.sO_layout, (self.tile_m, self.head_dim_v))
+        cpasync.CopyBulkTensorTileS2GOp(), mO, self._q_slot_layout(self.sO_layout),
+        (self.tile_m, self.head_dim_v))
     num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
     grid = tile_scheduler.StaticTileScheduler.grid_shape(
         num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]), self.persistent,
@@ -248,6 +263,7 @@ class FlashAttentionForwardSm90:
       window_left: Optional[Int32],
       window_right: Optional[Int32],
       softcap: Optional[Float32],
+      mO_rows: Optional[cute.Tensor],  # tiles_from_last_row: (seqlen_q, head_dim_v, heads, batch)
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -291,7 +307,7 @@ class FlashAttentionForwardSm90:
       cute.arch.setmaxregister_increase(self.num_mma_regs)
       self.mma(mO, mLSE, mSink, has_sink, tma_atom_o, sQ, sK, sV, sO, tiled_mma_qk,
                tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, softmax_scale, scheduler,
-               mQ.shape[0], mK.shape[0], masking)
+               mQ.shape[0], mK.shape[0], masking, mO_rows)
 
   @cute.jit
   def _prefetch_descriptors(self, warp_idx: Int32, atoms):
@@ -301,11 +317,12 @@ class FlashAttentionForwardSm90:
         cpasync.prefetch_descriptor(atom)
 
   def _make_pipelines(self, storage, v_consumer_warps: Optional[int] = None):
-    """TMA pipelines: one elected producer thread arrives; consumers release per warp.
+    """TMA pipelines (Q: q_stages slots): one elected producer thread arrives; consumers
+    release per warp.
 
     K/V slots are released by lane 0 of every consumer warp (V's consumers: v_consumer_warps
-    warps, default the MMA warps); the Q slot only by the warp that stores O (after the store
-    has read shared memory, since O reuses Q's buffer).
+    warps, default the MMA warps); a Q slot only by the warp that stores O (after the store
+    has read shared memory, since O reuses its tile's Q slot).
     """
     producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
     consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread,
@@ -313,7 +330,7 @@ class FlashAttentionForwardSm90:
     v_consumer = consumer if v_consumer_warps is None else pipeline.CooperativeGroup(
         pipeline.Agent.Thread, v_consumer_warps)
     made = []
-    for mbar, stages, tx, group in ((storage.mbar_q, 1, self.tma_bytes_q, producer),
+    for mbar, stages, tx, group in ((storage.mbar_q, self.q_stages, self.tma_bytes_q, producer),
                                     (storage.mbar_k, self.num_stages, self.tma_bytes_k, consumer),
                                     (storage.mbar_v, self.num_stages, self.tma_bytes_v,
                                      v_consumer)):
@@ -336,7 +353,7 @@ class FlashAttentionForwardSm90:
     seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
     q_per_kv = mQ.shape[2] // mK.shape[2]
     one_cta = cute.make_layout(1)
-    q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+    q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
     tile = scheduler.first_tile()
     while tile < scheduler.total_tiles:
@@ -344,12 +361,16 @@ class FlashAttentionForwardSm90:
           scheduler, tile, masking, seqlen_q, seqlen_k)
       # GQA/MQA: q heads [g * ratio, (g + 1) * ratio) share kv head g.
       head_kv = head // q_per_kv
-      gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+      mQ_head = mQ[None, None, head, batch]
+      if const_expr(self.tiles_from_last_row):
+        mQ_head = cute.domain_offset((-self._row_shift(seqlen_q), 0), mQ_head)
+      gQ = cute.local_tile(mQ_head, (self.tile_m, self.head_dim), (m_block, 0))
       gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
       gV = cute.local_tile(mV[None, None, head_kv, batch], (self.head_dim_v, self.tile_n),
                            (0, None))
       tQsQ, tQgQ = cpasync.tma_partition(
           tma_atom_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+      tQsQ = self._q_slot(tQsQ, q_state)
       tKsK, tKgK = cpasync.tma_partition(
           tma_atom_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
       tVsV, tVgV = cpasync.tma_partition(
@@ -384,6 +405,35 @@ class FlashAttentionForwardSm90:
         kv_state.advance()
       tile = scheduler.next_tile(tile)
 
+  def _q_slot_layout(self, layout):
+    """One Q slot's part of a Q or O shared layout (the layout itself with one slot)."""
+    return layout if self.q_stages == 1 else cute.slice_(layout, (None, None, 0))
+
+  def _q_slot(self, t: cute.Tensor, q_state) -> cute.Tensor:
+    """The part of t (its last mode the Q slot) in slot q_state.index; t with one slot."""
+    if const_expr(self.q_stages == 1):
+      return t
+    return t[(None,) * (cute.rank(t) - 1) + (q_state.index,)]
+
+  def _consumer_for_slot(self, c, q_state):
+    """The consumer bundle whose Q fragment reads slot q_state.index."""
+    if const_expr(self.q_stages == 1):
+      return c
+    return dataclasses.replace(c, tSrQ=self._q_slot(c.tSrQ, q_state))
+
+  @cute.jit
+  def _row_shift(self, seqlen_q: Int32) -> Int32:
+    """How many rows the query tiles start above row 0: tiles_from_last_row puts the last
+    tile's end at seqlen_q, so only the first tile (the one that sees the fewest keys under
+    causal) is partial, not the last (the one that sees them all). Tile m then holds rows
+    [m * tile_m - shift, (m + 1) * tile_m - shift): its rows above 0 are zeros (TMA fills
+    them), see no key and are never stored. The mask and block counts see seqlen_q + shift
+    rows, which keeps the bottom-right alignment of every real row."""
+    shift = Int32(0)
+    if const_expr(self.tiles_from_last_row):
+      shift = cute.ceil_div(seqlen_q, self.tile_m) * self.tile_m - seqlen_q
+    return shift
+
   @cute.jit
   def _tile_and_key_blocks(self, scheduler, tile: Int32, masking, seqlen_q: Int32,
                            seqlen_k: Int32):
@@ -397,8 +447,8 @@ class FlashAttentionForwardSm90:
     else:
       m_block, head, batch = scheduler.decode(tile)
       n_min = 0
-      n_max = mask.n_block_max(m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
-                               self.causal)
+      n_max = mask.n_block_max(m_block, seqlen_q + self._row_shift(seqlen_q), seqlen_k,
+                               self.tile_m, self.tile_n, self.causal)
     return m_block, head, batch, n_min, n_max
 
   @cute.jit
@@ -418,7 +468,7 @@ class FlashAttentionForwardSm90:
           sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sO: cute.Tensor,
           tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
           pipeline_q, pipeline_k, pipeline_v, softmax_scale: Float32, scheduler,
-          seqlen_q: Int32, seqlen_k: Int32, masking):
+          seqlen_q: Int32, seqlen_k: Int32, masking, mO_rows=None):
     """Consumer warpgroups: per tile, S = Q K^T, online softmax, O += P V, epilogue."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WARPGROUP_THREADS
@@ -448,8 +498,10 @@ class FlashAttentionForwardSm90:
         cute.arch.barrier_arrive(barrier_id=_SCHEDULER_BARRIER_BASE,
                                  number_of_threads=2 * _WARPGROUP_THREADS)
 
-    q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+    q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+    # The rows the tiles cover (_row_shift): what the mask and the block counts see.
+    tiled_rows = seqlen_q + self._row_shift(seqlen_q)
     tile = scheduler.first_tile()
     while tile < scheduler.total_tiles:
       m_block, head, batch, n_min, n_max = self._tile_and_key_blocks(
@@ -461,14 +513,15 @@ class FlashAttentionForwardSm90:
         for i in cutlass.range_constexpr(num_rows):
           row_ids[i] = masking.query_ids[m_block * self.tile_m + tScS_mn[i, 0][0], batch]
       else:
-        n_masked = mask.num_masked_blocks(m_block, n_max, seqlen_q, seqlen_k, self.tile_m,
+        n_masked = mask.num_masked_blocks(m_block, n_max, tiled_rows, seqlen_k, self.tile_m,
                                           self.tile_n, self.causal)
       online.reset()
       acc_o.fill(0.0)
       pipeline_q.consumer_wait(q_state)
+      q_slot = self._consumer_for_slot(c, q_state)
       # Key blocks run from n_max-1 down, so the blocks needing the elementwise mask come first.
       if n_max > n_min:
-        self.first_block(c, kv_state, m_block, n_max - 1, seqlen_q, seqlen_k)
+        self.first_block(q_slot, kv_state, m_block, n_max - 1, tiled_rows, seqlen_k)
         # kv_state advances here, in the loop bodies: the DSL carries a state rebound in the
         # body, not one mutated inside a helper.
         if const_expr(self.masked):
@@ -482,23 +535,24 @@ class FlashAttentionForwardSm90:
             for i in cutlass.range(upper - lower, unroll=1):
               v_state = kv_state.clone()
               kv_state.advance()
-              self.overlap_step(c, kv_state, v_state, wg, m_block, upper - 1 - i, seqlen_q,
-                                seqlen_k, is_masked)
+              self.overlap_step(q_slot, kv_state, v_state, wg, m_block, upper - 1 - i,
+                                tiled_rows, seqlen_k, is_masked)
         else:
           for i in cutlass.range(n_masked - 1, unroll=1):
             v_state = kv_state.clone()
             kv_state.advance()
-            self.overlap_step(c, kv_state, v_state, wg, m_block, n_max - 2 - i, seqlen_q,
-                              seqlen_k, True)
+            self.overlap_step(q_slot, kv_state, v_state, wg, m_block, n_max - 2 - i,
+                              tiled_rows, seqlen_k, True)
           for i in cutlass.range(n_max - n_masked, unroll=1):
             v_state = kv_state.clone()
             kv_state.advance()
-            self.overlap_step(c, kv_state, v_state, wg, m_block, n_max - n_masked - 1 - i,
-                              seqlen_q, seqlen_k, False)
-        self.last_block(c, kv_state)
+            self.overlap_step(q_slot, kv_state, v_state, wg, m_block, n_max - n_masked - 1 - i,
+                              tiled_rows, seqlen_k, False)
+        self.last_block(q_slot, kv_state)
         kv_state.advance()
-      self.epilogue(mO, mLSE, mSink, has_sink, tma_atom_o, sO, tiled_mma_pv, thr_mma_pv,
-                    acc_o, online, pipeline_q, q_state, m_block, head, batch, seqlen_q)
+      self.epilogue(mO, mLSE, mSink, has_sink, tma_atom_o, self._q_slot(sO, q_state),
+                    tiled_mma_pv, thr_mma_pv, acc_o, online, pipeline_q, q_state, m_block, head,
+                    batch, seqlen_q, mO_rows)
       q_state.advance()
       tile = scheduler.next_tile(tile)
 
@@ -660,10 +714,10 @@ class FlashAttentionForwardSm90:
                tma_atom_o: cute.CopyAtom,
                sO: cute.Tensor, tiled_mma_pv: cute.TiledMma, thr_mma_pv, acc_o: cute.Tensor,
                online, pipeline_q, q_state, m_block: Int32, head: Int32, batch: Int32,
-               seqlen_q: Int32):
+               seqlen_q: Int32, mO_rows=None):
     """Normalises O (the head's learnable sink joins each row's denominator), writes LSE (rows
-    < seqlen_q), stores O through shared memory + TMA, then releases the Q slot (O used Q's
-    buffer)."""
+    < seqlen_q), stores O (through shared memory + TMA, or from registers where the tile starts
+    above row 0), then releases the Q slot (O used Q's buffer)."""
     mma_tidx = self._epilogue_thread_index() - _WARPGROUP_THREADS
     acc_o_mn = softmax.make_acc_mn_view(acc_o)
     num_rows = cute.size(acc_o_mn, mode=[0])
@@ -678,15 +732,36 @@ class FlashAttentionForwardSm90:
     tOcO_mn = softmax.make_acc_mn_view(
         thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
     # One lane of each quad (the one holding column 0) writes its rows' LSE.
+    shift = self._row_shift(seqlen_q)
     if tOcO_mn[0, 0][1] == 0:
       for i in cutlass.range_constexpr(num_rows):
-        row = m_block * self.tile_m + tOcO_mn[i, 0][0]
-        if row < seqlen_q:
+        row = m_block * self.tile_m + tOcO_mn[i, 0][0] - shift
+        if const_expr(self.tiles_from_last_row):
+          if row < seqlen_q and row >= 0:
+            mLSE[row, head, batch] = lse[i]
+        elif row < seqlen_q:
           mLSE[row, head, batch] = lse[i]
 
     # sO aliases sQ: every warpgroup must be past its last QK^T GEMM before anyone writes O.
     cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
     r_o = self._output_fragment(acc_o)
+    if const_expr(self.tiles_from_last_row):
+      if m_block * self.tile_m < shift:
+        self._store_o_rows(mO_rows, r_o, thr_mma_pv, pipeline_q, q_state, m_block, head, batch,
+                           shift, seqlen_q)
+      else:
+        self._store_o_tma(mO, tma_atom_o, sO, r_o, tiled_mma_pv, mma_tidx, pipeline_q, q_state,
+                          m_block, head, batch, shift)
+    else:
+      self._store_o_tma(mO, tma_atom_o, sO, r_o, tiled_mma_pv, mma_tidx, pipeline_q, q_state,
+                        m_block, head, batch, shift)
+
+  @cute.jit
+  def _store_o_tma(self, mO: cute.Tensor, tma_atom_o: cute.CopyAtom, sO: cute.Tensor,
+                   r_o: cute.Tensor, tiled_mma_pv: cute.TiledMma, mma_tidx: Int32, pipeline_q,
+                   q_state, m_block: Int32, head: Int32, batch: Int32, shift: Int32):
+    """O through shared memory (stmatrix into sO) and one TMA store, which clips rows >=
+    seqlen_q; the storing warp then releases the Q slot. The tile's first row must be >= 0."""
     store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.out_dtype, Float32)
     tiled_copy_r2s = cute.make_tiled_copy_S(
         store_atom, cute.make_tiled_copy_C_atom(store_atom, tiled_mma_pv))
@@ -704,8 +779,10 @@ class FlashAttentionForwardSm90:
 
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     if warp_idx == _WARPGROUP_THREADS // _WARP_THREADS:
-      gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim_v),
-                           (m_block, 0))
+      mO_head = mO[None, None, head, batch]
+      if const_expr(self.tiles_from_last_row):
+        mO_head = cute.domain_offset((-shift, 0), mO_head)
+      gO = cute.local_tile(mO_head, (self.tile_m, self.head_dim_v), (m_block, 0))
       tOsO, tOgO = cpasync.tma_partition(
           tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
           cute.group_modes(gO, 0, 2))
@@ -715,6 +792,24 @@ class FlashAttentionForwardSm90:
       # load the next tile's Q (and the CTA exit). The elected lane issued the store; the warp
       # sync orders its wait before lane 0's release.
       cute.arch.cp_async_bulk_wait_group(0, read=True)
+      cute.arch.sync_warp()
+      pipeline_q.consumer_release(q_state)
+
+  @cute.jit
+  def _store_o_rows(self, mO_rows: cute.Tensor, r_o: cute.Tensor, thr_mma_pv, pipeline_q,
+                    q_state, m_block: Int32, head: Int32, batch: Int32, shift: Int32,
+                    seqlen_q: Int32):
+    """O of a tile that starts above row 0 (tiles_from_last_row's first tile; a TMA store takes
+    no negative coordinate, the GPU faults on one): each thread stores its own elements of the
+    rows in [0, seqlen_q). sO is not used, so the Q slot is released at once (the epilogue
+    barrier before this put every warpgroup past its last QK^T GEMM)."""
+    tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
+    for i in cutlass.range_constexpr(cute.size(r_o)):
+      row = m_block * self.tile_m + tOcO[i][0] - shift
+      if row >= 0 and row < seqlen_q:
+        mO_rows[row, tOcO[i][1], head, batch] = r_o[i]
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    if warp_idx == _WARPGROUP_THREADS // _WARP_THREADS:
       cute.arch.sync_warp()
       pipeline_q.consumer_release(q_state)
 
