@@ -355,15 +355,16 @@ class FlashAttentionForwardSm90:
     one_cta = cute.make_layout(1)
     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+    row_shift = self._row_shift(seqlen_q)
     tile = scheduler.first_tile()
     while tile < scheduler.total_tiles:
       m_block, head, batch, n_min, n_max = self._tile_and_key_blocks(
-          scheduler, tile, masking, seqlen_q, seqlen_k)
+          scheduler, tile, masking, seqlen_q + row_shift, seqlen_k)
       # GQA/MQA: q heads [g * ratio, (g + 1) * ratio) share kv head g.
       head_kv = head // q_per_kv
       mQ_head = mQ[None, None, head, batch]
       if const_expr(self.tiles_from_last_row):
-        mQ_head = cute.domain_offset((-self._row_shift(seqlen_q), 0), mQ_head)
+        mQ_head = cute.domain_offset((-row_shift, 0), mQ_head)
       gQ = cute.local_tile(mQ_head, (self.tile_m, self.head_dim), (m_block, 0))
       gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
       gV = cute.local_tile(mV[None, None, head_kv, batch], (self.head_dim_v, self.tile_n),
@@ -435,11 +436,12 @@ class FlashAttentionForwardSm90:
     return shift
 
   @cute.jit
-  def _tile_and_key_blocks(self, scheduler, tile: Int32, masking, seqlen_q: Int32,
+  def _tile_and_key_blocks(self, scheduler, tile: Int32, masking, tiled_rows: Int32,
                            seqlen_k: Int32):
     """(m_block, head, batch, n_min, n_max) of a tile: its key blocks are [n_min, n_max).
-    Dense variants: from the causal mask (n_min = 0, a trace-time constant); masked: from the
-    call's block ranges and tile order."""
+    Dense variants: from the causal mask over the tiles' rows (tiled_rows: seqlen_q plus
+    _row_shift; n_min = 0, a trace-time constant); masked: from the call's block ranges and
+    tile order."""
     if const_expr(self.masked):
       m_block, head, batch = scheduler.decode_ordered(tile, masking.order)
       n_min = masking.ranges[0, m_block, batch]
@@ -447,8 +449,8 @@ class FlashAttentionForwardSm90:
     else:
       m_block, head, batch = scheduler.decode(tile)
       n_min = 0
-      n_max = mask.n_block_max(m_block, seqlen_q + self._row_shift(seqlen_q), seqlen_k,
-                               self.tile_m, self.tile_n, self.causal)
+      n_max = mask.n_block_max(m_block, tiled_rows, seqlen_k, self.tile_m, self.tile_n,
+                               self.causal)
     return m_block, head, batch, n_min, n_max
 
   @cute.jit
@@ -505,7 +507,7 @@ class FlashAttentionForwardSm90:
     tile = scheduler.first_tile()
     while tile < scheduler.total_tiles:
       m_block, head, batch, n_min, n_max = self._tile_and_key_blocks(
-          scheduler, tile, masking, seqlen_q, seqlen_k)
+          scheduler, tile, masking, tiled_rows, seqlen_k)
       if const_expr(self.masked):
         # Blocks [full_lo, full_hi) of [n_min, n_max) need no elementwise mask.
         full_lo = masking.ranges[2, m_block, batch]
@@ -518,10 +520,10 @@ class FlashAttentionForwardSm90:
       online.reset()
       acc_o.fill(0.0)
       pipeline_q.consumer_wait(q_state)
-      q_slot = self._consumer_for_slot(c, q_state)
+      tile_c = self._consumer_for_slot(c, q_state)
       # Key blocks run from n_max-1 down, so the blocks needing the elementwise mask come first.
       if n_max > n_min:
-        self.first_block(q_slot, kv_state, m_block, n_max - 1, tiled_rows, seqlen_k)
+        self.first_block(tile_c, kv_state, m_block, n_max - 1, tiled_rows, seqlen_k)
         # kv_state advances here, in the loop bodies: the DSL carries a state rebound in the
         # body, not one mutated inside a helper.
         if const_expr(self.masked):
@@ -535,20 +537,20 @@ class FlashAttentionForwardSm90:
             for i in cutlass.range(upper - lower, unroll=1):
               v_state = kv_state.clone()
               kv_state.advance()
-              self.overlap_step(q_slot, kv_state, v_state, wg, m_block, upper - 1 - i,
+              self.overlap_step(tile_c, kv_state, v_state, wg, m_block, upper - 1 - i,
                                 tiled_rows, seqlen_k, is_masked)
         else:
           for i in cutlass.range(n_masked - 1, unroll=1):
             v_state = kv_state.clone()
             kv_state.advance()
-            self.overlap_step(q_slot, kv_state, v_state, wg, m_block, n_max - 2 - i,
+            self.overlap_step(tile_c, kv_state, v_state, wg, m_block, n_max - 2 - i,
                               tiled_rows, seqlen_k, True)
           for i in cutlass.range(n_max - n_masked, unroll=1):
             v_state = kv_state.clone()
             kv_state.advance()
-            self.overlap_step(q_slot, kv_state, v_state, wg, m_block, n_max - n_masked - 1 - i,
+            self.overlap_step(tile_c, kv_state, v_state, wg, m_block, n_max - n_masked - 1 - i,
                               tiled_rows, seqlen_k, False)
-        self.last_block(q_slot, kv_state)
+        self.last_block(tile_c, kv_state)
         kv_state.advance()
       self.epilogue(mO, mLSE, mSink, has_sink, tma_atom_o, self._q_slot(sO, q_state),
                     tiled_mma_pv, thr_mma_pv, acc_o, online, pipeline_q, q_state, m_block, head,
