@@ -252,10 +252,11 @@ def fp8_fwd_variant(head_dim: int, causal: bool, arch: str = "sm90a",
 
 
 # Causal dense forwards of these head dims over at most this many keys per sequence run as a
-# static persistent list (FwdSchedule.one_cta_above_keys): measured at 1k (a gain) and 4k (a
-# loss) keys; 2k was not measured.
+# static persistent list (FwdSchedule.one_cta_above_keys): with two Q slots a gain at 1k and 2k
+# keys (2k: 1.15-1.2x at head_dim 64, 1.08-1.17x at 96, 1.05x at 128), a loss at 4k (0.92x
+# at 128).
 CAUSAL_PERSISTENT_HEAD_DIMS = (64, 96, 128)
-CAUSAL_PERSISTENT_MAX_KEYS = 1024
+CAUSAL_PERSISTENT_MAX_KEYS = 2048
 
 
 # Shared memory of a Hopper CTA.
@@ -303,10 +304,11 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
       pingpong=head_dim <= 128,
       # Persistent wins on uniform tiles (+3-10 % at seq 1k). Causal tiles in LPT order: at
       # head_dim 64, 96 and 128 a static persistent list wins on short sequences, whose tiles
-      # are a few key blocks each (+5-8 % at 1k with one Q slot, +7-25 % with two), one CTA
-      # per tile (greedy dispatch) on long ones. Other head dims keep one CTA per tile (at 256
-      # a list measured 0.84x at 1k; 192 was not measured; docs/kernels.md, "Forward tiles").
-      # Masked variants launch one CTA per tile in the order of their block ranges.
+      # are a few key blocks each (+5-8 % at 1k with one Q slot, +7-25 % with two; up to 2k
+      # keys), one CTA per tile (greedy dispatch) on long ones. Other head dims keep one CTA
+      # per tile (at 256 a list measured 0.84x at 1k; 192 was not measured; docs/kernels.md,
+      # "Forward tiles"). Masked variants launch one CTA per tile in the order of their block
+      # ranges.
       persistent=persistent, lpt=causal and not masked,
       one_cta_above_keys=CAUSAL_PERSISTENT_MAX_KEYS if causal_persistent else 0,
       # Two Q slots (a persistent CTA loads the next tile's Q during the current tile) where the

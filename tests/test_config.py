@@ -88,11 +88,11 @@ def test_forward_schedule_table():
     # 192 query rows (3 consumer warpgroups at 160 registers) only at head_dim 64.
     assert s.tile_m == 128 or head_dim == 64
     assert s.pingpong == (head_dim <= 128)
-    # Causal at head_dim 64, 96 and 128: a static persistent list up to 1024 keys per
+    # Causal at head_dim 64, 96 and 128: a static persistent list up to 2048 keys per
     # sequence, one CTA per tile above; other causal head dims one CTA per tile.
     listed = causal and head_dim in (64, 96, 128)
     assert (s.persistent, s.lpt) == (not causal or listed, causal)
-    assert s.one_cta_above_keys == (1024 if listed else 0)
+    assert s.one_cta_above_keys == (2048 if listed else 0)
     assert s.rescale_o_before_pv == (head_dim_v > 128)
     # Two Q slots only where a CTA may walk a tile list and two slots (each also O's) and the
     # K / V rings fit 227 KiB.

@@ -45,6 +45,8 @@ SHAPES = {  # name -> (batch, seq_q, seq_k, heads, kv_heads)
     # More tiles than SMs: persistent CTAs walk several tiles (cycling their Q slots), and
     # causal tiles start above row 0 (700 is no multiple of a tile).
     "s700_gqa_tiles_over_sms": (2, 700, 700, 40, 8),
+    # Causal: the longest calls that still run as a tile list (config.CAUSAL_PERSISTENT_MAX_KEYS).
+    "s1543_list": (2, 1543, 1543, 8, 2),
 }
 
 
