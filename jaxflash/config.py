@@ -259,7 +259,7 @@ CAUSAL_PERSISTENT_HEAD_DIMS = (64, 96, 128)
 CAUSAL_PERSISTENT_MAX_KEYS = 2048
 
 
-# Shared memory of a Hopper CTA.
+# Opt-in shared memory of a Hopper CTA (kernels/sm90_gemm.SMEM_CAPACITY).
 SMEM_BYTES = 227 * 1024
 
 

@@ -1,6 +1,6 @@
 """Hopper (sm_90a) shared-memory tile layouts, tensor views, WGMMA issue and smem stores.
 
-Imports cutlass only. Shared by the forward and backward kernels.
+Imports cutlass and jaxflash.config only. Shared by the forward and backward kernels.
 """
 
 import cutlass
@@ -12,13 +12,15 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.utils import LayoutEnum
 
+from jaxflash import config
+
 # config.KERNEL_DTYPES -> the element types of the kernels.
 DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16,
           "float8_e4m3fn": cutlass.Float8E4M3FN}
 # Each shared buffer starts on a 1 KiB boundary: the 128B swizzle pattern repeats every 1 KiB.
 SMEM_ALIGN = 1024
-# sm_90 opt-in shared memory per block: 227 KiB.
-SMEM_CAPACITY = 232448
+# sm_90 opt-in shared memory per block: 227 KiB (the schedule table sizes tiles by it too).
+SMEM_CAPACITY = config.SMEM_BYTES
 WARPGROUP_THREADS = 128
 WARP_THREADS = 32
 
