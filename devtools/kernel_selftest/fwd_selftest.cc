@@ -7,14 +7,15 @@
 // (kernel_abi.h); runs a list of small shapes (GQA/MQA, ragged lengths, seqlen 1,
 // seqlen_q > seqlen_k, more tiles than SMs) against a float64 reference, checks that guard
 // regions after out/lse stay poisoned, that empty rows give 0 / -inf and that reruns are bitwise
-// identical. Then times 16384 tokens per call: seqlen_q = seqlen_k = seq at seq 1024, 4096 and
-// 16384, batch = 16384 / seq, heads = 2048 / head_dim (no GQA), random data, counting
+// identical. Then times 16384 tokens per call: seqlen_q = seqlen_k = seq at seq 1024, 4096,
+// 16384 and 2048, batch = 16384 / seq, heads = 2048 / head_dim (no GQA), random data, counting
 // 2 * (head_dim + head_dim_v) flops per score (half the scores when causal): 5 launches back to
 // back per repetition, median of 7 repetitions after 2 warm-up repetitions; each timed output is
 // checked for unwritten (NaN-poisoned) elements and sampled rows are compared with the float64
 // reference.
 // A kernel that does not finish within a deadline ends the process (exit 3). Prints one
-// "RESULT <key> <PASS|FAIL> <tflops 1k> <4k> <16k>" line per library; exit code 0 iff all passed.
+// "RESULT <key> <PASS|FAIL> <tflops 1k> <4k> <16k> <2k>" line per library; exit code 0 iff all
+// passed.
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <stdint.h>
@@ -235,7 +236,7 @@ void FillRandom(std::vector<uint16_t>& x, uint64_t seed) {
 // Times the benchmark shapes (top of the file); returns TFLOP/s per sequence length (0 where
 // it failed).
 std::vector<double> Bench(FwdFn fwd, int d, int dv, bool causal, bool check) {
-  const int tokens = 16384, seqs[] = {1024, 4096, 16384};
+  const int tokens = 16384, seqs[] = {1024, 4096, 16384, 2048};
   const int heads = 2048 / d;  // q/k and v/out share tokens and heads; dv may differ from d
   size_t nq = static_cast<size_t>(tokens) * heads * d, nv = static_cast<size_t>(tokens) * heads * dv;
   size_t nl = static_cast<size_t>(tokens) * heads;
@@ -332,7 +333,7 @@ int main(int argc, char** argv) {
     void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
       printf("dlopen %s: %s\n", path.c_str(), dlerror());
-      printf("RESULT %s FAIL 0 0 0\n", path.c_str());
+      printf("RESULT %s FAIL 0 0 0 0\n", path.c_str());
       g_failures++;
       continue;
     }
@@ -347,7 +348,7 @@ int main(int argc, char** argv) {
     if (!info || !key_fn || !load || !fwd || info->direction != 0) {
       printf("%s (abi %d): not a forward variant library of kernel ABI %d\n", path.c_str(), abi,
              JAXFLASH_KERNEL_ABI_VERSION);
-      printf("RESULT %s FAIL 0 0 0\n", path.c_str());
+      printf("RESULT %s FAIL 0 0 0 0\n", path.c_str());
       g_failures++;
       continue;
     }
@@ -360,7 +361,7 @@ int main(int argc, char** argv) {
     int32_t ls = load();
     EXPECT(ls == 0, "load status %d", ls);
     if (ls != 0) {
-      printf("RESULT %s FAIL 0 0 0\n", key.c_str());
+      printf("RESULT %s FAIL 0 0 0 0\n", key.c_str());
       continue;
     }
     if (check) {
@@ -380,10 +381,10 @@ int main(int argc, char** argv) {
       const Shape spiky[] = {{2, 257, 131, 4, 2}, {1, 700, 650, 4, 4}, {1, 77, 200, 2, 2}};
       for (const Shape& s : spiky) CheckShape(fwd, d, dv, causal, s, 8 * scale, rng);
     }
-    std::vector<double> tf(3, 0.0);
+    std::vector<double> tf(4, 0.0);
     if (bench) tf = Bench(fwd, d, dv, causal, check);
-    printf("RESULT %s %s %.0f %.0f %.0f\n", key.c_str(),
-           g_failures == failures_before ? "PASS" : "FAIL", tf[0], tf[1], tf[2]);
+    printf("RESULT %s %s %.0f %.0f %.0f %.0f\n", key.c_str(),
+           g_failures == failures_before ? "PASS" : "FAIL", tf[0], tf[1], tf[2], tf[3]);
     fflush(stdout);
   }
   printf(g_failures ? "FAILED (%d)\n" : "ALL PASSED\n", g_failures);
