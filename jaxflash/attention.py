@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import logging
-import warnings
 from typing import Optional
 
 import jax.numpy as jnp
 
-from jaxflash import _jax_internal, checks, few_rows, fp8, primitives
+from jaxflash import checks, few_rows, fp8, implementation, primitives
 from jaxflash.sink import add_learnable_sink, check_learnable_sink
 from jaxflash.config import AttentionConfig, KernelVariant, kernel_support
 
-log = logging.getLogger("jaxflash")
 
 def _check_segments(q_segment_ids, kv_segment_ids, query, key):
   if q_segment_ids is None and kv_segment_ids is None:
@@ -32,33 +29,11 @@ def _check_segments(q_segment_ids, kv_segment_ids, query, key):
 
 def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
                             head_dim_v: int, config: AttentionConfig) -> str:
-  """'cute' or 'reference'. Auto picks the kernels on a Hopper GPU when they cover the call."""
-  if requested == "reference":
-    return "reference"
-  ok, reason = kernel_support("fwd", dtype, head_dim, head_dim_v, config)
-  if requested == "cute":
-    if not ok:
-      raise ValueError(f"implementation='cute': {reason}; use implementation=None (auto) or "
-                       f"'reference'")
-    # The lowering loads the kernels where a CUDA device is (cross-lowering needs none).
-    if _jax_internal.has_cuda_device():
-      missing = _missing_kernel(dtype, head_dim, head_dim_v, config)
-      if missing:
-        raise ValueError(f"implementation='cute': {missing}\nimplementation=None (auto) runs "
-                         f"the reference meanwhile.")
-    return "cute"
-  if not _jax_internal.has_hopper_device():
-    return "reference"
-  if not ok:
-    log.info("jaxflash: using the reference implementation: %s", reason)
-    return "reference"
-  missing = _missing_kernel(dtype, head_dim, head_dim_v, config)
-  if missing:
-    # Auto mode never fails for want of a build: it runs the reference and says how to build.
-    warnings.warn(f"{missing}\njaxflash: running the reference implementation meanwhile.",
-                  RuntimeWarning, stacklevel=3)
-    return "reference"
-  return "cute"
+  """'cute' or 'reference' (implementation.resolve). The lowering loads the kernels where a CUDA
+  device is; without one, 'cute' may still lower for a GPU elsewhere (jax.export)."""
+  return implementation.resolve(
+      requested, kernel_support("fwd", dtype, head_dim, head_dim_v, config),
+      lambda: _missing_kernel(dtype, head_dim, head_dim_v, config))
 
 
 def _missing_kernel(dtype: str, head_dim: int, head_dim_v: int, config: AttentionConfig) -> str:

@@ -9,21 +9,17 @@ and split_kv.
 from __future__ import annotations
 
 import functools
-import logging
 import numbers
-import warnings
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _jax_internal, checks, reference, split_kv
+from jaxflash import checks, implementation, reference, split_kv
 from jaxflash.attention import empty_result
 from jaxflash.config import AttentionConfig, IMPLEMENTATIONS, decode_variant, kernel_support
 from jaxflash.sink import add_learnable_sink, check_learnable_sink
-
-log = logging.getLogger("jaxflash")
 
 # Accepted page sizes: powers of two, as FlashAttention's paged caches take them.
 MIN_PAGE_SIZE, MAX_PAGE_SIZE = 16, 512
@@ -90,30 +86,14 @@ def _check_options(causal, softmax_scale, window_size, softcap, num_splits, retu
 
 def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
                             head_dim_v: int) -> str:
-  """'cute' or 'reference'. Auto takes the decode kernel on a Hopper GPU when one covers the
-  call (fp16/bf16, the forward's head dims) and is installed or buildable."""
-  if requested == "reference":
-    return "reference"
-  ok, reason = kernel_support("decode", dtype, head_dim, head_dim_v)
-  if requested == "cute":
-    if not ok:
-      raise ValueError(f"implementation='cute': {reason}; use implementation=None (auto) or "
-                       f"'reference'")
-    if not _jax_internal.has_cuda_device():
-      raise ValueError("implementation='cute': the decode kernels need an NVIDIA Hopper GPU "
-                       "and none is visible; use implementation=None (auto) or 'reference'")
-  elif not (ok and _jax_internal.has_hopper_device()):
-    return "reference"
-  from jaxflash import ffi  # only on a CUDA host: keeps `import jaxflash` light
-  available, why = ffi.variant_available(decode_variant(dtype, head_dim, head_dim_v))
-  if available:
-    return "cute"
-  if requested == "cute":
-    raise ValueError(f"implementation='cute': {why}\nimplementation=None (auto) runs the "
-                     f"reference meanwhile.")
-  warnings.warn(f"{why}\njaxflash: running the reference implementation meanwhile.",
-                RuntimeWarning, stacklevel=3)
-  return "reference"
+  """'cute' or 'reference' (implementation.resolve): the decode kernel where one covers the
+  call (fp16/bf16, the forward's head dims) and is installed or buildable; 'cute' needs a CUDA
+  device here."""
+  def missing() -> str:
+    from jaxflash import ffi  # only on a CUDA host: keeps `import jaxflash` light
+    return ffi.variant_available(decode_variant(dtype, head_dim, head_dim_v))[1]
+  return implementation.resolve(requested, kernel_support("decode", dtype, head_dim, head_dim_v),
+                                missing, device_required_by="the decode kernels")
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))

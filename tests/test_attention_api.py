@@ -122,6 +122,21 @@ def test_auto_on_hopper_without_built_kernels_warns_and_runs_the_reference(monke
                                                         implementation="reference"))
 
 
+def test_fallback_warning_names_the_users_line(monkeypatch):
+  """The fallback warning points at the user's call, through jaxflash's frames, for 16-bit and FP8
+  inputs alike (the FP8 call runs through one more of them)."""
+  import sys
+  _pretend_hopper(monkeypatch, available=False)
+  q = jnp.asarray(np.random.default_rng(2).standard_normal((1, 8, 2, 64)), jnp.bfloat16)
+  q8, k8, v8, qd, kd, vd = jaxflash.quantize_fp8(q, q, q)
+  for args, kwargs in (((q, q, q), {}),
+                       ((q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd))):
+    with pytest.warns(RuntimeWarning, match="reference") as seen:
+      line = sys._getframe().f_lineno + 1
+      jaxflash.attention(*args, causal=True, **kwargs)
+    assert (seen[0].filename, seen[0].lineno) == (__file__, line), args[0].dtype
+
+
 def test_auto_on_hopper_picks_the_kernels_when_they_can_be_had(monkeypatch):
   import sys
   from jaxflash.config import AttentionConfig

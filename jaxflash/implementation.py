@@ -1,0 +1,67 @@
+"""Which implementation runs a call: "cute" (the kernels) or "reference".
+
+Shared by jaxflash.attention and jaxflash.kv_cache_attention. implementation=None (auto) takes
+the kernels on a Hopper GPU when they cover the call and are installed or buildable, else the
+reference: with a log line where no kernel covers the call, with a warning that says how to get
+the kernel where only it is missing. implementation="cute" raises where auto would fall back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from typing import Callable, Optional
+
+from jaxflash import _jax_internal
+
+log = logging.getLogger("jaxflash")
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _outside_jaxflash() -> int:
+  """warnings.warn's stacklevel, from its caller, of the first frame outside the jaxflash
+  package: the user's call, however many of jaxflash's frames lead from it to the warning."""
+  frame, level = sys._getframe(1), 1  # stacklevel 1: the function that warns
+  while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
+def resolve(requested: Optional[str], support: tuple[bool, str], missing: Callable[[], str],
+            device_required_by: Optional[str] = None) -> str:
+  """Returns "cute" or "reference" for one call.
+
+  support: config.kernel_support's (covered, reason) for the call. missing(): why a kernel the
+  call needs is unavailable here ("" when each is installed or buildable), asked only where a
+  CUDA device is visible. device_required_by: None when "cute" may be lowered for a GPU that is
+  elsewhere (jax.export); else the kernels' name for the error raised without a CUDA device.
+  """
+  if requested == "reference":
+    return "reference"
+  covered, reason = support
+  if requested == "cute":
+    if not covered:
+      raise ValueError(f"implementation='cute': {reason}; use implementation=None (auto) or "
+                       f"'reference'")
+    if not _jax_internal.has_cuda_device():
+      if device_required_by is None:
+        return "cute"
+      raise ValueError(f"implementation='cute': {device_required_by} need an NVIDIA Hopper GPU "
+                       f"and none is visible; use implementation=None (auto) or 'reference'")
+  elif not _jax_internal.has_hopper_device():
+    return "reference"
+  elif not covered:
+    log.info("jaxflash: using the reference implementation: %s", reason)
+    return "reference"
+  why = missing()
+  if not why:
+    return "cute"
+  if requested == "cute":
+    raise ValueError(f"implementation='cute': {why}\nimplementation=None (auto) runs the "
+                     f"reference meanwhile.")
+  # Auto mode never fails for want of a build: it runs the reference and says how to build.
+  warnings.warn(f"{why}\njaxflash: running the reference implementation meanwhile.",
+                RuntimeWarning, stacklevel=_outside_jaxflash())
+  return "reference"
