@@ -9,24 +9,11 @@ the kernel where only it is missing. implementation="cute" raises where auto wou
 from __future__ import annotations
 
 import logging
-import os
-import sys
-import warnings
 from typing import Callable, Optional
 
-from jaxflash import _jax_internal
+from jaxflash import _jax_internal, user_warning
 
 log = logging.getLogger("jaxflash")
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def _outside_jaxflash() -> int:
-  """warnings.warn's stacklevel, from its caller, of the first frame outside the jaxflash
-  package: the user's call, however many of jaxflash's frames lead from it to the warning."""
-  frame, level = sys._getframe(1), 1  # stacklevel 1: the function that warns
-  while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
-    frame, level = frame.f_back, level + 1
-  return level
 
 
 def resolve(requested: Optional[str], support: tuple[bool, str], missing: Callable[[], str],
@@ -62,6 +49,5 @@ def resolve(requested: Optional[str], support: tuple[bool, str], missing: Callab
     raise ValueError(f"implementation='cute': {why}\nimplementation=None (auto) runs the "
                      f"reference meanwhile.")
   # Auto mode never fails for want of a build: it runs the reference and says how to build.
-  warnings.warn(f"{why}\njaxflash: running the reference implementation meanwhile.",
-                RuntimeWarning, stacklevel=_outside_jaxflash())
+  user_warning.warn(f"{why}\njaxflash: running the reference implementation meanwhile.")
   return "reference"

@@ -21,11 +21,10 @@ import json
 import os
 import re
 import threading
-import warnings
 from pathlib import Path
 from typing import Optional
 
-from jaxflash import config
+from jaxflash import config, user_warning
 from jaxflash.config import VARIANT_LIBRARY, VARIANT_MANIFEST
 
 _FFI_SRC = Path(__file__).resolve().parent / "ffi"
@@ -78,7 +77,7 @@ def _warn_once(folder: Path, message: str) -> None:
     if folder in _warned_wheels:
       return
     _warned_wheels.add(folder)
-  warnings.warn(message, RuntimeWarning, stacklevel=3)
+  user_warning.warn(message)
 
 
 def wheel_folder(arch: str = "sm90a") -> Optional[Path]:

@@ -101,6 +101,7 @@ def test_a_wheel_for_another_version_or_abi_is_ignored_with_one_warning(folders,
   with pytest.warns(RuntimeWarning, match="ignoring the kernel wheel jaxflash_kernels_sm90a") as w:
     assert kernel_store.locate(key) is None
   assert str(wheel) in str(w[0].message) and "--wheel OUTDIR" in str(w[0].message)
+  assert w[0].filename == __file__  # the caller's line, not one of jaxflash's
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # a second look warns no more
     assert kernel_store.search_path() == [
