@@ -3,10 +3,13 @@
 The masked kernels (config.KernelVariant.masked) visit, for each tile of one side (query tiles
 in the forward, key tiles in the backward), a contiguous range of blocks of the other side, and
 apply the elementwise mask only outside a sub-range where every (query, key) pair of the tile
-pair is visible. Segment ids are run-time data, so the primitive's CUDA lowering computes these
-ranges on the device with the XLA ops below, never at trace time. Contiguous segments (packed
-documents, trailing padding) get tight ranges; other ids stay correct through the elementwise
-mask over the hull of their keys. Imports jax and config only.
+pair is visible. Segment ids are run-time data, so for a call with them the primitive's CUDA
+lowering computes these ranges on the device with the XLA ops below. A call without them
+(windows, softcap) has ranges that depend on static shapes alone: the same functions run on
+NumPy arrays at trace time and the ranges, tile order and ranks enter the program as constants,
+with no preparation kernels. Contiguous segments (packed documents, trailing padding) get tight
+ranges; other ids stay correct through the elementwise mask over the hull of their keys. Imports
+jax, numpy and config only.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxflash.config import WINDOW_UNBOUNDED as UNBOUNDED
 from jaxflash.config import L2_BYTES_FOR_REUSE, AttentionConfig, KernelVariant
@@ -65,24 +69,23 @@ def backward_tiling(tile_m: int, tile_n: int, seq_q: int, seq_k: int,
   return Tiling(tile_n, tile_m, -off - right, -off + left, row_padding_masked=True)
 
 
-def _floor_div(a, b: int):
-  return jnp.floor_divide(a, b)
-
-
-def _ceil_div(a, b: int):
-  return -jnp.floor_divide(-a, b)
+def _xp(*arrays):
+  """The array namespace of the operands: numpy when every one is a NumPy array (trace-time
+  constants), jax.numpy otherwise (run-time data, computed on the device)."""
+  return np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
 
 
 def _id_span(ids, tile: int):
   """(min, max) of the ids in each tile of `tile` positions: (b, n) -> two (b, ceil(n / tile));
   positions past n (the last tile's padding) count for neither."""
+  xp = _xp(ids)
   b, n = ids.shape
   tiles = -(-n // tile)
-  big = jnp.iinfo(jnp.int32).max
+  big = np.iinfo(np.int32).max
   pad = ((0, 0), (0, tiles * tile - n))
-  lo = jnp.pad(ids, pad, constant_values=big).reshape(b, tiles, tile)
-  hi = jnp.pad(ids, pad, constant_values=-big - 1).reshape(b, tiles, tile)
-  return jnp.min(lo, axis=-1), jnp.max(hi, axis=-1)
+  lo = xp.pad(ids, pad, constant_values=big).reshape(b, tiles, tile)
+  hi = xp.pad(ids, pad, constant_values=-big - 1).reshape(b, tiles, tile)
+  return xp.min(lo, axis=-1), xp.max(hi, axis=-1)
 
 
 def block_ranges(row_ids, col_ids, tiling: Tiling):
@@ -96,14 +99,16 @@ def block_ranges(row_ids, col_ids, tiling: Tiling):
   runs (packed documents, padding); for other ids the visited range is the hull of the
   overlapping spans. No per-token sort: a few fused XLA reductions per call.
 
-  row_ids (b, num_rows), col_ids (b, num_cols) int32 segment ids.
+  row_ids (b, num_rows), col_ids (b, num_cols) int32 segment ids: NumPy arrays give a NumPy
+  result, jax arrays a jax one.
   """
+  xp = _xp(row_ids, col_ids)
   num_rows, num_cols = row_ids.shape[1], col_ids.shape[1]
   rt, ct = tiling.row_tile, tiling.col_tile
   tiles, blocks = -(-num_rows // rt), -(-num_cols // ct)
-  r_min = jnp.arange(tiles, dtype=jnp.int32)[:, None] * rt  # (tiles, 1)
-  r_max = jnp.minimum(r_min + rt, num_rows) - 1
-  blk = jnp.arange(blocks, dtype=jnp.int32)[None, :]  # (1, blocks)
+  r_min = xp.arange(tiles, dtype=np.int32)[:, None] * rt  # (tiles, 1)
+  r_max = xp.minimum(r_min + rt, num_rows) - 1
+  blk = xp.arange(blocks, dtype=np.int32)[None, :]  # (1, blocks)
   # Band: the tile's rows see columns [r_min + lo_offset, r_max + hi_offset].
   in_band = ((blk * ct <= r_max + tiling.hi_offset)
              & ((blk + 1) * ct - 1 >= r_min + tiling.lo_offset)
@@ -120,19 +125,19 @@ def block_ranges(row_ids, col_ids, tiling: Tiling):
 
   def first_last(mask):
     """(first, last + 1, count) of the blocks set in mask (b, tiles, blocks)."""
-    first = jnp.min(jnp.where(mask, blk, blocks), axis=-1)
-    last = jnp.max(jnp.where(mask, blk, -1), axis=-1)
-    return first, last + 1, jnp.sum(mask, axis=-1, dtype=jnp.int32)
+    first = xp.min(xp.where(mask, blk, blocks), axis=-1)
+    last = xp.max(xp.where(mask, blk, -1), axis=-1)
+    return first, last + 1, xp.sum(mask, axis=-1, dtype=np.int32)
 
   start, end, seen = first_last(visit)
-  start = jnp.where(seen > 0, start, 0)
-  end = jnp.where(seen > 0, end, 0)
+  start = xp.where(seen > 0, start, 0)
+  end = xp.where(seen > 0, end, 0)
   full_lo, full_hi, count = first_last(full)
   # One run of mask-free blocks, or none (ids that leave gaps run every block masked).
   has_full = (count > 0) & (count == full_hi - full_lo)
-  full_lo = jnp.where(has_full, full_lo, start)
-  full_hi = jnp.where(has_full, full_hi, start)
-  return jnp.stack([start, end, full_lo, full_hi], axis=-1).astype(jnp.int32)
+  full_lo = xp.where(has_full, full_lo, start)
+  full_hi = xp.where(has_full, full_hi, start)
+  return xp.stack([start, end, full_lo, full_hi], axis=-1).astype(np.int32)
 
 
 def longest_first(ranges, section_blocks: int):
@@ -142,14 +147,16 @@ def longest_first(ranges, section_blocks: int):
   `section_blocks` blocks, whose data therefore stays in L2 while they run (a global
   longest-first order over packed documents mixes all documents and thrashed it); batches
   in order, sections from the last down (the causal LPT order of the dense kernels)."""
+  xp = _xp(ranges)
   b, tiles = ranges.shape[:2]
   work = ranges[..., 1] - ranges[..., 0]
   section = ranges[..., 0] // max(section_blocks, 1)
-  batch = jnp.arange(b, dtype=jnp.int32)[:, None]
-  # Sort keys, most significant first: batch, section (descending), work (descending).
-  order = jnp.lexsort((-work.reshape(-1), -section.reshape(-1),
-                       jnp.broadcast_to(batch, (b, tiles)).reshape(-1)))
-  return order.astype(jnp.int32)
+  batch = xp.arange(b, dtype=np.int32)[:, None]
+  # Sort keys, most significant first: batch, section (descending), work (descending). Both
+  # namespaces sort stably: ties keep tile order.
+  order = xp.lexsort((-work.reshape(-1), -section.reshape(-1),
+                      xp.broadcast_to(batch, (b, tiles)).reshape(-1)))
+  return order.astype(np.int32)
 
 
 def launch_ranks(ranges, order, num_blocks: int):
@@ -159,30 +166,41 @@ def launch_ranks(ranges, order, num_blocks: int):
   for CTAs launched before it, whatever the order.
 
   order: a launch order (longest_first's), batches in order, entry b * tiles + t."""
+  xp = _xp(ranges, order)
   b, tiles = ranges.shape[:2]
-  m = jnp.arange(num_blocks, dtype=jnp.int32)
-  visits = ((ranges[..., 0:1] <= m) & (m < ranges[..., 1:2])).astype(jnp.int32)
-  local = order.reshape(b, tiles) - jnp.arange(b, dtype=jnp.int32)[:, None] * tiles
-  launched = jnp.take_along_axis(visits, local[..., None], axis=1)  # rows in launch order
-  before = jnp.cumsum(launched, axis=1) - launched
-  position = jnp.zeros((b, tiles), jnp.int32).at[
-      jnp.arange(b)[:, None], local].set(jnp.arange(tiles, dtype=jnp.int32)[None, :])
-  return jnp.take_along_axis(before, position[..., None], axis=1).astype(jnp.int32)
+  m = xp.arange(num_blocks, dtype=np.int32)
+  visits = ((ranges[..., 0:1] <= m) & (m < ranges[..., 1:2])).astype(np.int32)
+  local = order.reshape(b, tiles) - xp.arange(b, dtype=np.int32)[:, None] * tiles
+  launched = xp.take_along_axis(visits, local[..., None], axis=1)  # rows in launch order
+  before = xp.cumsum(launched, axis=1, dtype=np.int32) - launched
+  # position[b, t]: where tile t stands in its batch's launch order (local's inverse).
+  slots = xp.broadcast_to(xp.arange(tiles, dtype=np.int32)[None, :], (b, tiles))
+  if xp is np:
+    position = np.empty((b, tiles), np.int32)
+    np.put_along_axis(position, local, slots, axis=1)
+  else:
+    position = jnp.zeros((b, tiles), jnp.int32).at[jnp.arange(b)[:, None], local].set(slots)
+  return xp.take_along_axis(before, position[..., None], axis=1).astype(np.int32)
 
 
 def padded_ids(ids, multiple: int):
   """(b, n) int32 ids padded with zeros to a multiple of `multiple` (the kernels copy whole
-  blocks of them; padding positions are masked or harmless)."""
-  n = ids.shape[1]
-  pad = -(-n // multiple) * multiple - n
-  return jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, pad)))
+  blocks of them; padding positions are masked or harmless), as a jax array. Ids of a call
+  without segment ids (a NumPy array of zeros) become a zero fill on the device rather than a
+  literal of b x n in the program."""
+  b, n = ids.shape
+  padded = -(-n // multiple) * multiple
+  if isinstance(ids, np.ndarray) and not ids.any():
+    return jnp.zeros((b, padded), jnp.int32)
+  return jnp.pad(jnp.asarray(ids, jnp.int32), ((0, 0), (0, padded - n)))
 
 
 def _ids_or_zeros(segment_ids, seq_q: int, seq_k: int, batch: int):
-  """(q_ids, kv_ids) int32; zeros (one segment) for a call without segment ids."""
+  """(q_ids, kv_ids) int32: the call's segment ids (run-time data), or for a call without them
+  NumPy zeros (one segment), so that its ranges are computed at trace time."""
   if segment_ids:
     return tuple(jnp.asarray(ids, jnp.int32) for ids in segment_ids)
-  return jnp.zeros((batch, seq_q), jnp.int32), jnp.zeros((batch, seq_k), jnp.int32)
+  return np.zeros((batch, seq_q), np.int32), np.zeros((batch, seq_k), np.int32)
 
 
 def forward_operands(variant: KernelVariant, config: AttentionConfig, batch: int, seq_q: int,
@@ -217,5 +235,23 @@ def backward_operands(variant: KernelVariant, config: AttentionConfig, batch: in
                                                 s.tile_m))
   operands = (padded_ids(kv_ids, s.tile_n), padded_ids(q_ids, s.tile_m), ranges, order)
   if variant.deterministic:
-    operands += (launch_ranks(ranges, order, -(-seq_q // s.tile_m)),)
+    operands += (_ranks_operand(ranges, order, -(-seq_q // s.tile_m)),)
   return operands
+
+
+# The largest rank table (bytes, one batch) that a call without segment ids takes as a constant.
+RANKS_CONSTANT_BYTES = 1 << 20
+
+
+def _ranks_operand(ranges, order, num_blocks: int):
+  """launch_ranks for the custom call. Trace-time ranges (NumPy, a call without segment ids) are
+  alike in every batch: one batch's ranks become a constant, broadcast on the device, unless it
+  would pass RANKS_CONSTANT_BYTES (sequences of tens of thousands), where the device computes
+  the table from the constant ranges and order rather than the program carrying megabytes."""
+  if _xp(ranges, order) is jnp:
+    return launch_ranks(ranges, order, num_blocks)
+  b, tiles = ranges.shape[:2]
+  if tiles * num_blocks * 4 > RANKS_CONSTANT_BYTES:
+    return launch_ranks(jnp.asarray(ranges), jnp.asarray(order), num_blocks)
+  return jnp.broadcast_to(launch_ranks(ranges[:1], order[:tiles], num_blocks),
+                          (b, tiles, num_blocks))

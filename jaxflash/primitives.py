@@ -124,8 +124,8 @@ def _dtype_name(aval) -> str:
 
 def _fwd_lower_cuda(ctx, q, k, v, *rest, config):
   """CUDA: the stable FFI custom call when the kernel exists, the reference otherwise.
-  Masked variants (windows, segment ids) get their block ranges computed here, on the device,
-  as XLA ops in front of the custom call (block_ranges.py)."""
+  Masked variants (windows, segment ids, softcap) get their block ranges here: from segment ids
+  as XLA ops in front of the custom call, otherwise as constants (block_ranges.py)."""
   if config.implementation != "cute":
     return _fwd_lower_reference(ctx, q, k, v, *rest, config=config)
   segment_ids, sink = _split_sink(rest, config)
@@ -163,8 +163,8 @@ def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
   """CUDA: the backward custom call when a backward kernel exists, the reference otherwise.
 
   The forward decides implementation='cute'; a backward the kernels lack (a head-dim pair
-  without one) falls back to the reference here. Masked variants get their block
-  ranges computed here, on the device (block_ranges.py).
+  without one) falls back to the reference here. Masked variants get their block ranges here,
+  as in the forward (block_ranges.py).
   """
   q_aval, _, v_aval = ctx.avals_in[:3]
   variant = _bwd_variant(q_aval, v_aval, config)

@@ -2,10 +2,12 @@
 
 Every visible (query, key) pair must lie in a visited block, every pair of a block marked free
 of the elementwise mask must be visible, and packed documents must get
-tight ranges. CPU only.
+tight ranges. The NumPy path (trace-time constants for calls without segment ids) must give
+the jax path's every value. CPU only.
 """
 
 import itertools
+import re
 
 import jax
 import numpy as np
@@ -81,14 +83,20 @@ def test_ranges_cover_the_mask_and_full_blocks_need_no_mask(name, q_ids, kv_ids,
   seq_q, seq_k = q_ids.shape[1], kv_ids.shape[1]
   visible = _visible(q_ids, kv_ids, left, right)
   q, kv = jax.numpy.asarray(q_ids, np.int32), jax.numpy.asarray(kv_ids, np.int32)
+  q_np, kv_np = np.asarray(q_ids, np.int32), np.asarray(kv_ids, np.int32)
   for tile_m, tile_n in ((128, 128), (80, 128), (64, 64), (192, 128), (128, 176)):
-    fwd = block_ranges.block_ranges(
-        q, kv, block_ranges.forward_tiling(tile_m, tile_n, seq_q, seq_k, (left, right)))
+    fwd_tiling = block_ranges.forward_tiling(tile_m, tile_n, seq_q, seq_k, (left, right))
+    fwd = block_ranges.block_ranges(q, kv, fwd_tiling)
     tight = name != "arbitrary"
     _check(np.asarray(fwd), visible, tile_m, tile_n, False, tight)
-    bwd = block_ranges.block_ranges(
-        kv, q, block_ranges.backward_tiling(tile_m, tile_n, seq_q, seq_k, (left, right)))
+    bwd_tiling = block_ranges.backward_tiling(tile_m, tile_n, seq_q, seq_k, (left, right))
+    bwd = block_ranges.block_ranges(kv, q, bwd_tiling)
     _check(np.asarray(bwd), visible.transpose(0, 2, 1), tile_n, tile_m, True, tight)
+    for ranges, tiling, rows, cols in ((fwd, fwd_tiling, q_np, kv_np),
+                                       (bwd, bwd_tiling, kv_np, q_np)):
+      on_host = block_ranges.block_ranges(rows, cols, tiling)
+      assert isinstance(on_host, np.ndarray) and on_host.dtype == np.int32
+      np.testing.assert_array_equal(on_host, np.asarray(ranges))
 
 
 def test_packed_documents_get_tight_full_blocks():
@@ -134,6 +142,24 @@ def test_orders_and_ranks():
       assert ranks[b, t, m] == sum(visits[u][m] for u in earlier), (b, t, m)
 
 
+def test_orders_and_ranks_on_the_host_match_the_device_path():
+  """longest_first and launch_ranks on NumPy ranges (trace-time constants) give the jax path's
+  values, ties included: ranges with many equal lengths in several sections and batches."""
+  rng = np.random.default_rng(1)
+  start = rng.integers(0, 12, (3, 40))
+  ranges = np.stack([start, start + rng.integers(0, 4, (3, 40)), start, start],
+                    axis=-1).astype(np.int32)
+  for section in (1, 3, 64):
+    on_host = block_ranges.longest_first(ranges, section)
+    on_device = block_ranges.longest_first(jax.numpy.asarray(ranges), section)
+    assert isinstance(on_host, np.ndarray) and on_host.dtype == np.int32
+    np.testing.assert_array_equal(on_host, np.asarray(on_device))
+    ranks = block_ranges.launch_ranks(ranges, on_host, 16)
+    assert isinstance(ranks, np.ndarray) and ranks.dtype == np.int32
+    np.testing.assert_array_equal(
+        ranks, np.asarray(block_ranges.launch_ranks(jax.numpy.asarray(ranges), on_device, 16)))
+
+
 def test_operands_match_the_kernel_abi_shapes():
   cfg = AttentionConfig(softmax_scale=1.0, causal=True, has_segment_ids=True,
                         deterministic=True)
@@ -151,3 +177,49 @@ def test_operands_match_the_kernel_abi_shapes():
   assert (k_ids.shape, q_ids.shape, ranges.shape, order.shape, ranks.shape) == (
       (2, 256), (2, 320), (2, 2, 4), (4,), (2, 2, 4))
   assert all(x.dtype == np.int32 for x in (k_ids, q_ids, ranges, order, ranks))
+
+
+@pytest.mark.parametrize("table_limit", [None, 0], ids=["constant", "device_table"])
+def test_ranks_of_a_call_without_segment_ids_match_the_device_path(monkeypatch, table_limit):
+  """The deterministic backward's ranks from trace-time ranges (one batch's table broadcast,
+  or past the size limit computed on the device) equal those of the run-time path."""
+  if table_limit is not None:
+    monkeypatch.setattr(block_ranges, "RANKS_CONSTANT_BYTES", table_limit)
+  cfg = AttentionConfig(softmax_scale=1.0, causal=True, window_left=100, deterministic=True)
+  bwd = config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", 64, 64, cfg)
+  assert bwd.masked and bwd.deterministic
+  zeros = (np.zeros((3, 700), np.int32), np.zeros((3, 900), np.int32))
+  static = block_ranges.backward_operands(bwd, cfg, 3, 700, 900, 4)
+  traced = block_ranges.backward_operands(bwd, cfg, 3, 700, 900, 4,
+                                          tuple(jax.numpy.asarray(z) for z in zeros))
+  assert isinstance(static[2], np.ndarray) and isinstance(static[3], np.ndarray)
+  for got, want in zip(static, traced):
+    assert got.shape == want.shape and got.dtype == want.dtype == np.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _stablehlo_ops(fn, *args):
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  return set(re.findall(r"stablehlo\.(\w+)", text))
+
+
+def test_a_call_without_segment_ids_runs_no_preparation_ops():
+  """Windowed forward and deterministic backward, cross-lowered for CUDA: the block ranges,
+  tile orders and ranks are constants, so the program holds the two custom calls, constants,
+  broadcasts (zero ids, the ranks table) and the loss, and none of the reductions and sorts
+  that segment ids need on the device."""
+  import jaxflash
+  q = jax.numpy.zeros((2, 300, 4, 64), jax.numpy.bfloat16)
+  kv = jax.numpy.zeros((2, 300, 2, 64), jax.numpy.bfloat16)
+  ids = jax.numpy.zeros((2, 300), jax.numpy.int32)
+
+  def grads(q, k, v, *segment_ids):
+    options = (dict(q_segment_ids=segment_ids[0], kv_segment_ids=segment_ids[1])
+               if segment_ids else dict(window_size=(64, 0)))
+    loss = lambda q, k, v: jax.numpy.sum(jaxflash.attention(
+        q, k, v, causal=True, deterministic=True, implementation="cute", **options))
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  preparation = {"reduce", "sort", "scatter", "gather", "reduce_window"}
+  assert _stablehlo_ops(grads, q, kv, kv, ids, ids) >= preparation  # the run-time path
+  assert not _stablehlo_ops(grads, q, kv, kv) & preparation
