@@ -5,11 +5,11 @@ in the forward, key tiles in the backward), a contiguous range of blocks of the 
 apply the elementwise mask only outside a sub-range where every (query, key) pair of the tile
 pair is visible. Segment ids are run-time data, so for a call with them the primitive's CUDA
 lowering computes these ranges on the device with the XLA ops below. A call without them
-(windows, softcap) has ranges that depend on static shapes alone: the same functions run on
-NumPy arrays at trace time and the ranges, tile order and ranks enter the program as constants,
-with no preparation kernels. Contiguous segments (packed documents, trailing padding) get tight
-ranges; other ids stay correct through the elementwise mask over the hull of their keys. Imports
-jax, numpy and config only.
+(windows, softcap) has ranges that depend on static shapes alone: band_ranges gives them in
+closed form at trace time, longest_first and launch_ranks run on those NumPy arrays, and the
+program takes the results as constants, with no preparation kernels. Contiguous segments
+(packed documents, trailing padding) get tight ranges; other ids stay correct through the
+elementwise mask over the hull of their keys. Imports jax, numpy and config only.
 """
 
 from __future__ import annotations
@@ -71,21 +71,20 @@ def backward_tiling(tile_m: int, tile_n: int, seq_q: int, seq_k: int,
 
 def _xp(*arrays):
   """The array namespace of the operands: numpy when every one is a NumPy array (trace-time
-  constants), jax.numpy otherwise (run-time data, computed on the device)."""
+  constants from band_ranges), jax.numpy otherwise (run-time data, computed on the device)."""
   return np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
 
 
 def _id_span(ids, tile: int):
   """(min, max) of the ids in each tile of `tile` positions: (b, n) -> two (b, ceil(n / tile));
   positions past n (the last tile's padding) count for neither."""
-  xp = _xp(ids)
   b, n = ids.shape
   tiles = -(-n // tile)
-  big = np.iinfo(np.int32).max
+  big = jnp.iinfo(jnp.int32).max
   pad = ((0, 0), (0, tiles * tile - n))
-  lo = xp.pad(ids, pad, constant_values=big).reshape(b, tiles, tile)
-  hi = xp.pad(ids, pad, constant_values=-big - 1).reshape(b, tiles, tile)
-  return xp.min(lo, axis=-1), xp.max(hi, axis=-1)
+  lo = jnp.pad(ids, pad, constant_values=big).reshape(b, tiles, tile)
+  hi = jnp.pad(ids, pad, constant_values=-big - 1).reshape(b, tiles, tile)
+  return jnp.min(lo, axis=-1), jnp.max(hi, axis=-1)
 
 
 def block_ranges(row_ids, col_ids, tiling: Tiling):
@@ -99,16 +98,14 @@ def block_ranges(row_ids, col_ids, tiling: Tiling):
   runs (packed documents, padding); for other ids the visited range is the hull of the
   overlapping spans. No per-token sort: a few fused XLA reductions per call.
 
-  row_ids (b, num_rows), col_ids (b, num_cols) int32 segment ids: NumPy arrays give a NumPy
-  result, jax arrays a jax one.
+  row_ids (b, num_rows), col_ids (b, num_cols) int32 segment ids.
   """
-  xp = _xp(row_ids, col_ids)
   num_rows, num_cols = row_ids.shape[1], col_ids.shape[1]
   rt, ct = tiling.row_tile, tiling.col_tile
   tiles, blocks = -(-num_rows // rt), -(-num_cols // ct)
-  r_min = xp.arange(tiles, dtype=np.int32)[:, None] * rt  # (tiles, 1)
-  r_max = xp.minimum(r_min + rt, num_rows) - 1
-  blk = xp.arange(blocks, dtype=np.int32)[None, :]  # (1, blocks)
+  r_min = jnp.arange(tiles, dtype=jnp.int32)[:, None] * rt  # (tiles, 1)
+  r_max = jnp.minimum(r_min + rt, num_rows) - 1
+  blk = jnp.arange(blocks, dtype=jnp.int32)[None, :]  # (1, blocks)
   # Band: the tile's rows see columns [r_min + lo_offset, r_max + hi_offset].
   in_band = ((blk * ct <= r_max + tiling.hi_offset)
              & ((blk + 1) * ct - 1 >= r_min + tiling.lo_offset)
@@ -125,19 +122,46 @@ def block_ranges(row_ids, col_ids, tiling: Tiling):
 
   def first_last(mask):
     """(first, last + 1, count) of the blocks set in mask (b, tiles, blocks)."""
-    first = xp.min(xp.where(mask, blk, blocks), axis=-1)
-    last = xp.max(xp.where(mask, blk, -1), axis=-1)
-    return first, last + 1, xp.sum(mask, axis=-1, dtype=np.int32)
+    first = jnp.min(jnp.where(mask, blk, blocks), axis=-1)
+    last = jnp.max(jnp.where(mask, blk, -1), axis=-1)
+    return first, last + 1, jnp.sum(mask, axis=-1, dtype=jnp.int32)
 
   start, end, seen = first_last(visit)
-  start = xp.where(seen > 0, start, 0)
-  end = xp.where(seen > 0, end, 0)
+  start = jnp.where(seen > 0, start, 0)
+  end = jnp.where(seen > 0, end, 0)
   full_lo, full_hi, count = first_last(full)
   # One run of mask-free blocks, or none (ids that leave gaps run every block masked).
   has_full = (count > 0) & (count == full_hi - full_lo)
-  full_lo = xp.where(has_full, full_lo, start)
-  full_hi = xp.where(has_full, full_hi, start)
-  return xp.stack([start, end, full_lo, full_hi], axis=-1).astype(np.int32)
+  full_lo = jnp.where(has_full, full_lo, start)
+  full_hi = jnp.where(has_full, full_hi, start)
+  return jnp.stack([start, end, full_lo, full_hi], axis=-1).astype(jnp.int32)
+
+
+def band_ranges(num_rows: int, num_cols: int, tiling: Tiling) -> np.ndarray:
+  """(1, tiles, 4) int32: block_ranges of one batch without segment ids (every row and column
+  in one segment), in closed form per tile: the band alone decides, so a tile visits the blocks
+  between its first row's lowest and its last row's highest column, and runs unmasked those
+  inside every row's band that hold no padding column. O(tiles) at trace time, where
+  block_ranges works on every (tile, block) pair (tests/test_block_ranges.py checks that the
+  two agree)."""
+  rt, ct = tiling.row_tile, tiling.col_tile
+  tiles, blocks = -(-num_rows // rt), -(-num_cols // ct)
+  r_min = np.arange(tiles, dtype=np.int64) * rt
+  r_max = np.minimum(r_min + rt, num_rows) - 1
+  lo, hi = r_min + tiling.lo_offset, r_max + tiling.hi_offset  # the tile's columns [lo, hi]
+  start = np.maximum(lo // ct, 0)
+  end = np.minimum(hi // ct + 1, blocks)
+  seen = (lo <= hi) & (start < end)
+  start, end = np.where(seen, start, 0), np.where(seen, end, 0)
+  # Unmasked blocks: inside [r_max + lo_offset, r_min + hi_offset] (every row's band) and
+  # below num_cols (no padding column).
+  full_lo = np.maximum(-((-(r_max + tiling.lo_offset)) // ct), 0)
+  full_hi = np.minimum((r_min + tiling.hi_offset + 1) // ct, num_cols // ct)
+  has_full = full_lo < full_hi
+  if tiling.row_padding_masked:
+    has_full &= r_min + rt <= num_rows
+  full_lo, full_hi = np.where(has_full, full_lo, start), np.where(has_full, full_hi, start)
+  return np.stack([start, end, full_lo, full_hi], axis=-1)[None].astype(np.int32)
 
 
 def longest_first(ranges, section_blocks: int):
@@ -185,22 +209,29 @@ def launch_ranks(ranges, order, num_blocks: int):
 
 def padded_ids(ids, multiple: int):
   """(b, n) int32 ids padded with zeros to a multiple of `multiple` (the kernels copy whole
-  blocks of them; padding positions are masked or harmless), as a jax array. Ids of a call
-  without segment ids (a NumPy array of zeros) become a zero fill on the device rather than a
-  literal of b x n in the program."""
-  b, n = ids.shape
-  padded = -(-n // multiple) * multiple
-  if isinstance(ids, np.ndarray) and not ids.any():
-    return jnp.zeros((b, padded), jnp.int32)
-  return jnp.pad(jnp.asarray(ids, jnp.int32), ((0, 0), (0, padded - n)))
+  blocks of them; padding positions are masked or harmless)."""
+  n = ids.shape[1]
+  pad = -(-n // multiple) * multiple - n
+  return jnp.pad(jnp.asarray(ids, jnp.int32), ((0, 0), (0, pad)))
 
 
-def _ids_or_zeros(segment_ids, seq_q: int, seq_k: int, batch: int):
-  """(q_ids, kv_ids) int32: the call's segment ids (run-time data), or for a call without them
-  NumPy zeros (one segment), so that its ranges are computed at trace time."""
+def _zero_ids(batch: int, n: int, multiple: int):
+  """The padded ids of a call without segment ids (one segment): a zero fill on the device,
+  not a literal of batch x n in the program."""
+  return jnp.zeros((batch, -(-n // multiple) * multiple), jnp.int32)
+
+
+def _ranges_and_ids(segment_ids, tiling: Tiling, batch: int, rows: int, cols: int,
+                    row_multiple: int, col_multiple: int):
+  """(row ids, col ids, ranges) of one side's tiles: from the segment ids (row side's, col
+  side's; run-time data) on the device, or without them at trace time (band_ranges), one
+  batch's ranges repeated (every batch has the same single segment)."""
   if segment_ids:
-    return tuple(jnp.asarray(ids, jnp.int32) for ids in segment_ids)
-  return np.zeros((batch, seq_q), np.int32), np.zeros((batch, seq_k), np.int32)
+    row_ids, col_ids = (jnp.asarray(ids, jnp.int32) for ids in segment_ids)
+    return (padded_ids(row_ids, row_multiple), padded_ids(col_ids, col_multiple),
+            block_ranges(row_ids, col_ids, tiling))
+  return (_zero_ids(batch, rows, row_multiple), _zero_ids(batch, cols, col_multiple),
+          np.repeat(band_ranges(rows, cols, tiling), batch, axis=0))
 
 
 def forward_operands(variant: KernelVariant, config: AttentionConfig, batch: int, seq_q: int,
@@ -208,12 +239,11 @@ def forward_operands(variant: KernelVariant, config: AttentionConfig, batch: int
   """The masked forward's operands, in custom-call order (kernel_abi.h JaxflashMask): query
   ids, key ids (padded to tiles / blocks), block ranges per query tile, tile order."""
   s = variant.schedule
-  q_ids, kv_ids = _ids_or_zeros(segment_ids, seq_q, seq_k, batch)
   tiling = forward_tiling(s.tile_m, s.tile_n, seq_q, seq_k, window_bounds(config))
-  ranges = block_ranges(q_ids, kv_ids, tiling)
+  q_ids, kv_ids, ranges = _ranges_and_ids(segment_ids, tiling, batch, seq_q, seq_k, s.tile_m,
+                                          s.tile_n)
   section = _section_blocks(num_kv_heads, variant.head_dim + variant.head_dim_v, s.tile_n)
-  return (padded_ids(q_ids, s.tile_m), padded_ids(kv_ids, s.tile_n), ranges,
-          longest_first(ranges, section))
+  return q_ids, kv_ids, ranges, longest_first(ranges, section)
 
 
 def _section_blocks(heads: int, dims: int, block: int) -> int:
@@ -228,12 +258,12 @@ def backward_operands(variant: KernelVariant, config: AttentionConfig, batch: in
   tiles / query blocks), block ranges per key tile, CTA order (longest first), and for
   deterministic variants the ranks of each contribution in that order."""
   s = variant.schedule
-  q_ids, kv_ids = _ids_or_zeros(segment_ids, seq_q, seq_k, batch)
   tiling = backward_tiling(s.tile_m, s.tile_n, seq_q, seq_k, window_bounds(config))
-  ranges = block_ranges(kv_ids, q_ids, tiling)
+  kv_ids, q_ids, ranges = _ranges_and_ids(segment_ids[::-1], tiling, batch, seq_k, seq_q,
+                                          s.tile_n, s.tile_m)
   order = longest_first(ranges, _section_blocks(num_heads, variant.head_dim + variant.head_dim_v,
                                                 s.tile_m))
-  operands = (padded_ids(kv_ids, s.tile_n), padded_ids(q_ids, s.tile_m), ranges, order)
+  operands = (kv_ids, q_ids, ranges, order)
   if variant.deterministic:
     operands += (_ranks_operand(ranges, order, -(-seq_q // s.tile_m)),)
   return operands

@@ -2,8 +2,8 @@
 
 Every visible (query, key) pair must lie in a visited block, every pair of a block marked free
 of the elementwise mask must be visible, and packed documents must get
-tight ranges. The NumPy path (trace-time constants for calls without segment ids) must give
-the jax path's every value. CPU only.
+tight ranges. The trace-time path of calls without segment ids (band_ranges, and the orders and
+ranks on NumPy arrays) must give the device path's every value. CPU only.
 """
 
 import itertools
@@ -83,7 +83,6 @@ def test_ranges_cover_the_mask_and_full_blocks_need_no_mask(name, q_ids, kv_ids,
   seq_q, seq_k = q_ids.shape[1], kv_ids.shape[1]
   visible = _visible(q_ids, kv_ids, left, right)
   q, kv = jax.numpy.asarray(q_ids, np.int32), jax.numpy.asarray(kv_ids, np.int32)
-  q_np, kv_np = np.asarray(q_ids, np.int32), np.asarray(kv_ids, np.int32)
   for tile_m, tile_n in ((128, 128), (80, 128), (64, 64), (192, 128), (128, 176)):
     fwd_tiling = block_ranges.forward_tiling(tile_m, tile_n, seq_q, seq_k, (left, right))
     fwd = block_ranges.block_ranges(q, kv, fwd_tiling)
@@ -92,11 +91,11 @@ def test_ranges_cover_the_mask_and_full_blocks_need_no_mask(name, q_ids, kv_ids,
     bwd_tiling = block_ranges.backward_tiling(tile_m, tile_n, seq_q, seq_k, (left, right))
     bwd = block_ranges.block_ranges(kv, q, bwd_tiling)
     _check(np.asarray(bwd), visible.transpose(0, 2, 1), tile_n, tile_m, True, tight)
-    for ranges, tiling, rows, cols in ((fwd, fwd_tiling, q_np, kv_np),
-                                       (bwd, bwd_tiling, kv_np, q_np)):
-      on_host = block_ranges.block_ranges(rows, cols, tiling)
-      assert isinstance(on_host, np.ndarray) and on_host.dtype == np.int32
-      np.testing.assert_array_equal(on_host, np.asarray(ranges))
+    if name == "none":  # one segment: the closed form of calls without segment ids
+      np.testing.assert_array_equal(block_ranges.band_ranges(seq_q, seq_k, fwd_tiling),
+                                    np.asarray(fwd)[:1])
+      np.testing.assert_array_equal(block_ranges.band_ranges(seq_k, seq_q, bwd_tiling),
+                                    np.asarray(bwd)[:1])
 
 
 def test_packed_documents_get_tight_full_blocks():
@@ -180,22 +179,25 @@ def test_operands_match_the_kernel_abi_shapes():
 
 
 @pytest.mark.parametrize("table_limit", [None, 0], ids=["constant", "device_table"])
-def test_ranks_of_a_call_without_segment_ids_match_the_device_path(monkeypatch, table_limit):
-  """The deterministic backward's ranks from trace-time ranges (one batch's table broadcast,
-  or past the size limit computed on the device) equal those of the run-time path."""
+def test_operands_of_a_call_without_segment_ids_match_the_device_path(monkeypatch, table_limit):
+  """Forward and deterministic backward operands from trace-time ranges (one batch's, repeated;
+  the ranks table broadcast, or past the size limit computed on the device) equal those of the
+  run-time path on all-zero ids, value for value."""
   if table_limit is not None:
     monkeypatch.setattr(block_ranges, "RANKS_CONSTANT_BYTES", table_limit)
   cfg = AttentionConfig(softmax_scale=1.0, causal=True, window_left=100, deterministic=True)
-  bwd = config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", 64, 64, cfg)
-  assert bwd.masked and bwd.deterministic
-  zeros = (np.zeros((3, 700), np.int32), np.zeros((3, 900), np.int32))
-  static = block_ranges.backward_operands(bwd, cfg, 3, 700, 900, 4)
-  traced = block_ranges.backward_operands(bwd, cfg, 3, 700, 900, 4,
-                                          tuple(jax.numpy.asarray(z) for z in zeros))
-  assert isinstance(static[2], np.ndarray) and isinstance(static[3], np.ndarray)
-  for got, want in zip(static, traced):
-    assert got.shape == want.shape and got.dtype == want.dtype == np.int32
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  zeros = tuple(jax.numpy.zeros((3, n), jax.numpy.int32) for n in (700, 900))
+  for direction, operands in (("fwd", block_ranges.forward_operands),
+                              ("bwd", block_ranges.backward_operands)):
+    variant = config.KernelVariant.for_call(direction, "sm90a", "bfloat16", 64, 64, cfg)
+    assert variant.masked and variant.deterministic == (direction == "bwd")
+    static = operands(variant, cfg, 3, 700, 900, 4)
+    traced = operands(variant, cfg, 3, 700, 900, 4, zeros)
+    assert isinstance(static[2], np.ndarray) and isinstance(static[3], np.ndarray)
+    assert len(static) == len(traced) == (5 if direction == "bwd" else 4)
+    for got, want in zip(static, traced):
+      assert got.shape == want.shape and got.dtype == want.dtype == np.int32, direction
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def _stablehlo_ops(fn, *args):
@@ -223,3 +225,26 @@ def test_a_call_without_segment_ids_runs_no_preparation_ops():
   preparation = {"reduce", "sort", "scatter", "gather", "reduce_window"}
   assert _stablehlo_ops(grads, q, kv, kv, ids, ids) >= preparation  # the run-time path
   assert not _stablehlo_ops(grads, q, kv, kv) & preparation
+
+
+def test_band_ranges_are_block_ranges_without_segment_ids():
+  """The closed form of a call without segment ids against block_ranges on all-zero ids, over
+  random lengths, tiles and bands (from forward and backward tilings: padding rows masked or
+  not), unbounded sides and empty bands included; the parametrized test above adds the windows
+  and tiles of the masked variants ("none" ids)."""
+  rng = np.random.default_rng(3)
+  u = config.WINDOW_UNBOUNDED
+  for _ in range(40):
+    rows, cols = (int(x) for x in rng.integers(1, 700, 2))
+    row_tile = int(rng.choice([64, 80, 128, 176, 192]))
+    col_tile = int(rng.choice([64, 80, 112, 128, 176]))
+    bounds = tuple(int(rng.choice([u, 0, -7, 5, 130, 1000])) for _ in range(2))
+    if rng.integers(2):  # query tiles: rows are queries
+      tiling = block_ranges.forward_tiling(row_tile, col_tile, rows, cols, bounds)
+    else:  # key tiles: rows are keys, columns queries
+      tiling = block_ranges.backward_tiling(col_tile, row_tile, cols, rows, bounds)
+    want = jax.jit(block_ranges.block_ranges, static_argnums=2)(
+        jax.numpy.zeros((1, rows), np.int32), jax.numpy.zeros((1, cols), np.int32), tiling)
+    got = block_ranges.band_ranges(rows, cols, tiling)
+    assert isinstance(got, np.ndarray) and got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.asarray(want), err_msg=f"{rows} {cols} {tiling}")
