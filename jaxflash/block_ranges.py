@@ -198,12 +198,11 @@ def launch_ranks(ranges, order, num_blocks: int):
   launched = xp.take_along_axis(visits, local[..., None], axis=1)  # rows in launch order
   before = xp.cumsum(launched, axis=1, dtype=np.int32) - launched
   # position[b, t]: where tile t stands in its batch's launch order (local's inverse).
-  slots = xp.broadcast_to(xp.arange(tiles, dtype=np.int32)[None, :], (b, tiles))
   if xp is np:
-    position = np.empty((b, tiles), np.int32)
-    np.put_along_axis(position, local, slots, axis=1)
+    position = np.argsort(local, axis=1)
   else:
-    position = jnp.zeros((b, tiles), jnp.int32).at[jnp.arange(b)[:, None], local].set(slots)
+    position = jnp.zeros((b, tiles), jnp.int32).at[jnp.arange(b)[:, None], local].set(
+        jnp.arange(tiles, dtype=jnp.int32)[None, :])
   return xp.take_along_axis(before, position[..., None], axis=1).astype(np.int32)
 
 
@@ -212,7 +211,7 @@ def padded_ids(ids, multiple: int):
   blocks of them; padding positions are masked or harmless)."""
   n = ids.shape[1]
   pad = -(-n // multiple) * multiple - n
-  return jnp.pad(jnp.asarray(ids, jnp.int32), ((0, 0), (0, pad)))
+  return jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, pad)))
 
 
 def _zero_ids(batch: int, n: int, multiple: int):
