@@ -59,9 +59,9 @@ PYEOF
 )"
 
 rm -rf "$WORK" && mkdir -p "$WORK/src" "$WORK/build"
-# (git archive of a flash-attention clone without its LFS objects prints an error about a pdf
-# outside flash_attn/cute; the sources extracted are whole.)
-git --git-dir="$FA_GIT" archive "$FA_REV" flash_attn/cute | tar -x -C "$WORK/src"
+# The subtree alone: a clone without its LFS objects cannot archive files outside it.
+git --git-dir="$FA_GIT" archive --prefix=flash_attn/cute/ "$FA_REV:flash_attn/cute" \
+  | tar -x -C "$WORK/src"
 git --git-dir="$QUACK_GIT" archive "$QUACK_REV" quack | tar -x -C "$WORK/src"
 
 # 1. compile + export (FA4_GQA_GROUPS must match FA4_GROUPS in fa4_glue.cc)

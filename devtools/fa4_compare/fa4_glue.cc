@@ -23,7 +23,7 @@
 #include <mutex>
 
 #include "kernel_abi.h"
-#include "tensor_args.h"  // jaxflash::Dense3, jaxflash::Aligned
+#include "tensor_args.h"  // jaxflash::Dense, jaxflash::Aligned
 #include "fa4_bwd_pre.h"
 #include "fa4_bwd_main_g1.h"
 #include "fa4_bwd_main_g2.h"
@@ -41,35 +41,13 @@
 namespace {
 
 using jaxflash::Aligned;
-using jaxflash::Dense3;
+using jaxflash::Dense;
 
 constexpr int32_t kHeadDim = 128;   // = head_dim_v
 constexpr int32_t kTileM = 80;      // FA-4 _tile_size_bwd_sm90(128, 128, causal=False).m_block_size
 constexpr int32_t kTileN = 128;     // ... .n_block_size
 constexpr int32_t kHeadDimRounded = 128;  // FA-4: (head_dim + 31) // 32 * 32
 constexpr int32_t kInvalid = static_cast<int32_t>(cudaErrorInvalidValue);
-
-// Every exported tensor is fully dynamic except a static unit stride on its last mode
-// (FA-4's make_fake_tensor / to_cute_tensor convention): rank-r tensors carry r extents and
-// r-1 strides, in mode order.
-template <typename T, int R>
-constexpr bool kRank = sizeof(T::dynamic_shapes) == R * sizeof(int32_t) &&
-                       sizeof(T::dynamic_strides) == (R - 1) * sizeof(int64_t);
-
-template <typename T>
-T Dense4(const void* data, int32_t d0, int32_t d1, int32_t d2, int32_t d3) {
-  static_assert(kRank<T, 4>, "expected a rank-4 tensor struct");
-  T t = {};
-  t.data = const_cast<void*>(data);
-  t.dynamic_shapes[0] = d0;
-  t.dynamic_shapes[1] = d1;
-  t.dynamic_shapes[2] = d2;
-  t.dynamic_shapes[3] = d3;
-  t.dynamic_strides[0] = static_cast<int64_t>(d1) * d2 * d3;
-  t.dynamic_strides[1] = static_cast<int64_t>(d2) * d3;
-  t.dynamic_strides[2] = d3;
-  return t;
-}
 
 int32_t RoundUp(int32_t x, int32_t m) { return (x + m - 1) / m * m; }
 
@@ -181,26 +159,26 @@ int32_t GetScratch(size_t bytes, void** out) {
                     int32_t skr, cudaStream_t stream) {                                         \
     const int32_t b = a.batch, sq = a.seqlen_q, sk = a.seqlen_k, h = a.num_heads;               \
     const int32_t hk = a.num_kv_heads, d = kHeadDim;                                            \
-    auto q = Dense4<fa4_bwd_main_g##G##_Tensor_mQ_t>(a.q, b, sq, h, d);                         \
-    auto k = Dense4<fa4_bwd_main_g##G##_Tensor_mK_t>(a.k, b, sk, hk, d);                        \
-    auto v = Dense4<fa4_bwd_main_g##G##_Tensor_mV_t>(a.v, b, sk, hk, d);                        \
-    auto dout = Dense4<fa4_bwd_main_g##G##_Tensor_mdO_t>(a.d_out, b, sq, h, d);                 \
-    auto lse2 = Dense3<fa4_bwd_main_g##G##_Tensor_mLSE_t>(a.lse_log2, b, h, sqr);               \
-    auto dpsum = Dense3<fa4_bwd_main_g##G##_Tensor_mdPsum_t>(a.delta, b, h, sqr);               \
-    auto acc = Dense3<fa4_bwd_main_g##G##_Tensor_mdQaccum_t>(a.dq_accum, b, h,                  \
-                                                               sqr * kHeadDimRounded);          \
+    auto q = Dense<fa4_bwd_main_g##G##_Tensor_mQ_t>(a.q, {b, sq, h, d});                        \
+    auto k = Dense<fa4_bwd_main_g##G##_Tensor_mK_t>(a.k, {b, sk, hk, d});                       \
+    auto v = Dense<fa4_bwd_main_g##G##_Tensor_mV_t>(a.v, {b, sk, hk, d});                       \
+    auto dout = Dense<fa4_bwd_main_g##G##_Tensor_mdO_t>(a.d_out, {b, sq, h, d});                \
+    auto lse2 = Dense<fa4_bwd_main_g##G##_Tensor_mLSE_t>(a.lse_log2, {b, h, sqr});              \
+    auto dpsum = Dense<fa4_bwd_main_g##G##_Tensor_mdPsum_t>(a.delta, {b, h, sqr});              \
+    auto acc = Dense<fa4_bwd_main_g##G##_Tensor_mdQaccum_t>(a.dq_accum,                         \
+                                                            {b, h, sqr * kHeadDimRounded});     \
     MAIN_DKDV_##G                                                                               \
     return cute_dsl_fa4_bwd_main_g##G##_wrapper(&g_main_g##G, &q, &k, &v, &dout, &lse2, &dpsum, \
                                                 &acc, &dk, &dv, a.softmax_scale, stream);       \
   }
 
-#define MAIN_DKDV_DIRECT(G)                                                \
-  auto dk = Dense4<fa4_bwd_main_g##G##_Tensor_mdK_t>(a.dk, b, sk, hk, d); \
-  auto dv = Dense4<fa4_bwd_main_g##G##_Tensor_mdV_t>(a.dv, b, sk, hk, d); \
+#define MAIN_DKDV_DIRECT(G)                                                 \
+  auto dk = Dense<fa4_bwd_main_g##G##_Tensor_mdK_t>(a.dk, {b, sk, hk, d}); \
+  auto dv = Dense<fa4_bwd_main_g##G##_Tensor_mdV_t>(a.dv, {b, sk, hk, d}); \
   (void)dk_acc; (void)dv_acc; (void)skr;
-#define MAIN_DKDV_ACCUM(G)                                                                  \
-  auto dk = Dense3<fa4_bwd_main_g##G##_Tensor_mdK_t>(dk_acc, b, hk, skr * kHeadDimRounded); \
-  auto dv = Dense3<fa4_bwd_main_g##G##_Tensor_mdV_t>(dv_acc, b, hk, skr * kHeadDimRounded);
+#define MAIN_DKDV_ACCUM(G)                                                                    \
+  auto dk = Dense<fa4_bwd_main_g##G##_Tensor_mdK_t>(dk_acc, {b, hk, skr * kHeadDimRounded}); \
+  auto dv = Dense<fa4_bwd_main_g##G##_Tensor_mdV_t>(dv_acc, {b, hk, skr * kHeadDimRounded});
 #define MAIN_DKDV_1 MAIN_DKDV_DIRECT(1)
 #define MAIN_DKDV_2 MAIN_DKDV_ACCUM(2)
 #define MAIN_DKDV_3 MAIN_DKDV_ACCUM(3)
@@ -266,13 +244,13 @@ FA4_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* strea
   }
 
   {  // 1. preprocess
-    auto o = Dense4<fa4_bwd_pre_Tensor_mO_t>(a.out, b, sq, h, d);
-    auto dout = Dense4<fa4_bwd_pre_Tensor_mdO_t>(a.d_out, b, sq, h, d);
-    auto dpsum = Dense3<fa4_bwd_pre_Tensor_mPdPsum_t>(a.delta, b, h, sqr);
-    auto lse = Dense3<fa4_bwd_pre_Tensor_mLSE_t>(a.lse, b, h, sq);
-    auto lse2 = Dense3<fa4_bwd_pre_Tensor_mLSElog2_t>(a.lse_log2, b, h, sqr);
-    auto acc = Dense3<fa4_bwd_pre_Tensor_mdQaccum_t>(a.dq_accum, b, h, sqr * kHeadDimRounded);
-    auto dlse = Dense3<fa4_bwd_pre_Tensor_mdLSE_t>(a.d_lse, b, h, sq);
+    auto o = Dense<fa4_bwd_pre_Tensor_mO_t>(a.out, {b, sq, h, d});
+    auto dout = Dense<fa4_bwd_pre_Tensor_mdO_t>(a.d_out, {b, sq, h, d});
+    auto dpsum = Dense<fa4_bwd_pre_Tensor_mPdPsum_t>(a.delta, {b, h, sqr});
+    auto lse = Dense<fa4_bwd_pre_Tensor_mLSE_t>(a.lse, {b, h, sq});
+    auto lse2 = Dense<fa4_bwd_pre_Tensor_mLSElog2_t>(a.lse_log2, {b, h, sqr});
+    auto acc = Dense<fa4_bwd_pre_Tensor_mdQaccum_t>(a.dq_accum, {b, h, sqr * kHeadDimRounded});
+    auto dlse = Dense<fa4_bwd_pre_Tensor_mdLSE_t>(a.d_lse, {b, h, sq});
     status = cute_dsl_fa4_bwd_pre_wrapper(&g_pre, &o, &dout, &dpsum, &lse, &lse2, &acc, &dlse,
                                           stream);
     if (status != 0) return status;
@@ -281,18 +259,18 @@ FA4_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* strea
   status = Main(a, sqr, dk_acc, dv_acc, skr, stream);
   if (status != 0) return status;
   {  // 3. dq
-    auto acc = Dense3<fa4_bwd_post_Tensor_mdQaccum_t>(a.dq_accum, b, h, sqr * kHeadDimRounded);
-    auto dq = Dense4<fa4_bwd_post_Tensor_mdQ_t>(a.dq, b, sq, h, d);
+    auto acc = Dense<fa4_bwd_post_Tensor_mdQaccum_t>(a.dq_accum, {b, h, sqr * kHeadDimRounded});
+    auto dq = Dense<fa4_bwd_post_Tensor_mdQ_t>(a.dq, {b, sq, h, d});
     status = cute_dsl_fa4_bwd_post_wrapper(&g_post, &acc, &dq, a.softmax_scale, stream);
     if (status != 0) return status;
   }
   if (gqa) {  // 4. dk (scaled), 5. dv (scale 1)
-    auto kacc = Dense3<fa4_bwd_postkv_Tensor_mdQaccum_t>(dk_acc, b, hk, skr * kHeadDimRounded);
-    auto dk = Dense4<fa4_bwd_postkv_Tensor_mdQ_t>(a.dk, b, sk, hk, d);
+    auto kacc = Dense<fa4_bwd_postkv_Tensor_mdQaccum_t>(dk_acc, {b, hk, skr * kHeadDimRounded});
+    auto dk = Dense<fa4_bwd_postkv_Tensor_mdQ_t>(a.dk, {b, sk, hk, d});
     status = cute_dsl_fa4_bwd_postkv_wrapper(&g_postkv, &kacc, &dk, a.softmax_scale, stream);
     if (status != 0) return status;
-    auto vacc = Dense3<fa4_bwd_postkv_Tensor_mdQaccum_t>(dv_acc, b, hk, skr * kHeadDimRounded);
-    auto dv = Dense4<fa4_bwd_postkv_Tensor_mdQ_t>(a.dv, b, sk, hk, d);
+    auto vacc = Dense<fa4_bwd_postkv_Tensor_mdQaccum_t>(dv_acc, {b, hk, skr * kHeadDimRounded});
+    auto dv = Dense<fa4_bwd_postkv_Tensor_mdQ_t>(a.dv, {b, sk, hk, d});
     status = cute_dsl_fa4_bwd_postkv_wrapper(&g_postkv, &vacc, &dv, 1.0f, stream);
   }
   return status;
