@@ -1,7 +1,8 @@
 """Extract the cubin embedded in each exported object (ELF symbol *kernels_binary*), disassemble
 it with cuobjdump and count HGMMA / LDL / STL / registers / spill info per kernel.
 
-usage: inspect_sass.py BUILD_DIR  (writes BUILD_DIR/sass/<name>.cubin, .sass, and summary.json)
+usage: inspect_sass.py BUILD_DIR  (the fa4_*.o objects there; writes BUILD_DIR/sass/<name>.cubin,
+.sass, and summary.json)
 """
 
 import json
@@ -21,7 +22,7 @@ def main():
   out = build / "sass"
   out.mkdir(exist_ok=True)
   summary = {}
-  for obj in sorted(build.glob("fa4_bwd_*.o")):
+  for obj in sorted(build.glob("fa4_*.o")):
     cub = out / (obj.stem + ".cubin")
     cub.write_bytes(extract_cubin(obj))
     sass = subprocess.run([CUOBJDUMP, "-sass", str(cub)], check=True, capture_output=True,
