@@ -17,61 +17,42 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <mutex>
-
 #include "fa4_fwd_kernels.h"
+#include "fa4_glue_common.h"
 #include "kernel_abi.h"
 #include "tensor_args.h"  // jaxflash::Dense, jaxflash::Aligned
-
-#define FA4_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
 
 using jaxflash::Aligned;
 using jaxflash::Dense;
 
-constexpr int32_t kInvalid = static_cast<int32_t>(cudaErrorInvalidValue);
+using fa4_glue::kInvalid;
 
 #define FA4_DECLARE_MODULE(G) FA4_FWD_NAME(G, _Kernel_Module_t) g_module_g##G = {};
 FA4_FWD_GROUPS(FA4_DECLARE_MODULE)
 #undef FA4_DECLARE_MODULE
 
-std::once_flag g_load_once;
-int32_t g_load_status = -1;
-
-void LoadOnce() {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    g_load_status = static_cast<int32_t>(cudaErrorNoDevice);
-    return;
-  }
-  // Each Module_Load loads its cubin on every visible device (and may leave another current).
+// Loads every group's module (fa4_glue::LoadOnce runs it once); whether all loaded.
+bool LoadModules() {
   bool ok = true;
-#define FA4_LOAD_MODULE(G)                                  \
-  FA4_FWD_NAME(G, _Kernel_Module_Load)(&g_module_g##G);     \
+#define FA4_LOAD_MODULE(G)                              \
+  FA4_FWD_NAME(G, _Kernel_Module_Load)(&g_module_g##G); \
   ok = ok && g_module_g##G.module != nullptr;
   FA4_FWD_GROUPS(FA4_LOAD_MODULE)
 #undef FA4_LOAD_MODULE
-  cudaSetDevice(device);
-  g_load_status = ok ? 0 : static_cast<int32_t>(cudaErrorInvalidKernelImage);
-}
-
-bool GroupSupported(int32_t g) {
-#define FA4_IS_GROUP(G) if (g == G) return true;
-  FA4_FWD_GROUPS(FA4_IS_GROUP)
-#undef FA4_IS_GROUP
-  return false;
+  return ok;
 }
 
 int32_t Validate(const JaxflashFwdArgs* a) {
   if (a == nullptr || a->head_dim != FA4_HEAD_DIM || a->head_dim_v != FA4_HEAD_DIM) {
     return kInvalid;
   }
-  if (a->batch <= 0 || a->seqlen_q <= 0 || a->seqlen_k <= 0 || a->num_heads <= 0 ||
-      a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads != 0) {
+  if (!fa4_glue::ValidShape(a->batch, a->seqlen_q, a->seqlen_k, a->num_heads,
+                           a->num_kv_heads) ||
+      !FA4_GROUP_SUPPORTED(FA4_FWD_GROUPS, a->num_heads / a->num_kv_heads)) {
     return kInvalid;
   }
-  if (!GroupSupported(a->num_heads / a->num_kv_heads)) return kInvalid;
   // What the dense FA-4 kernel does not take: masks, soft-capping, sinks, FP8.
   const JaxflashMask& m = a->mask;
   if (m.row_ids || m.col_ids || m.ranges || m.order || m.ranks || a->softcap != 0.0f ||
@@ -116,10 +97,7 @@ FA4_EXPORT const JaxflashVariantInfo* jaxflash_variant_info(void) {
   return &info;
 }
 
-FA4_EXPORT int32_t jaxflash_variant_load(void) {
-  std::call_once(g_load_once, LoadOnce);
-  return g_load_status;
-}
+FA4_EXPORT int32_t jaxflash_variant_load(void) { return fa4_glue::LoadOnce(LoadModules); }
 
 FA4_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream_ptr) {
   int32_t status = Validate(args);

@@ -22,6 +22,7 @@
 
 #include <mutex>
 
+#include "fa4_glue_common.h"
 #include "kernel_abi.h"
 #include "tensor_args.h"  // jaxflash::Dense, jaxflash::Aligned
 #include "fa4_bwd_pre.h"
@@ -32,8 +33,6 @@
 #include "fa4_bwd_main_g8.h"
 #include "fa4_bwd_post.h"
 #include "fa4_bwd_postkv.h"
-
-#define FA4_EXPORT extern "C" __attribute__((visibility("default")))
 
 // The GQA group sizes (num_heads / num_kv_heads) compiled by build_kernels.py (FA4_GQA_GROUPS).
 #define FA4_GROUPS(X) X(1) X(2) X(3) X(4) X(8)
@@ -47,7 +46,7 @@ constexpr int32_t kHeadDim = 128;   // = head_dim_v
 constexpr int32_t kTileM = 80;      // FA-4 _tile_size_bwd_sm90(128, 128, causal=False).m_block_size
 constexpr int32_t kTileN = 128;     // ... .n_block_size
 constexpr int32_t kHeadDimRounded = 128;  // FA-4: (head_dim + 31) // 32 * 32
-constexpr int32_t kInvalid = static_cast<int32_t>(cudaErrorInvalidValue);
+using fa4_glue::kInvalid;
 
 int32_t RoundUp(int32_t x, int32_t m) { return (x + m - 1) / m * m; }
 
@@ -58,16 +57,8 @@ fa4_bwd_postkv_Kernel_Module_t g_postkv = {};
 FA4_GROUPS(FA4_DECLARE_MODULE)
 #undef FA4_DECLARE_MODULE
 
-std::once_flag g_load_once;
-int32_t g_load_status = -1;
-
-void LoadOnce() {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    g_load_status = static_cast<int32_t>(cudaErrorNoDevice);
-    return;
-  }
-  // Each Module_Load loads its cubin on every visible device (and may leave another current).
+// Loads every module (fa4_glue::LoadOnce runs it once); whether all loaded.
+bool LoadModules() {
   fa4_bwd_pre_Kernel_Module_Load(&g_pre);
   fa4_bwd_post_Kernel_Module_Load(&g_post);
   fa4_bwd_postkv_Kernel_Module_Load(&g_postkv);
@@ -77,15 +68,7 @@ void LoadOnce() {
   ok = ok && g_main_g##G.module != nullptr;
   FA4_GROUPS(FA4_LOAD_MODULE)
 #undef FA4_LOAD_MODULE
-  cudaSetDevice(device);
-  g_load_status = ok ? 0 : static_cast<int32_t>(cudaErrorInvalidKernelImage);
-}
-
-bool GroupSupported(int32_t g) {
-#define FA4_IS_GROUP(G) if (g == G) return true;
-  FA4_GROUPS(FA4_IS_GROUP)
-#undef FA4_IS_GROUP
-  return false;
+  return ok;
 }
 
 int32_t Validate(const JaxflashBwdArgs* a) {
@@ -93,11 +76,11 @@ int32_t Validate(const JaxflashBwdArgs* a) {
       a->dq_copies != 1) {
     return kInvalid;
   }
-  if (a->batch <= 0 || a->seqlen_q <= 0 || a->seqlen_k <= 0 || a->num_heads <= 0 ||
-      a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads != 0) {
+  if (!fa4_glue::ValidShape(a->batch, a->seqlen_q, a->seqlen_k, a->num_heads,
+                           a->num_kv_heads) ||
+      !FA4_GROUP_SUPPORTED(FA4_GROUPS, a->num_heads / a->num_kv_heads)) {
     return kInvalid;
   }
-  if (!GroupSupported(a->num_heads / a->num_kv_heads)) return kInvalid;
   // Grids are (blocks, heads, batch): gridDim.y / .z <= 65535.
   if (a->num_heads > 65535 || a->batch > 65535 || a->seqlen_q > INT32_MAX - kTileM ||
       a->seqlen_k > INT32_MAX - kTileN) {
@@ -205,17 +188,14 @@ FA4_EXPORT const char* jaxflash_variant_key(void) { return "fa4-sm90a-bf16-d128-
 
 FA4_EXPORT const JaxflashVariantInfo* jaxflash_variant_info(void) {
   // Backward, bf16, head_dim = head_dim_v = 128, non-causal, non-deterministic; the scratch rows
-  // are seqlen_q rounded up to tile_m 80; one dQ accumulator copy.
+  // are seqlen_q rounded up to tile_m 80; one dQ accumulator copy; no mask operands.
   static const JaxflashVariantInfo info = {/*direction=*/1, /*dtype=*/1, kHeadDim, kHeadDim,
                                            /*causal=*/0, /*deterministic=*/0, kTileM,
-                                           /*max_dq_copies=*/1};
+                                           /*max_dq_copies=*/1, /*masked=*/0, kTileN};
   return &info;
 }
 
-FA4_EXPORT int32_t jaxflash_variant_load(void) {
-  std::call_once(g_load_once, LoadOnce);
-  return g_load_status;
-}
+FA4_EXPORT int32_t jaxflash_variant_load(void) { return fa4_glue::LoadOnce(LoadModules); }
 
 FA4_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream_ptr) {
   int32_t status = Validate(args);
