@@ -31,8 +31,9 @@ inline bool ValidShape(int32_t batch, int32_t seqlen_q, int32_t seqlen_k, int32_
 }
 
 // Runs `load` (which loads each cubin on every visible device, may leave another device
-// current, and returns whether every module loaded) once per process, keeping the caller's
-// current device; every call returns the first call's status.
+// current, and returns whether every module loaded) once per library (each glue is its own
+// shared object with hidden symbols), keeping the caller's current device; every call returns
+// the first call's status.
 template <typename Load>
 int32_t LoadOnce(Load load) {
   static std::once_flag once;
