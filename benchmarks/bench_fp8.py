@@ -44,16 +44,16 @@ def cudnn_fp8_fn(causal: bool, scale: float):
   return attend
 
 
-def cells(head_dim: int, seq: int, causal: bool, rng, block_size=None, impls=IMPLS,
-          out_dtype="bfloat16") -> list:
-  """The timed cells of one shape, in the order of impls; the fp8 cell writes out_dtype."""
+def calls(head_dim: int, seq: int, causal: bool, rng, block_size=None,
+          out_dtype="bfloat16") -> dict:
+  """{impl: (fn, args)} of one shape, every column of IMPLS; the fp8 call writes out_dtype."""
   b, h = TOKENS // seq, WIDTH // head_dim
   q, k, v = (jnp.asarray(rng.standard_normal((b, seq, h, head_dim)), jnp.bfloat16)
              for _ in range(3))
   q8, k8, v8, qd, kd, vd = jax.jit(jaxflash.quantize_fp8, static_argnames="block_size")(
       q, k, v, block_size=block_size)
   scale = head_dim ** -0.5
-  fns = {
+  return {
       "fp8": (lambda *a: jaxflash.attention(*a[:3], q_descale=a[3], k_descale=a[4],
                                             v_descale=a[5], causal=causal, out_dtype=out_dtype,
                                             implementation="cute"), (q8, k8, v8, qd, kd, vd)),
@@ -63,7 +63,14 @@ def cells(head_dim: int, seq: int, causal: bool, rng, block_size=None, impls=IMP
                                                         implementation="cudnn"), (q, k, v)),
       "cudnn-fp8": (cudnn_fp8_fn(causal, scale), (q8, k8, v8)),
   }
-  flops = bench_attention.fwd_flops(b, h, seq, head_dim, head_dim, causal)
+
+
+def cells(head_dim: int, seq: int, causal: bool, rng, block_size=None, impls=IMPLS,
+          out_dtype="bfloat16") -> list:
+  """The timed cells of one shape, in the order of impls; the fp8 cell writes out_dtype."""
+  fns = calls(head_dim, seq, causal, rng, block_size, out_dtype)
+  flops = bench_attention.fwd_flops(TOKENS // seq, WIDTH // head_dim, seq, head_dim, head_dim,
+                                    causal)
   return [timed_record(jax.jit(fns[impl][0]), fns[impl][1], flops, head_dim=head_dim, seq=seq,
                        causal=causal, impl=impl) for impl in impls]
 

@@ -5,8 +5,13 @@ cuProfilerStop, so `ncu --profile-from-start off` sees exactly the kernels of on
   python devtools/kernel_selftest/profile_call.py decode CASE IMPL   # bench_decode.py's cases
   python devtools/kernel_selftest/profile_call.py fwd HDIM SEQ IMPL [--causal]  # batch*seq=16k
   python devtools/kernel_selftest/profile_call.py masked CASE IMPL   # bench_masked.py's forward
+  python devtools/kernel_selftest/profile_call.py gpt-oss SEQ IMPL   # bench_modifiers --gpt-oss
+  python devtools/kernel_selftest/profile_call.py modifier HDIM SEQ IMPL [--causal]
+                                                          # bench_modifiers.py (softcap, sink)
+  python devtools/kernel_selftest/profile_call.py fp8 HDIM SEQ IMPL [--causal]  # bench_fp8.py
 
-IMPL: a column of that benchmark (jaxflash, cudnn, xla, paged64, ...).
+IMPL: a column of that benchmark (jaxflash, cudnn, xla, paged64, "window+sink", softcap,
+cudnn-fp8, ...).
 """
 import argparse
 import ctypes
@@ -20,7 +25,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_attention  # noqa: E402
 import bench_decode  # noqa: E402
+import bench_fp8  # noqa: E402
 import bench_masked  # noqa: E402
+import bench_modifiers  # noqa: E402
 
 
 def decode_call(case: str, impl: str):
@@ -47,6 +54,38 @@ def masked_call(case: str, impl: str):
   return jax.jit(spec.impls[impl]), (q, k, v, spec.data)
 
 
+def gpt_oss_call(seq: int, impl: str):
+  if impl not in bench_modifiers.GPT_OSS_IMPLS:
+    raise SystemExit(f"gpt-oss has no column {impl}: {', '.join(bench_modifiers.GPT_OSS_IMPLS)}")
+  spec = bench_modifiers.GPT_OSS
+  b, d = bench_modifiers.TOKENS // seq, spec["head_dim"]
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  q = jax.random.normal(keys[0], (b, seq, spec["heads"], d), jnp.bfloat16)
+  k, v = (jax.random.normal(key, (b, seq, spec["kv_heads"], d), jnp.bfloat16)
+          for key in keys[1:3])
+  sink = jax.random.normal(keys[3], (spec["heads"],), jnp.float32)
+  return jax.jit(bench_modifiers.gpt_oss_fn(impl)), (q, k, v, sink)
+
+
+def modifier_call(head_dim: int, seq: int, impl: str, causal: bool):
+  if impl not in bench_modifiers.IMPLS:
+    raise SystemExit(f"bench_modifiers has no column {impl}: {', '.join(bench_modifiers.IMPLS)}")
+  batch, heads = bench_modifiers.TOKENS // seq, bench_modifiers.WIDTH // head_dim
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  q, k, v = (jax.random.normal(key, (batch, seq, heads, head_dim), jnp.bfloat16)
+             for key in keys[:3])
+  sink = jax.random.normal(keys[3], (heads,), jnp.float32)
+  return jax.jit(bench_modifiers.attend_fn(impl, causal)), (q, k, v, sink)
+
+
+def fp8_call(head_dim: int, seq: int, impl: str, causal: bool):
+  calls = bench_fp8.calls(head_dim, seq, causal, np.random.default_rng(0))
+  if impl not in calls:
+    raise SystemExit(f"bench_fp8 has no column {impl}: {', '.join(calls)}")
+  fn, call_args = calls[impl]
+  return jax.jit(fn), call_args
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   sub = p.add_subparsers(dest="kind", required=True)
@@ -61,13 +100,28 @@ def main():
   m = sub.add_parser("masked")
   m.add_argument("case", choices=bench_masked.CASES)
   m.add_argument("impl")
+  g = sub.add_parser("gpt-oss")
+  g.add_argument("seq", type=int)
+  g.add_argument("impl")
+  for kind in ("modifier", "fp8"):
+    x = sub.add_parser(kind)
+    x.add_argument("head_dim", type=int)
+    x.add_argument("seq", type=int)
+    x.add_argument("impl")
+    x.add_argument("--causal", action="store_true")
   args = p.parse_args()
   if args.kind == "decode":
     fn, call_args = decode_call(args.case, args.impl)
   elif args.kind == "fwd":
     fn, call_args = fwd_call(args.head_dim, args.seq, args.impl, args.causal)
-  else:
+  elif args.kind == "masked":
     fn, call_args = masked_call(args.case, args.impl)
+  elif args.kind == "gpt-oss":
+    fn, call_args = gpt_oss_call(args.seq, args.impl)
+  elif args.kind == "modifier":
+    fn, call_args = modifier_call(args.head_dim, args.seq, args.impl, args.causal)
+  else:
+    fn, call_args = fp8_call(args.head_dim, args.seq, args.impl, args.causal)
   for _ in range(2):
     jax.block_until_ready(fn(*call_args))
   cuda = ctypes.CDLL("libcuda.so.1")
