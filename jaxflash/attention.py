@@ -28,15 +28,17 @@ def _check_segments(q_segment_ids, kv_segment_ids, query, key):
 
 
 def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
-                            head_dim_v: int, config: AttentionConfig) -> str:
+                            head_dim_v: int, config: AttentionConfig,
+                            seq_k: Optional[int] = None) -> str:
   """'cute' or 'reference' (implementation.resolve). The lowering loads the kernels where a CUDA
   device is; without one, 'cute' may still lower for a GPU elsewhere (jax.export)."""
   return implementation.resolve(
       requested, kernel_support("fwd", dtype, head_dim, head_dim_v, config),
-      lambda: _missing_kernel(dtype, head_dim, head_dim_v, config))
+      lambda: _missing_kernel(dtype, head_dim, head_dim_v, config, seq_k))
 
 
-def _missing_kernel(dtype: str, head_dim: int, head_dim_v: int, config: AttentionConfig) -> str:
+def _missing_kernel(dtype: str, head_dim: int, head_dim_v: int, config: AttentionConfig,
+                    seq_k: Optional[int] = None) -> str:
   """Why a kernel this call needs (forward, and backward where one exists) is unavailable here.
 
   The forward must be found or buildable (its lowering, right after the trace, builds it). The
@@ -47,7 +49,8 @@ def _missing_kernel(dtype: str, head_dim: int, head_dim_v: int, config: Attentio
   for direction in ("fwd", "bwd"):
     if not kernel_support(direction, dtype, head_dim, head_dim_v, config)[0]:
       continue  # that direction runs the reference anyway
-    variant = KernelVariant.for_call(direction, "sm90a", dtype, head_dim, head_dim_v, config)
+    variant = KernelVariant.for_call(direction, "sm90a", dtype, head_dim, head_dim_v, config,
+                                     seq_k)
     available = ffi.variant_available if direction == "fwd" else ffi.provide_variant
     ok, why = available(variant)
     if not ok:
@@ -163,7 +166,8 @@ def _attention(query, key, value, kv_lengths, *, causal: bool = False,
   if learnable_sink is not None:
     check_learnable_sink(learnable_sink, query.shape[2], accept_float64=dtype == "float64")
   config = config.replace(has_segment_ids=has_segments)
-  impl = _resolve_implementation(implementation, dtype, query.shape[-1], value.shape[-1], config)
+  impl = _resolve_implementation(implementation, dtype, query.shape[-1], value.shape[-1], config,
+                                 key.shape[1])
   config = config.replace(implementation=impl)
   if 0 in query.shape[:3] or 0 in key.shape[:2]:
     out, lse = empty_result(query, value)

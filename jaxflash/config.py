@@ -258,6 +258,13 @@ def fp8_fwd_variant(head_dim: int, causal: bool, arch: str = "sm90a",
 CAUSAL_PERSISTENT_HEAD_DIMS = (64, 96, 128)
 CAUSAL_PERSISTENT_MAX_KEYS = 2048
 
+# Dense head_dim 128 forwards without the causal mask over at most this many keys per sequence
+# run a variant of their own: 128 x 128 tiles with two Q slots (two slots do not fit beside
+# 176-key stages), against 128 x 176 with one above (self-test, 2026-12-05: 1.09x at 1k, 1.02x
+# at 2k, 0.98x at 4k, 0.91x at 16k; docs/kernels.md, "Forward tiles").
+SHORT_DENSE_HEAD_DIMS = (128,)
+SHORT_DENSE_MAX_KEYS = 2048
+
 
 # Opt-in shared memory of a Hopper CTA (kernels/sm90_gemm.SMEM_CAPACITY).
 SMEM_BYTES = 227 * 1024
@@ -270,14 +277,19 @@ def _second_q_slot_fits(tile_m: int, tile_n: int, num_stages: int, head_dim: int
       SMEM_BYTES)
 
 
-def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
-                 masked: bool = False) -> FwdSchedule:
+def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = False,
+                 seq_k: Optional[int] = None) -> FwdSchedule:
   """The forward schedule table (H200 measurements in docs/kernels.md, "Forward tiles").
 
   masked: the variant for windows, segment ids and softcap, causal or not (all run-time data);
   it takes the causal tiles and launches its tiles in the longest-first order the call's block
   ranges give (jaxflash/block_ranges.py), one CTA each.
+  seq_k: the call's keys per sequence (static), or None (a long call): dense calls without the
+  causal mask at SHORT_DENSE_HEAD_DIMS up to SHORT_DENSE_MAX_KEYS keys take a schedule of their
+  own.
   """
+  short = (not causal and not masked and head_dim in SHORT_DENSE_HEAD_DIMS
+           and seq_k is not None and seq_k <= SHORT_DENSE_MAX_KEYS)
   causal = causal or masked
   causal_persistent = causal and not masked and head_dim in CAUSAL_PERSISTENT_HEAD_DIMS
   if head_dim <= 64:
@@ -288,8 +300,9 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
     # registers; 128 x 160 and 128 x 176 were no faster.
     tile_m, tile_n = 128, 128
   elif head_dim <= 128:
-    # 128 x 176 (FA-3's): fewer steps per key; causal 128 x 128 wins at short sequences.
-    tile_m, tile_n = 128, 128 if causal else 176
+    # 128 x 176 (FA-3's): fewer steps per key; 128 x 128 wins at short sequences (causal ones
+    # have few keys per tile; short dense ones then fit two Q slots).
+    tile_m, tile_n = 128, 128 if causal or short else 176
   elif head_dim <= 192:
     # FA-3/FA-4's tiles; 112 is the widest tile_n whose two K + V stages fit 227 KiB at dv 192.
     tile_m, tile_n = 128, 128 if head_dim_v <= 128 else 112
@@ -315,7 +328,7 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool,
       # tiles are short and a second slot fits: the causal lists and head_dim 96 (+7-25 % at
       # 1k). At head_dim 64 not causal two slots gained nothing at 1k and measured 0.95x at 4k
       # and 16k, so one slot there.
-      q_stages=2 if (causal_persistent or (not causal and head_dim == 96)) and (
+      q_stages=2 if (causal_persistent or short or (not causal and head_dim == 96)) and (
           _second_q_slot_fits(tile_m, tile_n, num_stages, head_dim, head_dim_v)) else 1,
       # O of head_dim_v > 128 is 128+ registers: its rescale runs under the Q K^T GEMM.
       rescale_o_before_pv=head_dim_v > 128)
@@ -394,9 +407,11 @@ class KernelVariant:
 
   @classmethod
   def for_call(cls, direction: str, arch: str, dtype: str, head_dim: int, head_dim_v: int,
-               config: AttentionConfig) -> "KernelVariant":
+               config: AttentionConfig, seq_k: Optional[int] = None) -> "KernelVariant":
     """The variant that runs one call (kernel_support must have accepted it). A decode variant
-    depends on dtype and head dims only (its options are run-time scalars)."""
+    depends on dtype and head dims only (its options are run-time scalars). seq_k: the call's
+    keys per sequence, which picks among forward variants (fwd_schedule); None for a long
+    call."""
     if direction == "decode":
       return decode_variant(dtype, head_dim, head_dim_v, arch)
     if dtype == FP8_DTYPE:
@@ -406,7 +421,7 @@ class KernelVariant:
     masked = config.has_window or config.has_segment_ids or config.softcap is not None
     causal = config.causal and not masked
     if direction == "fwd":
-      schedule = fwd_schedule(head_dim, head_dim_v, causal, masked)
+      schedule = fwd_schedule(head_dim, head_dim_v, causal, masked, seq_k)
     else:
       schedule = bwd_schedule(head_dim, head_dim_v, causal, deterministic, masked)
     return cls(direction=direction, arch=arch, dtype=dtype, head_dim=head_dim,
@@ -475,14 +490,19 @@ def shipped_variants(arch: str = "sm90a", direction: str = "fwd") -> list[Kernel
     return [decode_variant(dtype, d, dv, arch) for dtype in KERNEL_DTYPES
             for d, dv in KERNEL_HEAD_DIM_PAIRS["decode"]]
   out = []
-  # Dense (causal or not), then masked (windows, segment ids: causal at run time).
+  # Dense (causal or not), then masked (windows, segment ids: causal at run time); forward
+  # variants of long calls, then those of short ones where they differ (fwd_schedule).
   masks = ({"causal": False}, {"causal": True}, {"window_left": 0})
   for dtype in KERNEL_DTYPES:
     for head_dim, head_dim_v in KERNEL_HEAD_DIM_PAIRS[direction]:
       for mask in masks:
         for deterministic in (False, True) if direction == "bwd" else (False,):
           cfg = AttentionConfig(softmax_scale=1.0, deterministic=deterministic, **mask)
-          out.append(KernelVariant.for_call(direction, arch, dtype, head_dim, head_dim_v, cfg))
+          for seq_k in (None, SHORT_DENSE_MAX_KEYS) if direction == "fwd" else (None,):
+            variant = KernelVariant.for_call(direction, arch, dtype, head_dim, head_dim_v, cfg,
+                                             seq_k)
+            if variant not in out:
+              out.append(variant)
   if direction == "fwd":  # FP8: dense, causal or not; per-head or block descales
     out += [fp8_fwd_variant(d, causal, arch, blocks) for blocks in (False, True)
             for d in FP8_HEAD_DIMS for causal in (False, True)]

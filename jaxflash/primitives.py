@@ -135,14 +135,14 @@ def _fwd_lower_cuda(ctx, q, k, v, *rest, config):
   ok, reason = kernel_support("fwd", dtype, head_dim, head_dim_v, config)
   if not ok:  # attention.py checks this at trace time; this guards direct primitive use.
     raise ValueError(f"implementation='cute': {reason}")
-  variant = KernelVariant.for_call("fwd", "sm90a", dtype, head_dim, head_dim_v, config)
+  (b, seq_q), seq_k = q_aval.shape[:2], ctx.avals_in[1].shape[1]
+  variant = KernelVariant.for_call("fwd", "sm90a", dtype, head_dim, head_dim_v, config, seq_k)
   from jaxflash import ffi  # imported on first CUDA lowering only: keeps `import jaxflash` light
   if _jax_internal.has_cuda_device():
     ffi.ensure_variant(variant)  # cross-lowering on a CPU host needs no library
   attrs = ffi.fwd_attributes(variant, config)
   if not variant.masked:
     return jax.ffi.ffi_lowering(FWD_TARGET)(ctx, q, k, v, *sink, **attrs)
-  (b, seq_q), seq_k = q_aval.shape[:2], ctx.avals_in[1].shape[1]
 
   def call(q, k, v, *rest):
     segment_ids, sink = _split_sink(rest, config)

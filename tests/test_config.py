@@ -15,7 +15,10 @@ from jaxflash import config
 FWD = config.shipped_variants("sm90a", "fwd")
 BWD = config.shipped_variants("sm90a", "bwd")
 DECODE = config.shipped_variants("sm90a", "decode")
-DENSE_FWD = [v for v in FWD if not v.masked and v.dtype != config.FP8_DTYPE]
+# Forward variants of short calls (fwd_schedule's seq_k), where they differ from the long ones.
+SHORT_FWD = [v for v in FWD if v.dtype != config.FP8_DTYPE and v.schedule != config.fwd_schedule(
+    v.head_dim, v.head_dim_v, v.causal, v.masked)]
+DENSE_FWD = [v for v in FWD if not v.masked and v.dtype != config.FP8_DTYPE and v not in SHORT_FWD]
 DENSE_BWD = [v for v in BWD if not v.masked]
 PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
 
@@ -43,11 +46,12 @@ def test_shipped_variants_cover_dtypes_head_dims_masks_and_determinism():
   assert all(v.key.endswith(f"-blk-{v.schedule.key}") == v.block_descales for v in fp8)
   assert not any(v.masked or v.schedule.persistent for v in fp8)
   assert all(v.key.startswith("fwd-sm90a-e4m3-") for v in fp8)
-  assert len(FWD) == 2 * len(PAIRS) * 3 + len(fp8) and len(BWD) == 2 * len(PAIRS) * 3 * 2
+  assert len(FWD) == 2 * len(PAIRS) * 3 + len(SHORT_FWD) + len(fp8)
+  assert len(BWD) == 2 * len(PAIRS) * 3 * 2
   # The budget of the masked-attention and score-modifier work: at most 160 variants.
   assert len(FWD) + len(BWD) <= 160
   for variants, direction in ((FWD, "fwd"), (BWD, "bwd")):
-    variants = [v for v in variants if v.dtype != config.FP8_DTYPE]
+    variants = [v for v in variants if v.dtype != config.FP8_DTYPE and v not in SHORT_FWD]
     combos = {(v.dtype, v.head_dim, v.head_dim_v, v.causal, v.masked, v.deterministic)
               for v in variants}
     assert len(combos) == len(variants)
@@ -352,3 +356,32 @@ def test_documented_variant_counts_are_the_shipped_ones():
       len(fwd) - len(fp8))
   assert _documented_count("docs/kernels.md", r"\d+ forward and (\d+) backward variants") == len(
       bwd)
+
+
+def test_short_dense_calls_at_head_dim_128_take_their_own_forward_variant():
+  """Dense head_dim 128 forwards without the causal mask over at most SHORT_DENSE_MAX_KEYS keys
+  run 128 x 128 tiles with two Q slots; longer ones (and seq_k None) 128 x 176 with one. The
+  causal and masked variants, other head dims and the backward do not depend on seq_k."""
+  limit = config.SHORT_DENSE_MAX_KEYS
+  for dtype, short_name in (("float16", "f16"), ("bfloat16", "bf16")):
+    at = lambda seq_k, **options: config.KernelVariant.for_call(
+        "fwd", "sm90a", dtype, 128, 128, _cfg(**options), seq_k)
+    short, long = at(limit), at(limit + 1)
+    assert at(1) == short and at(None) == long and SHORT_FWD.count(short) == 1
+    assert short.key == f"fwd-sm90a-{short_name}-d128-dv128-m128n128s2"
+    assert (short.schedule.q_stages, short.schedule.persistent) == (2, True)
+    assert long.key == f"fwd-sm90a-{short_name}-d128-dv128-m128n176s2"
+    assert long.schedule.q_stages == 1
+    assert short in FWD and long in FWD
+    for options in ({"causal": True}, {"window_left": 8}, {"softcap": 5.0},
+                    {"has_segment_ids": True}):
+      assert at(100, **options) == at(None, **options), options
+  for head_dim, head_dim_v in PAIRS:
+    if head_dim in config.SHORT_DENSE_HEAD_DIMS:
+      continue
+    for direction in ("fwd", "bwd"):
+      at = lambda seq_k: config.KernelVariant.for_call(direction, "sm90a", "bfloat16", head_dim,
+                                                       head_dim_v, _cfg(), seq_k)
+      assert at(100) == at(None), (direction, head_dim)
+  assert config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", 128, 128, _cfg(), 100) == (
+      _bwd(128))
