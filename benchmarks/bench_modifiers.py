@@ -98,16 +98,30 @@ def kept_pairs(seq: int, window=None) -> int:
   return w * (w + 1) // 2 + (seq - w) * (w + 1)
 
 
+def inputs(seq: int, heads: int, kv_heads: int, head_dim: int, rng) -> tuple:
+  """(q, k, v, sink) of one shape: batch * seq = TOKENS, random bf16 q / k / v and float32 sink
+  logits, one per query head."""
+  b = TOKENS // seq
+  q = jnp.asarray(rng.standard_normal((b, seq, heads, head_dim)), jnp.bfloat16)
+  k, v = (jnp.asarray(rng.standard_normal((b, seq, kv_heads, head_dim)), jnp.bfloat16)
+          for _ in range(2))
+  return q, k, v, jnp.asarray(rng.standard_normal(heads), jnp.float32)
+
+
+def gpt_oss_inputs(seq: int, rng) -> tuple:
+  """(q, k, v, sink) of gpt-oss's shape (GPT_OSS) at seq."""
+  return inputs(seq, GPT_OSS["heads"], GPT_OSS["kv_heads"], GPT_OSS["head_dim"], rng)
+
+
 def run_gpt_oss(args, rng) -> list:
   """gpt-oss's shape at each --seq (batch * seq = 16384 tokens); effective TFLOP/s over the
   pairs each call's mask keeps (forward 4 d per pair, forward + backward 3.5x that)."""
-  d, h, hk = GPT_OSS["head_dim"], GPT_OSS["heads"], GPT_OSS["kv_heads"]
+  d, h = GPT_OSS["head_dim"], GPT_OSS["heads"]
   records = []
   for s in args.seq:
     b = TOKENS // s
-    q, ct = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16) for _ in range(2))
-    k, v = (jnp.asarray(rng.standard_normal((b, s, hk, d)), jnp.bfloat16) for _ in range(2))
-    sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    q, k, v, sink = gpt_oss_inputs(s, rng)
+    ct = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
     for mode in args.modes:
       for impl in GPT_OSS_IMPLS:
         pairs = kept_pairs(s, None if impl.endswith("causal") else GPT_OSS["window"])
@@ -151,9 +165,8 @@ def main(argv=None) -> int:
   for d in args.hdim:
     for s in args.seq:
       b, h = TOKENS // s, WIDTH // d
-      q, k, v, ct = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16)
-                     for _ in range(4))
-      sink = jnp.asarray(rng.standard_normal(h), jnp.float32)
+      q, k, v, sink = inputs(s, h, h, d, rng)
+      ct = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
       for mode in args.modes:
         flops = bench_attention.fwd_flops(b, h, s, d, d, args.causal)
         flops *= 1.0 if mode == "fwd" else 3.5

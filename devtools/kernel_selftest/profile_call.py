@@ -57,25 +57,16 @@ def masked_call(case: str, impl: str):
 def gpt_oss_call(seq: int, impl: str):
   if impl not in bench_modifiers.GPT_OSS_IMPLS:
     raise SystemExit(f"gpt-oss has no column {impl}: {', '.join(bench_modifiers.GPT_OSS_IMPLS)}")
-  spec = bench_modifiers.GPT_OSS
-  b, d = bench_modifiers.TOKENS // seq, spec["head_dim"]
-  keys = jax.random.split(jax.random.PRNGKey(0), 4)
-  q = jax.random.normal(keys[0], (b, seq, spec["heads"], d), jnp.bfloat16)
-  k, v = (jax.random.normal(key, (b, seq, spec["kv_heads"], d), jnp.bfloat16)
-          for key in keys[1:3])
-  sink = jax.random.normal(keys[3], (spec["heads"],), jnp.float32)
-  return jax.jit(bench_modifiers.gpt_oss_fn(impl)), (q, k, v, sink)
+  return (jax.jit(bench_modifiers.gpt_oss_fn(impl)),
+          bench_modifiers.gpt_oss_inputs(seq, np.random.default_rng(0)))
 
 
 def modifier_call(head_dim: int, seq: int, impl: str, causal: bool):
   if impl not in bench_modifiers.IMPLS:
     raise SystemExit(f"bench_modifiers has no column {impl}: {', '.join(bench_modifiers.IMPLS)}")
-  batch, heads = bench_modifiers.TOKENS // seq, bench_modifiers.WIDTH // head_dim
-  keys = jax.random.split(jax.random.PRNGKey(0), 4)
-  q, k, v = (jax.random.normal(key, (batch, seq, heads, head_dim), jnp.bfloat16)
-             for key in keys[:3])
-  sink = jax.random.normal(keys[3], (heads,), jnp.float32)
-  return jax.jit(bench_modifiers.attend_fn(impl, causal)), (q, k, v, sink)
+  heads = bench_modifiers.WIDTH // head_dim
+  return (jax.jit(bench_modifiers.attend_fn(impl, causal)),
+          bench_modifiers.inputs(seq, heads, heads, head_dim, np.random.default_rng(0)))
 
 
 def fp8_call(head_dim: int, seq: int, impl: str, causal: bool):
