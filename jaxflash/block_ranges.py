@@ -183,6 +183,20 @@ def longest_first(ranges, section_blocks: int):
   return order.astype(np.int32)
 
 
+def in_launch_order(ranges, order):
+  """(b, tiles, 4) int32: the ranges of the launch order's tiles, entry b * tiles + k holding
+  those of tile order[b * tiles + k] (a tile of batch b: the order keeps batches in order). A
+  CTA reads its tile's range at its own entry, in parallel with the order's entry, rather than
+  after it (a second dependent load before its first copy).
+
+  order: a launch order (longest_first's), batches in order, entry b * tiles + t."""
+  b, tiles = ranges.shape[:2]
+  flat = ranges.reshape(b * tiles, 4)
+  if _xp(ranges, order) is np:
+    return flat[order].reshape(b, tiles, 4)
+  return jnp.take(flat, order, axis=0, mode="clip").reshape(b, tiles, 4)
+
+
 def launch_ranks(ranges, order, num_blocks: int):
   """(b, tiles, num_blocks) int32: rank[b, t, m] = how many tiles of batch b that visit block m
   (m in [start, end) of theirs) the launch order puts before tile t: the position of tile t's
@@ -236,13 +250,15 @@ def _ranges_and_ids(segment_ids, tiling: Tiling, batch: int, rows: int, cols: in
 def forward_operands(variant: KernelVariant, config: AttentionConfig, batch: int, seq_q: int,
                      seq_k: int, num_kv_heads: int, segment_ids=()):
   """The masked forward's operands, in custom-call order (kernel_abi.h JaxflashMask): query
-  ids, key ids (padded to tiles / blocks), block ranges per query tile, tile order."""
+  ids, key ids (padded to tiles / blocks), block ranges of the query tiles in launch order
+  (in_launch_order), the launch order."""
   s = variant.schedule
   tiling = forward_tiling(s.tile_m, s.tile_n, seq_q, seq_k, window_bounds(config))
   q_ids, kv_ids, ranges = _ranges_and_ids(segment_ids, tiling, batch, seq_q, seq_k, s.tile_m,
                                           s.tile_n)
   section = _section_blocks(num_kv_heads, variant.head_dim + variant.head_dim_v, s.tile_n)
-  return q_ids, kv_ids, ranges, longest_first(ranges, section)
+  order = longest_first(ranges, section)
+  return q_ids, kv_ids, in_launch_order(ranges, order), order
 
 
 def _section_blocks(heads: int, dims: int, block: int) -> int:
@@ -254,15 +270,16 @@ def _section_blocks(heads: int, dims: int, block: int) -> int:
 def backward_operands(variant: KernelVariant, config: AttentionConfig, batch: int, seq_q: int,
                       seq_k: int, num_heads: int, segment_ids=()):
   """The masked backward's operands, in custom-call order: key ids, query ids (padded to key
-  tiles / query blocks), block ranges per key tile, CTA order (longest first), and for
-  deterministic variants the ranks of each contribution in that order."""
+  tiles / query blocks), block ranges of the key tiles in launch order, the CTA launch order
+  (longest first), and for deterministic variants the ranks of each contribution in that
+  order."""
   s = variant.schedule
   tiling = backward_tiling(s.tile_m, s.tile_n, seq_q, seq_k, window_bounds(config))
   kv_ids, q_ids, ranges = _ranges_and_ids(segment_ids[::-1], tiling, batch, seq_k, seq_q,
                                           s.tile_n, s.tile_m)
   order = longest_first(ranges, _section_blocks(num_heads, variant.head_dim + variant.head_dim_v,
                                                 s.tile_m))
-  operands = (kv_ids, q_ids, ranges, order)
+  operands = (kv_ids, q_ids, in_launch_order(ranges, order), order)
   if variant.deterministic:
     operands += (_ranks_operand(ranges, order, -(-seq_q // s.tile_m)),)
   return operands

@@ -141,6 +141,48 @@ def test_orders_and_ranks():
       assert ranks[b, t, m] == sum(visits[u][m] for u in earlier), (b, t, m)
 
 
+def test_ranges_in_launch_order_follow_the_order_within_each_batch():
+  """The kernels read a tile's block range at its own entry of the launch order: entry
+  b * tiles + k holds the range of tile order[b * tiles + k], which lies in batch b (the order
+  keeps each batch's tiles together); NumPy and jax agree."""
+  rng = np.random.default_rng(2)
+  start = rng.integers(0, 12, (3, 40))
+  ranges = np.stack([start, start + rng.integers(0, 4, (3, 40)), start,
+                     start + rng.integers(0, 2, (3, 40))], axis=-1).astype(np.int32)
+  for section in (1, 3, 64):
+    order = block_ranges.longest_first(ranges, section)
+    launched = block_ranges.in_launch_order(ranges, order)
+    on_device = block_ranges.in_launch_order(jax.numpy.asarray(ranges), jax.numpy.asarray(order))
+    assert isinstance(launched, np.ndarray) and launched.shape == ranges.shape
+    np.testing.assert_array_equal(launched, np.asarray(on_device))
+    for entry, tile in enumerate(order):
+      b, k = divmod(entry, 40)
+      assert tile // 40 == b, (section, entry, tile)
+      np.testing.assert_array_equal(launched[b, k], ranges[b, tile % 40])
+
+
+def test_operand_ranges_stand_in_launch_order():
+  """forward_operands / backward_operands pass each tile's block range at the tile's entry of the
+  launch order they pass (packed documents: an order that is no identity)."""
+  cfg = AttentionConfig(softmax_scale=1.0, causal=True, has_segment_ids=True)
+  ids = jax.numpy.asarray(np.repeat(np.arange(4), [100, 700, 250, 950])[None].repeat(2, 0),
+                          jax.numpy.int32)
+  for direction, operands, tiling in (
+      ("fwd", block_ranges.forward_operands, block_ranges.forward_tiling),
+      ("bwd", block_ranges.backward_operands, block_ranges.backward_tiling)):
+    variant = config.KernelVariant.for_call(direction, "sm90a", "bfloat16", 128, 128, cfg)
+    s = variant.schedule
+    ranges, order = (np.asarray(x) for x in operands(variant, cfg, 2, 2000, 2000, 2,
+                                                     (ids, ids))[2:4])
+    tiles = ranges.shape[1]
+    by_tile = np.asarray(block_ranges.block_ranges(ids, ids, tiling(
+        s.tile_m, s.tile_n, 2000, 2000, block_ranges.window_bounds(cfg))))
+    assert (order != np.arange(order.size)).any(), direction
+    for entry, tile in enumerate(order):
+      b, k = divmod(entry, tiles)
+      np.testing.assert_array_equal(ranges[b, k], by_tile[b, tile - b * tiles], direction)
+
+
 def test_orders_and_ranks_on_the_host_match_the_device_path():
   """longest_first and launch_ranks on NumPy ranges (trace-time constants) give the jax path's
   values, ties included: ranges with many equal lengths in several sections and batches."""

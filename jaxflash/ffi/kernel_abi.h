@@ -7,7 +7,7 @@
 
 #include <stdint.h>
 
-#define JAXFLASH_KERNEL_ABI_VERSION 11
+#define JAXFLASH_KERNEL_ABI_VERSION 12
 
 #ifdef __cplusplus
 extern "C" {
@@ -39,9 +39,11 @@ typedef struct {
 // rounded up:
 //   row_ids (batch, row_tiles * row_tile)    int32 segment ids of the rows, zero-padded
 //   col_ids (batch, col_blocks * col_tile)   int32 segment ids of the columns, zero-padded
-//   ranges  (batch, row_tiles, 4)            int32 per row tile: [start, end) of the column
-//           blocks it visits, and [full_lo, full_hi) within them that need no elementwise mask
-//   order   (batch * row_tiles)              int32 launch order: entry b * row_tiles + t
+//   order   (batch * row_tiles)              int32 launch order: each entry holds b * row_tiles + t
+//           (row tile t of batch b); batch b's tiles fill entries [b, b + 1) * row_tiles
+//   ranges  (batch, row_tiles, 4)            int32 per entry of the order (ranges[b, k] for
+//           entry b * row_tiles + k): [start, end) of the column blocks its tile visits, and
+//           [full_lo, full_hi) within them that need no elementwise mask
 //   ranks   (batch, row_tiles, col_blocks)   int32, deterministic backward only: how many key
 //           tiles add into a query block before this one (the fixed order), NULL otherwise
 // Query i then sees key j iff i' - window_left <= j <= i' + window_right (i' = i + seqlen_k -

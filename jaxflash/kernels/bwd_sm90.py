@@ -143,7 +143,7 @@ class FlashAttentionBackwardSm90:
   together: up to _DET_ROTATE_MAX_KEY_BLOCKS of them, else the ascending order.
   Masked variants (windows, segment ids; config.KernelVariant.masked) take per key block a
   range of query blocks [m_min, m_max) and a sub-range [full_lo, full_hi) that needs no
-  elementwise mask (jaxflash/block_ranges.py computes them on the device), the CTA order, the
+  elementwise mask (jaxflash/block_ranges.py; they stand in launch order), the CTA order, the
   query and key segment ids and the band as run-time operands; their deterministic order at a
   query block is the CTA launch order, each contribution's rank in it read from a table of the
   same module (launch_ranks), so a CTA waits only for CTAs launched before it.
@@ -288,7 +288,7 @@ class FlashAttentionBackwardSm90:
       mSem: cute.Tensor,  # (batch, num_heads, copies * seqlen_q_rounded / tile_m) int32, or None
       mQIds: cute.Tensor,  # masked: (batch, m blocks * tile_m) int32 query ids, or None
       mKIds: cute.Tensor,  # masked: (batch, n blocks * tile_n) int32 key ids, or None
-      mRanges: cute.Tensor,  # masked: (batch, n blocks, 4) int32 block ranges, or None
+      mRanges: cute.Tensor,  # masked: (batch, n blocks, 4) int32 block ranges in launch order
       mOrder: cute.Tensor,  # masked: (batch * n blocks,) int32 CTA order, or None
       mRanks: cute.Tensor,  # masked deterministic: (batch, n blocks, m blocks) int32, or None
       softmax_scale: Float32,
@@ -499,19 +499,26 @@ class FlashAttentionBackwardSm90:
     return kv, q, do
 
   @cute.jit
+  def _launch_entry(self, masking):
+    """Masked: (entry, kv head, batch, slot) of this CTA. Entry cta // kv heads of the CTA order
+    names (batch, key block), kv heads fastest; each batch's entries are consecutive, so batch
+    and slot (the entry's place in its batch's part, where its block range stands: the ranges
+    are in launch order) need no load."""
+    cta, _, _ = cute.arch.block_idx()
+    num_kv_heads = cute.arch.grid_dim()[0] // masking.order.shape[0]
+    entry = cta // num_kv_heads
+    num_n = masking.ranges.shape[1]
+    batch = entry // num_n
+    return entry, cta - entry * num_kv_heads, batch, entry - batch * num_n
+
+  @cute.jit
   def _work_coords(self, seqlen_q: Int32, seqlen_k: Int32, masking):
     """This CTA's key block, kv head and batch, and its query blocks [m_min, m_max), rotation."""
     if const_expr(self.masked):
-      # Entry cta // kv heads of the CTA order names (batch, key block); kv heads fastest.
-      cta, _, _ = cute.arch.block_idx()
-      num_kv_heads = cute.arch.grid_dim()[0] // masking.order.shape[0]
-      entry = cta // num_kv_heads
-      head_kv = cta - entry * num_kv_heads
-      num_n = masking.ranges.shape[1]
-      batch = masking.order[entry] // num_n
-      n_block = masking.order[entry] - batch * num_n
-      m_min = masking.ranges[0, n_block, batch]
-      m_max = masking.ranges[1, n_block, batch]
+      entry, head_kv, batch, slot = self._launch_entry(masking)
+      n_block = masking.order[entry] - batch * masking.ranges.shape[1]
+      m_min = masking.ranges[0, slot, batch]
+      m_max = masking.ranges[1, slot, batch]
       m_rot = None
     else:
       n_block, head_kv, batch = cute.arch.block_idx()
@@ -715,8 +722,9 @@ class FlashAttentionBackwardSm90:
     if const_expr(self.masked):
       # Query blocks [full_lo, full_hi) need no elementwise mask; the masked steps compare the
       # rows' query ids with the CTA's key ids.
-      full_lo = masking.ranges[2, n_block, batch]
-      full_hi = masking.ranges[3, n_block, batch]
+      _, _, _, slot = self._launch_entry(masking)
+      full_lo = masking.ranges[2, slot, batch]
+      full_hi = masking.ranges[3, slot, batch]
       segments = ((m_min, full_lo, True), (full_lo, full_hi, False), (full_hi, m_max, True))
       ids = (masking.query_ids[None, batch],
              cute.local_tile(masking.key_ids[None, batch], (self.tile_n,), (n_block,)),
@@ -899,10 +907,11 @@ class FlashAttentionBackwardSm90:
     for g in cutlass.range(group, unroll=1):
       if const_expr(self.masked):
         # [m_min, full_lo) and [full_hi, m_max) masked, [full_lo, full_hi) not.
-        m_min = masking.ranges[0, n_block, batch]
-        m_max = masking.ranges[1, n_block, batch]
-        full_lo = masking.ranges[2, n_block, batch]
-        full_hi = masking.ranges[3, n_block, batch]
+        _, _, _, slot = self._launch_entry(masking)
+        m_min = masking.ranges[0, slot, batch]
+        m_max = masking.ranges[1, slot, batch]
+        full_lo = masking.ranges[2, slot, batch]
+        full_hi = masking.ranges[3, slot, batch]
         segments = ((m_min, full_lo, True), (full_lo, full_hi, False), (full_hi, m_max, True))
       else:
         # The query block range, recomputed per head (cheap integer math on kernel

@@ -329,7 +329,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     vt_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
     tile = scheduler.first_tile()
     while tile < scheduler.total_tiles:
-      _, _, _, n_min, n_max = self._tile_and_key_blocks(scheduler, tile, None, seqlen_q,
+      _, _, _, n_min, n_max, _ = self._tile_and_key_blocks(scheduler, tile, None, seqlen_q,
                                                         seqlen_k)
       for _ in cutlass.range(n_max - n_min, unroll=1):
         pipeline_v.consumer_wait(v_state)

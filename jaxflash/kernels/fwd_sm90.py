@@ -68,7 +68,7 @@ class FlashAttentionForwardSm90:
   O is rescaled.
   Masked variants (windows, segment ids; config.KernelVariant.masked) take per query tile a
   range of key blocks [n_start, n_end) and a sub-range [full_lo, full_hi) that needs no
-  elementwise mask (jaxflash/block_ranges.py computes them on the device), the tile order
+  elementwise mask (jaxflash/block_ranges.py; they stand in launch order), the tile order
   (longest first), the query and key segment ids and the band as run-time operands. The
   producer copies each key block's ids into shared memory with its K tile; the blocks outside
   [full_lo, full_hi) are masked by band and ids (mask.apply_band_and_ids). They also take the
@@ -174,7 +174,7 @@ class FlashAttentionForwardSm90:
       mSink: cute.Tensor,  # (num_heads,) float32 learnable sink logits, read when has_sink
       mQIds: cute.Tensor,  # masked: (batch, m blocks * tile_m) int32 query segment ids, or None
       mKIds: cute.Tensor,  # masked: (batch, n blocks * tile_n) int32 key segment ids, or None
-      mRanges: cute.Tensor,  # masked: (batch, m blocks, 4) int32 block ranges, or None
+      mRanges: cute.Tensor,  # masked: (batch, m blocks, 4) int32 block ranges in launch order
       mOrder: cute.Tensor,  # masked: (batch * m blocks,) int32 tile order, or None
       softmax_scale: Float32,
       has_sink: Int32,  # 1: each row's softmax also runs over mSink[head]; 0: no sink
@@ -358,7 +358,7 @@ class FlashAttentionForwardSm90:
     row_shift = self._row_shift(seqlen_q)
     tile = scheduler.first_tile()
     while tile < scheduler.total_tiles:
-      m_block, head, batch, n_min, n_max = self._tile_and_key_blocks(
+      m_block, head, batch, n_min, n_max, _ = self._tile_and_key_blocks(
           scheduler, tile, masking, seqlen_q + row_shift, seqlen_k)
       # GQA/MQA: q heads [g * ratio, (g + 1) * ratio) share kv head g.
       head_kv = head // q_per_kv
@@ -438,20 +438,22 @@ class FlashAttentionForwardSm90:
   @cute.jit
   def _tile_and_key_blocks(self, scheduler, tile: Int32, masking, tiled_rows: Int32,
                            seqlen_k: Int32):
-    """(m_block, head, batch, n_min, n_max) of a tile: its key blocks are [n_min, n_max).
+    """(m_block, head, batch, n_min, n_max, slot) of a tile: its key blocks are [n_min, n_max).
     Dense variants: from the causal mask over the tiles' rows (tiled_rows: seqlen_q plus
-    _row_shift; n_min = 0, a trace-time constant); masked: from the call's block ranges and
-    tile order."""
+    _row_shift; n_min = 0, a trace-time constant; slot None); masked: from the call's tile
+    order and its block ranges, which stand in launch order (slot: the tile's entry there), so
+    both loads are issued together."""
+    slot = None
     if const_expr(self.masked):
-      m_block, head, batch = scheduler.decode_ordered(tile, masking.order)
-      n_min = masking.ranges[0, m_block, batch]
-      n_max = masking.ranges[1, m_block, batch]
+      m_block, head, batch, slot = scheduler.decode_ordered(tile, masking.order)
+      n_min = masking.ranges[0, slot, batch]
+      n_max = masking.ranges[1, slot, batch]
     else:
       m_block, head, batch = scheduler.decode(tile)
       n_min = 0
       n_max = mask.n_block_max(m_block, tiled_rows, seqlen_k, self.tile_m, self.tile_n,
                                self.causal)
-    return m_block, head, batch, n_min, n_max
+    return m_block, head, batch, n_min, n_max, slot
 
   @cute.jit
   def _load_key_block_data(self, masking, pipeline_k, kv_state, n_block: Int32, head_kv: Int32,
@@ -506,12 +508,12 @@ class FlashAttentionForwardSm90:
     tiled_rows = seqlen_q + self._row_shift(seqlen_q)
     tile = scheduler.first_tile()
     while tile < scheduler.total_tiles:
-      m_block, head, batch, n_min, n_max = self._tile_and_key_blocks(
+      m_block, head, batch, n_min, n_max, slot = self._tile_and_key_blocks(
           scheduler, tile, masking, tiled_rows, seqlen_k)
       if const_expr(self.masked):
         # Blocks [full_lo, full_hi) of [n_min, n_max) need no elementwise mask.
-        full_lo = masking.ranges[2, m_block, batch]
-        full_hi = masking.ranges[3, m_block, batch]
+        full_lo = masking.ranges[2, slot, batch]
+        full_hi = masking.ranges[3, slot, batch]
         for i in cutlass.range_constexpr(num_rows):
           row_ids[i] = masking.query_ids[m_block * self.tile_m + tScS_mn[i, 0][0], batch]
       else:

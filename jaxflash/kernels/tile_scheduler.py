@@ -111,14 +111,17 @@ class StaticTileScheduler:
 
   @cute.jit
   def decode_ordered(self, tile: Int32, order: cute.Tensor):
-    """(m_block, head, batch) of a tile index < total_tiles when a tile list sets the order
-    (masked variants, one CTA per tile): entry tile // num_heads of `order` holds
-    batch * num_m_blocks + m_block, and the heads of one entry are consecutive tiles."""
+    """(m_block, head, batch, slot) of a tile index < total_tiles when a tile list sets the
+    order (masked variants): entry tile // num_heads of `order` holds batch * num_m_blocks +
+    m_block, the heads of one entry are consecutive tiles, and each batch's num_m_blocks entries
+    are consecutive (batch = entry // num_m_blocks, known before the order is read). slot: the
+    entry's place in its batch's part of the order, where the block ranges stand in launch
+    order (jaxflash/block_ranges.py in_launch_order)."""
     entry = tile // self.num_heads
     head = tile - entry * self.num_heads
-    bm = order[entry]
-    batch = bm // self.num_m_blocks
-    return bm - batch * self.num_m_blocks, head, batch
+    batch = entry // self.num_m_blocks
+    slot = entry - batch * self.num_m_blocks
+    return order[entry] - batch * self.num_m_blocks, head, batch, slot
 
 
 @cute.jit
