@@ -12,6 +12,7 @@ import dataclasses
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass._mlir.dialects import arith
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,30 @@ def apply_mask_transposed(acc_t_mn: cute.Tensor, coord_mn: cute.Tensor, m_block:
         acc_t_mn[i, j] = -Float32.inf
 
 
+def _outside(offset: Int32, width: Int32) -> cutlass.Boolean:
+  """offset >= width as unsigned: outside [0, width) for a width >= 0, a negative offset
+  wrapping above any width; one unsigned ISETP. (The DSL compares Int32 and Uint32 values
+  signed, and its adds assume no signed overflow, so the compare is built here.)"""
+  return cutlass.Boolean(arith.cmpi(arith.CmpIPredicate.uge, Int32(offset).ir_value(),
+                                    Int32(width).ir_value()))
+
+
+@cute.jit
+def _single_id(ids: cute.Tensor, size: cutlass.Constexpr):
+  """(whether a block's `size` ids are all one value, that value), the same in every lane of
+  the warp: each lane compares 4 of them per 128 (16-byte loads: the block starts 16-byte
+  aligned, `size` is a multiple of 4) with the first and the warp votes."""
+  first = ids[0]
+  spread = Int32(0)
+  vals = cute.make_rmem_tensor(4, Int32)
+  for c in cutlass.range_constexpr((size + 127) // 128):
+    chunk = cutlass.min(cute.arch.lane_idx() + 32 * c, Int32(size // 4 - 1))
+    cute.autovec_copy(cute.local_tile(ids, (4,), (chunk,)), vals)
+    spread = spread | (vals[0] ^ first) | (vals[1] ^ first) | (vals[2] ^ first) | (
+        vals[3] ^ first)
+  return cute.arch.vote_all_sync(spread == 0), first
+
+
 @cute.jit
 def apply_band_and_ids(acc_s_mn: cute.Tensor, coord_mn: cute.Tensor, m_block: Int32,
                        n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
@@ -125,18 +150,34 @@ def apply_band_and_ids(acc_s_mn: cute.Tensor, coord_mn: cute.Tensor, m_block: In
   col_base = n_block * tile_n
   offset = seqlen_k - seqlen_q
   num_rows = cute.size(acc_s_mn, mode=[0])
+  # Row i sees columns [col_lo, col_lo + width) of the block: one unsigned compare per score
+  # (_outside), where two signed ones would test both ends.
   col_lo = cute.make_rmem_tensor(num_rows, Int32)
-  col_hi = cute.make_rmem_tensor(num_rows, Int32)
+  width = cute.make_rmem_tensor(num_rows, Int32)
   for i in cutlass.range_constexpr(num_rows):
     row = m_block * tile_m + coord_mn[i, 0][0] + offset - col_base
     col_lo[i] = row - window_left  # first visible column, relative to the block
-    col_hi[i] = cutlass.min(row + window_right + 1, seqlen_k - col_base)  # one past the last
-  for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
-    col = coord_mn[0, j][1]
-    col_id = col_ids[col]
+    col_hi = cutlass.min(row + window_right + 1, seqlen_k - col_base)  # one past the last
+    width[i] = cutlass.max(col_hi - col_lo[i], Int32(0))
+  num_cols = cute.size(acc_s_mn, mode=[1])
+  # A block of one id (every block of a call without segment ids, any block inside a document):
+  # the ids decide per row, a row of another id sees none of it.
+  one_id, block_id = _single_id(col_ids, tile_n)
+  if one_id:
     for i in cutlass.range_constexpr(num_rows):
-      if col < col_lo[i] or col >= col_hi[i] or col_id != row_ids[i]:
-        acc_s_mn[i, j] = -Float32.inf
+      if row_ids[i] != block_id:
+        width[i] = Int32(0)
+    for j in cutlass.range_constexpr(num_cols):
+      col = coord_mn[0, j][1]
+      for i in cutlass.range_constexpr(num_rows):
+        if _outside(col - col_lo[i], width[i]):
+          acc_s_mn[i, j] = -Float32.inf
+  else:
+    for j in cutlass.range_constexpr(num_cols):
+      col = coord_mn[0, j][1]
+      for i in cutlass.range_constexpr(num_rows):
+        if _outside(col - col_lo[i], width[i]) or col_ids[col] != row_ids[i]:
+          acc_s_mn[i, j] = -Float32.inf
 
 
 @cute.jit
@@ -154,13 +195,32 @@ def apply_band_and_ids_transposed(acc_t_mn: cute.Tensor, coord_mn: cute.Tensor,
   """
   row_base = n_block * tile_n
   offset = seqlen_k - seqlen_q
-  for j in cutlass.range_constexpr(cute.size(acc_t_mn, mode=[1])):
-    query = coord_mn[0, j][1]
-    aligned = m_block * tile_m + query + offset - row_base
-    key_lo = aligned - window_left  # first visible key, relative to the block
+  num_rows, num_cols = cute.size(acc_t_mn, mode=[0]), cute.size(acc_t_mn, mode=[1])
+  # Query j sees keys [key_lo, key_lo + width) of the block (one unsigned compare per score, as
+  # in apply_band_and_ids).
+  key_lo = cute.make_rmem_tensor(num_cols, Int32)
+  width = cute.make_rmem_tensor(num_cols, Int32)
+  for j in cutlass.range_constexpr(num_cols):
+    aligned = m_block * tile_m + coord_mn[0, j][1] + offset - row_base
+    key_lo[j] = aligned - window_left  # first visible key, relative to the block
     key_hi = cutlass.min(aligned + window_right + 1, seqlen_k - row_base)
-    query_id = col_ids[query]
-    for i in cutlass.range_constexpr(cute.size(acc_t_mn, mode=[0])):
-      key = coord_mn[i, 0][0]
-      if key < key_lo or key >= key_hi or row_ids[i] != query_id:
-        acc_t_mn[i, j] = -Float32.inf
+    width[j] = cutlass.max(key_hi - key_lo[j], Int32(0))
+  # A query block of one id: a key row of another id moves to the first key past seqlen_k,
+  # which no query sees.
+  one_id, block_id = _single_id(col_ids, tile_m)
+  if one_id:
+    keys = cute.make_rmem_tensor(num_rows, Int32)
+    for i in cutlass.range_constexpr(num_rows):
+      keys[i] = coord_mn[i, 0][0]
+      if row_ids[i] != block_id:
+        keys[i] = seqlen_k - row_base
+    for j in cutlass.range_constexpr(num_cols):
+      for i in cutlass.range_constexpr(num_rows):
+        if _outside(keys[i] - key_lo[j], width[j]):
+          acc_t_mn[i, j] = -Float32.inf
+  else:
+    for j in cutlass.range_constexpr(num_cols):
+      query_id = col_ids[coord_mn[0, j][1]]
+      for i in cutlass.range_constexpr(num_rows):
+        if _outside(coord_mn[i, 0][0] - key_lo[j], width[j]) or row_ids[i] != query_id:
+          acc_t_mn[i, j] = -Float32.inf
