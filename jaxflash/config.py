@@ -96,6 +96,17 @@ class AttentionConfig:
   def has_window(self) -> bool:
     return self.window_left is not None or self.window_right is not None
 
+  @property
+  def band(self) -> Optional[int]:
+    """The most keys one query sees under the window (left + right + 1, the causal mask folded
+    into the right side), or None where a side is unbounded."""
+    right = self.window_right
+    if self.causal:
+      right = 0 if right is None else min(right, 0)
+    if self.window_left is None or right is None:
+      return None
+    return max(self.window_left + right + 1, 0)
+
   def replace(self, **changes) -> "AttentionConfig":
     return dataclasses.replace(self, **changes)
 
@@ -265,6 +276,16 @@ CAUSAL_PERSISTENT_MAX_KEYS = 2048
 SHORT_DENSE_HEAD_DIMS = (128,)
 SHORT_DENSE_MAX_KEYS = 2048
 
+# Masked head_dim 64 forwards whose band (window_left + window_right + 1 keys, both sides
+# bounded: a static shape) is at most this wide run a variant of their own: 128 x 128 tiles as a
+# persistent list with two Q slots. A 128-row tile under a causal window of 128 visits 2 key
+# blocks, a 192-row tile about 3.5, so the wider tile computes 1.75x the scores per row; the
+# tiles are short, so the second Q slot hides the next tile's setup. gpt-oss's forward at 16k
+# (window 128 + sinks, 2026-12-05): 0.400 ms against 0.529 ms for 192 x 128, cuDNN's window
+# 0.446 ms (docs/kernels.md, "Forward tiles"; only the 129-key band was measured).
+NARROW_BAND_HEAD_DIMS = (64,)
+NARROW_BAND_MAX_KEYS = 256
+
 
 # Opt-in shared memory of a Hopper CTA (kernels/sm90_gemm.SMEM_CAPACITY).
 SMEM_BYTES = 227 * 1024
@@ -278,7 +299,7 @@ def _second_q_slot_fits(tile_m: int, tile_n: int, num_stages: int, head_dim: int
 
 
 def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = False,
-                 seq_k: Optional[int] = None) -> FwdSchedule:
+                 seq_k: Optional[int] = None, band: Optional[int] = None) -> FwdSchedule:
   """The forward schedule table (H200 measurements in docs/kernels.md, "Forward tiles").
 
   masked: the variant for windows, segment ids and softcap, causal or not (all run-time data);
@@ -287,14 +308,20 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = Fa
   seq_k: the call's keys per sequence (static), or None (a long call): dense calls without the
   causal mask at SHORT_DENSE_HEAD_DIMS up to SHORT_DENSE_MAX_KEYS keys take a schedule of their
   own.
+  band: the most keys one query sees under the call's window (static; None: a side is
+  unbounded): masked calls at NARROW_BAND_HEAD_DIMS up to NARROW_BAND_MAX_KEYS take a schedule
+  of their own.
   """
   short = (not causal and not masked and head_dim in SHORT_DENSE_HEAD_DIMS
            and seq_k is not None and seq_k <= SHORT_DENSE_MAX_KEYS)
+  narrow = (masked and head_dim in NARROW_BAND_HEAD_DIMS and band is not None
+            and band <= NARROW_BAND_MAX_KEYS)
   causal = causal or masked
   causal_persistent = causal and not masked and head_dim in CAUSAL_PERSISTENT_HEAD_DIMS
   if head_dim <= 64:
-    # 192 x 128, 3 consumer warpgroups (FA-4's tile): +11 % at 4k over 128 x 128.
-    tile_m, tile_n = 192, 128
+    # 192 x 128, 3 consumer warpgroups (FA-4's tile): +11 % at 4k over 128 x 128; narrow bands
+    # visit fewer key blocks per row on 128-row tiles.
+    tile_m, tile_n = (128, 128) if narrow else (192, 128)
   elif head_dim <= 96:
     # 128 x 128: FA-3/FA-4's 192-row tiles pass P through shared memory, ours keeps P in
     # registers; 128 x 160 and 128 x 176 were no faster.
@@ -309,7 +336,7 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = Fa
   else:
     # 128 x 80 (FA-4's; K + V stages fill 224 KiB): +4 % at 4k, +9 % at 16k over 128 x 64.
     tile_m, tile_n = 128, 80
-  persistent = not causal or causal_persistent
+  persistent = not causal or causal_persistent or narrow
   num_stages = 2  # a third stage never helped
   return FwdSchedule(
       tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
@@ -321,14 +348,14 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = Fa
       # keys), one CTA per tile (greedy dispatch) on long ones. Other head dims keep one CTA
       # per tile (at 256 a list measured 0.84x at 1k; 192 was not measured; docs/kernels.md,
       # "Forward tiles"). Masked variants launch one CTA per tile in the order of their block
-      # ranges.
+      # ranges, or, for narrow bands, walk that order as a static persistent list.
       persistent=persistent, lpt=causal and not masked,
       one_cta_above_keys=CAUSAL_PERSISTENT_MAX_KEYS if causal_persistent else 0,
       # Two Q slots (a persistent CTA loads the next tile's Q during the current tile) where the
       # tiles are short and a second slot fits: the causal lists and head_dim 96 (+7-25 % at
       # 1k). At head_dim 64 not causal two slots gained nothing at 1k and measured 0.95x at 4k
       # and 16k, so one slot there.
-      q_stages=2 if (causal_persistent or short or (not causal and head_dim == 96)) and (
+      q_stages=2 if (causal_persistent or short or narrow or (not causal and head_dim == 96)) and (
           _second_q_slot_fits(tile_m, tile_n, num_stages, head_dim, head_dim_v)) else 1,
       # O of head_dim_v > 128 is 128+ registers: its rescale runs under the Q K^T GEMM.
       rescale_o_before_pv=head_dim_v > 128)
@@ -421,7 +448,7 @@ class KernelVariant:
     masked = config.has_window or config.has_segment_ids or config.softcap is not None
     causal = config.causal and not masked
     if direction == "fwd":
-      schedule = fwd_schedule(head_dim, head_dim_v, causal, masked, seq_k)
+      schedule = fwd_schedule(head_dim, head_dim_v, causal, masked, seq_k, config.band)
     else:
       schedule = bwd_schedule(head_dim, head_dim_v, causal, deterministic, masked)
     return cls(direction=direction, arch=arch, dtype=dtype, head_dim=head_dim,
@@ -490,9 +517,11 @@ def shipped_variants(arch: str = "sm90a", direction: str = "fwd") -> list[Kernel
     return [decode_variant(dtype, d, dv, arch) for dtype in KERNEL_DTYPES
             for d, dv in KERNEL_HEAD_DIM_PAIRS["decode"]]
   out = []
-  # Dense (causal or not), then masked (windows, segment ids: causal at run time); forward
-  # variants of long calls, then those of short ones where they differ (fwd_schedule).
-  masks = ({"causal": False}, {"causal": True}, {"window_left": 0})
+  # Dense (causal or not), then masked (windows, segment ids: causal at run time), then masked
+  # with a narrow band where that differs; forward variants of long calls, then those of short
+  # ones where they differ (fwd_schedule).
+  masks = ({"causal": False}, {"causal": True}, {"window_left": 0},
+           {"window_left": NARROW_BAND_MAX_KEYS - 1, "window_right": 0})
   for dtype in KERNEL_DTYPES:
     for head_dim, head_dim_v in KERNEL_HEAD_DIM_PAIRS[direction]:
       for mask in masks:

@@ -15,10 +15,11 @@ from jaxflash import config
 FWD = config.shipped_variants("sm90a", "fwd")
 BWD = config.shipped_variants("sm90a", "bwd")
 DECODE = config.shipped_variants("sm90a", "decode")
-# Forward variants of short calls (fwd_schedule's seq_k), where they differ from the long ones.
-SHORT_FWD = [v for v in FWD if v.dtype != config.FP8_DTYPE and v.schedule != config.fwd_schedule(
+# Forward variants a call's static shape picks (fwd_schedule's seq_k: short dense calls; band:
+# narrow windows), where they differ from the others.
+SHAPED_FWD = [v for v in FWD if v.dtype != config.FP8_DTYPE and v.schedule != config.fwd_schedule(
     v.head_dim, v.head_dim_v, v.causal, v.masked)]
-DENSE_FWD = [v for v in FWD if not v.masked and v.dtype != config.FP8_DTYPE and v not in SHORT_FWD]
+DENSE_FWD = [v for v in FWD if not v.masked and v.dtype != config.FP8_DTYPE and v not in SHAPED_FWD]
 DENSE_BWD = [v for v in BWD if not v.masked]
 PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
 
@@ -46,12 +47,12 @@ def test_shipped_variants_cover_dtypes_head_dims_masks_and_determinism():
   assert all(v.key.endswith(f"-blk-{v.schedule.key}") == v.block_descales for v in fp8)
   assert not any(v.masked or v.schedule.persistent for v in fp8)
   assert all(v.key.startswith("fwd-sm90a-e4m3-") for v in fp8)
-  assert len(FWD) == 2 * len(PAIRS) * 3 + len(SHORT_FWD) + len(fp8)
+  assert len(FWD) == 2 * len(PAIRS) * 3 + len(SHAPED_FWD) + len(fp8)
   assert len(BWD) == 2 * len(PAIRS) * 3 * 2
   # The budget of the masked-attention and score-modifier work: at most 160 variants.
   assert len(FWD) + len(BWD) <= 160
   for variants, direction in ((FWD, "fwd"), (BWD, "bwd")):
-    variants = [v for v in variants if v.dtype != config.FP8_DTYPE and v not in SHORT_FWD]
+    variants = [v for v in variants if v.dtype != config.FP8_DTYPE and v not in SHAPED_FWD]
     combos = {(v.dtype, v.head_dim, v.head_dim_v, v.causal, v.masked, v.deterministic)
               for v in variants}
     assert len(combos) == len(variants)
@@ -107,9 +108,10 @@ def test_forward_schedule_table():
   q_stages = {pair: s.q_stages for pair, s in by_pair.items() if s.q_stages != 1}
   assert q_stages == {(64, 64, True): 2, (96, 96, False): 2, (96, 96, True): 2,
                       (128, 128, True): 2}
-  # Masked variants take the causal tiles, one CTA per tile in the order of their block ranges.
+  # Masked variants take the causal tiles, one CTA per tile in the order of their block ranges
+  # (narrow bands: test_narrow_band_masked_calls_at_head_dim_64_take_their_own_forward_variant).
   for v in FWD:
-    if v.masked:
+    if v.masked and v not in SHAPED_FWD:
       causal = config.fwd_schedule(v.head_dim, v.head_dim_v, True)
       assert v.schedule == dataclasses.replace(causal, lpt=False, persistent=False,
                                                one_cta_above_keys=0, q_stages=1)
@@ -367,7 +369,7 @@ def test_short_dense_calls_at_head_dim_128_take_their_own_forward_variant():
     at = lambda seq_k, **options: config.KernelVariant.for_call(
         "fwd", "sm90a", dtype, 128, 128, _cfg(**options), seq_k)
     short, long = at(limit), at(limit + 1)
-    assert at(1) == short and at(None) == long and SHORT_FWD.count(short) == 1
+    assert at(1) == short and at(None) == long and SHAPED_FWD.count(short) == 1
     assert short.key == f"fwd-sm90a-{short_name}-d128-dv128-m128n128s2"
     assert (short.schedule.q_stages, short.schedule.persistent) == (2, True)
     assert long.key == f"fwd-sm90a-{short_name}-d128-dv128-m128n176s2"
@@ -385,3 +387,41 @@ def test_short_dense_calls_at_head_dim_128_take_their_own_forward_variant():
       assert at(100) == at(None), (direction, head_dim)
   assert config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", 128, 128, _cfg(), 100) == (
       _bwd(128))
+
+
+def test_narrow_band_masked_calls_at_head_dim_64_take_their_own_forward_variant():
+  """Masked head_dim 64 forwards whose band (left + right + 1 keys, the causal mask folded into
+  the right side) is at most NARROW_BAND_MAX_KEYS run 128 x 128 tiles as a persistent list with
+  two Q slots; wider or unbounded bands, other head dims, dense calls and the backward do not
+  depend on the band."""
+  limit = config.NARROW_BAND_MAX_KEYS
+  assert _cfg(causal=True, window_left=128).band == 129
+  assert _cfg(window_left=-3, window_right=64).band == 62
+  assert _cfg(window_left=5, window_right=-9).band == 0
+  assert _cfg(causal=True, window_left=10, window_right=7).band == 11
+  for options in ({}, {"causal": True}, {"window_left": 8}, {"window_right": 8},
+                  {"has_segment_ids": True}, {"softcap": 5.0}):
+    assert _cfg(**options).band is None, options
+  for dtype, short_name in (("float16", "f16"), ("bfloat16", "bf16")):
+    at = lambda head_dim=64, direction="fwd", **options: config.KernelVariant.for_call(
+        direction, "sm90a", dtype, head_dim, head_dim, _cfg(**options))
+    narrow = at(causal=True, window_left=limit - 1)
+    wide = at(causal=True, window_left=limit)
+    assert narrow.key == f"fwd-sm90a-{short_name}-d64-dv64-masked-m128n128s2"
+    assert (narrow.schedule.persistent, narrow.schedule.q_stages, narrow.schedule.lpt) == (
+        True, 2, False)
+    assert wide.key == f"fwd-sm90a-{short_name}-d64-dv64-masked-m192n128s2"
+    assert narrow in FWD and wide in FWD and SHAPED_FWD.count(narrow) == 1
+    for options in ({"window_left": 100, "window_right": 20},
+                    {"window_left": 0, "window_right": 0, "has_segment_ids": True},
+                    {"causal": True, "window_left": 128, "softcap": 5.0}):
+      assert at(**options) == narrow, options
+    for options in ({"window_left": 128}, {"causal": True, "has_segment_ids": True},
+                    {"softcap": 5.0}, {"window_left": 200, "window_right": 100}):
+      assert at(**options) == wide, options
+    assert at(causal=True) != narrow and at() != narrow
+    for head_dim in (96, 128, 256):
+      assert at(head_dim, causal=True, window_left=128) == at(head_dim, window_left=0)
+    for deterministic in (False, True):
+      assert at(direction="bwd", causal=True, window_left=128, deterministic=deterministic) == (
+          at(direction="bwd", window_left=0, deterministic=deterministic))

@@ -503,7 +503,11 @@ MASK_CASES = {  # name -> ((batch, seq_q, seq_k, heads, kv_heads), options, segm
     "padding_causal_q300_k500": ((2, 300, 500, 4, 4), {"causal": True}, "padding"),
     "arbitrary_shifted_window": ((2, 257, 300, 4, 2), {"window_size": (-3, 64)}, "arbitrary"),
     "s1": ((3, 1, 1, 4, 4), {"window_size": (0, 0)}, None),
+    # A band of 129 keys: head_dim 64 runs the narrow-band variant (config.NARROW_BAND_MAX_KEYS).
+    "packed_causal_window_128_gqa8": ((2, 1000, 1000, 8, 1),
+                                      {"causal": True, "window_size": (128, None)}, "packed"),
 }
+NARROW_CASE = "packed_causal_window_128_gqa8"
 
 
 def _segment_ids(kind, batch, seq_q, seq_k, seed):
@@ -552,11 +556,22 @@ def _rotated(variants, per_variant):
           for j in range(per_variant)]
 
 
-_MASK_FWD_CASES = _rotated(MASKED, 2)
+def _with_narrow_case(pairs):
+  """`pairs` plus the narrow-band case on each forward variant that only a narrow band picks
+  (the rotation gives it other cases too: the kernel takes any mask at run time)."""
+  narrow = [v for v in MASKED if v.schedule != config.fwd_schedule(
+      v.head_dim, v.head_dim_v, v.causal, v.masked)]
+  assert narrow, "no forward variant of narrow bands ships"
+  return pairs + [(v, NARROW_CASE) for v in narrow if (v, NARROW_CASE) not in pairs]
+
+
+_MASK_FWD_CASES = _with_narrow_case(_rotated(MASKED, 2))
 
 
 def _masked_fwd_case(variant, case, seed_text, q_scale=1.0, softcap=None):
-  """Inputs of one masked forward case: (q, k, v, segment ids, cfg); cfg picks `variant`."""
+  """Inputs of one masked forward case: (q, k, v, segment ids, cfg). The raw calls run `variant`
+  whatever the mask (it is run-time data); the public path runs the variant cfg picks
+  (_check_public_path)."""
   (b, seq_q, seq_k, h, h_kv), options, kind = MASK_CASES[case]
   seed = zlib.crc32(seed_text.encode())
   dtype = jnp.dtype(variant.dtype)
@@ -565,13 +580,12 @@ def _masked_fwd_case(variant, case, seed_text, q_scale=1.0, softcap=None):
   q = (q.astype(jnp.float32) * q_scale).astype(dtype)
   segment_ids = _segment_ids(kind, b, seq_q, seq_k, seed)
   cfg = _mask_config(variant, options, segment_ids).replace(softcap=softcap)
-  assert KernelVariant.for_call("fwd", "sm90a", variant.dtype, variant.head_dim,
-                                variant.head_dim_v, cfg) == variant
   return q, k, v, segment_ids, cfg
 
 
 def _check_poisoned_masked_fwd(q, k, v, variant, cfg, segment_ids):
-  """The kernel's raw (out, lse) into NaN-poisoned buffers against the float64 oracle."""
+  """The kernel's raw (out, lse) into NaN-poisoned buffers against the float64 oracle; returns
+  them and the oracle ((want out, lse), (naive out, lse))."""
   passed = () if segment_ids[0] is None else segment_ids
   raw_out, raw_lse = poisoned_fwd(q, k, v, variant, cfg, passed)
   (want_out, want_lse), (naive_out, naive_lse) = _oracle(q, k, v, cfg, segment_ids)
@@ -579,7 +593,12 @@ def _check_poisoned_masked_fwd(q, k, v, variant, cfg, segment_ids):
   assert_close_to_oracle(raw_lse, want_lse, naive_lse, name="lse")
   empty = np.isinf(want_lse)  # rows that see no key: exactly zero
   assert not np.asarray(raw_out, np.float32)[np.moveaxis(empty, 1, 2)].any()
-  return raw_out, raw_lse
+  return (raw_out, raw_lse), ((want_out, want_lse), (naive_out, naive_lse))
+
+
+def _public_runs(variant, cfg, seq_k):
+  return KernelVariant.for_call("fwd", "sm90a", variant.dtype, variant.head_dim,
+                                variant.head_dim_v, cfg, seq_k)
 
 
 @pytest.mark.parametrize("variant,case", _MASK_FWD_CASES,
@@ -587,11 +606,9 @@ def _check_poisoned_masked_fwd(q, k, v, variant, cfg, segment_ids):
 def test_masked_forward_matches_float64_oracle(variant, case):
   q, k, v, segment_ids, cfg = _masked_fwd_case(variant, case, f"{variant.key}{case}")
   attend = jax.jit(_attend(cfg, segment_ids))
-  assert variant.key in attend.lower(q, k, v).as_text()
-  out, lse = attend(q, k, v)
-  raw_out, raw_lse = _check_poisoned_masked_fwd(q, k, v, variant, cfg, segment_ids)
-  np.testing.assert_array_equal(out, raw_out)
-  np.testing.assert_array_equal(lse, raw_lse)
+  assert _public_runs(variant, cfg, k.shape[1]).key in attend.lower(q, k, v).as_text()
+  raw, oracle = _check_poisoned_masked_fwd(q, k, v, variant, cfg, segment_ids)
+  _check_public_path(attend(q, k, v), raw, variant, cfg, k.shape[1], oracle)
 
 
 def _masked_grads(w_out, w_lse, cfg):
@@ -755,12 +772,9 @@ def test_masked_forward_soft_caps_saturated_scores(variant, case):
                      np.asarray(k[0, :, 0], np.float32)) * cfg.softmax_scale
   if scores.size >= 64:  # (a one-token case has one score)
     assert np.mean(np.abs(scores) > 2 * SOFTCAP) > 0.1, "the test must reach the saturated range"
-  raw_out, _ = _check_poisoned_masked_fwd(q, k, v, variant, cfg, segment_ids)
-  out = jax.jit(lambda q, k, v: jaxflash.attention(
-      q, k, v, causal=cfg.causal, window_size=(cfg.window_left, cfg.window_right),
-      softcap=SOFTCAP, q_segment_ids=segment_ids[0], kv_segment_ids=segment_ids[1],
-      implementation="cute"))(q, k, v)
-  np.testing.assert_array_equal(out, raw_out)
+  raw, oracle = _check_poisoned_masked_fwd(q, k, v, variant, cfg, segment_ids)
+  _check_public_path(jax.jit(_attend(cfg, segment_ids))(q, k, v), raw, variant, cfg,
+                     k.shape[1], oracle)
 
 
 _SOFTCAP_BWD_CASES = _rotated(MASKED_BWD, 1)

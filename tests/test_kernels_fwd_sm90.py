@@ -174,8 +174,11 @@ def test_can_implement_is_kernel_support():
                          ids=lambda v: v.key)
 def test_masked_forward_copies_key_ids_with_each_k_stage(exported, variant):
   """Masked variants: each K stage also carries its key block's segment ids (a bulk copy,
-  UBLKCP.S.G, on the K stage's barrier); the dense variants copy none."""
-  assert not variant.causal and not variant.schedule.persistent
+  UBLKCP.S.G, on the K stage's barrier); the dense variants copy none. Only the narrow-band
+  variant walks its tiles as a persistent list."""
+  narrow = variant.schedule != config.fwd_schedule(variant.head_dim, variant.head_dim_v, False,
+                                                   True)
+  assert not variant.causal and variant.schedule.persistent == narrow
   assert "UBLKCP.S.G" in exported(variant).ops(modifiers=True)
   dense = next(v for v in VARIANTS if not v.masked and v.causal and v.dtype == variant.dtype
                and (v.head_dim, v.head_dim_v) == (variant.head_dim, variant.head_dim_v))
