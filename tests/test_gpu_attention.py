@@ -117,12 +117,18 @@ def _registered():
       ffi.ensure_variant(variant)  # fails with the build command if the cache lacks one
 
 
+def _public_runs(variant, cfg, seq_k):
+  """The forward variant jaxflash.attention runs for `cfg` over seq_k keys, in `variant`'s dtype
+  and head dims."""
+  return KernelVariant.for_call("fwd", "sm90a", variant.dtype, variant.head_dim,
+                                variant.head_dim_v, cfg, seq_k)
+
+
 def _check_public_path(public, raw, variant, cfg, seq_k, oracle):
   """jaxflash.attention's (out, lse) against the raw call of `variant`: bitwise where the public
   path runs that variant (same kernel, same attributes); where config.fwd_schedule picks
-  another variant of these head dims at this length, against the oracle ((want, naive))."""
-  runs = KernelVariant.for_call("fwd", "sm90a", variant.dtype, variant.head_dim,
-                                variant.head_dim_v, cfg, seq_k)
+  another variant of these head dims for this call, against the oracle ((want, naive))."""
+  runs = _public_runs(variant, cfg, seq_k)
   for name, got, raw_x, want, naive in zip(("out", "lse"), public, raw, *oracle):
     if runs == variant:
       np.testing.assert_array_equal(got, raw_x)
@@ -594,11 +600,6 @@ def _check_poisoned_masked_fwd(q, k, v, variant, cfg, segment_ids):
   empty = np.isinf(want_lse)  # rows that see no key: exactly zero
   assert not np.asarray(raw_out, np.float32)[np.moveaxis(empty, 1, 2)].any()
   return (raw_out, raw_lse), ((want_out, want_lse), (naive_out, naive_lse))
-
-
-def _public_runs(variant, cfg, seq_k):
-  return KernelVariant.for_call("fwd", "sm90a", variant.dtype, variant.head_dim,
-                                variant.head_dim_v, cfg, seq_k)
 
 
 @pytest.mark.parametrize("variant,case", _MASK_FWD_CASES,
