@@ -304,7 +304,7 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = Fa
 
   masked: the variant for windows, segment ids and softcap, causal or not (all run-time data);
   it takes the causal tiles and launches its tiles in the longest-first order the call's block
-  ranges give (jaxflash/block_ranges.py), one CTA each.
+  ranges give (jaxflash/block_ranges.py), one CTA each (narrow bands: a persistent list).
   seq_k: the call's keys per sequence (static), or None (a long call): dense calls without the
   causal mask at SHORT_DENSE_HEAD_DIMS up to SHORT_DENSE_MAX_KEYS keys take a schedule of their
   own.
