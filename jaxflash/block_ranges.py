@@ -26,11 +26,8 @@ from jaxflash.config import L2_BYTES_FOR_REUSE, AttentionConfig, KernelVariant
 def window_bounds(config: AttentionConfig) -> tuple[int, int]:
   """(left, right) of the call's band, causal folded in: query i sees keys j with
   i' - left <= j <= i' + right, i' = i + seq_k - seq_q; UNBOUNDED where a side has no bound."""
-  left = UNBOUNDED if config.window_left is None else config.window_left
-  right = UNBOUNDED if config.window_right is None else config.window_right
-  if config.causal:
-    right = min(right, 0)
-  return max(min(left, UNBOUNDED), -UNBOUNDED), max(min(right, UNBOUNDED), -UNBOUNDED)
+  return tuple(UNBOUNDED if side is None else max(min(side, UNBOUNDED), -UNBOUNDED)
+               for side in config.window_sides)
 
 
 @dataclasses.dataclass(frozen=True)

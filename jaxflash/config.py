@@ -97,15 +97,23 @@ class AttentionConfig:
     return self.window_left is not None or self.window_right is not None
 
   @property
-  def band(self) -> Optional[int]:
-    """The most keys one query sees under the window (left + right + 1, the causal mask folded
-    into the right side), or None where a side is unbounded."""
+  def window_sides(self) -> tuple[Optional[int], Optional[int]]:
+    """(left, right) of the band, the causal mask folded into the right side (right <= 0):
+    query i sees keys j with i' - left <= j <= i' + right, i' = i + seq_k - seq_q; None where a
+    side is unbounded."""
     right = self.window_right
     if self.causal:
       right = 0 if right is None else min(right, 0)
-    if self.window_left is None or right is None:
+    return self.window_left, right
+
+  @property
+  def band(self) -> Optional[int]:
+    """The most keys one query sees under the window (left + right + 1 of window_sides), or None
+    where a side is unbounded."""
+    left, right = self.window_sides
+    if left is None or right is None:
       return None
-    return max(self.window_left + right + 1, 0)
+    return max(left + right + 1, 0)
 
   def replace(self, **changes) -> "AttentionConfig":
     return dataclasses.replace(self, **changes)

@@ -95,9 +95,7 @@ def kernel_forward(cfg: config.AttentionConfig, query, k_cache, v_cache, lengths
     tile_n = variant.schedule.tile_n
     num_splits = choose_num_splits(tiles, -(-capacity // tile_n), num_sms(),
                                    MAX_SPLIT_KEYS // tile_n)
-  right = cfg.window_right  # causal: no key right of a query's position
-  if cfg.causal:
-    right = 0 if right is None else min(right, 0)
+  right = cfg.window_sides[1]  # causal: no key right of a query's position
   if sink is not None:  # query head kv * group + j's sink at [kv, j]
     sink = jnp.asarray(sink, jnp.float32).reshape(hk, h // hk)
   out, lse = decode_kernel.decode_attention(
