@@ -673,12 +673,14 @@ class FlashAttentionForwardSm90:
     """S(n_block) = Q K^T (K slot kv_state) and O += P V of the previous block (V slot v_state)
     in flight together; the softmax of n_block runs while the PV GEMM is still going.
 
-    SASS (ptxas 13): ptxas places the WARPGROUP.DEPBAR of the wait_group(0) below after the
-    block's exps at every shipped 16-bit tile but hdim 128's 128 x 176, where it lands after the
-    first two (the other warpgroup's GEMMs still hide that softmax: ping-pong); in the FP8
-    kernel, above all of them (keeping them above it measured no faster: docs/kernels.md,
-    "Experiments that lost"). Predicating the wait made ptxas serialise every WGMMA; two P
-    buffers (no wait here at all) spilled at 240 registers.
+    SASS (ptxas 13, the shipped 16-bit tiles): ptxas places the WARPGROUP.DEPBAR of the
+    wait_group(0) below after 50-55 of the block's exps (64 per thread) at the 128 x 128 tiles
+    and at hdim 64's 192 x 128 without causal or mask, after all of them at 128 x 112 and
+    128 x 80, and above all of them (after only the rows' scale exps) at hdim 128's 128 x 176
+    and at hdim 64's 192 x 128 with causal or mask (the other warpgroups' GEMMs still hide that
+    softmax: ping-pong); in the FP8 kernel, above all of them (keeping them above it measured no
+    faster: docs/kernels.md, "Experiments that lost"). Predicating the wait made ptxas serialise
+    every WGMMA; two P buffers (no wait here at all) spilled at 240 registers.
     """
     pipeline_k, pipeline_v = c.pipeline_k, c.pipeline_v
     acc_s = self._new_acc_s(c)
