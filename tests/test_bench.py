@@ -45,13 +45,40 @@ def test_masked_benchmark_counts_the_pairs_its_masks_keep(masked):
 
 def test_masked_benchmark_cases_pass_their_ids_as_arguments(masked):
   """Segment ids are run-time data of every timed call (so the block-range preparation is
-  timed, not folded away by XLA), and the cases are the ones the CLI accepts."""
+  timed, as in a training step), and the cases are the ones the CLI accepts."""
   cases = masked.cases()
   assert set(cases) == set(masked.CASES)
   for name in ("packed8", "packed11", "padded"):
     q_ids, kv_ids = cases[name].data[:2]
     assert q_ids.shape == kv_ids.shape == cases[name].shape and q_ids.dtype == "int32"
-  assert masked.prep_ms(*cases["packed8"].data[:2]).keys() == {"prep fwd", "prep bwd"}
+
+
+def test_prep_timing_runs_a_chain_of_whole_preparations(masked):
+  """`--prep` divides the time of a chain of PREP_CHAIN preparations by its length: each link
+  must stay a preparation of its own in the compiled program (its own tile-order sort, neither
+  merged with the others nor hoisted), and the chain must compute one call's operands."""
+  import re
+
+  import numpy as np
+
+  from jaxflash import block_ranges
+  from jaxflash.config import AttentionConfig, KernelVariant
+  q_ids, kv_ids = masked.cases()["packed11"].data[:2]
+  (b, s) = q_ids.shape
+  config = AttentionConfig(softmax_scale=masked.HEAD_DIM ** -0.5, causal=True,
+                           has_segment_ids=True)
+  for direction, operands in (("fwd", block_ranges.forward_operands),
+                              ("bwd", block_ranges.backward_operands)):
+    chain = masked.prep_chain(direction, b, s)
+    compiled = chain.lower(q_ids, kv_ids).compile().as_text()
+    assert len(re.findall(r"\bsort\(", compiled)) == masked.PREP_CHAIN
+    variant = KernelVariant.for_call(direction, "sm90a", "bfloat16", masked.HEAD_DIM,
+                                     masked.HEAD_DIM, config)
+    want = operands(variant, config, b, s, s, masked.HEADS, (q_ids, kv_ids))
+    got = chain(q_ids, kv_ids)
+    assert len(got) == len(want) == 4
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(g, w)
 
 
 def test_modifier_benchmark_columns_are_the_calls_they_name():
