@@ -5,6 +5,7 @@ Import only after pytest.importorskip("cutlass"): the exporter needs the DSL.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import pathlib
 import re
@@ -105,3 +106,19 @@ def pingpong_turns(sass: str) -> list[str]:
   """The ping-pong GEMM turns: each consumer warpgroup waits on named barrier 2 + w and hands
   the turn on with an arrive (256 threads); empty when the warpgroups issue freely."""
   return re.findall(r"BAR\.(SYNC\S*|ARV) (?:R\d+|0x[23]), 0x100", sass)
+
+
+class _VariantInfo(ctypes.Structure):
+  """kernel_abi.h's JaxflashVariantInfo."""
+  _fields_ = [(name, ctypes.c_int32) for name in (
+      "direction", "dtype", "head_dim", "head_dim_v", "causal", "deterministic", "tile_m",
+      "max_dq_copies", "masked", "tile_n")]
+
+
+def library_info(path):
+  """(ctypes library, JaxflashVariantInfo as a dict) of a linked variant library."""
+  lib = ctypes.CDLL(str(path))
+  lib.jaxflash_variant_info.restype = ctypes.POINTER(_VariantInfo)
+  lib.jaxflash_variant_key.restype = ctypes.c_char_p
+  info = lib.jaxflash_variant_info().contents
+  return lib, {name: getattr(info, name) for name, _ in _VariantInfo._fields_}

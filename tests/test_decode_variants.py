@@ -77,12 +77,6 @@ def test_decode_variant_holds_the_split_kernel_and_the_merge_without_spills(expo
   assert not {"LDS", "STS", "BAR"} & set(parts["combine"])
 
 
-class _Info(ctypes.Structure):
-  _fields_ = [(name, ctypes.c_int32) for name in (
-      "direction", "dtype", "head_dim", "head_dim_v", "causal", "deterministic", "tile_m",
-      "max_dq_copies", "masked", "tile_n")]
-
-
 class _DecodeArgs(ctypes.Structure):
   """kernel_abi.h's JaxflashDecodeArgs."""
   _fields_ = ([(name, ctypes.c_void_p) for name in (
@@ -100,14 +94,11 @@ def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(export
   lib_path = tmp_path / "decode.so"
   build.link_variant(exported(variant).exp, variant, lib_path)
   assert build.exported_symbols(lib_path) == set(build.variant_abi_symbols("decode"))
-  lib = ctypes.CDLL(str(lib_path))
-  lib.jaxflash_variant_info.restype = ctypes.POINTER(_Info)
-  lib.jaxflash_variant_key.restype = ctypes.c_char_p
+  lib, info = _sass.library_info(lib_path)
   lib.jaxflash_variant_decode.argtypes = [ctypes.POINTER(_DecodeArgs), ctypes.c_void_p]
-  info = lib.jaxflash_variant_info().contents
   assert lib.jaxflash_variant_key().decode() == variant.key
   assert lib.jaxflash_variant_abi_version() == _sass.abi_version()
-  assert {name: getattr(info, name) for name, _ in _Info._fields_} == dict(
+  assert info == dict(
       direction=2, dtype=1, head_dim=128, head_dim_v=128, causal=0, deterministic=0, tile_m=64,
       max_dq_copies=1, masked=0, tile_n=variant.schedule.tile_n)
 

@@ -21,7 +21,6 @@ from jaxflash.kernels import bwd_common, sm90_gemm  # noqa: E402
 from jaxflash.kernels import compile as kernel_compile  # noqa: E402
 from jaxflash.kernels.bwd_sm90 import FlashAttentionBackwardSm90  # noqa: E402
 from tests import _sass  # noqa: E402
-from tests.test_kernels_fwd_sm90 import library_info  # noqa: E402
 
 pytestmark = pytest.mark.cutlass
 
@@ -165,7 +164,7 @@ def test_linked_library_exports_the_bwd_abi_and_describes_its_variant(exported, 
   lib_path = tmp_path / "bwd.so"
   build.link_variant(exported(variant).exp, variant, lib_path)
   assert build.exported_symbols(lib_path) == set(build.variant_abi_symbols("bwd"))
-  lib, info = library_info(lib_path)
+  lib, info = _sass.library_info(lib_path)
   assert lib.jaxflash_variant_key().decode() == variant.key
   assert lib.jaxflash_variant_abi_version() == _sass.abi_version()
   assert info == dict(direction=1, dtype=1, head_dim=192, head_dim_v=128, causal=1,

@@ -5,7 +5,6 @@ TMA, no local-memory spills, the overlap and rescale branches the schedule relie
 instruction counts. Needs nvidia-cutlass-dsl (marker `cutlass`, skipped elsewhere).
 """
 
-import ctypes
 import dataclasses
 import re
 
@@ -118,21 +117,6 @@ def test_header_declares_wrapper_and_tensor_structs(exported, variant):
   assert re.search(r"_Tensor_mSink_t \*mSink, .*float softmax_scale, int32_t has_sink", wrapper)
 
 
-class _Info(ctypes.Structure):
-  _fields_ = [(name, ctypes.c_int32) for name in (
-      "direction", "dtype", "head_dim", "head_dim_v", "causal", "deterministic", "tile_m",
-      "max_dq_copies", "masked", "tile_n")]
-
-
-def library_info(path):
-  """(ctypes library, JaxflashVariantInfo as a dict) of a linked variant library."""
-  lib = ctypes.CDLL(str(path))
-  lib.jaxflash_variant_info.restype = ctypes.POINTER(_Info)
-  lib.jaxflash_variant_key.restype = ctypes.c_char_p
-  info = lib.jaxflash_variant_info().contents
-  return lib, {name: getattr(info, name) for name, _ in _Info._fields_}
-
-
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "masked"])
 def test_linked_library_exports_the_kernel_abi_and_describes_its_variant(exported, tmp_path,
                                                                          masked):
@@ -142,7 +126,7 @@ def test_linked_library_exports_the_kernel_abi_and_describes_its_variant(exporte
   build.link_variant(exported(variant).exp, variant, lib_path)
   assert build.exported_symbols(lib_path) == set(build.variant_abi_symbols("fwd"))
   # Key, version, info and argument validation need no GPU.
-  lib, info = library_info(lib_path)
+  lib, info = _sass.library_info(lib_path)
   assert lib.jaxflash_variant_key().decode() == variant.key
   assert lib.jaxflash_variant_abi_version() == _sass.abi_version()
   assert info == dict(direction=0, dtype=1, head_dim=128, head_dim_v=128, causal=int(not masked),
