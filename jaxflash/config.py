@@ -247,8 +247,9 @@ def fp8_descale_chunks(length: int, tile: int) -> int:
 
 
 def fp8_fwd_schedule(head_dim: int, causal: bool, block_descales: bool = False) -> FwdSchedule:
-  """The FP8 forward's schedule: one CTA per tile (its softmax state is set up per tile), ping-pong
-  consumer warpgroups except at head_dim 128. head_dim 64: 192 x 128 (three warpgroups share
+  """The FP8 forward's schedule: a persistent tile list where the call is not causal, the
+  descales are per head and O has a buffer of its own (head_dim 64 and 128), else one CTA per
+  tile; ping-pong consumer warpgroups except at head_dim 128. head_dim 64: 192 x 128 (three warpgroups share
   the MUFU-bound softmax); 128: 128 x 224 (FA-3's FP8 tile; 1.02-1.09x 128 x 192 causal at
   seq 4k and 16k, 0.98-1.06x not causal), the two warpgroups issuing freely (0.99-1.05x
   ping-pong), and 128 x 192 with block descales, whose chunks of 64 keys must tile a key
@@ -258,8 +259,10 @@ def fp8_fwd_schedule(head_dim: int, causal: bool, block_descales: bool = False) 
   docs/kernels.md, "FP8 forward")."""
   tile_n = {64: 128, 128: 192 if block_descales else 224}.get(head_dim, 128)
   return FwdSchedule(tile_m=192 if head_dim <= 64 else 128, tile_n=tile_n, num_stages=2,
-                     pingpong=head_dim != 128, persistent=False, lpt=causal,
-                     rescale_o_before_pv=False, fma_exp2_per_8=2 if head_dim <= 64 else 0)
+                     pingpong=head_dim != 128,
+                     persistent=not causal and not block_descales and head_dim <= 128,
+                     lpt=causal, rescale_o_before_pv=False,
+                     fma_exp2_per_8=2 if head_dim <= 64 else 0)
 
 
 def fp8_fwd_variant(head_dim: int, causal: bool, arch: str = "sm90a",

@@ -34,6 +34,8 @@ SHAPES = {  # name -> (batch, seq_q, seq_k, heads, kv_heads)
     "q200_k300_mqa": (1, 200, 300, 4, 1),
     "s4097": (1, 4097, 4097, 2, 2),
     "q1000_k17": (1, 1000, 17, 4, 4),  # causal: the first 983 rows see no key
+    # More tiles than SMs: a persistent variant's CTAs run several, each with its own descales.
+    "tiles_gqa4": (3, 1100, 1100, 8, 2),
 }
 
 
@@ -45,9 +47,9 @@ def _registered():
 
 def _inputs(seed, shape, head_dim, block_size=None):
   """Fresh bf16 inputs quantized per (batch, kv head), or per block with block descales that
-  differ: each block of 64 tokens of a head is scaled by 2^u, u uniform in [-1, 0] for the
-  query and [-1, 1] for key and value (value ratios down to 1/4), so the scores stay within
-  twice those of N(0, 1) inputs."""
+  differ: each (batch, head), or each block of 64 tokens of a head, is scaled by 2^u, u uniform
+  in [-1, 0] for the query and [-1, 1] for key and value (value ratios down to 1/4), so the
+  scores stay within twice those of N(0, 1) inputs and every tile has descales of its own."""
   b, seq_q, seq_k, h, hk = shape
   rng = np.random.default_rng(seed)
 
@@ -56,6 +58,8 @@ def _inputs(seed, shape, head_dim, block_size=None):
     if block_size is not None:
       x = x * np.repeat(np.exp2(rng.uniform(low, high, (b, -(-seq // 64), heads, 1))), 64,
                         axis=1)[:, :seq]
+    else:
+      x = x * np.exp2(rng.uniform(low, high, (b, 1, heads, 1)))
     return jnp.asarray(x, jnp.bfloat16)
 
   # With blocks the value is quantized per block of its own too: P carries the ratios.

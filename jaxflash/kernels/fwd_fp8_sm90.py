@@ -106,7 +106,10 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     consumers' P V GEMM reads. V ring: TMA -> transposers; V^T ring: transposers -> consumers.
   - O = P V * v max / row sum, stored as bf16 or fp16 (out_float16, run time) through a shared
     buffer: its own, or the V ring's bytes where that would not fit (o_over_v_ring).
-  One CTA per tile (the softmax state is set up per tile): dense, causal or not, GQA/MQA.
+  Dense, causal or not, GQA/MQA. Not causal with per-head descales and O in a buffer of its own
+  (head_dim 64 and 128): a persistent tile list, the softmax's scale set per tile and Q released
+  to the next tile's load once every warpgroup is past its last Q K^T; otherwise one CTA per
+  tile.
   """
 
   def __init__(self, variant: config.KernelVariant):
@@ -122,6 +125,9 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
       self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT_IN_PLACE
     self.o_in_v_ring = o_over_v_ring(variant)
     self.tiles_from_last_row = False  # query descale chunks start at row 0
+    # O has a buffer of its own (or the V ring's bytes): a persistent list releases Q at the
+    # epilogue barrier, so the next tile's Q loads while this one's O is stored.
+    self.release_q_at_epilogue = self.persistent
     assert self.q_stages == 1, variant.key  # O has a buffer of its own (or the V ring's)
     self.fma_exp2_per_8 = variant.schedule.fma_exp2_per_8
     self.block_descales = variant.block_descales
@@ -136,8 +142,11 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
   def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:
     if variant.direction != "fwd" or variant.dtype != config.FP8_DTYPE:
       return False, f"variant {variant.key} is not an FP8 forward variant"
-    if variant.masked or variant.schedule.persistent:
-      return False, f"variant {variant.key}: FP8 runs dense tiles, one CTA each"
+    if variant.masked:
+      return False, f"variant {variant.key}: FP8 runs dense tiles"
+    if variant.schedule.persistent and (variant.block_descales or o_over_v_ring(variant)):
+      return False, (f"variant {variant.key}: a persistent FP8 variant needs per-head descales "
+                     "and an O buffer of its own (O over the V ring: one tile per CTA)")
     s = variant.schedule
     # A warpgroup's 64 rows are one query chunk; block variants read whole key chunks; the
     # P V GEMM steps over keys _PV_K at a time.
@@ -274,7 +283,8 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
 
     make_scheduler = lambda: tile_scheduler.StaticTileScheduler(
         cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2], mQ.shape[3], mK.shape[0],
-        kv_bytes_per_key=self.head_dim + self.head_dim_v, lpt=self.lpt, persistent=False)
+        kv_bytes_per_key=self.head_dim + self.head_dim_v, lpt=self.lpt,
+        persistent=self.persistent)
     # Block variants: each role builds the tile scheduler after its register reallocation;
     # built before it, the scheduler's extents stayed live across the split and spilled in the
     # producer warpgroup (56 registers) at head_dim 128.
@@ -282,6 +292,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     if const_expr(not self.block_descales):
       shared_scheduler = make_scheduler()
     self.q_descale, self.kv_descale, self.kv_descale_smem = mQDescale, mKVDescale, sKVDescale
+    self.softmax_scale = softmax_scale
     self.out_float16 = out_float16
     self.q_per_kv = mQ.shape[2] // mK.shape[2]
     warpgroup_idx = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS)
@@ -373,23 +384,39 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     fp8_operands.convert_p(acc_s, p)
 
   def _online_softmax(self, softmax_scale: Float32, num_rows: int, scheduler):
-    """The softmax of this CTA's one tile: its rows' scale is softmax_scale times the query
-    descale of the warpgroup's 64 rows (one chunk), times the k descale (per-head variants) or
-    the key chunks' (block variants, per key block)."""
-    m_block, head, batch = scheduler.decode(scheduler.first_tile())
+    """The softmax state. One tile per CTA: its scale from that tile (_tile_scale_log2);
+    persistent: set per tile (_start_tile)."""
+    if const_expr(self.persistent):
+      scale_log2 = softmax_scale * softmax.LOG2_E  # replaced by each tile's
+    else:
+      tile = scheduler.decode(scheduler.first_tile())
+      scale_log2 = self._tile_scale_log2(softmax_scale, *tile)
+    if const_expr(not self.block_descales):
+      return softmax.OnlineSoftmax.create(
+          scale_log2, num_rows, threshold_log2=_THRESHOLD_LOG2, p_offset_log2=_P_OFFSET_LOG2,
+          fma_exp2_per_8=self.fma_exp2_per_8, max_chains=_MAX_CHAINS,
+          per_tile_scale=self.persistent)
+    return softmax.ChunkScaledSoftmax.create_chunked(  # one tile per CTA (can_implement)
+        scale_log2, num_rows, self.kv_descale_smem, threshold_log2=_THRESHOLD_LOG2,
+        p_offset_log2=_P_OFFSET_LOG2, fma_exp2_per_8=self.fma_exp2_per_8,
+        max_chains=_MAX_CHAINS)
+
+  def _tile_scale_log2(self, softmax_scale: Float32, m_block: Int32, head: Int32,
+                       batch: Int32) -> Float32:
+    """A tile's softmax scale in log2 units: softmax_scale times the query descale of the
+    warpgroup's 64 rows (one chunk), times the k descale (per-head variants; block variants
+    apply the key chunks' per key block)."""
     tidx, _, _ = cute.arch.thread_idx()
     wg = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS) - 1
     q_descale = self.q_descale[m_block * (self.tile_m // _CHUNK) + wg, head, batch]
     if const_expr(not self.block_descales):
       k_descale = self.kv_descale[0, head // self.q_per_kv, batch]
-      return softmax.OnlineSoftmax.create(
-          softmax_scale * q_descale * k_descale * softmax.LOG2_E, num_rows,
-          threshold_log2=_THRESHOLD_LOG2, p_offset_log2=_P_OFFSET_LOG2,
-          fma_exp2_per_8=self.fma_exp2_per_8, max_chains=_MAX_CHAINS)
-    return softmax.ChunkScaledSoftmax.create_chunked(
-        softmax_scale * q_descale * softmax.LOG2_E, num_rows, self.kv_descale_smem,
-        threshold_log2=_THRESHOLD_LOG2, p_offset_log2=_P_OFFSET_LOG2,
-        fma_exp2_per_8=self.fma_exp2_per_8, max_chains=_MAX_CHAINS)
+      return softmax_scale * q_descale * k_descale * softmax.LOG2_E
+    return softmax_scale * q_descale * softmax.LOG2_E
+
+  def _start_tile(self, online, m_block: Int32, head: Int32, batch: Int32):
+    if const_expr(self.persistent):
+      online.set_scale(self._tile_scale_log2(self.softmax_scale, m_block, head, batch))
 
   @cute.jit
   def _load_key_block_data(self, masking, pipeline_k, kv_state, n_block: Int32, head_kv: Int32,

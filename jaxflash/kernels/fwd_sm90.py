@@ -109,6 +109,9 @@ class FlashAttentionForwardSm90:
     # one with the fewest keys. The FP8 kernel keeps tiles from row 0 (its query descales come
     # in chunks of 64 rows from row 0).
     self.tiles_from_last_row = variant.causal and not variant.masked
+    # O is staged in its tile's Q slot, so Q is released once O's store has read it. A kernel
+    # whose O has a buffer of its own may release Q at the epilogue barrier instead.
+    self.release_q_at_epilogue = False
     self.variant = variant
 
   @staticmethod
@@ -520,6 +523,7 @@ class FlashAttentionForwardSm90:
         n_masked = mask.num_masked_blocks(m_block, n_max, tiled_rows, seqlen_k, self.tile_m,
                                           self.tile_n, self.causal)
       online.reset()
+      self._start_tile(online, m_block, head, batch)
       acc_o.fill(0.0)
       pipeline_q.consumer_wait(q_state)
       tile_c = self._consumer_for_slot(c, q_state)
@@ -633,6 +637,9 @@ class FlashAttentionForwardSm90:
 
   def _online_softmax(self, softmax_scale: Float32, num_rows: int, scheduler):
     return softmax.OnlineSoftmax.create(softmax_scale * softmax.LOG2_E, num_rows)
+
+  def _start_tile(self, online, m_block: Int32, head: Int32, batch: Int32):
+    """Per tile, after the softmax state's reset (the FP8 kernel sets the tile's scale)."""
 
   # The consumer GEMMs and O rescale, one place each (first_block, overlap_step and last_block
   # order them differently).
@@ -750,6 +757,10 @@ class FlashAttentionForwardSm90:
 
     # sO aliases sQ: every warpgroup must be past its last QK^T GEMM before anyone writes O.
     cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+    if const_expr(self.release_q_at_epilogue):
+      # O has a buffer of its own: past that barrier Q is free, so the producer can load the
+      # next tile's while this one's O is stored.
+      self._release_q(pipeline_q, q_state)
     r_o = self._output_fragment(acc_o)
     if const_expr(self.tiles_from_last_row):
       if m_block * self.tile_m < shift:
@@ -794,12 +805,14 @@ class FlashAttentionForwardSm90:
           cute.group_modes(gO, 0, 2))
       cute.copy(tma_atom_o, tOsO, tOgO)
       cute.arch.cp_async_bulk_commit_group()
-      # sO (= sQ) must stay intact until the TMA engine has read it: only then may the producer
-      # load the next tile's Q (and the CTA exit). The elected lane issued the store; the warp
-      # sync orders its wait before lane 0's release.
+      # sO must stay intact until the TMA engine has read it: only then may the producer load
+      # the next tile's Q into it (sO aliasing sQ), the next tile's epilogue write it, or the CTA
+      # exit. The elected lane issued the store; the warp sync orders its wait before lane 0's
+      # release.
       cute.arch.cp_async_bulk_wait_group(0, read=True)
       cute.arch.sync_warp()
-      pipeline_q.consumer_release(q_state)
+      if const_expr(not self.release_q_at_epilogue):
+        pipeline_q.consumer_release(q_state)
 
   @cute.jit
   def _store_o_rows(self, mO_rows: cute.Tensor, r_o: cute.Tensor, thr_mma_pv, pipeline_q,
@@ -814,6 +827,12 @@ class FlashAttentionForwardSm90:
       row = m_block * self.tile_m + tOcO[i][0] - shift
       if row >= 0 and row < seqlen_q:
         mO_rows[row, tOcO[i][1], head, batch] = r_o[i]
+    if const_expr(not self.release_q_at_epilogue):
+      self._release_q(pipeline_q, q_state)
+
+  @cute.jit
+  def _release_q(self, pipeline_q, q_state):
+    """The first consumer warp releases the tile's Q slot."""
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     if warp_idx == _WARPGROUP_THREADS // _WARP_THREADS:
       cute.arch.sync_warp()

@@ -169,16 +169,32 @@ class OnlineSoftmax:
   # max_chains FMNMX chains (row_max).
   fma_exp2_per_8: int = 0
   max_chains: int = 1
+  # Where the scale changes from tile to tile (the FP8 kernel's descales): one register holding
+  # it (set_scale); scale_log2 is then only its first value.
+  tile_scale: cute.Tensor = None
 
   @staticmethod
   def create(scale_log2: Float32, num_rows: int, threshold_log2: float = RESCALE_THRESHOLD_LOG2,
-             p_offset_log2: float = 0.0, fma_exp2_per_8: int = 0,
-             max_chains: int = 1) -> "OnlineSoftmax":
+             p_offset_log2: float = 0.0, fma_exp2_per_8: int = 0, max_chains: int = 1,
+             per_tile_scale: bool = False) -> "OnlineSoftmax":
     s = OnlineSoftmax(scale_log2, num_rows, cute.make_rmem_tensor(num_rows, Float32),
                       cute.make_rmem_tensor(num_rows, Float32), threshold_log2, p_offset_log2,
-                      fma_exp2_per_8, max_chains)
+                      fma_exp2_per_8, max_chains,
+                      cute.make_rmem_tensor(1, Float32) if per_tile_scale else None)
     s.reset()
+    if const_expr(per_tile_scale):
+      s.set_scale(scale_log2)
     return s
+
+  def set_scale(self, scale_log2: Float32):
+    """The scale of the next tile (created with per_tile_scale)."""
+    self.tile_scale[0] = scale_log2
+
+  def _scale(self) -> Float32:
+    """scale_log2, or the current tile's (set_scale)."""
+    if const_expr(self.tile_scale is None):
+      return self.scale_log2
+    return self.tile_scale[0]
 
   def reset(self):
     """Starts a new tile: max -inf, sum 0."""
@@ -200,6 +216,7 @@ class OnlineSoftmax:
     prev_max = cute.make_rmem_tensor(num_rows, Float32)
     block_sum = cute.make_rmem_tensor(num_rows, Float32)
     moved = Int32(0)
+    scale_log2 = self._scale()
     for i in cutlass.range_constexpr(num_rows):
       prev = self.row_max[i]
       prev_max[i] = prev
@@ -207,7 +224,7 @@ class OnlineSoftmax:
       cur_max = cute.arch.warp_reduction_max(cur_max, threads_in_group=_THREADS_PER_ROW)
       # +inf when the row had no visible key yet (prev -inf): the max moves; NaN when it still
       # has none: the max stays -inf and the row's p stay 0 (shift 0 below).
-      grow = (cur_max - prev) * self.scale_log2
+      grow = (cur_max - prev) * scale_log2
       new_max = prev
       if grow > self.threshold_log2:
         new_max = cur_max
@@ -216,12 +233,12 @@ class OnlineSoftmax:
       safe_max = new_max
       if new_max == -Float32.inf:
         safe_max = Float32(0.0)
-      shift = safe_max * self.scale_log2
+      shift = safe_max * scale_log2
       if const_expr(self.p_offset_log2 != 0.0):
         shift = shift - self.p_offset_log2
       row_sum = Float32(0.0)
       for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
-        x = acc_s_mn[i, j] * self.scale_log2 - shift
+        x = acc_s_mn[i, j] * scale_log2 - shift
         if const_expr(j % 8 < self.fma_exp2_per_8):
           p = exp2_fma(x)
         else:
@@ -255,11 +272,11 @@ class OnlineSoftmax:
 
   def _gap_log2(self, old_max: Float32, new_max: Float32) -> Float32:
     """old_max - new_max in log2 units (row_max is in raw-score units here)."""
-    return (old_max - new_max) * self.scale_log2
+    return (old_max - new_max) * self._scale()
 
   def _max_log2(self, i: int) -> Float32:
     """Row i's max in log2 units."""
-    return self.row_max[i] * self.scale_log2
+    return self.row_max[i] * self._scale()
 
   @cute.jit
   def rescale(self, acc_mn: cute.Tensor, row_scale: cute.Tensor):
@@ -339,8 +356,8 @@ class ChunkScaledSoftmax(OnlineSoftmax):
     chunks = cute.size(chunk_values, mode=[0]) // CHUNK_VALUES
     s = ChunkScaledSoftmax(scale_log2, num_rows, cute.make_rmem_tensor(num_rows, Float32),
                            cute.make_rmem_tensor(num_rows, Float32), threshold_log2,
-                           p_offset_log2, fma_exp2_per_8, max_chains, chunk_values,
-                           cute.make_rmem_tensor(1, Int32), chunks)
+                           p_offset_log2, fma_exp2_per_8, max_chains, chunk_values=chunk_values,
+                           stage=cute.make_rmem_tensor(1, Int32), chunks=chunks)
     s.reset()
     return s
 
@@ -356,7 +373,7 @@ class ChunkScaledSoftmax(OnlineSoftmax):
     values = self.chunk_values[None, self.stage[0]]
     factor = cute.make_rmem_tensor(self.chunks, Float32)
     for c in cutlass.range_constexpr(self.chunks):
-      factor[c] = self.scale_log2 * values[CHUNK_VALUES * c]
+      factor[c] = self._scale() * values[CHUNK_VALUES * c]
     prev_max = cute.make_rmem_tensor(num_rows, Float32)
     block_sum = cute.make_rmem_tensor(num_rows, Float32)
     moved = Int32(0)
