@@ -114,18 +114,16 @@ def test_sass_uses_e4m3_wgmma_tma_and_the_shared_memory_transpose(exported, vari
   assert shapes == {f"64x{variant.schedule.tile_n}x32", f"64x{variant.head_dim_v}x32"}
   qgmma = sum(op.startswith("QGMMA") for op in ops)
   assert 0 < ops.count("WARPGROUP.ARRIVE") <= qgmma // 2, "WGMMAs not serialized"
-  # The transpose: per unit one ldmatrix.trans, four byte permutes, one stmatrix. With held
-  # offsets the warps share one unrolled loop of ceil(units / 3) rounds; with addresses in
-  # place every warp runs its own list, so each unit appears once. P leaves the accumulator
-  # through e4m3 packs, not shuffles.
+  # The transpose: per unit one ldmatrix.trans, four byte permutes, one stmatrix; every warp
+  # runs its own list, so each unit appears once, and no unit computes more of its addresses
+  # than a XOR (fp8_operands.unit_constants: the rest is the instructions' immediate offset).
+  # P leaves the accumulator through e4m3 packs, not shuffles.
   from jaxflash.kernels import fwd_fp8_sm90
   units = fwd_fp8_sm90.transpose_units(variant)
-  in_place = fwd_fp8_sm90.FlashAttentionForwardFp8Sm90(variant).addresses_in_place
-  rounds = units if in_place else -(-units // 3)
-  assert ops.count("LDSM.16.MT88.4") == rounds
-  assert ops.count("STSM.16.M88.4") >= rounds  # and the epilogue's bf16 O stores
+  assert ops.count("LDSM.16.MT88.4") == units
+  assert ops.count("STSM.16.M88.4") >= units  # and the epilogue's bf16 O stores
   for selector in ("0x6420", "0x7531"):
-    assert len(re.findall(rf"PRMT R\d+, R\d+(?:\.reuse)?, {selector}, R\d+", sass)) == 2 * rounds
+    assert len(re.findall(rf"PRMT R\d+, R\d+(?:\.reuse)?, {selector}, R\d+", sass)) == 2 * units
   assert ops.count("F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C") > 0
   assert "SHFL.IDX" not in ops
   # Block variants: each K stage's chunk descales, one bulk copy with the first key block and
@@ -186,10 +184,11 @@ def test_register_split_fits_the_ctas_register_pool(variant):
 
 
 @pytest.mark.cutlass
-def test_transpose_addresses_swizzled_in_place_equal_the_layouts():
-  """The transposing warps' addresses (lane offset + unit constant, swizzled in place) equal
-  the swizzled layouts' offsets (fp8_operands.unit_offsets) for every lane and unit of each FP8
-  tile shape (evaluated at trace time: every coordinate is a Python int)."""
+def test_transpose_addresses_from_unit_zero_equal_the_layouts():
+  """The transposing warps' addresses (the lane's address of unit (0, 0) in a stage, XOR the
+  unit's flip, plus its add: fp8_operands.unit_constants) equal the swizzled layouts' offsets
+  (fp8_operands.unit_offsets) for every lane and unit of each FP8 tile shape, in both stages
+  (evaluated at trace time: every coordinate is a Python int)."""
   cutlass = pytest.importorskip("cutlass")
   import cutlass.cute as cute
 
@@ -204,18 +203,21 @@ def test_transpose_addresses_swizzled_in_place_equal_the_layouts():
       dv, tile_n = shapes[case]
       v_layout = sm90_gemm.smem_layout(fp8, dv, tile_n, 2, col_major=True)
       vt_layout = sm90_gemm.smem_layout(fp8, dv, tile_n, 2)
+      stage_v, stage_vt = cute.cosize(v_layout) // 2, cute.cosize(vt_layout) // 2
       for lane in cutlass.range_constexpr(32):
-        lane_src, lane_dst = fp8_operands.lane_offsets(v_layout, vt_layout, lane)
-        for n0 in cutlass.range_constexpr(0, tile_n, 16):
-          for d0 in cutlass.range_constexpr(0, dv, 32):
-            want = fp8_operands.unit_offsets(v_layout, vt_layout, n0, d0, lane)
-            c_src, c_dst = fp8_operands.unit_base(v_layout, vt_layout, n0, d0)
-            got = (fp8_operands.swizzled(lane_src + c_src, v_layout),
-                   fp8_operands.swizzled(lane_dst + c_dst, vt_layout))
-            pairs.append(((dv, tile_n, lane, n0, d0), [int(x) for x in got],
-                          [int(x) for x in want]))
+        src0, dst0 = fp8_operands.unit_offsets(v_layout, vt_layout, 0, 0, lane)
+        for stage in cutlass.range_constexpr(2):
+          for n0 in cutlass.range_constexpr(0, tile_n, 16):
+            for d0 in cutlass.range_constexpr(0, dv, 32):
+              want = fp8_operands.unit_offsets(v_layout, vt_layout, n0, d0, lane)
+              (flip_v, add_v), (flip_vt, add_vt) = fp8_operands.unit_constants(
+                  v_layout, vt_layout, n0, d0)
+              got = (((stage * stage_v + src0) ^ flip_v) + add_v - stage * stage_v,
+                     ((stage * stage_vt + dst0) ^ flip_vt) + add_vt - stage * stage_vt)
+              pairs.append(((dv, tile_n, lane, stage, n0, d0), [int(x) for x in got],
+                            [int(x) for x in want]))
 
   check()
-  assert len(pairs) == sum(32 * n // 16 * d // 32 for d, n in shapes)
+  assert len(pairs) == sum(2 * 32 * n // 16 * d // 32 for d, n in shapes)
   mismatches = [where for where, got, want in pairs if got != want]
   assert not mismatches, mismatches[:5]

@@ -70,21 +70,21 @@ def convert_p(acc_s: cute.Tensor, p: cute.Tensor):
 
 
 @dsl_user_op
-def _ldmatrix_x4_trans(addr: Int32, *, loc=None, ip=None):
+def _ldmatrix_x4_trans(addr: Int32, offset: int, *, loc=None, ip=None):
   res = llvm.inline_asm(
       llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
-      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+      f"ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{$0, $1, $2, $3}}, [$4+{offset}];",
       "=r,=r,=r,=r,r", has_side_effects=True, is_align_stack=False,
       asm_dialect=llvm.AsmDialect.AD_ATT)
   return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
 @dsl_user_op
-def _stmatrix_x4(addr: Int32, r0: Int32, r1: Int32, r2: Int32, r3: Int32, *, loc=None,
-                 ip=None) -> None:
+def _stmatrix_x4(addr: Int32, offset: int, r0: Int32, r1: Int32, r2: Int32, r3: Int32, *,
+                 loc=None, ip=None) -> None:
   llvm.inline_asm(
       None, [Int32(x).ir_value(loc=loc, ip=ip) for x in (addr, r0, r1, r2, r3)],
-      "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};",
+      f"stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0+{offset}], {{$1, $2, $3, $4}};",
       "r,r,r,r,r", has_side_effects=True, is_align_stack=False,
       asm_dialect=llvm.AsmDialect.AD_ATT)
 
@@ -138,33 +138,36 @@ def unit_offsets(v_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout, 
 
 
 @cute.jit
-def lane_offsets(v_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout, lane: Int32):
-  """A lane's unswizzled byte offsets (V, V^T) within any transpose unit (unit_offsets' lane
-  roles): a unit at keys n0, head_dim d0 adds its own unswizzled offset (unit_base), and the
-  swizzle applies to the sum (swizzled)."""
-  src = cute.crd2idx(_v_coord(lane, 0, 0), v_layout.outer)
-  dst = cute.crd2idx(_vt_coord(lane, 0, 0), vt_layout.outer)
-  return Int32(src), Int32(dst)
+def unit_constants(v_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout, n0: int,
+                   d0: int):
+  """Compile-time ((flip, add) in V, (flip, add) in V^T) of the unit at keys n0, head_dim d0: a
+  lane's address of that unit is its address of unit (0, 0) (unit_offsets), XOR flip, plus add.
 
+  A layout's swizzle XORs its target bits (the 16-byte chunk in a row) with bits of the row
+  (Swizzle<B, 4, 3>: bits 4.. ^= bits 7..). A unit's own unswizzled offset (the part its keys and
+  head_dims add to every lane's) splits into the bits the swizzle targets, which flip the lane's
+  chunk, and the rest, which the swizzle does not read: an add. In V only the head_dim part
+  flips (a unit's keys are whole rows, 16 of them, a multiple of the 8-row swizzle period); in
+  V^T both can. The flip touches bits below 7 and stage bases are multiples of 1024, so it
+  applies to the address with its stage base added.
+  """
+  def split(layout, offset):
+    sw = layout.inner
+    target = ((1 << sw.num_bits) - 1) << sw.num_base
+    return offset & target, offset & ~target
 
-def unit_base(v_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout, n0: int, d0: int):
-  """The unswizzled offsets (V, V^T) of the unit at keys n0, head_dim d0 (compile-time)."""
-  return (cute.crd2idx((d0, n0, 0), v_layout.outer), cute.crd2idx((d0, n0, 0), vt_layout.outer))
-
-
-def swizzled(offset: Int32, layout: cute.ComposedLayout) -> Int32:
-  """The layout's swizzle of an offset from a swizzle-period-aligned base."""
-  sw = layout.inner
-  mask = ((1 << sw.num_bits) - 1) << (sw.num_base + sw.num_shift)
-  return offset ^ ((offset & mask) >> sw.num_shift)
+  flip_v, add_v = split(v_layout, cute.crd2idx((d0, 0, 0), v_layout.outer))
+  add_v += cute.crd2idx((0, n0, 0), v_layout.outer)
+  return (flip_v, add_v), split(vt_layout, cute.crd2idx((d0, n0, 0), vt_layout.outer))
 
 
 @cute.jit
-def transpose_v_unit(src: Int32, dst: Int32):
-  """One warp: the unit whose shared-memory addresses (unit_offsets plus the stage's base) are
-  src in V and dst in V^T: one ldmatrix.trans, four byte permutes, one stmatrix."""
-  m0, m1, m2, m3 = _ldmatrix_x4_trans(src)
+def transpose_v_unit(src: Int32, src_add: int, dst: Int32, dst_add: int):
+  """One warp: the unit whose shared-memory addresses are src + src_add in V and dst + dst_add
+  in V^T (the adds compile-time: the instructions' immediate offsets): one ldmatrix.trans, four
+  byte permutes, one stmatrix."""
+  m0, m1, m2, m3 = _ldmatrix_x4_trans(src, src_add)
   # m0 / m1: keys 2j, 2j + 1 of the first 8 / last 8 keys, head_dim pair d0 + 2c (bytes lo, hi):
   # the even bytes are head_dim d0 + 2c, the odd ones d0 + 2c + 1 (m2 / m3: d0 + 16 + 2c).
-  _stmatrix_x4(dst, _prmt(m0, m1, 0x6420), _prmt(m0, m1, 0x7531), _prmt(m2, m3, 0x6420),
-               _prmt(m2, m3, 0x7531))
+  _stmatrix_x4(dst, dst_add, _prmt(m0, m1, 0x6420), _prmt(m0, m1, 0x7531),
+               _prmt(m2, m3, 0x6420), _prmt(m2, m3, 0x7531))

@@ -25,16 +25,11 @@ _WARP_THREADS = sm90_gemm.WARP_THREADS
 FP8 = cutlass.Float8E4M3FN
 # Warps 1-3 of the producer warpgroup transpose V (warp 0 issues the TMA loads).
 _TRANSPOSE_WARPS = 3
-# (producer, consumer) registers per thread by consumer warpgroups: the transposing warps hold
-# two offsets per unit (up to _HELD_UNITS units each) and four 32-bit registers per unit in
-# flight. A warp with more units (head_dim 256's 128 x 128 tile: 22; head_dim 128's 128 x 224:
-# 19) computes each unit's address in place instead, and its warpgroup fits 24 registers: the
-# consumers get 240, which those tiles need (at 224 they spill). On 128 x 192 (16 units, head_dim
-# 128 block variants) the held offsets with (56, 224) measured 1.09-1.10x the in-place form at seq
-# 16k, with or without O over the V ring (docs/kernels.md, "FP8 forward").
-_REGISTER_SPLIT = {2: (56, 224), 3: (32, 160)}
-_REGISTER_SPLIT_IN_PLACE = (24, 240)
-_HELD_UNITS = 16
+# (producer, consumer) registers per thread by consumer warpgroups. The transposing warps hold
+# two addresses (fp8_operands.unit_constants) and four 32-bit registers per unit in flight, so
+# the producers fit 24 registers with two consumer warpgroups, which then get 240 (head_dim
+# 256's 128 x 128 and head_dim 128's 128 x 224 need them: at 224 they spill).
+_REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 # P = 2^(s - max + 8) <= 256 < 448 (e4m3's largest): small probabilities keep their bits.
 _P_OFFSET_LOG2 = 8.0
 # The row max moves only when a block's max exceeds it by more than this (log2 units): P then
@@ -118,11 +113,6 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     self.out_dtype = cutlass.BFloat16
     self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT[self.num_mma_warpgroups]
     self.transpose_units = transpose_units(variant)
-    self.units_per_warp = -(-self.transpose_units // _TRANSPOSE_WARPS)
-    self.addresses_in_place = self.units_per_warp > _HELD_UNITS
-    if self.addresses_in_place:
-      assert self.num_mma_warpgroups == 2, variant.key
-      self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT_IN_PLACE
     self.o_in_v_ring = o_over_v_ring(variant)
     self.tiles_from_last_row = False  # query descale chunks start at row 0
     # O has a buffer of its own (or the V ring's bytes): a persistent list releases Q at the
@@ -324,16 +314,11 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     """Warps 1-3: each V stage the TMA filled becomes a V^T stage (fp8_operands), in the order
     the loader fills them (the key blocks of each tile, last first)."""
     units_n = self.tile_n // fp8_operands.UNIT_KEYS
-    units, per_warp = self.transpose_units, self.units_per_warp
-    # Warp w takes units w, w + 3, ... Held: their offsets computed once, the loop over stages
-    # adds the stage's base only. In place: a compile-time unit list per warp, each address the
-    # lane's unswizzled offset plus the unit's constant, swizzled where it is used.
-    held = []
-    if const_expr(not self.addresses_in_place):
-      lane = cute.arch.lane_idx()
-      for i in cutlass.range_constexpr(per_warp):
-        n0, d0 = fp8_operands.unit_origin(warp + _TRANSPOSE_WARPS * i, units_n)
-        held.append(fp8_operands.unit_offsets(sV_layout, sVt_layout, n0, d0, lane))
+    units = self.transpose_units
+    # Warp w takes units w, w + 3, ..., each warp its own compile-time list: a unit's addresses
+    # are the lane's addresses of unit (0, 0) in the stage, XOR a constant, plus a constant that
+    # the ldmatrix / stmatrix take as their immediate offset (fp8_operands.unit_constants).
+    src0, dst0 = fp8_operands.unit_offsets(sV_layout, sVt_layout, 0, 0, cute.arch.lane_idx())
     v_stage_bytes = cute.cosize(sV_layout) // self.num_stages
     vt_stage_bytes = cute.cosize(sVt_layout) // self.num_stages
     v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -345,30 +330,20 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
       for _ in cutlass.range(n_max - n_min, unroll=1):
         pipeline_v.consumer_wait(v_state)
         pipeline_vt.producer_acquire(vt_state)
-        v_base = v_ptr.toint() + v_state.index * v_stage_bytes
-        vt_base = vt_ptr.toint() + vt_state.index * vt_stage_bytes
-        if const_expr(self.addresses_in_place):
-          # From a volatile %tid.x: hoisted out of the loop, the addresses stay live (spill).
-          lane_src, lane_dst = fp8_operands.lane_offsets(
-              sV_layout, sVt_layout, fp8_operands.thread_index_here() % _WARP_THREADS)
-          for w in cutlass.range_constexpr(_TRANSPOSE_WARPS):
-            if warp == w:
-              for i in cutlass.range_constexpr(per_warp):
-                u = w + _TRANSPOSE_WARPS * i
-                if const_expr(u < units):
-                  c_src, c_dst = fp8_operands.unit_base(
-                      sV_layout, sVt_layout, *fp8_operands.unit_origin(u, units_n))
-                  fp8_operands.transpose_v_unit(
-                      v_base + fp8_operands.swizzled(lane_src + c_src, sV_layout),
-                      vt_base + fp8_operands.swizzled(lane_dst + c_dst, sVt_layout))
-        else:
-          for i in cutlass.range_constexpr(per_warp):
-            src, dst = held[i]
-            if const_expr(units % _TRANSPOSE_WARPS == 0 or i < per_warp - 1):
-              fp8_operands.transpose_v_unit(v_base + src, vt_base + dst)
-            else:  # the last round: not every warp has a unit left
-              if warp + _TRANSPOSE_WARPS * i < units:
-                fp8_operands.transpose_v_unit(v_base + src, vt_base + dst)
+        src = Int32(v_ptr.toint() + v_state.index * v_stage_bytes) + src0
+        dst = Int32(vt_ptr.toint() + vt_state.index * vt_stage_bytes) + dst0
+        for w in cutlass.range_constexpr(_TRANSPOSE_WARPS):
+          if warp == w:
+            # The warp's units in the order of their flips, so that each flipped address is live
+            # for consecutive units only (in unit order ptxas kept the few distinct ones all
+            # live and the 24-register producers spilled at head_dim 256).
+            consts = sorted(
+                (fp8_operands.unit_constants(sV_layout, sVt_layout,
+                                             *fp8_operands.unit_origin(u, units_n))
+                 for u in range(w, units, _TRANSPOSE_WARPS)),
+                key=lambda c: (c[1][0], c[0][0]))
+            for (flip_v, add_v), (flip_vt, add_vt) in consts:
+              fp8_operands.transpose_v_unit(src ^ flip_v, add_v, dst ^ flip_vt, add_vt)
         # stmatrix writes are generic-proxy; the consumers' WGMMA reads through the async one.
         cute.arch.fence_proxy("async.shared", space="cta")
         pipeline_vt.producer_commit(vt_state)
