@@ -248,9 +248,10 @@ def fp8_descale_chunks(length: int, tile: int) -> int:
 
 def fp8_fwd_schedule(head_dim: int, causal: bool, block_descales: bool = False) -> FwdSchedule:
   """The FP8 forward's schedule: a persistent tile list where the call is not causal, the
-  descales are per head and O has a buffer of its own (head_dim 64 and 128), else one CTA per
-  tile; ping-pong consumer warpgroups except at head_dim 128. head_dim 64: 192 x 128 (three warpgroups share
-  the MUFU-bound softmax); 128: 128 x 224 (FA-3's FP8 tile; 1.02-1.09x 128 x 192 causal at
+  descales are per head and O has a buffer of its own (head_dim 64 and 128; 1.01-1.04x one CTA
+  per tile at 64, 0.98-1.06x at 128, seq 4k and 16k), else one CTA per tile; ping-pong consumer
+  warpgroups except at head_dim 128. head_dim 64: 192 x 128 (three warpgroups share the
+  MUFU-bound softmax); 128: 128 x 224 (FA-3's FP8 tile; 1.02-1.09x 128 x 192 causal at
   seq 4k and 16k, 0.98-1.06x not causal), the two warpgroups issuing freely (0.99-1.05x
   ping-pong), and 128 x 192 with block descales, whose chunks of 64 keys must tile a key
   block; 256: 128 x 128 (1.12-1.14x 128 x 64), with O's bf16 tile over the V ring (Q, K, V and
