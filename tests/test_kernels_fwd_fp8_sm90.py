@@ -115,9 +115,9 @@ def test_sass_uses_e4m3_wgmma_tma_and_the_shared_memory_transpose(exported, vari
   qgmma = sum(op.startswith("QGMMA") for op in ops)
   assert 0 < ops.count("WARPGROUP.ARRIVE") <= qgmma // 2, "WGMMAs not serialized"
   # The transpose: per unit one ldmatrix.trans, four byte permutes, one stmatrix; every warp
-  # runs its own list, so each unit appears once, and no unit computes more of its addresses
-  # than a XOR (fp8_operands.unit_constants: the rest is the instructions' immediate offset).
-  # P leaves the accumulator through e4m3 packs, not shuffles.
+  # runs its own list, so each unit appears once (its addresses: fp8_operands.unit_constants,
+  # checked against the layouts below). P leaves the accumulator through e4m3 packs, not
+  # shuffles.
   from jaxflash.kernels import fwd_fp8_sm90
   units = fwd_fp8_sm90.transpose_units(variant)
   assert ops.count("LDSM.16.MT88.4") == units
