@@ -4,8 +4,8 @@ and cuDNN without (it takes neither through jax), one run; table + JSON.
 Shapes as benchmarks/bench_attention.py: bf16, batch * seq = 16384 tokens, heads = 2048 /
 head_dim; causal or not (--causal). Implementations: "jaxflash" (plain), "masked" (segment ids
 that put every token in one document: the masked variant, which softcap runs on, without
-softcap; it separates the masked schedule's cost from the tanh's), "softcap" (softcap=30.0: the
-masked variants take it at run time, forward and backward), "sink" (learnable_sink: every
+softcap; it separates the masked schedule's cost from the tanh's), "softcap" (--softcap, default
+30: the masked variants take it at run time, forward and backward), "sink" (learnable_sink: every
 forward variant's epilogue), "cudnn" (jax.nn, plain). TFLOP/s count the plain call's flops for
 every column (forward 4 b h s^2 d, halved when causal; forward + backward 3.5x), so columns
 compare as time ratios. Timing: that module's time_ms (warm-up, back-to-back calls, median).
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench_at
 import bench_attention  # noqa: E402
 
 TOKENS, WIDTH = 16384, 2048
-SOFTCAP = 30.0  # Grok-1's attention softcap (Gemma 2's is 50; the speed does not depend on it)
+SOFTCAP = 30.0  # Grok-1's attention softcap (Gemma 2's is 50: --softcap)
 IMPLS = ("jaxflash", "masked", "softcap", "sink", "cudnn")
 # gpt-oss's attention: head_dim 64, 64 query heads on 8 kv heads, a causal window of 128 keys
 # and one learnable sink per head, next to the same call without window and sinks.
@@ -37,13 +37,13 @@ GPT_OSS = dict(head_dim=64, heads=64, kv_heads=8, window=128)
 GPT_OSS_IMPLS = ("causal", "window+sink", "window", "cudnn causal", "cudnn window")
 
 
-def attend_fn(impl: str, causal: bool, implementation: str = "cute"):
+def attend_fn(impl: str, causal: bool, implementation: str = "cute", softcap: float = SOFTCAP):
   """attend(q, k, v, sink) for one implementation (the sink is ignored but by "sink");
   `implementation` is jaxflash's (the CPU tests pass "reference")."""
   if impl == "cudnn":
     return lambda q, k, v, sink: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                               implementation="cudnn")
-  options = {"softcap": SOFTCAP} if impl == "softcap" else {}
+  options = {"softcap": softcap} if impl == "softcap" else {}
   use_sink = impl == "sink"
 
   def attend(q, k, v, sink):
@@ -147,6 +147,7 @@ def main(argv=None) -> int:
   p.add_argument("--hdim", type=int, nargs="+", default=[64, 128, 256])
   p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384])
   p.add_argument("--causal", action="store_true")
+  p.add_argument("--softcap", type=float, default=SOFTCAP, help="the softcap column's softcap")
   p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
   p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
   p.add_argument("--gpt-oss", action="store_true",
@@ -171,10 +172,11 @@ def main(argv=None) -> int:
         flops = bench_attention.fwd_flops(b, h, s, d, d, args.causal)
         flops *= 1.0 if mode == "fwd" else 3.5
         for impl in args.impls:
-          attend = attend_fn(impl, args.causal)
+          attend = attend_fn(impl, args.causal, softcap=args.softcap)
           fn = jax.jit(attend if mode == "fwd" else fwd_bwd_fn(attend, ct))
           records.append(timed_record(fn, (q, k, v, sink), flops, head_dim=d, seq=s,
-                                      causal=args.causal, mode=mode, impl=impl))
+                                      causal=args.causal, mode=mode, impl=impl,
+                                      softcap=args.softcap if impl == "softcap" else None))
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "bench_modifiers.json").write_text(json.dumps(records, indent=1))
   print("| head_dim | seq | mode | " + " | ".join(args.impls)

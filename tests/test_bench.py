@@ -100,6 +100,10 @@ def test_modifier_benchmark_columns_are_the_calls_they_name():
         q, k, v, causal=True, implementation="reference", **options))
   assert not np.array_equal(run("sink"), run("jaxflash"))
   np.testing.assert_allclose(run("masked"), run("jaxflash"), rtol=1e-6, atol=1e-6)
+  capped_half = modifiers.attend_fn("softcap", True, "reference", softcap=0.5)(q, k, v, sink)
+  np.testing.assert_array_equal(capped_half, jaxflash.attention(
+      q, k, v, causal=True, implementation="reference", softcap=0.5))
+  assert not np.array_equal(capped_half, run("softcap"))
   grads = modifiers.fwd_bwd_fn(modifiers.attend_fn("sink", True, "reference"), q)(q, k, v, sink)
   assert len(grads) == 4 and np.any(np.asarray(grads[3]) != 0)
 
