@@ -28,14 +28,6 @@ UNIT_KEYS, UNIT_DIMS = 16, 32
 
 
 @dsl_user_op
-def thread_index_here(*, loc=None, ip=None) -> Int32:
-  """%tid.x read where it is called (a volatile read): addresses derived from it are computed
-  there, not hoisted to the kernel's start and kept live (or spilled) across the main loop."""
-  return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True,
-                               is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
 def pack_e4m3x4(x0: Float32, x1: Float32, x2: Float32, x3: Float32, *, loc=None,
                 ip=None) -> Int32:
   """Four fp32 -> four e4m3 bytes of one register, x0 in the lowest (round to nearest,

@@ -428,7 +428,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     # Block variants: at head_dim 128 the epilogue addresses, computed at the start and kept
     # live, spilled one register (224 per thread).
     if const_expr(self.block_descales):
-      return fp8_operands.thread_index_here()
+      return sm90_gemm.thread_index_here()
     return super()._epilogue_thread_index()
 
   @cute.jit

@@ -4,6 +4,7 @@ Imports cutlass, jaxflash.config and the sibling helper modules only (never jax)
 """
 
 import dataclasses
+import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -72,9 +73,13 @@ class FlashAttentionForwardSm90:
   (longest first), the query and key segment ids and the band as run-time operands. The
   producer copies each key block's ids into shared memory with its K tile; the blocks outside
   [full_lo, full_hi) are masked by band and ids (mask.apply_band_and_ids). They also take the
-  call's softcap as a run-time Float32: when > 0, each S becomes tanh(S * scale / softcap)
-  (softmax.soft_cap) before the mask, behind a branch that is uniform across every warp, and the
-  softmax then scales by softcap, so max, sums and lse stay in the capped domain.
+  call's softcap as a run-time Float32: when > 0, each S becomes tanh(S * scale / softcap),
+  behind a branch that is uniform across every warp, and the softmax then scales by softcap, so
+  max, sums and lse stay in the capped domain. Where P's type can hold every capped score's p
+  under one fixed row max (softmax.capped_start_max: softcap <= 50.6 in bf16, 10 in fp16), every
+  row keeps that max, and blocks without the mask take each score's tanh just before its exp2
+  with no max search (OnlineSoftmax.capped_softmax). Otherwise the running max, after the tanh
+  (softmax.soft_cap). Blocks that need the mask take the tanh before it.
   Every variant takes the learnable sink at run time (mSink, one float32 logit per query head,
   and has_sink): the epilogue adds the sink's term to each row's denominator
   (OnlineSoftmax.finalize), so out and lse come out with the sink, in no extra pass.
@@ -105,6 +110,11 @@ class FlashAttentionForwardSm90:
     self.lpt = schedule.lpt
     self.rescale_o_before_pv = schedule.rescale_o_before_pv
     self.masked = variant.masked
+    # Soft-capped calls may keep a fixed row max (softmax.capped_start_max) on two-warpgroup
+    # tiles only: its rounding of P (softmax.round_p_pair) spilled the fp16 three-warpgroup tile
+    # (head_dim 64, 192 x 128, 128 registers per thread: 28 LDL / STL). Those keep the running
+    # max.
+    self.fixed_capped_max = variant.masked and self.num_mma_warpgroups == 2
     # Dense causal: the query tiles end at the last row (_row_shift), so the partial tile is the
     # one with the fewest keys. The FP8 kernel keeps tiles from row 0 (its query descales come
     # in chunks of 64 rows from row 0).
@@ -286,12 +296,18 @@ class FlashAttentionForwardSm90:
       # t = tanh(S * tanh_scale) in the S registers, so the softmax scale becomes softcap.
       capped = softcap > Float32(0.0)
       tanh_scale = Float32(0.0)
+      start_max = -Float32.inf
       if capped:
         tanh_scale = softmax_scale / softcap
         softmax_scale = softcap
+        if const_expr(self.fixed_capped_max):
+          start_max = softmax.capped_start_max(softcap * softmax.LOG2_E,
+                                               *softmax.capped_p_range_log2(self.dtype))
+      fixed_max = start_max != -Float32.inf
       masking = _Masking(query_ids=mQIds, key_ids=mKIds, ranges=mRanges, order=mOrder,
                          window_left=window_left, window_right=window_right,
-                         capped=Int32(capped), tanh_scale=tanh_scale, key_ids_smem=sKIds)
+                         capped=Int32(capped), tanh_scale=tanh_scale, key_ids_smem=sKIds,
+                         fixed_max=Int32(fixed_max), start_max=start_max)
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -522,7 +538,7 @@ class FlashAttentionForwardSm90:
       else:
         n_masked = mask.num_masked_blocks(m_block, n_max, tiled_rows, seqlen_k, self.tile_m,
                                           self.tile_n, self.causal)
-      online.reset()
+      online.reset(masking.start_max if const_expr(self.masked) else None)
       self._start_tile(online, m_block, head, batch)
       acc_o.fill(0.0)
       pipeline_q.consumer_wait(q_state)
@@ -587,20 +603,39 @@ class FlashAttentionForwardSm90:
     """Mask (if needed) and online softmax of one S block; leaves P (fp32) in acc_s.
     k_state: the K stage of n_block (masked variants read the block's ids from it)."""
     acc_s_mn = softmax.make_acc_mn_view(acc_s)
-    if const_expr(self.masked):
-      # Before the mask, which writes -inf. A warp-uniform branch: off, it costs a compare.
-      if c.masking.capped != 0:
-        softmax.soft_cap(acc_s, c.masking.tanh_scale)
-    if const_expr(is_masked):
-      if const_expr(self.masked):
-        m = c.masking
-        mask.apply_band_and_ids(acc_s_mn, c.tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
-                                self.tile_m, self.tile_n, m.window_left, m.window_right,
-                                c.row_ids, m.key_ids_smem[None, k_state.index])
+    if const_expr(self.masked and not is_masked):
+      # Warp-uniform branches: off, softcap costs a compare. Where the call's softcap fits P's
+      # range (fixed_capped_max) the rows keep a fixed max, and each score's tanh and exp2
+      # follow each other (capped_softmax); otherwise the tanh first, then the running max.
+      m = c.masking
+      if const_expr(self.fixed_capped_max) and m.fixed_max != 0:
+        c.online.capped_softmax(acc_s_mn, c.row_scale, m.tanh_scale,
+                                m.start_max * c.online.scale_log2, self.dtype)
       else:
+        if m.capped != 0:
+          softmax.soft_cap(acc_s, m.tanh_scale)
+        c.online.online_softmax(acc_s_mn, c.row_scale)
+    elif const_expr(self.masked):
+      # The tanh before the mask, which writes -inf. Under a fixed max P is rounded for its row
+      # sums here too, as no key's p is exactly 1 (capped_softmax).
+      m = c.masking
+      if m.capped != 0:
+        softmax.soft_cap(acc_s, m.tanh_scale)
+      mask.apply_band_and_ids(acc_s_mn, c.tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
+                              self.tile_m, self.tile_n, m.window_left, m.window_right,
+                              c.row_ids, m.key_ids_smem[None, k_state.index])
+      if const_expr(self.fixed_capped_max) and m.fixed_max != 0:
+        # The fixed max never moves: a threshold of +inf, a constant, so the max's move and
+        # its rescale compile away here and the running max's path keeps its own constant.
+        fixed = dataclasses.replace(c.online, threshold_log2=math.inf)
+        fixed.online_softmax(acc_s_mn, c.row_scale, p_dtype=self.dtype)
+      else:
+        c.online.online_softmax(acc_s_mn, c.row_scale)
+    else:
+      if const_expr(is_masked):
         mask.apply_mask(acc_s_mn, c.tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
                         self.tile_m, self.tile_n, self.causal)
-    c.online.online_softmax(acc_s_mn, c.row_scale)
+      c.online.online_softmax(acc_s_mn, c.row_scale)
 
   @cute.jit
   def _release_k(self, c, kv_state, is_masked: cutlass.Constexpr,
@@ -620,7 +655,11 @@ class FlashAttentionForwardSm90:
     return r_o
 
   def _epilogue_thread_index(self) -> Int32:
-    """The thread index the epilogue's shared-memory addresses derive from."""
+    """The thread index the epilogue's shared-memory addresses derive from. Masked variants
+    read it there (sm90_gemm.thread_index_here), so the addresses are not live across the main
+    loop."""
+    if const_expr(self.masked):
+      return sm90_gemm.thread_index_here()
     tidx, _, _ = cute.arch.thread_idx()
     return tidx
 
@@ -866,3 +905,8 @@ class _Masking(mask.MaskOperands):
   """The forward's mask operands (rows: query tiles; ranges: n_min, n_max, full_lo, full_hi)."""
 
   key_ids_smem: cute.Tensor  # (tile_n, num_stages): each K stage's key block ids
+  # Soft-capped calls whose P range fits (softmax.capped_start_max): every row starts from
+  # start_max and keeps it, and blocks without the mask take OnlineSoftmax.capped_softmax.
+  # Otherwise the running max: start_max -inf.
+  fixed_max: Int32
+  start_max: Float32

@@ -9,7 +9,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
 from jaxflash import config
@@ -174,6 +174,14 @@ def release_after_lane_loads(pipe, state) -> None:
   """
   cute.arch.sync_warp()
   pipe.consumer_release(state)
+
+
+@dsl_user_op
+def thread_index_here(*, loc=None, ip=None) -> Int32:
+  """%tid.x read where it is called (a volatile read): addresses derived from it are computed
+  there, not hoisted to the kernel's start and kept live (or spilled) across the main loop."""
+  return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True,
+                               is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @dsl_user_op

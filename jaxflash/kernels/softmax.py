@@ -196,14 +196,18 @@ class OnlineSoftmax:
       return self.scale_log2
     return self.tile_scale[0]
 
-  def reset(self):
-    """Starts a new tile: max -inf, sum 0."""
-    self.row_max.fill(-Float32.inf)
+  def reset(self, start_max=None):
+    """Starts a new tile: sum 0, max start_max (raw-score units; None: -inf, no key seen)."""
+    self.row_max.fill(-Float32.inf if start_max is None else start_max)
     self.row_sum.fill(0.0)
 
   @cute.jit
-  def online_softmax(self, acc_s_mn: cute.Tensor, row_scale: cute.Tensor):
+  def online_softmax(self, acc_s_mn: cute.Tensor, row_scale: cute.Tensor,
+                     p_dtype: cutlass.Constexpr = None):
     """Overwrites acc_s_mn with exp2 of the scaled, max-shifted scores.
+
+    p_dtype (P's 16-bit type; None: off): each p is rounded to it here, and the row sums add
+    the rounded values, the weights P V will use (round_p_pair).
 
     Writes into row_scale the factor by which the O accumulator and row sums must shrink. Per
     row the max moves only when the block's max exceeds it by more than the threshold (a
@@ -237,17 +241,54 @@ class OnlineSoftmax:
       if const_expr(self.p_offset_log2 != 0.0):
         shift = shift - self.p_offset_log2
       row_sum = Float32(0.0)
-      for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
-        x = acc_s_mn[i, j] * scale_log2 - shift
-        if const_expr(j % 8 < self.fma_exp2_per_8):
-          p = exp2_fma(x)
-        else:
-          p = cute.math.exp2(x, fastmath=True)
-        acc_s_mn[i, j] = p
-        row_sum += p
+      if const_expr(p_dtype is None):
+        for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
+          p = self._exp2(acc_s_mn[i, j] * scale_log2 - shift, j)
+          acc_s_mn[i, j] = p
+          row_sum += p
+      else:
+        for j in cutlass.range_constexpr(0, cute.size(acc_s_mn, mode=[1]), 2):
+          p0, p1 = round_p_pair(self._exp2(acc_s_mn[i, j] * scale_log2 - shift, j),
+                                self._exp2(acc_s_mn[i, j + 1] * scale_log2 - shift, j + 1),
+                                p_dtype == cutlass.BFloat16)
+          acc_s_mn[i, j] = p0
+          acc_s_mn[i, j + 1] = p1
+          row_sum += p0 + p1
       block_sum[i] = row_sum
       row_scale[i] = Float32(1.0)
     self._commit(prev_max, block_sum, moved, row_scale)
+
+  def _exp2(self, x: Float32, column: int) -> Float32:
+    """2^x: exp2_fma for fma_exp2_per_8 of every 8 columns, MUFU.EX2 for the others."""
+    if const_expr(column % 8 < self.fma_exp2_per_8):
+      return exp2_fma(x)
+    return cute.math.exp2(x, fastmath=True)
+
+  @cute.jit
+  def capped_softmax(self, acc_s_mn: cute.Tensor, row_scale: cute.Tensor, tanh_scale: Float32,
+                     shift: Float32, p_dtype: cutlass.Constexpr):
+    """online_softmax of soft-capped scores whose rows all keep the max they started from.
+
+    acc_s_mn holds raw scores; each becomes t = tanh(s * tanh_scale) in [-1, 1] and then
+    p = 2^(t * scale_log2 - shift), shift = start_max * scale_log2: no row max, so each
+    score's tanh and exp2 follow each other with nothing between them. Valid only on a state
+    reset with start_max = capped_start_max(...) whose masked blocks keep it too (online_softmax
+    with a threshold of +inf): every p then stays a normal number of P's type. Each p is rounded to P's
+    type (round_p_pair), as no key's p is exactly 1 here. row_scale becomes 1.
+    """
+    for i in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
+      row_sum = Float32(0.0)
+      for j in cutlass.range_constexpr(0, cute.size(acc_s_mn, mode=[1]), 2):
+        t0 = cute.math.tanh(acc_s_mn[i, j] * tanh_scale, fastmath=True)
+        t1 = cute.math.tanh(acc_s_mn[i, j + 1] * tanh_scale, fastmath=True)
+        p0, p1 = round_p_pair(self._exp2(t0 * self._scale() - shift, j),
+                              self._exp2(t1 * self._scale() - shift, j + 1),
+                              p_dtype == cutlass.BFloat16)
+        acc_s_mn[i, j] = p0
+        acc_s_mn[i, j + 1] = p1
+        row_sum += p0 + p1
+      self.row_sum[i] = self.row_sum[i] + row_sum
+      row_scale[i] = Float32(1.0)
 
   @cute.jit
   def _commit(self, prev_max: cute.Tensor, block_sum: cute.Tensor, moved: Int32,
@@ -306,8 +347,9 @@ class OnlineSoftmax:
     """
     for i in cutlass.range_constexpr(self.num_rows):
       row_sum = cute.arch.warp_reduction_sum(self.row_sum[i], threads_in_group=_THREADS_PER_ROW)
-      # Any visible key contributes exp2(0) = 1: a sum of 0 means no visible key. NaN compares
-      # unequal to 0 and flows through the factor and lse.
+      # Any visible key contributes at least exp2(0) = 1 under the running max, 2^lowest under a
+      # fixed one (capped_start_max): a sum of 0 means no visible key. NaN compares unequal to 0
+      # and flows through the factor and lse.
       inv = Float32(0.0)
       row_lse = sink_log2 * LN_2
       if row_sum != 0.0:
@@ -401,11 +443,7 @@ class ChunkScaledSoftmax(OnlineSoftmax):
         shift = safe_max - self.p_offset_log2 - values[CHUNK_VALUES * c + 1]
         chunk_sum = Float32(0.0)
         for j in cutlass.range_constexpr(c * per_chunk, (c + 1) * per_chunk):
-          x = acc_s_mn[i, j] * factor[c] - shift
-          if const_expr(j % 8 < self.fma_exp2_per_8):
-            p = exp2_fma(x)
-          else:
-            p = cute.math.exp2(x, fastmath=True)
+          p = self._exp2(acc_s_mn[i, j] * factor[c] - shift, j)
           acc_s_mn[i, j] = p
           chunk_sum += p
         total = total + chunk_sum * values[CHUNK_VALUES * c + 2]
@@ -418,6 +456,65 @@ class ChunkScaledSoftmax(OnlineSoftmax):
 
   def _max_log2(self, i: int) -> Float32:
     return self.row_max[i]
+
+
+def capped_p_range_log2(p_dtype) -> tuple:
+  """(lowest, highest) log2 of the P values a soft-capped softmax with a fixed row max may
+  produce in P's 16-bit type. bf16: [2^-80, 2^66], so that P V (fp32 products and sums) stays
+  normal for values down to 2^-46 and finite while a row's sum of |V| stays below 2^61; fp16:
+  P normal and finite, [2^-14, 2^15]."""
+  if p_dtype == cutlass.BFloat16:
+    return -80.0, 66.0
+  return -14.0, 15.0
+
+
+@cute.jit
+def capped_start_max(scale_log2: Float32, lowest_log2: cutlass.Constexpr,
+                     highest_log2: cutlass.Constexpr) -> Float32:
+  """The row max (in t = tanh units) a soft-capped softmax can start every row from and keep,
+  or -inf where P's range cannot hold the call's scores (the running max then).
+
+  scale_log2 = softcap * log2 e, so the scores t * scale_log2 lie within [-scale_log2,
+  scale_log2]: a row max m gives P = 2^((t - m) scale_log2) <= 2^((1 - m) scale_log2). m is
+  chosen so that P spans [2^lowest_log2, 2^offset] with the smallest offset >= 0, which needs
+  the span 2 * scale_log2 <= highest_log2 - lowest_log2 (softcap <= 50.6 in bf16, 10 in fp16).
+  """
+  span = scale_log2 * Float32(2.0)
+  start = -Float32.inf
+  if span <= Float32(highest_log2 - lowest_log2):
+    offset = cute.arch.fmax(span + Float32(lowest_log2), Float32(0.0))
+    start = Float32(1.0) - offset / scale_log2
+  return start
+
+
+@dsl_user_op
+def round_p_pair(p0: Float32, p1: Float32, to_bf16: bool, *, loc=None, ip=None) -> tuple:
+  """(p0, p1) rounded to P's 16-bit type (round to nearest even) and back to Float32.
+
+  A softmax whose row sums add the rounded values divides P V by the sum of the weights P V
+  actually used, so a row whose weight sits on one key returns that key's value exactly, as
+  the running max does by giving its max key p = 1 exactly; P's later conversion for the GEMM
+  is then exact. One packed conversion per pair (F2FP, as P's own packing) and two integer or
+  FMA-pipe ops to widen: a scalar conversion compiles to F2F, which shares the MUFU pipe that
+  bounds the soft-capped softmax (measured: 0.80x of the running max's forward at head_dim 128).
+  """
+  if to_bf16:
+    body = ("{ .reg .b32 r;\n"
+            "cvt.rn.bf16x2.f32 r, $3, $2;\n"
+            "shl.b32 $0, r, 16;\n"
+            "and.b32 $1, r, 0xffff0000; }")
+  else:
+    body = ("{ .reg .b32 r; .reg .b16 l, h;\n"
+            "cvt.rn.f16x2.f32 r, $3, $2;\n"
+            "mov.b32 {l, h}, r;\n"
+            "cvt.f32.f16 $0, l;\n"
+            "cvt.f32.f16 $1, h; }")
+  res = llvm.inline_asm(
+      llvm.StructType.get_literal([T.f32()] * 2),
+      [Float32(p0).ir_value(loc=loc, ip=ip), Float32(p1).ir_value(loc=loc, ip=ip)],
+      body, "=f,=f,f,f", has_side_effects=False, is_align_stack=False,
+      asm_dialect=llvm.AsmDialect.AD_ATT)
+  return tuple(Float32(llvm.extractvalue(T.f32(), res, [k], loc=loc, ip=ip)) for k in range(2))
 
 
 @cute.jit
