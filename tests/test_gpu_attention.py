@@ -513,6 +513,9 @@ MASK_CASES = {  # name -> ((batch, seq_q, seq_k, heads, kv_heads), options, segm
     "packed_causal_window_128_gqa8": ((2, 1000, 1000, 8, 1),
                                       {"causal": True, "window_size": (128, None)}, "packed"),
 }
+# No mask at all: every key block but the last (900 = 7 x 128 + 4) needs no elementwise mask,
+# the blocks whose softmax _MASK_CASES mostly leave to the rotation.
+FULL_BLOCKS_CASE = ((2, 700, 900, 4, 2), {}, None)
 NARROW_CASE = "packed_causal_window_128_gqa8"
 
 
@@ -575,10 +578,11 @@ _MASK_FWD_CASES = _with_narrow_case(_rotated(MASKED, 2))
 
 
 def _masked_fwd_case(variant, case, seed_text, q_scale=1.0, softcap=None):
-  """Inputs of one masked forward case: (q, k, v, segment ids, cfg). The raw calls run `variant`
-  whatever the mask (it is run-time data); the public path runs the variant cfg picks
-  (_check_public_path)."""
-  (b, seq_q, seq_k, h, h_kv), options, kind = MASK_CASES[case]
+  """Inputs of one masked forward case (a name of MASK_CASES, or FULL_BLOCKS_CASE): (q, k, v,
+  segment ids, cfg). The raw calls run `variant` whatever the mask (it is run-time data); the
+  public path runs the variant cfg picks (_check_public_path)."""
+  (b, seq_q, seq_k, h, h_kv), options, kind = (case if case == FULL_BLOCKS_CASE
+                                               else MASK_CASES[case])
   seed = zlib.crc32(seed_text.encode())
   dtype = jnp.dtype(variant.dtype)
   q, k, v = make_qkv(seed, b, seq_q, seq_k, h, h_kv, variant.head_dim,
@@ -776,6 +780,70 @@ def test_masked_forward_soft_caps_saturated_scores(variant, case):
   raw, oracle = _check_poisoned_masked_fwd(q, k, v, variant, cfg, segment_ids)
   _check_public_path(jax.jit(_attend(cfg, segment_ids))(q, k, v), raw, variant, cfg,
                      k.shape[1], oracle)
+
+
+@pytest.mark.parametrize("variant", MASKED, ids=[v.key for v in MASKED])
+def test_masked_forward_soft_caps_blocks_without_mask(variant):
+  """Soft-capped key blocks that need no elementwise mask (their own softmax path in the
+  kernel), saturated as above, on every masked forward variant."""
+  q, k, v, segment_ids, cfg = _masked_fwd_case(variant, FULL_BLOCKS_CASE,
+                                               f"softcap-full{variant.key}", q_scale=8.0,
+                                               softcap=SOFTCAP)
+  _check_poisoned_masked_fwd(q, k, v, variant, cfg, segment_ids)
+
+
+# Softcaps of Grok-1 (30) and Gemma 2 (50) with the rows' scores at the bottom of the capped
+# range: half the query rows point away from every key (k > 0, q < 0 elementwise), scaled so
+# that their scores lie near -3 softcap, where every capped score of the row is close to
+# -softcap. bf16 values are scaled by 2^-20, so that a softmax whose P fell far below 1 in those
+# rows would lose the products P V (fp16 cannot hold such values as normal numbers, and its P
+# cannot fall that far).
+_CAP_MAGNITUDES = (30.0, 50.0)
+
+
+@pytest.mark.parametrize("variant,softcap", [
+    (v, _CAP_MAGNITUDES[i % len(_CAP_MAGNITUDES)]) for i, v in enumerate(MASKED)],
+                         ids=lambda x: getattr(x, "key", f"softcap{x}"))
+def test_masked_forward_soft_caps_rows_at_the_bottom_of_the_range(variant, softcap):
+  q, k, v, segment_ids, cfg = _masked_fwd_case(variant, FULL_BLOCKS_CASE,
+                                               f"softcap-low{variant.key}{softcap}",
+                                               softcap=softcap)
+  dtype = q.dtype
+  q32, k32 = np.asarray(q, np.float32), np.abs(np.asarray(k, np.float32)) + 1.0
+  # E[(|x| + 1)^2] ~ 3.2 per dimension: scaled scores ~ -3.2 sqrt(d) a per row pointing away.
+  away = -(np.abs(q32) + 1.0) * (3.0 * softcap / (3.2 * variant.head_dim ** 0.5))
+  q32[:, 0::2] = away[:, 0::2]
+  q, k = jnp.asarray(q32, dtype), jnp.asarray(k32, dtype)
+  if dtype == jnp.bfloat16:
+    v = (v.astype(jnp.float32) * 2.0 ** -20).astype(dtype)
+  scores = np.einsum("qd,kd->qk", np.asarray(q[0, 0:64:2, 0], np.float32),
+                     np.asarray(k[0, :, 0], np.float32)) * cfg.softmax_scale
+  assert np.mean(scores < -2 * softcap) > 0.9, "the rows must reach the bottom of the range"
+  _check_poisoned_masked_fwd(q, k, v, variant, cfg, segment_ids)
+
+
+@pytest.mark.parametrize("variant,softcap", [
+    (v, _CAP_MAGNITUDES[i % len(_CAP_MAGNITUDES)] if v.dtype == "bfloat16" else 10.0)
+    for i, v in enumerate(MASKED)], ids=lambda x: getattr(x, "key", f"softcap{x}"))
+def test_masked_forward_soft_caps_rows_on_one_key(variant, softcap):
+  """Soft-capped rows whose weight sits on one key return that key's value as exactly as the
+  naive computation does (bound: the oracle's floor). Key 0 of each head points along every
+  query, the other keys away, so the capped scores are near +-softcap. Under a fixed row max no
+  key's p is exactly 1, so this holds only if the row sums add P as rounded for P V. bf16: 30
+  and 50 (both under the fixed max); fp16: 10, the largest the fixed max takes there."""
+  q, k, v, segment_ids, cfg = _masked_fwd_case(variant, FULL_BLOCKS_CASE,
+                                               f"softcap-one{variant.key}", softcap=softcap)
+  dtype = q.dtype
+  q32, k32 = np.abs(np.asarray(q, np.float32)) + 1.0, -np.abs(np.asarray(k, np.float32)) - 1.0
+  k32[:, 0] = -k32[:, 0]
+  # E[(|x| + 1)^2] ~ 3.2 per dimension: scaled scores ~ +-4 softcap.
+  q32 *= 4.0 * softcap / (3.2 * variant.head_dim ** 0.5)
+  q, k = jnp.asarray(q32, dtype), jnp.asarray(k32, dtype)
+  capped = softcap * np.tanh(np.einsum("qd,kd->qk", np.asarray(q[0, :64, 0], np.float32),
+                                       np.asarray(k[0, :, 0], np.float32))
+                             * cfg.softmax_scale / softcap)
+  assert np.min(capped[:, 0] - capped[:, 1:].max(axis=1)) > 1.8 * softcap, "one key per row"
+  _check_poisoned_masked_fwd(q, k, v, variant, cfg, segment_ids)
 
 
 _SOFTCAP_BWD_CASES = _rotated(MASKED_BWD, 1)

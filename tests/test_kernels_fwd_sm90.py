@@ -6,15 +6,16 @@ instruction counts. Needs nvidia-cutlass-dsl (marker `cutlass`, skipped elsewher
 """
 
 import dataclasses
+import math
 import re
 
 import pytest
 
-pytest.importorskip("cutlass")
+cutlass = pytest.importorskip("cutlass")
 
 from jaxflash import build, config  # noqa: E402
 from jaxflash.kernels import compile as kernel_compile  # noqa: E402
-from jaxflash.kernels import sm90_gemm  # noqa: E402
+from jaxflash.kernels import sm90_gemm, softmax  # noqa: E402
 from jaxflash.kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
 from tests import _sass  # noqa: E402
 
@@ -52,8 +53,10 @@ def test_overlapped_step_and_warp_uniform_rescale(exported, variant):
   lines = sass.splitlines()
   votes = 0
   for i, line in enumerate(lines):
-    m = re.search(r"VOTE\.ANY (U?P\d), ", line)
-    if not m:
+    m = re.search(r"VOTE\.ANY (U?P\d), (!?U?PT)?", line)
+    if not m or m.group(2):
+      # A vote of a constant decides nothing: ptxas's copy of the step under a fixed row max
+      # (masked variants, softcap), where every row scale is 1.
       continue
     votes += 1
     pred = m.group(1)
@@ -173,13 +176,37 @@ def test_masked_forward_copies_key_ids_with_each_k_stage(exported, variant):
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.masked and v.dtype == "bfloat16"],
                          ids=lambda v: v.key)
 def test_masked_forward_soft_caps_behind_a_warp_uniform_branch(exported, variant):
-  """Masked variants take softcap at run time: one MUFU.TANH per score of each step (the four
-  softmax sites: the first block and the three step loops) behind a branch the call's softcap
-  decides for the whole CTA; the dense variants have none."""
+  """Masked variants take softcap at run time: one MUFU.TANH per score of each step, behind
+  branches the call's softcap decides for the whole CTA, at four softmax sites (the first
+  block, the three step loops), and on two-warpgroup tiles at a fifth: the loop of blocks
+  without the mask once more, with the fixed row max. The dense variants have none."""
   e = exported(variant)
   ops = e.ops(modifiers=True)
   per_thread_scores = variant.schedule.tile_n // 2  # 64 rows x tile_n per warpgroup / 128
-  assert ops.count("MUFU.TANH") == 4 * per_thread_scores
+  sites = 5 if variant.schedule.tile_m == 128 else 4
+  assert ops.count("MUFU.TANH") == sites * per_thread_scores
+  # The fixed max rounds P in packed pairs (F2FP): a scalar conversion (F2F) would share the MUFU
+  # pipe with the tanh and exp2.
+  assert not [op for op in ops if op.startswith("F2F.")]
   dense = next(v for v in VARIANTS if not v.masked and v.dtype == variant.dtype
                and (v.head_dim, v.head_dim_v) == (variant.head_dim, variant.head_dim_v))
   assert "MUFU.TANH" not in exported(dense).ops(modifiers=True)
+
+
+@pytest.mark.parametrize("dtype,largest_softcap,softcap_over,normal_low,finite_high", [
+    ("bfloat16", 50.0, 51.0, -126, 127),  # Gemma 2's 50 fits; V down to 2^-46, sums to 2^61
+    ("float16", 10.0, 11.0, -14, 15)])
+def test_fixed_capped_max_range_holds_the_softcaps_it_serves(dtype, largest_softcap,
+                                                             softcap_over, normal_low,
+                                                             finite_high):
+  """softmax.capped_p_range_log2: a fixed row max serves a softcap whose capped scores span
+  2 * softcap * log2 e within the range (capped_start_max), and the range keeps P (fp16) or
+  P V's fp32 products and sums (bf16, for values in [2^-46, 2^61]) normal and finite."""
+  low, high = softmax.capped_p_range_log2(cutlass.BFloat16 if dtype == "bfloat16"
+                                          else cutlass.Float16)
+  span = lambda softcap: 2.0 * softcap * math.log2(math.e)  # noqa: E731
+  assert span(largest_softcap) <= high - low < span(softcap_over)
+  if dtype == "bfloat16":
+    assert low - 46 >= normal_low and high + 61 <= finite_high
+  else:
+    assert low >= normal_low and high <= finite_high
