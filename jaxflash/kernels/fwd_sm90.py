@@ -303,11 +303,10 @@ class FlashAttentionForwardSm90:
         if const_expr(self.fixed_capped_max):
           start_max = softmax.capped_start_max(softcap * softmax.LOG2_E,
                                                *softmax.capped_p_range_log2(self.dtype))
-      fixed_max = start_max != -Float32.inf
       masking = _Masking(query_ids=mQIds, key_ids=mKIds, ranges=mRanges, order=mOrder,
                          window_left=window_left, window_right=window_right,
                          capped=Int32(capped), tanh_scale=tanh_scale, key_ids_smem=sKIds,
-                         fixed_max=Int32(fixed_max), start_max=start_max)
+                         start_max=start_max)
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -608,7 +607,7 @@ class FlashAttentionForwardSm90:
       # range (fixed_capped_max) the rows keep a fixed max, and each score's tanh and exp2
       # follow each other (capped_softmax); otherwise the tanh first, then the running max.
       m = c.masking
-      if const_expr(self.fixed_capped_max) and m.fixed_max != 0:
+      if const_expr(self.fixed_capped_max) and m.start_max != -Float32.inf:
         c.online.capped_softmax(acc_s_mn, c.row_scale, m.tanh_scale,
                                 m.start_max * c.online.scale_log2, self.dtype)
       else:
@@ -624,7 +623,7 @@ class FlashAttentionForwardSm90:
       mask.apply_band_and_ids(acc_s_mn, c.tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
                               self.tile_m, self.tile_n, m.window_left, m.window_right,
                               c.row_ids, m.key_ids_smem[None, k_state.index])
-      if const_expr(self.fixed_capped_max) and m.fixed_max != 0:
+      if const_expr(self.fixed_capped_max) and m.start_max != -Float32.inf:
         # The fixed max never moves: a threshold of +inf, a constant, so the max's move and
         # its rescale compile away here and the running max's path keeps its own constant.
         fixed = dataclasses.replace(c.online, threshold_log2=math.inf)
@@ -908,5 +907,4 @@ class _Masking(mask.MaskOperands):
   # Soft-capped calls whose P range fits (softmax.capped_start_max): every row starts from
   # start_max and keeps it, and blocks without the mask take OnlineSoftmax.capped_softmax.
   # Otherwise the running max: start_max -inf.
-  fixed_max: Int32
   start_max: Float32
