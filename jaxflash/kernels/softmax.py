@@ -273,8 +273,8 @@ class OnlineSoftmax:
     p = 2^(t * scale_log2 - shift), shift = start_max * scale_log2: no row max, so each
     score's tanh and exp2 follow each other with nothing between them. Valid only on a state
     reset with start_max = capped_start_max(...) whose masked blocks keep it too (online_softmax
-    with a threshold of +inf): every p then stays a normal number of P's type. Each p is rounded to P's
-    type (round_p_pair), as no key's p is exactly 1 here. row_scale becomes 1.
+    with a threshold of +inf): every p then stays a normal number of P's type. Each p is rounded
+    to P's type (round_p_pair), as no key's p is exactly 1 here. row_scale becomes 1.
     """
     for i in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
       row_sum = Float32(0.0)
