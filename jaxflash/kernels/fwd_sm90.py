@@ -555,11 +555,20 @@ class FlashAttentionForwardSm90:
           lo = cutlass.min(full_lo, hi)
           for upper, lower, is_masked in ((top, hi, True), (hi, lo, False),
                                           (lo, n_min, True)):  # a trace-time loop
-            for i in cutlass.range(upper - lower, unroll=1):
-              v_state = kv_state.clone()
-              kv_state.advance()
-              self.overlap_step(tile_c, kv_state, v_state, wg, m_block, upper - 1 - i,
-                                tiled_rows, seqlen_k, is_masked)
+            runs = ((upper, upper - lower, False),)
+            if const_expr(self.fixed_capped_max and not is_masked):
+              # Unswitched on the call's fixed max: two loops, one with no step, so each
+              # loop's body holds one softmax path.
+              n_fixed = Int32(0)
+              if masking.start_max != -Float32.inf:
+                n_fixed = upper - lower
+              runs = ((upper, n_fixed, True), (upper - n_fixed, upper - lower - n_fixed, False))
+            for start, count, fixed in runs:  # a trace-time loop
+              for i in cutlass.range(count, unroll=1):
+                v_state = kv_state.clone()
+                kv_state.advance()
+                self.overlap_step(tile_c, kv_state, v_state, wg, m_block, start - 1 - i,
+                                  tiled_rows, seqlen_k, is_masked, fixed)
         else:
           for i in cutlass.range(n_masked - 1, unroll=1):
             v_state = kv_state.clone()
@@ -598,19 +607,21 @@ class FlashAttentionForwardSm90:
 
   @cute.jit
   def _softmax(self, c, acc_s: cute.Tensor, m_block: Int32, n_block: Int32, seqlen_q: Int32,
-               seqlen_k: Int32, is_masked: cutlass.Constexpr, k_state):
+               seqlen_k: Int32, is_masked: cutlass.Constexpr, k_state,
+               fixed_max: cutlass.Constexpr = False):
     """Mask (if needed) and online softmax of one S block; leaves P (fp32) in acc_s.
-    k_state: the K stage of n_block (masked variants read the block's ids from it)."""
+    k_state: the K stage of n_block (masked variants read the block's ids from it). fixed_max
+    (blocks without the mask; the main loop's choice from the call's softcap): the rows keep
+    the fixed capped max, and each score's tanh and exp2 follow each other (capped_softmax)."""
     acc_s_mn = softmax.make_acc_mn_view(acc_s)
     if const_expr(self.masked and not is_masked):
-      # Warp-uniform branches: off, softcap costs a compare. Where the call's softcap fits P's
-      # range (fixed_capped_max) the rows keep a fixed max, and each score's tanh and exp2
-      # follow each other (capped_softmax); otherwise the tanh first, then the running max.
       m = c.masking
-      if const_expr(self.fixed_capped_max) and m.start_max != -Float32.inf:
+      if const_expr(fixed_max):
         c.online.capped_softmax(acc_s_mn, c.row_scale, m.tanh_scale,
                                 m.start_max * c.online.scale_log2, self.dtype)
       else:
+        # A warp-uniform branch: off, softcap costs a compare. The tanh first, then the
+        # running max.
         if m.capped != 0:
           softmax.soft_cap(acc_s, m.tanh_scale)
         c.online.online_softmax(acc_s_mn, c.row_scale)
@@ -714,9 +725,11 @@ class FlashAttentionForwardSm90:
 
   @cute.jit
   def overlap_step(self, c, kv_state, v_state, wg: Int32, m_block: Int32, n_block: Int32,
-                   seqlen_q: Int32, seqlen_k: Int32, is_masked: cutlass.Constexpr):
+                   seqlen_q: Int32, seqlen_k: Int32, is_masked: cutlass.Constexpr,
+                   fixed_max: cutlass.Constexpr = False):
     """S(n_block) = Q K^T (K slot kv_state) and O += P V of the previous block (V slot v_state)
     in flight together; the softmax of n_block runs while the PV GEMM is still going.
+    fixed_max: a block without the mask under the fixed capped max (_softmax).
 
     SASS (ptxas 13, the shipped 16-bit tiles): ptxas places the WARPGROUP.DEPBAR of the
     wait_group(0) below after 50-55 of the block's exps (64 per thread) at the 128 x 128 tiles
@@ -740,7 +753,8 @@ class FlashAttentionForwardSm90:
     warpgroup.wait_group(1)
     self._read_key_block_data(c, kv_state)
     self._release_k(c, kv_state, is_masked, False)
-    self._softmax(c, acc_s, m_block, n_block, seqlen_q, seqlen_k, is_masked, kv_state)
+    self._softmax(c, acc_s, m_block, n_block, seqlen_q, seqlen_k, is_masked, kv_state,
+                  fixed_max)
     self._release_k(c, kv_state, is_masked, True)
     warpgroup.wait_group(0)
     pipeline_v.consumer_release(v_state)
