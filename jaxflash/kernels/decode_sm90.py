@@ -522,8 +522,10 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
 
   @cute.jit
   def _softmax(self, c, acc_s: cute.Tensor, m_block: Int32, n_block: Int32, seqlen_q: Int32,
-               seqlen_k: Int32, is_masked: cutlass.Constexpr, k_state):
-    """Soft-cap (when on), mask the keys outside each row's band (is_masked), online softmax."""
+               seqlen_k: Int32, is_masked: cutlass.Constexpr, k_state,
+               fixed_max: cutlass.Constexpr = False):
+    """Soft-cap (when on), mask the keys outside each row's band (is_masked), online softmax.
+    fixed_max is always False here: decode tiles keep the running max."""
     band = c.masking
     acc_s_mn = softmax.make_acc_mn_view(acc_s)
     if band.capped != 0:
