@@ -101,6 +101,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     self.rescale_o_before_pv = variant.head_dim_v > 128
     # No side buffer rides the K stages: K is released as soon as its GEMM is done.
     self.masked = False
+    self.fixed_capped_max = False  # the running max, soft-capped or not (_softmax)
     self.tiles_from_last_row = False
     self.k_box_cols = _swizzle_elems(self.dtype, self.head_dim)
     self.v_box_rows = _swizzle_elems(self.dtype, self.head_dim_v)

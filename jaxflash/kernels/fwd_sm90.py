@@ -634,11 +634,14 @@ class FlashAttentionForwardSm90:
       mask.apply_band_and_ids(acc_s_mn, c.tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
                               self.tile_m, self.tile_n, m.window_left, m.window_right,
                               c.row_ids, m.key_ids_smem[None, k_state.index])
-      if const_expr(self.fixed_capped_max) and m.start_max != -Float32.inf:
-        # The fixed max never moves: a threshold of +inf, a constant, so the max's move and
-        # its rescale compile away here and the running max's path keeps its own constant.
-        fixed = dataclasses.replace(c.online, threshold_log2=math.inf)
-        fixed.online_softmax(acc_s_mn, c.row_scale, p_dtype=self.dtype)
+      if const_expr(self.fixed_capped_max):
+        if m.start_max != -Float32.inf:
+          # The fixed max never moves: a threshold of +inf, a constant, so the max's move and
+          # its rescale compile away here and the running max's path keeps its own constant.
+          fixed = dataclasses.replace(c.online, threshold_log2=math.inf)
+          fixed.online_softmax(acc_s_mn, c.row_scale, p_dtype=self.dtype)
+        else:
+          c.online.online_softmax(acc_s_mn, c.row_scale)
       else:
         c.online.online_softmax(acc_s_mn, c.row_scale)
     else:
@@ -685,7 +688,8 @@ class FlashAttentionForwardSm90:
     softmax.convert_p(acc_s, p)
 
   def _online_softmax(self, softmax_scale: Float32, num_rows: int, scheduler):
-    return softmax.OnlineSoftmax.create(softmax_scale * softmax.LOG2_E, num_rows)
+    return softmax.OnlineSoftmax.create(softmax_scale * softmax.LOG2_E, num_rows,
+                                        rounded_p=self.fixed_capped_max)
 
   def _start_tile(self, online, m_block: Int32, head: Int32, batch: Int32):
     """Per tile, after the softmax state's reset (the FP8 kernel sets the tile's scale)."""

@@ -172,15 +172,23 @@ class OnlineSoftmax:
   # Where the scale changes from tile to tile (the FP8 kernel's descales): one register holding
   # it (set_scale); scale_log2 is then only its first value.
   tile_scale: cute.Tensor = None
+  # Where P may be rounded to its 16-bit type for the row sums (p_dtype): per row, this thread's
+  # sum of p minus rounded p. row_sum (the rounded weights) normalises O; LSE takes row_sum plus
+  # this gap, the sum of the p the backward recomputes from LSE, so there a row's P sums to 1
+  # (a row on one key gets p = 1 exactly, as under the running max). Only blocks under a fixed
+  # max, which never moves, add to it, so it is never rescaled; elsewhere it stays 0.
+  round_gap: cute.Tensor = None
 
   @staticmethod
   def create(scale_log2: Float32, num_rows: int, threshold_log2: float = RESCALE_THRESHOLD_LOG2,
              p_offset_log2: float = 0.0, fma_exp2_per_8: int = 0, max_chains: int = 1,
-             per_tile_scale: bool = False) -> "OnlineSoftmax":
+             per_tile_scale: bool = False, rounded_p: bool = False) -> "OnlineSoftmax":
+    """rounded_p: online_softmax / capped_softmax may round P (p_dtype; round_gap)."""
     s = OnlineSoftmax(scale_log2, num_rows, cute.make_rmem_tensor(num_rows, Float32),
                       cute.make_rmem_tensor(num_rows, Float32), threshold_log2, p_offset_log2,
                       fma_exp2_per_8, max_chains,
-                      cute.make_rmem_tensor(1, Float32) if per_tile_scale else None)
+                      cute.make_rmem_tensor(1, Float32) if per_tile_scale else None,
+                      cute.make_rmem_tensor(num_rows, Float32) if rounded_p else None)
     s.reset()
     if const_expr(per_tile_scale):
       s.set_scale(scale_log2)
@@ -200,6 +208,8 @@ class OnlineSoftmax:
     """Starts a new tile: sum 0, max start_max (raw-score units; None: -inf, no key seen)."""
     self.row_max.fill(-Float32.inf if start_max is None else start_max)
     self.row_sum.fill(0.0)
+    if const_expr(self.round_gap is not None):
+      self.round_gap.fill(0.0)
 
   @cute.jit
   def online_softmax(self, acc_s_mn: cute.Tensor, row_scale: cute.Tensor,
@@ -207,7 +217,8 @@ class OnlineSoftmax:
     """Overwrites acc_s_mn with exp2 of the scaled, max-shifted scores.
 
     p_dtype (P's 16-bit type; None: off): each p is rounded to it here, and the row sums add
-    the rounded values, the weights P V will use (round_p_pair).
+    the rounded values, the weights P V will use (round_p_pair); round_gap takes the
+    difference. Only under a fixed max (threshold +inf).
 
     Writes into row_scale the factor by which the O accumulator and row sums must shrink. Per
     row the max moves only when the block's max exceeds it by more than the threshold (a
@@ -216,6 +227,7 @@ class OnlineSoftmax:
     scale exponentials and rescales the old row sums. A row whose max is still -inf (fully
     masked so far) uses 0 as its shift, so it yields p = 0 instead of NaN.
     """
+    assert p_dtype is None or (self.round_gap is not None and self.threshold_log2 == math.inf)
     num_rows = cute.size(acc_s_mn, mode=[0])
     prev_max = cute.make_rmem_tensor(num_rows, Float32)
     block_sum = cute.make_rmem_tensor(num_rows, Float32)
@@ -247,13 +259,16 @@ class OnlineSoftmax:
           acc_s_mn[i, j] = p
           row_sum += p
       else:
+        p_sum = Float32(0.0)
         for j in cutlass.range_constexpr(0, cute.size(acc_s_mn, mode=[1]), 2):
-          p0, p1 = round_p_pair(self._exp2(acc_s_mn[i, j] * scale_log2 - shift, j),
-                                self._exp2(acc_s_mn[i, j + 1] * scale_log2 - shift, j + 1),
-                                p_dtype == cutlass.BFloat16)
+          e0 = self._exp2(acc_s_mn[i, j] * scale_log2 - shift, j)
+          e1 = self._exp2(acc_s_mn[i, j + 1] * scale_log2 - shift, j + 1)
+          p0, p1 = round_p_pair(e0, e1, p_dtype == cutlass.BFloat16)
           acc_s_mn[i, j] = p0
           acc_s_mn[i, j + 1] = p1
           row_sum += p0 + p1
+          p_sum += e0 + e1
+        self.round_gap[i] = self.round_gap[i] + (p_sum - row_sum)
       block_sum[i] = row_sum
       row_scale[i] = Float32(1.0)
     self._commit(prev_max, block_sum, moved, row_scale)
@@ -274,20 +289,24 @@ class OnlineSoftmax:
     score's tanh and exp2 follow each other with nothing between them. Valid only on a state
     reset with start_max = capped_start_max(...) whose masked blocks keep it too (online_softmax
     with a threshold of +inf): every p then stays a normal number of P's type. Each p is rounded
-    to P's type (round_p_pair), as no key's p is exactly 1 here. row_scale becomes 1.
+    to P's type (round_p_pair), as no key's p is exactly 1 here; round_gap takes the difference.
+    row_scale becomes 1.
     """
     for i in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
       row_sum = Float32(0.0)
+      p_sum = Float32(0.0)
       for j in cutlass.range_constexpr(0, cute.size(acc_s_mn, mode=[1]), 2):
         t0 = cute.math.tanh(acc_s_mn[i, j] * tanh_scale, fastmath=True)
         t1 = cute.math.tanh(acc_s_mn[i, j + 1] * tanh_scale, fastmath=True)
-        p0, p1 = round_p_pair(self._exp2(t0 * self._scale() - shift, j),
-                              self._exp2(t1 * self._scale() - shift, j + 1),
-                              p_dtype == cutlass.BFloat16)
+        e0 = self._exp2(t0 * self._scale() - shift, j)
+        e1 = self._exp2(t1 * self._scale() - shift, j + 1)
+        p0, p1 = round_p_pair(e0, e1, p_dtype == cutlass.BFloat16)
         acc_s_mn[i, j] = p0
         acc_s_mn[i, j + 1] = p1
         row_sum += p0 + p1
+        p_sum += e0 + e1
       self.row_sum[i] = self.row_sum[i] + row_sum
+      self.round_gap[i] = self.round_gap[i] + (p_sum - row_sum)
       row_scale[i] = Float32(1.0)
 
   @cute.jit
@@ -341,12 +360,16 @@ class OnlineSoftmax:
     sink), whose column has no value: with a = row_max * scale_log2 and m = max(a, sink_log2),
     the denominator is 2^m (row_sum 2^(a - m) + 2^(sink_log2 - m)), so the output factor is
     2^(a - m) / that sum and lse = (m + log2(sum)) * ln 2. Without a sink m = a, the factor is
-    1/rowsum and lse = (a + log2(rowsum)) * ln 2, bit for bit as without the operand. A row
+    1/rowsum and lse = (a + log2(rowsum)) * ln 2, bit for bit as without the operand. LSE's sum
+    adds round_gap (the sum of the unrounded p, which the backward recomputes). A row
     with no visible key outputs 0 and has lse = the sink (-inf without one); a row whose sum is
     NaN (a NaN in the caller's inputs) outputs NaN and lse NaN, as the reference does.
     """
     for i in cutlass.range_constexpr(self.num_rows):
       row_sum = cute.arch.warp_reduction_sum(self.row_sum[i], threads_in_group=_THREADS_PER_ROW)
+      gap = Float32(0.0)
+      if const_expr(self.round_gap is not None):
+        gap = cute.arch.warp_reduction_sum(self.round_gap[i], threads_in_group=_THREADS_PER_ROW)
       # Any visible key contributes at least exp2(0) = 1 under the running max, 2^lowest under a
       # fixed one (capped_start_max): a sum of 0 means no visible key. NaN compares unequal to 0
       # and flows through the factor and lse.
@@ -358,8 +381,11 @@ class OnlineSoftmax:
           a = a - self.p_offset_log2
         m = cute.arch.fmax(a, sink_log2)
         keep = cute.math.exp2(a - m, fastmath=True)  # 1 unless the sink dominates
-        total = row_sum * keep + cute.math.exp2(sink_log2 - m, fastmath=True)
+        sink = cute.math.exp2(sink_log2 - m, fastmath=True)
+        total = row_sum * keep + sink
         inv = cute.arch.rcp_approx(total) * keep
+        if const_expr(self.round_gap is not None):
+          total = (row_sum + gap) * keep + sink
         row_lse = (m + cute.math.log2(total, fastmath=True)) * LN_2
       row_inv[i] = inv
       lse[i] = row_lse
