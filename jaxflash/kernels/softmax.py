@@ -259,16 +259,10 @@ class OnlineSoftmax:
           acc_s_mn[i, j] = p
           row_sum += p
       else:
-        p_sum = Float32(0.0)
-        for j in cutlass.range_constexpr(0, cute.size(acc_s_mn, mode=[1]), 2):
-          e0 = self._exp2(acc_s_mn[i, j] * scale_log2 - shift, j)
-          e1 = self._exp2(acc_s_mn[i, j + 1] * scale_log2 - shift, j + 1)
-          p0, p1 = round_p_pair(e0, e1, p_dtype == cutlass.BFloat16)
-          acc_s_mn[i, j] = p0
-          acc_s_mn[i, j + 1] = p1
-          row_sum += p0 + p1
-          p_sum += e0 + e1
-        self.round_gap[i] = self.round_gap[i] + (p_sum - row_sum)
+        row_sum = self._rounded_row(
+            acc_s_mn, i, p_dtype,
+            lambda j: (self._exp2(acc_s_mn[i, j] * scale_log2 - shift, j),
+                       self._exp2(acc_s_mn[i, j + 1] * scale_log2 - shift, j + 1)))
       block_sum[i] = row_sum
       row_scale[i] = Float32(1.0)
     self._commit(prev_max, block_sum, moved, row_scale)
@@ -292,22 +286,32 @@ class OnlineSoftmax:
     to P's type (round_p_pair), as no key's p is exactly 1 here; round_gap takes the difference.
     row_scale becomes 1.
     """
+    def capped_pair(i: int, j: int) -> tuple:
+      t0 = cute.math.tanh(acc_s_mn[i, j] * tanh_scale, fastmath=True)
+      t1 = cute.math.tanh(acc_s_mn[i, j + 1] * tanh_scale, fastmath=True)
+      return (self._exp2(t0 * self._scale() - shift, j),
+              self._exp2(t1 * self._scale() - shift, j + 1))
+
     for i in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
-      row_sum = Float32(0.0)
-      p_sum = Float32(0.0)
-      for j in cutlass.range_constexpr(0, cute.size(acc_s_mn, mode=[1]), 2):
-        t0 = cute.math.tanh(acc_s_mn[i, j] * tanh_scale, fastmath=True)
-        t1 = cute.math.tanh(acc_s_mn[i, j + 1] * tanh_scale, fastmath=True)
-        e0 = self._exp2(t0 * self._scale() - shift, j)
-        e1 = self._exp2(t1 * self._scale() - shift, j + 1)
-        p0, p1 = round_p_pair(e0, e1, p_dtype == cutlass.BFloat16)
-        acc_s_mn[i, j] = p0
-        acc_s_mn[i, j + 1] = p1
-        row_sum += p0 + p1
-        p_sum += e0 + e1
+      row_sum = self._rounded_row(acc_s_mn, i, p_dtype, lambda j: capped_pair(i, j))
       self.row_sum[i] = self.row_sum[i] + row_sum
-      self.round_gap[i] = self.round_gap[i] + (p_sum - row_sum)
       row_scale[i] = Float32(1.0)
+
+  def _rounded_row(self, acc_s_mn: cute.Tensor, i: int, p_dtype, exp_pair) -> Float32:
+    """Row i's p, column pair by pair (exp_pair(j) gives columns j and j + 1), rounded to P's
+    type (round_p_pair) into acc_s_mn; round_gap[i] takes the sum of p minus rounded p.
+    Returns the row's sum of the rounded p."""
+    row_sum = Float32(0.0)
+    p_sum = Float32(0.0)
+    for j in range(0, cute.size(acc_s_mn, mode=[1]), 2):  # a trace-time loop
+      e0, e1 = exp_pair(j)
+      p0, p1 = round_p_pair(e0, e1, p_dtype == cutlass.BFloat16)
+      acc_s_mn[i, j] = p0
+      acc_s_mn[i, j + 1] = p1
+      row_sum += p0 + p1
+      p_sum += e0 + e1
+    self.round_gap[i] = self.round_gap[i] + (p_sum - row_sum)
+    return row_sum
 
   @cute.jit
   def _commit(self, prev_max: cute.Tensor, block_sum: cute.Tensor, moved: Int32,
