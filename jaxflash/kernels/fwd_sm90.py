@@ -634,7 +634,7 @@ class FlashAttentionForwardSm90:
       mask.apply_band_and_ids(acc_s_mn, c.tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
                               self.tile_m, self.tile_n, m.window_left, m.window_right,
                               c.row_ids, m.key_ids_smem[None, k_state.index])
-      if const_expr(self.fixed_capped_max):
+      if const_expr(self.fixed_capped_max):  # other tiles' state holds no round_gap
         if m.start_max != -Float32.inf:
           # The fixed max never moves: a threshold of +inf, a constant, so the max's move and
           # its rescale compile away here and the running max's path keeps its own constant.
