@@ -856,3 +856,17 @@ def test_masked_backward_soft_caps_saturated_scores(variant, case):
   softcap 5, so many sit where 1 - tanh^2 is small."""
   _check_masked_backward(variant, case, f"softcap-bwd{variant.key}{case}", q_scale=4.0,
                          softcap=SOFTCAP)
+
+
+_MASKED_BWD_NONDET = [v for v in MASKED_BWD if not v.deterministic]
+
+
+@pytest.mark.parametrize("variant", _MASKED_BWD_NONDET, ids=[v.key for v in _MASKED_BWD_NONDET])
+def test_masked_backward_soft_caps_rows_on_one_key(variant):
+  """One query on one key (case s1) under softcap 5: the row's P is 1, so dV = dO. The backward
+  recomputes P from the forward's LSE, which must come from the unrounded row sums where the
+  forward rounds P under a fixed row max (from the rounded sums P was 1 +- 2^-8 and dV missed
+  the oracle). Every non-deterministic masked backward variant, each with the forward variant
+  the call picks (deterministic variants share the forward and the tanh derivative)."""
+  _check_masked_backward(variant, "s1", f"softcap-bwd-one{variant.key}", q_scale=4.0,
+                         softcap=SOFTCAP)
