@@ -345,3 +345,76 @@ def test_decode_benchmark_reports_a_column_that_fails_while_timed(decode, monkey
   by_impl = {r["impl"]: r for r in records}
   assert by_impl["flaky"]["error"] == "RuntimeError: device lost"
   assert by_impl["steady"]["us"] > 0 and "error" not in by_impl["steady"]
+
+
+@pytest.fixture(scope="module")
+def prefill():
+  return load_script("benchmarks/bench_prefill.py")
+
+
+def _lowered_fwd_calls(fn, args):
+  """(variant, softcap, causal, window_left) of each jaxflash forward custom call in fn's
+  lowering for CUDA (no GPU needed)."""
+  import re
+
+  import jax
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  calls = re.findall(r"custom_call @jaxflash_attention_fwd\(.*?\{(.*?)\}", text)
+  field = lambda name, attrs: re.search(rf"\b{name} = ([^,]+?)(?: : \w+)?(?:,|$)", attrs).group(1)
+  return [(field("variant", a).strip('"'), float(field("softcap", a)), field("causal", a),
+           int(field("window_left", a))) for a in calls]
+
+
+@pytest.mark.parametrize("row,want_ours,want_other", [
+    ("d64-1k-causal", ("-d64-dv64-causal-", 0.0, "true"), "cuDNN"),
+    ("packed8-vs-batch", ("-d128-dv128-masked-", 0.0, "true"), ("-d128-dv128-causal-", 0.0, "true")),
+    ("gpt-oss", ("-d64-dv64-masked-", 0.0, "true"), "cuDNN"),
+    ("softcap-d128", ("-d128-dv128-masked-", 30.0, "false"), ("-d128-dv128-m", 0.0, "false")),
+    ("fp8-4k-d128", ("-e4m3-d128-", 0.0, "false"), "cuDNN"),
+])
+def test_prefill_rows_time_the_calls_they_name(prefill, monkeypatch, row, want_ours, want_other):
+  """Each row's first call is one jaxflash forward kernel of the named kind (lowered for CUDA on
+  this CPU host), and its other call is cuDNN (which refuses to trace without a GPU) or the
+  jaxflash call the row names."""
+  import numpy as np
+  for module in (prefill, prefill.bench_modifiers, prefill.bench_fp8):
+    monkeypatch.setattr(module, "TOKENS", 4096)  # a batch of one at the 4k rows
+  (ours, ours_args), (other, other_args) = prefill.ROWS[row].make(np.random.default_rng(0))
+
+  def check(calls, want):
+    assert len(calls) == 1, calls
+    variant, softcap, causal, window_left = calls[0]
+    assert want[0] in variant and (softcap, causal) == want[1:], calls[0]
+    return window_left
+
+  window_left = check(_lowered_fwd_calls(ours, ours_args), want_ours)
+  assert (window_left == 128) == (row == "gpt-oss")
+  if want_other == "cuDNN":
+    with pytest.raises(RuntimeError, match="cuDNN"):
+      _lowered_fwd_calls(other, other_args)
+  else:
+    check(_lowered_fwd_calls(other, other_args), want_other)
+
+
+def test_prefill_table_reports_each_round_the_median_and_the_bar(prefill):
+  records = [dict(row="packed8", ratio=x) for x in (0.9, 1.1, 1.2)]
+  records += [dict(row="softcap-d64", ratio=x) for x in (0.7, None, 0.74)]
+  text = prefill.table(records, ["packed8", "softcap-d64"], 3)
+  assert "| packed8 | cuDNN packed | 0.900 | 1.100 | 1.200 | 1.100 | 1.0 | yes |" in text
+  assert "| softcap-d64 | jaxflash plain | 0.700 | - | 0.740 | 0.720 | 0.75 | no |" in text
+
+
+def test_prefill_benchmark_reports_rows_that_fail(prefill, monkeypatch, tmp_path, capsys):
+  """A row whose calls fail (no GPU here) is a record with the failure in every round and '-'
+  in the table; --rounds must be positive."""
+  monkeypatch.setattr(prefill, "TOKENS", 2048)
+  assert prefill.main(["--rows", "d128-1k", "--rounds", "2", "--spin-up", "0",
+                       "--out", str(tmp_path)]) == 0
+  records = json.loads((tmp_path / "bench_prefill.json").read_text())
+  assert [(r["row"], r["round"], r["ratio"]) for r in records] == [("d128-1k", 1, None),
+                                                                    ("d128-1k", 2, None)]
+  assert all(r["note"].startswith("failed: ") for r in records)
+  assert "| d128-1k | cuDNN | - | - | - | 1.05 | - |" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    prefill.main(["--rounds", "0", "--spin-up", "0", "--out", str(tmp_path)])
+  assert "--rounds" in capsys.readouterr().err

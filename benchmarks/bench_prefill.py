@@ -1,0 +1,177 @@
+"""Prefill forwards against their bars: each row times jaxflash and the call it is measured
+against in the same process, over alternated rounds; table of per-round ratios and the median.
+
+Rows (forward only; bf16 unless FP8; batch * seq = 16384 tokens and heads = 2048 / head_dim as
+in bench_attention.py, which also times them):
+  d64-1k-causal, d128-1k-causal, d128-1k: dense seq 1k against cuDNN (jax.nn);
+  packed8, packed11: bench_masked.py's packed documents (ids as jit arguments) against cuDNN's
+    packed layout; packed8-vs-batch: the same call against our dense causal kernel on the
+    documents as a batch of 8 x 2048;
+  gpt-oss: bench_modifiers.py's gpt-oss shape at 16k (causal window 128 + learnable sinks)
+    against cuDNN's window without sinks (jax.nn takes no sinks);
+  softcap-d64, softcap-d128: softcap 30, batch 4 x 4096, not causal, against our plain call
+    (jax.nn takes no softcap);
+  fp8-4k-d64 ... fp8-16k-d256: FP8 e4m3 with per-head descales against cuDNN FP8
+    (bench_fp8.py's columns), not causal.
+A ratio is the other call's time over jaxflash's: above 1 jaxflash is faster. The bar is the
+ratio each row is held to (1.0 against cuDNN, 1.05 at head_dim 128 seq 1k, 0.95 against our
+batch, 0.75 / 0.85 for softcap at head_dim 64 / 128). Rounds alternate which call of a row goes
+first. Timing: bench_attention.time_ms. Needs the kernels (JAXFLASH_CACHE_DIR or the kernel
+wheel; scripts/gpu_check.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks
+import bench_attention  # noqa: E402
+import bench_fp8  # noqa: E402
+import bench_masked  # noqa: E402
+import bench_modifiers  # noqa: E402
+
+TOKENS, WIDTH = 16384, 2048
+SOFTCAP_SEQ = 4096
+
+
+class Row(NamedTuple):
+  """make(rng) -> ((jaxflash fn, args), (other fn, args)); the ratio is other / jaxflash time."""
+  bar: float
+  versus: str
+  make: Callable
+
+
+def _dense(head_dim: int, causal: bool, seq: int = 1024):
+  def make(rng):
+    shape = (TOKENS // seq, seq, WIDTH // head_dim, head_dim)
+    args = tuple(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(3))
+    return ((bench_attention.attention_fn("jaxflash", causal, head_dim, head_dim), args),
+            (bench_attention.attention_fn("cudnn", causal, head_dim, head_dim), args))
+  return make
+
+
+def _packed(name: str, other: str):
+  def make(rng):
+    case = bench_masked.cases()[name]
+    b, s = case.shape
+    q, k, v = (jnp.asarray(rng.standard_normal((b, s, bench_masked.HEADS, bench_masked.HEAD_DIM)),
+                           jnp.bfloat16) for _ in range(3))
+    args = (q, k, v, case.data)
+    return (case.impls["jaxflash"], args), (case.impls[other], args)
+  return make
+
+
+def _gpt_oss(rng):
+  args = bench_modifiers.gpt_oss_inputs(TOKENS, rng)
+  return ((bench_modifiers.gpt_oss_fn("window+sink"), args),
+          (bench_modifiers.gpt_oss_fn("cudnn window"), args))
+
+
+def _softcap(head_dim: int):
+  def make(rng):
+    h = WIDTH // head_dim
+    args = bench_modifiers.inputs(SOFTCAP_SEQ, h, h, head_dim, rng)
+    return ((bench_modifiers.attend_fn("softcap", False), args),
+            (bench_modifiers.attend_fn("jaxflash", False), args))
+  return make
+
+
+def _fp8(head_dim: int, seq: int):
+  def make(rng):
+    calls = bench_fp8.calls(head_dim, seq, False, rng)
+    return calls["fp8"], calls["cudnn-fp8"]
+  return make
+
+
+ROWS = {
+    "d64-1k-causal": Row(1.0, "cuDNN", _dense(64, True)),
+    "d128-1k-causal": Row(1.05, "cuDNN", _dense(128, True)),
+    "d128-1k": Row(1.05, "cuDNN", _dense(128, False)),
+    "packed8": Row(1.0, "cuDNN packed", _packed("packed8", "cudnn")),
+    "packed8-vs-batch": Row(0.95, "jaxflash batch", _packed("packed8", "jaxflash-batched")),
+    "packed11": Row(1.0, "cuDNN packed", _packed("packed11", "cudnn")),
+    "gpt-oss": Row(1.0, "cuDNN window", _gpt_oss),
+    "softcap-d64": Row(0.75, "jaxflash plain", _softcap(64)),
+    "softcap-d128": Row(0.85, "jaxflash plain", _softcap(128)),
+    **{f"fp8-{seq // 1024}k-d{d}": Row(1.0, "cuDNN FP8", _fp8(d, seq))
+       for seq in (4096, 16384) for d in (64, 128, 256)},
+}
+
+
+def time_row(ours, other, other_first: bool) -> dict:
+  """The two calls' median ms and other / ours; a failure is noted, not raised."""
+  rec = dict(ms=None, other_ms=None, ratio=None)
+  try:
+    order = (("other_ms", other), ("ms", ours)) if other_first else (("ms", ours),
+                                                                     ("other_ms", other))
+    for key, (fn, args) in order:
+      rec[key] = bench_attention.time_ms(fn, *args)
+    rec["ratio"] = rec["other_ms"] / rec["ms"]
+  except Exception as e:  # report it and keep going
+    rec["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  return rec
+
+
+def table(records: list, names: list, rounds: int) -> str:
+  """Markdown: a row per benchmark row, a column per round, the median and whether the median
+  reaches the bar."""
+  lines = ["| row | against | " + " | ".join(f"round {r + 1}" for r in range(rounds))
+           + " | median | bar | met |", "|---" * (rounds + 5) + "|"]
+  for name in names:
+    ratios = [r["ratio"] for r in records if r["row"] == name]
+    cells = [f"{x:.3f}" if x is not None else "-" for x in ratios]
+    done = [x for x in ratios if x is not None]
+    median = statistics.median(done) if done else None
+    bar = ROWS[name].bar
+    met = "-" if median is None else ("yes" if median >= bar else "no")
+    lines.append(f"| {name} | {ROWS[name].versus} | " + " | ".join(cells)
+                 + f" | {'-' if median is None else f'{median:.3f}'} | {bar} | {met} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+  p.add_argument("--rounds", type=int, default=3, help="times every row this many times")
+  bench_attention.add_run_arguments(p)
+  args = p.parse_args(argv)
+  if args.rounds < 1:
+    p.error(f"--rounds: {args.rounds} is not a positive count")
+  bench_attention.spin_up(args.spin_up)
+  rng = np.random.default_rng(0)
+  calls = {}
+  for name in args.rows:
+    try:
+      (ours, ours_args), (other, other_args) = ROWS[name].make(rng)
+      calls[name] = ((jax.jit(ours), ours_args), (jax.jit(other), other_args))
+    except Exception as e:  # a row that cannot be built is reported in every round
+      calls[name] = e
+  records = []
+  for r in range(args.rounds):
+    for name in args.rows:
+      built = calls[name]
+      if isinstance(built, Exception):
+        rec = dict(ms=None, other_ms=None, ratio=None,
+                   note=f"failed: {type(built).__name__}: {str(built).splitlines()[0][:200]}")
+      else:
+        rec = time_row(*built, other_first=r % 2 == 1)
+      rec = dict(row=name, round=r + 1, versus=ROWS[name].versus, bar=ROWS[name].bar, **rec)
+      records.append(rec)
+      print(json.dumps(rec), flush=True)
+  args.out.mkdir(parents=True, exist_ok=True)
+  (args.out / "bench_prefill.json").write_text(json.dumps(records, indent=1))
+  print(table(records, args.rows, args.rounds))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
