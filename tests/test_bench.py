@@ -418,3 +418,8 @@ def test_prefill_benchmark_reports_rows_that_fail(prefill, monkeypatch, tmp_path
   with pytest.raises(SystemExit):
     prefill.main(["--rounds", "0", "--spin-up", "0", "--out", str(tmp_path)])
   assert "--rounds" in capsys.readouterr().err
+
+
+def test_prefill_failure_note_names_the_exception_even_without_a_message(prefill):
+  assert prefill.failure(RuntimeError("no GPU\ndetails")) == "failed: RuntimeError: no GPU"
+  assert prefill.failure(ValueError()) == "failed: ValueError: "
