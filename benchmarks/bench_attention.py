@@ -119,6 +119,11 @@ def _non_negative(text: str) -> float:
   return value
 
 
+def failure_note(e: Exception) -> str:
+  """A result's note for a cell that raised: the exception's type and first line (200 chars)."""
+  return f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+
+
 def time_ms(fn, *args) -> float:
   """Median ms per call; CALLS calls per repetition, blocking on the last one only."""
   for _ in range(WARMUPS):
@@ -177,7 +182,7 @@ def run_cell(head_dim, head_dim_v, seq, causal, dtype, modes, impls, xla_max_sco
               [np.asarray(x, np.float32).ravel() for x in jax.tree_util.tree_leaves(fn(q, k, v))])
         rec["ms"] = time_ms(fn, q, k, v)
       except Exception as e:  # report it and keep going
-        rec["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        rec["note"] = failure_note(e)
         continue
       count = fwd_flops if mode == "fwd" else fwd_bwd_flops
       flops = count(batch, heads, seq, head_dim, head_dim_v, causal)

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     try:
       ms = bench_attention.time_ms(run, q, k, v)
     except Exception as error:  # an implementation this host cannot run: say so, keep going
-      print(f"{impl}: {type(error).__name__}: {str(error).splitlines()[0]}", file=sys.stderr)
+      print(f"{impl}: {bench_attention.failure_note(error)}", file=sys.stderr)
       continue
     rows.append(dict(impl=impl, chain=args.chain, us_per_call=ms * 1e3 / args.chain,
                      xla_flags=os.environ.get("XLA_FLAGS", ""), **SHAPE))

@@ -210,7 +210,7 @@ def main(argv=None) -> int:
           flops = 4.0 * HEADS * HEAD_DIM * pairs * (1.0 if mode == "fwd" else 3.5)
           rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
         except Exception as e:  # report it and keep going
-          rec["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+          rec["note"] = bench_attention.failure_note(e)
         records.append(rec)
         print(json.dumps(rec), flush=True)
     if args.prep and case.data:

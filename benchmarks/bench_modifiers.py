@@ -71,7 +71,7 @@ def timed_record(fn, args, flops: float, **fields) -> dict:
     rec["ms"] = bench_attention.time_ms(fn, *args)
     rec["tflops"] = flops / (rec["ms"] * 1e-3) / 1e12
   except Exception as e:  # report it and keep going
-    rec["note"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    rec["note"] = bench_attention.failure_note(e)
   print(json.dumps(rec), flush=True)
   return rec
 

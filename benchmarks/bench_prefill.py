@@ -107,11 +107,6 @@ ROWS = {
 }
 
 
-def failure(e: Exception) -> str:
-  """A record's note for a row that raised: the exception's type and first line."""
-  return f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-
-
 def time_row(ours, other, other_first: bool) -> dict:
   """The two calls' median ms and other / ours; a failure is noted, not raised."""
   rec = dict(ms=None, other_ms=None, ratio=None)
@@ -122,7 +117,7 @@ def time_row(ours, other, other_first: bool) -> dict:
       rec[key] = bench_attention.time_ms(fn, *args)
     rec["ratio"] = rec["other_ms"] / rec["ms"]
   except Exception as e:  # report it and keep going
-    rec["note"] = failure(e)
+    rec["note"] = bench_attention.failure_note(e)
   return rec
 
 
@@ -165,7 +160,7 @@ def main(argv=None) -> int:
     for name in args.rows:
       built = calls[name]
       if isinstance(built, Exception):
-        rec = dict(ms=None, other_ms=None, ratio=None, note=failure(built))
+        rec = dict(ms=None, other_ms=None, ratio=None, note=bench_attention.failure_note(built))
       else:
         rec = time_row(*built, other_first=r % 2 == 1)
       rec = dict(row=name, round=r + 1, versus=ROWS[name].versus, bar=ROWS[name].bar, **rec)

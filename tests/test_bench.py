@@ -420,6 +420,7 @@ def test_prefill_benchmark_reports_rows_that_fail(prefill, monkeypatch, tmp_path
   assert "--rounds" in capsys.readouterr().err
 
 
-def test_prefill_failure_note_names_the_exception_even_without_a_message(prefill):
-  assert prefill.failure(RuntimeError("no GPU\ndetails")) == "failed: RuntimeError: no GPU"
-  assert prefill.failure(ValueError()) == "failed: ValueError: "
+def test_failure_note_names_the_exception_even_without_a_message(bench):
+  assert bench.failure_note(RuntimeError("no GPU\ndetails")) == "failed: RuntimeError: no GPU"
+  assert bench.failure_note(ValueError()) == "failed: ValueError: "
+  assert bench.failure_note(ValueError("x" * 300)) == "failed: ValueError: " + "x" * 200
