@@ -741,8 +741,10 @@ class FlashAttentionForwardSm90:
     128 x 80, and above all of them (after only the rows' scale exps) at hdim 128's 128 x 176
     and at hdim 64's 192 x 128 with causal or mask (the other warpgroups' GEMMs still hide that
     softmax: ping-pong); in the FP8 kernel, above all of them (keeping them above it measured no
-    faster: docs/kernels.md, "Experiments that lost"). Predicating the wait made ptxas serialise
-    every WGMMA; two P buffers (no wait here at all) spilled at 240 registers.
+    faster: docs/kernels.md, "Experiments that lost"). In the fixed_max loop (capped_softmax,
+    no branch in the step) it sits above all but 0-9 of the 40-64 exps at every two-warpgroup
+    masked tile. Predicating the wait made ptxas serialise every WGMMA; two P buffers (no wait
+    here at all) spilled at 240 registers.
     """
     pipeline_k, pipeline_v = c.pipeline_k, c.pipeline_v
     acc_s = self._new_acc_s(c)
