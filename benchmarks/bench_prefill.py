@@ -39,7 +39,7 @@ import bench_fp8  # noqa: E402
 import bench_masked  # noqa: E402
 import bench_modifiers  # noqa: E402
 
-TOKENS, WIDTH = 16384, 2048
+TOKENS, WIDTH = bench_attention.TOKENS, bench_attention.WIDTH  # the same shapes
 SOFTCAP_SEQ = 4096
 
 
