@@ -1,4 +1,5 @@
-"""TFLOP/s of jaxflash (CuTe kernels) vs cuDNN vs XLA attention on one GPU; table, JSON, PNG.
+"""TFLOP/s of jaxflash (CuTe kernels) vs FlashAttention-3 vs cuDNN vs XLA attention on one GPU;
+table, JSON, PNG.
 
 Timing: 2 warm-ups, then 7 repetitions of 5 calls dispatched back to back
 and blocked on the last; the median per-call time counts. Before the first cell, --spin-up
@@ -8,7 +9,10 @@ heads = 2048 / head_dim. Needs the jaxflash kernels in JAXFLASH_CACHE_DIR (scrip
 Flops: forward 2*b*h*s^2*(d + dv) (= 4*b*h*s^2*d when dv == d), halved if causal; forward +
 backward 2*b*h*s^2*(4d + 3dv) (3.5x the forward when dv == d), halved if causal.
 Forward+backward rows also time jaxflash with deterministic=True ("jaxflash det.", --skip-det
-leaves it out) and give its ratio to the default backward.
+leaves it out) and give its ratio to the default backward. --heads / --q-per-kv set the query
+heads and how many share a kv head (GQA). FA-3 = FlashAttention-3's own Hopper kernels through
+devtools/fa3_binding.py, where its library is found (JAXFLASH_FA3_LIBRARY); the run says why
+the column is missing otherwise.
 """
 
 from __future__ import annotations
@@ -28,10 +32,14 @@ import numpy as np
 
 import jaxflash
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "devtools"))
+import fa3_binding  # noqa: E402
+
 TOKENS, WIDTH = 16384, 2048
 WARMUPS, REPS, CALLS = 2, 7, 5
-IMPLS = ("jaxflash", "jaxflash-det", "cudnn", "xla")
-LABELS = {"jaxflash": "jaxflash", "jaxflash-det": "jaxflash det.", "cudnn": "cuDNN", "xla": "XLA"}
+IMPLS = ("jaxflash", "jaxflash-det", "fa3", "cudnn", "xla")
+LABELS = {"jaxflash": "jaxflash", "jaxflash-det": "jaxflash det.", "fa3": "FA-3", "cudnn": "cuDNN",
+          "xla": "XLA"}
 # jaxflash-det = deterministic=True: only its backward differs, so it is timed in fwd+bwd only.
 FWD_BWD_ONLY = ("jaxflash-det",)
 # Which head dims have a CuTe backward kernel decides what jaxflash's fwd+bwd column measures.
@@ -72,6 +80,11 @@ def attention_fn(impl: str, causal: bool, head_dim: int, head_dim_v: int):
   if impl in ("jaxflash", "jaxflash-det"):
     return lambda q, k, v: jaxflash.attention(q, k, v, causal=causal, implementation="cute",
                                               deterministic=impl == "jaxflash-det")
+  if impl == "fa3":
+    if head_dim_v != head_dim:
+      raise ValueError(f"FA-3's targets take head_dim_v = head_dim, not {head_dim_v} != "
+                       f"{head_dim}")
+    return lambda q, k, v: fa3_binding.attention(q, k, v, causal=causal)
   if head_dim_v != head_dim and impl == "cudnn":
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
     mask = cudnn_attention.MaskType.CAUSAL if causal else cudnn_attention.MaskType.NO_MASK
@@ -155,17 +168,26 @@ def relative_l2(a, b) -> float:
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def run_cell(head_dim, head_dim_v, seq, causal, dtype, modes, impls, xla_max_scores, rng):
-  """All (impl, mode) timings of one shape; returns result records."""
-  batch, heads = TOKENS // seq, WIDTH // head_dim
+def run_cell(head_dim, head_dim_v, seq, causal, dtype, modes, impls, xla_max_scores, rng,
+             heads=None, q_per_kv=1):
+  """All (impl, mode) timings of one shape (heads: query heads, default WIDTH // head_dim;
+  q_per_kv of them share a kv head); returns result records."""
+  batch, heads = TOKENS // seq, heads or WIDTH // head_dim
+  kv_heads = heads // q_per_kv
   shape, shape_v = (batch, seq, heads, head_dim), (batch, seq, heads, head_dim_v)
-  q, k, v, ct = (jnp.asarray(rng.standard_normal(s), dtype)
-                 for s in (shape, shape, shape_v, shape_v))
+  q, ct = (jnp.asarray(rng.standard_normal(s), dtype) for s in (shape, shape_v))
+  k, v = (jnp.asarray(rng.standard_normal(s[:2] + (kv_heads, s[3])), dtype)
+          for s in (shape, shape_v))
   base = {"head_dim": head_dim, "head_dim_v": head_dim_v, "seq": seq, "causal": causal,
-          "batch": batch, "heads": heads, "dtype": jnp.dtype(dtype).name}
+          "batch": batch, "heads": heads, "kv_heads": kv_heads, "dtype": jnp.dtype(dtype).name}
   records, outputs = [], {}
   for impl in impls:
-    attn = attention_fn(impl, causal, head_dim, head_dim_v)
+    try:
+      attn = attention_fn(impl, causal, head_dim, head_dim_v)
+    except ValueError as e:  # an implementation without this shape
+      records += [dict(base, impl=impl, mode=m, ms=None, tflops=None, note=f"skipped: {e}")
+                  for m in modes if not (m == "fwd" and impl in FWD_BWD_ONLY)]
+      continue
     for mode in modes:
       if mode == "fwd" and impl in FWD_BWD_ONLY:
         continue
@@ -206,7 +228,9 @@ def markdown(records, modes, impls) -> str:
   cols = [(m, i) for m in modes for i in impls if not (m == "fwd" and i in FWD_BWD_ONLY)]
   det = "fwd+bwd" in modes and "jaxflash-det" in impls
   head = ["hdim", "seq", "causal"] + [f"{LABELS[i]} {m}" for m, i in cols]
-  head += [f"jaxflash/cuDNN {m}" for m in modes] + ["det./default fwd+bwd"] * det
+  fa3 = "fa3" in impls
+  head += [f"jaxflash/cuDNN {m}" for m in modes] + [f"jaxflash/FA-3 {m}" for m in modes] * fa3
+  head += ["det./default fwd+bwd"] * det
   head += [f"rel. L2 vs cuDNN {m}" for m in modes]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   cells = {}
@@ -215,9 +239,10 @@ def markdown(records, modes, impls) -> str:
     cells.setdefault(key, {})[(r["mode"], r["impl"])] = r
   for (d, s, c), row in cells.items():
     vals = [_fmt(row.get(col, {}).get("tflops")) for col in cols]
-    for m in modes:
-      jf, cu = (row.get((m, i), {}).get("tflops") for i in ("jaxflash", "cudnn"))
-      vals.append(_fmt(jf / cu, 2) if jf and cu else "-")
+    for other in ("cudnn", "fa3") if fa3 else ("cudnn",):
+      for m in modes:
+        jf, them = (row.get((m, i), {}).get("tflops") for i in ("jaxflash", other))
+        vals.append(_fmt(jf / them, 2) if jf and them else "-")
     if det:
       jd, jf = (row.get(("fwd+bwd", i), {}).get("tflops") for i in ("jaxflash-det", "jaxflash"))
       vals.append(_fmt(jd / jf, 2) if jd and jf else "-")
@@ -242,7 +267,8 @@ def plot(records, modes, impls, path: Path) -> str:
   for row, causal in enumerate(causals):
     for col, d in enumerate(hdims):
       ax = axes[row][col]
-      for color, impl in zip(("tab:red", "tab:orange", "tab:blue", "tab:gray"), impls):
+      for color, impl in zip(("tab:red", "tab:orange", "tab:green", "tab:blue", "tab:gray"),
+                             impls):
         for mode in modes:
           pts = sorted((r["seq"], r["tflops"]) for r in records
                        if r["impl"] == impl and r["mode"] == mode
@@ -284,7 +310,12 @@ def main(argv=None) -> int:
   only = p.add_mutually_exclusive_group()
   only.add_argument("--fwd-only", action="store_true", help="skip forward+backward")
   only.add_argument("--bwd-only", action="store_true", help="forward+backward only")
+  p.add_argument("--heads", type=int, default=None,
+                 help="query heads (default 2048 / head_dim)")
+  p.add_argument("--q-per-kv", type=int, default=1,
+                 help="query heads per kv head (GQA; must divide the query heads)")
   p.add_argument("--skip-xla", action="store_true")
+  p.add_argument("--skip-fa3", action="store_true", help="skip the FlashAttention-3 column")
   p.add_argument("--skip-det", action="store_true",
                  help="skip the deterministic-backward jaxflash column (fwd+bwd)")
   p.add_argument("--quick", action="store_true", help="seq 1024 and 4096 only")
@@ -294,14 +325,24 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.quick:
     args.seq = [1024, 4096]
+  for d, _ in args.hdim:
+    heads = args.heads or WIDTH // d
+    if args.q_per_kv < 1 or heads % args.q_per_kv:
+      p.error(f"--q-per-kv: {args.q_per_kv} does not divide the {heads} query heads of head_dim "
+              f"{d}")
   modes = ("fwd",) if args.fwd_only else ("fwd+bwd",) if args.bwd_only else ("fwd", "fwd+bwd")
+  fa3_ok, fa3_where = (False, "--skip-fa3") if args.skip_fa3 else fa3_binding.availability()
   impls = tuple(i for i in IMPLS if not (args.skip_xla and i == "xla")
-                and not ((args.skip_det or args.fwd_only) and i == "jaxflash-det"))
+                and not ((args.skip_det or args.fwd_only) and i == "jaxflash-det")
+                and not (i == "fa3" and not fa3_ok))
+  if fa3_ok:
+    fa3_binding.register()
   dtype = jnp.dtype(args.dtype)
   device = jax.devices()[0]
   print(f"device: {device.device_kind}; jax {jax.__version__}; jaxflash {jaxflash.__version__}; "
         f"{args.dtype}; {WARMUPS} warm-ups, median of {REPS} x {CALLS} pipelined calls",
         flush=True)
+  print(f"FA-3 column: {fa3_where}" if fa3_ok else f"no FA-3 column: {fa3_where}", flush=True)
   runs = spin_up(args.spin_up)
   if runs:
     print(f"spin-up: {runs} matmuls in {args.spin_up:g} s before the first cell", flush=True)
@@ -310,7 +351,8 @@ def main(argv=None) -> int:
   for d, dv in args.hdim:
     for s in args.seq:
       for c in args.causal:
-        cell = run_cell(d, dv, s, bool(c), dtype, modes, impls, args.xla_max_scores, rng)
+        cell = run_cell(d, dv, s, bool(c), dtype, modes, impls, args.xla_max_scores, rng,
+                        args.heads, args.q_per_kv)
         records += cell
         summary = ", ".join(f"{r['impl']} {r['mode']} {_fmt(r['tflops'])}" for r in cell)
         print(f"  hdim {hdim_label(d, dv)} seq {s} causal {c}: {summary} TFLOP/s "
@@ -331,7 +373,7 @@ def main(argv=None) -> int:
   meta = {"device": device.device_kind, "jax": jax.__version__, "jaxflash": jaxflash.__version__,
           "dtype": args.dtype, "timing": f"{WARMUPS} warm-ups, median of {REPS} x {CALLS} calls",
           "flops": "fwd 2*b*h*s*s*(d+dv), fwd+bwd 2*b*h*s*s*(4d+3dv); halved if causal",
-          "note": BWD_NOTE, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+          "note": BWD_NOTE, "fa3": fa3_where, "date": datetime.datetime.now().isoformat(timespec="seconds"),
           "seconds": round(time.perf_counter() - start, 1)}
   (args.out / "bench_attention.json").write_text(
       json.dumps({"meta": meta, "results": records}, indent=1) + "\n")

@@ -10,8 +10,10 @@ Cases (bf16, head_dim 128, 16 heads; batch 1 unless noted):
 Implementations: jaxflash (segment ids / window_size, `deterministic=True` as "jaxflash-det"),
 cuDNN (packed: jax's private cuDNN entry with q_offsets / kv_offsets and per-document lengths,
 MaskType.PADDING_CAUSAL; windows: jax.nn.dot_product_attention(local_window_size=...), which
-cuDNN takes for left windows only; padded: jax.nn with query / key lengths), and for packed8
-jaxflash's dense causal kernel on the same documents as a batch ("jaxflash-batched").
+cuDNN takes for left windows only; padded: jax.nn with query / key lengths), FlashAttention-3
+("fa3", devtools/fa3_binding.py, where its library is found; packed: its varlen kernels over
+the same offsets, as jit arguments; windows and dense: its window and causal arguments), and for
+packed8 jaxflash's dense causal kernel on the same documents as a batch ("jaxflash-batched").
 Effective TFLOP/s count only the (query, key) pairs the mask keeps: forward 4 * h * d * pairs,
 forward + backward 3.5x that. Timing as benchmarks/bench_attention.py (its time_ms). Segment
 ids, document offsets and lengths are jit arguments, as in a training step: the block-range
@@ -38,6 +40,7 @@ from jaxflash.config import AttentionConfig, KernelVariant
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench_attention.py
 import bench_attention  # noqa: E402
+import fa3_binding  # noqa: E402  (bench_attention put devtools/ on the path)
 
 HEADS, HEAD_DIM = 16, 128
 
@@ -70,6 +73,8 @@ def _window_impls(left, right, causal):
         implementation="cute")
   window = (left, 0) if causal else (left, right)
   return {"jaxflash": flash(False), "jaxflash-det": flash(True),
+          "fa3": lambda q, k, v, data: fa3_binding.attention(q, k, v, causal=causal,
+                                                            window_size=(left, right)),
           "cudnn": lambda q, k, v, data: jax.nn.dot_product_attention(
               q, k, v, is_causal=causal, local_window_size=window, implementation="cudnn")}
 
@@ -81,6 +86,17 @@ def _segment_impls(causal=True):
         q, k, v, causal=causal, q_segment_ids=data[0], kv_segment_ids=data[1],
         deterministic=deterministic, implementation="cute")
   return {"jaxflash": flash(False), "jaxflash-det": flash(True)}
+
+
+def _fa3_packed(longest: int):
+  """FA-3's varlen kernels on the rows of data[2] = document offsets (1, documents + 1), the
+  tokens of the one row packed as (tokens, heads, head_dim); longest: the longest document."""
+  def attend(q, k, v, data):
+    fold = lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    out = fa3_binding.varlen_attention(fold(q), fold(k), fold(v), data[2][0], longest,
+                                       causal=True)
+    return out.reshape(q.shape[:2] + out.shape[1:])
+  return attend
 
 
 def _cudnn_packed(q, k, v, data):
@@ -109,7 +125,7 @@ def cases():
     lengths = packed_lengths(name)
     ids = jnp.asarray([np.repeat(np.arange(len(lengths)), lengths)], jnp.int32)
     offsets = jnp.asarray([np.concatenate([[0], np.cumsum(lengths)])], jnp.int32)
-    impls = dict(_segment_impls(), cudnn=_cudnn_packed)
+    impls = dict(_segment_impls(), cudnn=_cudnn_packed, fa3=_fa3_packed(max(lengths)))
     if len(set(lengths)) == 1:
       n = len(lengths)
 
@@ -141,6 +157,7 @@ def cases():
                                                            implementation="cute"),
       "cudnn": lambda q, k, v, data: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                   implementation="cudnn"),
+      "fa3": lambda q, k, v, data: fa3_binding.attention(q, k, v, causal=True),
   }, causal_pairs([seq]))
   return out
 
@@ -188,8 +205,13 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
   p.add_argument("--prep", action="store_true", help="also time the block-range preparation")
+  p.add_argument("--skip-fa3", action="store_true", help="skip the FlashAttention-3 column")
   bench_attention.add_run_arguments(p)
   args = p.parse_args(argv)
+  fa3_ok, fa3_where = (False, "--skip-fa3") if args.skip_fa3 else fa3_binding.availability()
+  print(f"FA-3 column: {fa3_where}" if fa3_ok else f"no FA-3 column: {fa3_where}", flush=True)
+  if fa3_ok:
+    fa3_binding.register()
   bench_attention.spin_up(args.spin_up)
   rng = np.random.default_rng(0)
   records = []
@@ -200,6 +222,8 @@ def main(argv=None) -> int:
     q, k, v, ct = (jnp.asarray(rng.standard_normal((b, s, HEADS, HEAD_DIM)), jnp.bfloat16)
                    for _ in range(4))
     for impl, attend in case.impls.items():
+      if impl == "fa3" and not fa3_ok:
+        continue
       for mode in ("fwd", "fwd+bwd"):
         if mode == "fwd" and impl == "jaxflash-det":
           continue
