@@ -148,12 +148,12 @@ class FwdSchedule:
   # Of every 8 score columns, this many take exp2 on the FMA pipe (kernels/softmax.exp2_fma)
   # instead of MUFU.EX2.
   fma_exp2_per_8: int = 0
-  # persistent: a call with more keys per sequence than this launches one CTA per tile
-  # instead, its tile loop then running once (a run-time choice; 0: never).
-  one_cta_above_keys: int = 0
   # Q slots (O of a tile is staged in its Q slot): 2 lets a persistent CTA load the next
   # tile's Q while the current tile still computes (16-bit kernel, head_dim == head_dim_v).
   q_stages: int = 1
+  # persistent: each CTA claims its next tile from a counter in global memory (in the order of
+  # the tiles: longest first with lpt or a masked call's tile order) instead of a static list.
+  dynamic: bool = False
 
   @property
   def key(self) -> str:
@@ -274,13 +274,6 @@ def fp8_fwd_variant(head_dim: int, causal: bool, arch: str = "sm90a",
                        block_descales=block_descales)
 
 
-# Causal dense forwards of these head dims over at most this many keys per sequence run as a
-# static persistent list (FwdSchedule.one_cta_above_keys): with two Q slots a gain at 1k and 2k
-# keys (2k: 1.15-1.2x at head_dim 64, 1.08-1.17x at 96, 1.05x at 128), a loss at 4k (0.92x
-# at 128).
-CAUSAL_PERSISTENT_HEAD_DIMS = (64, 96, 128)
-CAUSAL_PERSISTENT_MAX_KEYS = 2048
-
 # Dense head_dim 128 forwards without the causal mask over at most this many keys per sequence
 # run a variant of their own: 128 x 128 tiles with two Q slots (two slots do not fit beside
 # 176-key stages), against 128 x 176 with one above (self-test, 2026-12-05: 1.09x at 1k, 1.02x
@@ -289,10 +282,10 @@ SHORT_DENSE_HEAD_DIMS = (128,)
 SHORT_DENSE_MAX_KEYS = 2048
 
 # Masked head_dim 64 forwards whose band (window_left + window_right + 1 keys, both sides
-# bounded: a static shape) is at most this wide run a variant of their own: 128 x 128 tiles as a
-# persistent list with two Q slots. A 128-row tile under a causal window of 128 visits 2 key
-# blocks, a 192-row tile about 3.5, so the wider tile computes 1.75x the scores per row; the
-# tiles are short, so the second Q slot hides the next tile's setup. gpt-oss's forward at 16k
+# bounded: a static shape) is at most this wide run a variant of their own: 128 x 128 tiles with
+# two Q slots. A 128-row tile under a causal window of 128 visits 2 key blocks, a 192-row tile
+# about 3.5, so the wider tile computes 1.75x the scores per row; the tiles are short, so the
+# second Q slot hides the next tile's setup. gpt-oss's forward at 16k
 # (window 128 + sinks, 2026-12-05): 0.400 ms against 0.529 ms for 192 x 128, cuDNN's window
 # 0.446 ms (docs/kernels.md, "Forward tiles"; only the 129-key band was measured).
 NARROW_BAND_HEAD_DIMS = (64,)
@@ -315,8 +308,8 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = Fa
   """The forward schedule table (H200 measurements in docs/kernels.md, "Forward tiles").
 
   masked: the variant for windows, segment ids and softcap, causal or not (all run-time data);
-  it takes the causal tiles and launches its tiles in the longest-first order the call's block
-  ranges give (jaxflash/block_ranges.py), one CTA each (narrow bands: a persistent list).
+  it takes the causal tiles, claimed in the longest-first order the call's block ranges give
+  (jaxflash/block_ranges.py).
   seq_k: the call's keys per sequence (static), or None (a long call): dense calls without the
   causal mask at SHORT_DENSE_HEAD_DIMS up to SHORT_DENSE_MAX_KEYS keys take a schedule of their
   own.
@@ -329,7 +322,6 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = Fa
   narrow = (masked and head_dim in NARROW_BAND_HEAD_DIMS and band is not None
             and band <= NARROW_BAND_MAX_KEYS)
   causal = causal or masked
-  causal_persistent = causal and not masked and head_dim in CAUSAL_PERSISTENT_HEAD_DIMS
   if head_dim <= 64:
     # 192 x 128, 3 consumer warpgroups (FA-4's tile): +11 % at 4k over 128 x 128; narrow bands
     # visit fewer key blocks per row on 128-row tiles.
@@ -348,26 +340,26 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = Fa
   else:
     # 128 x 80 (FA-4's; K + V stages fill 224 KiB): +4 % at 4k, +9 % at 16k over 128 x 64.
     tile_m, tile_n = 128, 80
-  persistent = not causal or causal_persistent or narrow
   num_stages = 2  # a third stage never helped
   return FwdSchedule(
       tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
       # Off above hdim 128 (as FA-3/FA-4): measured equal at hdim 256.
       pingpong=head_dim <= 128,
-      # Persistent wins on uniform tiles (+3-10 % at seq 1k). Causal tiles in LPT order: at
-      # head_dim 64, 96 and 128 a static persistent list wins on short sequences, whose tiles
-      # are a few key blocks each (+5-8 % at 1k with one Q slot, +7-25 % with two; up to 2k
-      # keys), one CTA per tile (greedy dispatch) on long ones. Other head dims keep one CTA
-      # per tile (at 256 a list measured 0.84x at 1k; 192 was not measured; docs/kernels.md,
-      # "Forward tiles"). Masked variants launch one CTA per tile in the order of their block
-      # ranges, or, for narrow bands, walk that order as a static persistent list.
-      persistent=persistent, lpt=causal and not masked,
-      one_cta_above_keys=CAUSAL_PERSISTENT_MAX_KEYS if causal_persistent else 0,
-      # Two Q slots (a persistent CTA loads the next tile's Q during the current tile) where the
-      # tiles are short and a second slot fits: the causal lists and head_dim 96 (+7-25 % at
+      # Every variant runs a persistent grid. Uniform tiles (no causal mask) walk a static list
+      # (+3-10 % over one CTA per tile at seq 1k). Causal and masked tiles differ in length:
+      # each CTA claims its next tile from a counter (dynamic), in LPT order for causal calls
+      # and in the order of the block ranges for masked ones, so the tiles go out as the
+      # hardware hands one CTA per tile to SMs while a CTA's next Q and K loads overlap its
+      # current tile. Against the static lists up to 2048 keys and one CTA per tile above them
+      # (H100, two alternated rounds, 2026-12-06): head_dim 128 causal +12 % at 2k, +20 % at
+      # 4k, +2 % at 16k; 64 +5 % at 4k; 256 +3 % at 4k; 11 packed documents +10 %; the rest
+      # within noise (docs/kernels.md, "Forward tiles").
+      persistent=True, dynamic=causal, lpt=causal and not masked,
+      # Two Q slots (a persistent CTA loads the next tile's Q during the current tile) where a
+      # second slot fits: causal and masked tiles, short dense ones and head_dim 96 (+7-25 % at
       # 1k). At head_dim 64 not causal two slots gained nothing at 1k and measured 0.95x at 4k
       # and 16k, so one slot there.
-      q_stages=2 if (causal_persistent or short or narrow or (not causal and head_dim == 96)) and (
+      q_stages=2 if (causal or short or head_dim == 96) and (
           _second_q_slot_fits(tile_m, tile_n, num_stages, head_dim, head_dim_v)) else 1,
       # O of head_dim_v > 128 is 128+ registers: its rescale runs under the Q K^T GEMM.
       rescale_o_before_pv=head_dim_v > 128)
@@ -548,6 +540,16 @@ def shipped_variants(arch: str = "sm90a", direction: str = "fwd") -> list[Kernel
     out += [fp8_fwd_variant(d, causal, arch, blocks) for blocks in (False, True)
             for d in FP8_HEAD_DIMS for causal in (False, True)]
   return out
+
+
+def fwd_scratch_shapes(variant: KernelVariant) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+  """Scratch results of one forward call, in custom-call result order after out and lse:
+  ((name, shape, dtype), ...). A dynamic schedule claims its tiles from tile_counter, which the
+  handler zeroes before each launch (so its content need not be initialised)."""
+  if variant.direction != "fwd":
+    raise ValueError(f"variant.direction: {variant.direction!r}; this is the forward's scratch")
+  dynamic = isinstance(variant.schedule, FwdSchedule) and variant.schedule.dynamic
+  return (("tile_counter", (1,), "int32"),) if dynamic else ()
 
 
 def bwd_scratch_shapes(variant: KernelVariant, batch: int, seq_q: int,

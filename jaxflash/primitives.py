@@ -22,7 +22,7 @@ from jaxflash import _jax_internal, block_ranges, reference
 from jaxflash.sink import add_learnable_sink, learnable_sink_grad
 from jaxflash.config import (AttentionConfig, BWD_TARGET, FWD_TARGET, KernelVariant,
                              LSE_CHECKPOINT_NAME, OUT_CHECKPOINT_NAME, bwd_scratch_shapes,
-                             kernel_support)
+                             fwd_scratch_shapes, kernel_support)
 
 log = logging.getLogger("jaxflash")
 
@@ -58,6 +58,27 @@ def _bwd_abstract(q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
   del segment_ids, config
   ins = (q, k, v, out, lse, d_out, d_lse)
   return tuple(_jax_internal.shaped_like(x, x.shape, x.dtype, ins) for x in (q, k, v))
+
+
+def _fwd_scratch(q, k, v, config: AttentionConfig) -> tuple:
+  """((shape, dtype), ...) of the forward kernel's scratch results (a dynamic schedule's tile
+  counter); () on the reference path. From config and avals only, as _bwd_scratch."""
+  if config.implementation != "cute":
+    return ()
+  dtype, head_dim, head_dim_v = np.dtype(q.dtype).name, q.shape[-1], v.shape[-1]
+  if not kernel_support("fwd", dtype, head_dim, head_dim_v, config)[0]:
+    return ()
+  variant = KernelVariant.for_call("fwd", "sm90a", dtype, head_dim, head_dim_v, config,
+                                   k.shape[1])
+  return tuple((shape, np.dtype(dt)) for _, shape, dt in fwd_scratch_shapes(variant))
+
+
+def _fwd_kernel_abstract(q, k, v, *rest, config):
+  """(out, lse, *scratch): XLA allocates the kernel's scratch as extra custom-call results."""
+  out, lse = _fwd_abstract(q, k, v, *rest, config=config)
+  scratch = tuple(_jax_internal.shaped_like(q, shape, dtype, (q, k, v))
+                  for shape, dtype in _fwd_scratch(q, k, v, config))
+  return (out, lse) + scratch
 
 
 def _bwd_variant(q, v, config: AttentionConfig):
@@ -102,7 +123,10 @@ def _fwd_reference(q, k, v, *rest, config):
   out, lse = reference.blocked_forward(q, k, v, config, q_seg, kv_seg)
   if sink is not None:
     out, lse = add_learnable_sink(out, lse, sink)
-  return out, lse
+  # Zero stand-ins for the kernel scratch the abstract eval promised (dropped by the outer
+  # primitive, then removed by XLA).
+  return (out, lse) + tuple(jnp.zeros(shape, dtype) for shape, dtype in
+                            _fwd_scratch(q, k, v, config))
 
 
 def _bwd_reference(q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
@@ -263,7 +287,7 @@ def make_primitive(name: str, abstract):
   return p
 
 
-_flash_fwd_kernel_p = make_primitive("jaxflash_fwd_kernel", _fwd_abstract)
+_flash_fwd_kernel_p = make_primitive("jaxflash_fwd_kernel", _fwd_kernel_abstract)
 _flash_bwd_kernel_p = make_primitive("jaxflash_bwd_kernel", _bwd_kernel_abstract)
 flash_fwd_p = make_primitive("jaxflash_fwd", _fwd_abstract)
 flash_bwd_p = make_primitive("jaxflash_bwd", _bwd_abstract)

@@ -194,9 +194,9 @@ def test_cute_grad_of_a_forward_only_head_dim_lowers_to_the_forward_kernel_only(
   (call,) = [line for line in text.splitlines() if f"@{FWD_TARGET}(" in line]
   assert f'variant = "fwd-sm90a-bf16-d{head_dim}-dv{head_dim_v}-causal-' in call
   assert f"head_dim = {head_dim} : i32" in call and f"head_dim_v = {head_dim_v} : i32" in call
-  # q, k, v in; out (b, seq_q, h, head_dim_v) and lse out.
+  # q, k, v in; out (b, seq_q, h, head_dim_v), lse and the causal schedule's tile counter out.
   assert (f"tensor<2x64x2x{head_dim_v}xbf16>) -> (tensor<2x100x4x{head_dim_v}xbf16>, "
-          f"tensor<2x4x100xf32>)") in call
+          f"tensor<2x4x100xf32>, tensor<1xi32>)") in call
 
 
 def test_grad_with_head_dim_v_not_head_dim_on_the_reference():

@@ -92,28 +92,36 @@ def test_forward_schedule_table():
     # 192 query rows (3 consumer warpgroups at 160 registers) only at head_dim 64.
     assert s.tile_m == 128 or head_dim == 64
     assert s.pingpong == (head_dim <= 128)
-    # Causal at head_dim 64, 96 and 128: a static persistent list up to 2048 keys per
-    # sequence, one CTA per tile above; other causal head dims one CTA per tile.
-    listed = causal and head_dim in (64, 96, 128)
-    assert (s.persistent, s.lpt) == (not causal or listed, causal)
-    assert s.one_cta_above_keys == (2048 if listed else 0)
+    # A persistent grid everywhere: causal tiles claimed longest first (dynamic), the others
+    # walked as a static list.
+    assert (s.persistent, s.dynamic, s.lpt) == (True, causal, causal)
     assert s.rescale_o_before_pv == (head_dim_v > 128)
-    # Two Q slots only where a CTA may walk a tile list and two slots (each also O's) and the
-    # K / V rings fit 227 KiB.
+    # Two Q slots only where two slots (each also O's) and the K / V rings fit 227 KiB.
     size = lambda q_slots: 2 * (q_slots * s.tile_m * head_dim
                                 + s.num_stages * s.tile_n * (head_dim + head_dim_v))
     fits = head_dim == head_dim_v and size(2) + 1024 <= 227 * 1024
-    assert s.q_stages == 1 or (s.persistent and fits), (head_dim, head_dim_v, causal)
+    assert s.q_stages == 1 or fits, (head_dim, head_dim_v, causal)
   q_stages = {pair: s.q_stages for pair, s in by_pair.items() if s.q_stages != 1}
   assert q_stages == {(64, 64, True): 2, (96, 96, False): 2, (96, 96, True): 2,
                       (128, 128, True): 2}
-  # Masked variants take the causal tiles, one CTA per tile in the order of their block ranges
-  # (narrow bands: test_narrow_band_masked_calls_at_head_dim_64_take_their_own_forward_variant).
+  # Masked variants take the causal tiles, claimed in the order of their block ranges (narrow
+  # bands: test_narrow_band_masked_calls_at_head_dim_64_take_their_own_forward_variant).
   for v in FWD:
     if v.masked and v not in SHAPED_FWD:
       causal = config.fwd_schedule(v.head_dim, v.head_dim_v, True)
-      assert v.schedule == dataclasses.replace(causal, lpt=False, persistent=False,
-                                               one_cta_above_keys=0, q_stages=1)
+      assert v.schedule == dataclasses.replace(causal, lpt=False)
+
+
+def test_forward_scratch_is_the_tile_counter_of_dynamic_schedules():
+  """A dynamic schedule's forward call carries one int32 tile counter after out and lse (the
+  handler zeroes it); static schedules, FP8 variants among them, carry none."""
+  for v in FWD:
+    want = (("tile_counter", (1,), "int32"),) if v.schedule.dynamic else ()
+    assert config.fwd_scratch_shapes(v) == want, v.key
+    assert not v.schedule.dynamic or (v.causal or v.masked) and v.dtype != config.FP8_DTYPE
+  assert any(v.schedule.dynamic for v in FWD) and any(not v.schedule.dynamic for v in FWD)
+  with pytest.raises(ValueError, match="direction"):
+    config.fwd_scratch_shapes(_bwd(128))
 
 
 def test_fp8_forward_schedule_table():
@@ -323,7 +331,7 @@ def test_the_kernel_abi_takes_the_dq_copies_from_the_library():
   fields = re.search(r"typedef struct \{(.*?)\} JaxflashVariantInfo;", abi, re.S).group(1)
   assert re.findall(r"int32_t (\w+);", fields) == [
       "direction", "dtype", "head_dim", "head_dim_v", "causal", "deterministic", "tile_m",
-      "max_dq_copies", "masked", "tile_n"]
+      "max_dq_copies", "masked", "tile_n", "tile_counter"]
   handlers = (ffi / "handlers.cc").read_text()
   assert "info.tile_m" in handlers and "info.max_dq_copies" in handlers
   assert "DQ_COPIES" not in abi + handlers

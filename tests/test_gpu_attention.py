@@ -56,11 +56,14 @@ def _config(variant: KernelVariant) -> AttentionConfig:
 
 
 def _ffi_call(q, k, v, variant, cfg, segment_ids=(), sink=None):
-  """The raw forward custom call; a masked variant gets its operands from the segment ids;
-  the learnable sink, when given, is the last operand."""
+  """The raw forward custom call's (out, lse); a masked variant gets its operands from the
+  segment ids; the learnable sink, when given, is the last operand; the variant's scratch
+  (config.fwd_scratch_shapes) is allocated as further results."""
   b, seq_q, h, _ = q.shape
   result = (jax.ShapeDtypeStruct((b, seq_q, h, variant.head_dim_v), q.dtype),
             jax.ShapeDtypeStruct((b, h, seq_q), jnp.float32))
+  result += tuple(jax.ShapeDtypeStruct(shape, dtype)
+                  for _, shape, dtype in config.fwd_scratch_shapes(variant))
   operands = ()
   if variant.masked:
     operands = block_ranges.forward_operands(variant, cfg, b, seq_q, k.shape[1], k.shape[2],
@@ -68,7 +71,7 @@ def _ffi_call(q, k, v, variant, cfg, segment_ids=(), sink=None):
   if sink is not None:
     operands = tuple(operands) + (sink,)
   return jax.ffi.ffi_call(FWD_TARGET, result)(q, k, v, *operands,
-                                              **ffi.fwd_attributes(variant, cfg))
+                                              **ffi.fwd_attributes(variant, cfg))[:2]
 
 
 # keep_unused: jit would otherwise drop the unread buffers, and their donation with them.
@@ -211,11 +214,13 @@ def test_empty_batch_is_a_no_op():
   assert out.shape == (0, 5, 2, variant.head_dim_v) and lse.shape == (0, 2, 5)
 
 
-def _run_raw(q, k, v, kernel, cfg, **attr_changes):
+def _run_raw(q, k, v, kernel, cfg, scratch=(), **attr_changes):
+  """The raw forward call with out, lse and the results `scratch` ((shape, dtype), ...)."""
   attrs = dict(ffi.fwd_attributes(kernel, cfg), **attr_changes)
   b, seq_q, h, _ = q.shape
   result = (jax.ShapeDtypeStruct((b, seq_q, h, v.shape[-1]), q.dtype),
             jax.ShapeDtypeStruct((b, h, seq_q), jnp.float32))
+  result += tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in scratch)
   return jax.block_until_ready(
       jax.jit(lambda *a: jax.ffi.ffi_call(FWD_TARGET, result)(*a, **attrs))(q, k, v))
 
@@ -239,6 +244,21 @@ def test_handler_rejects_inconsistent_calls_with_named_errors():
   with pytest.raises(Exception, match=rf"'{unknown}' is in none of the kernel folders.*"
                                       rf"--variants {unknown}"):
     _run_raw(q, k, v, variant, cfg, variant=unknown)
+
+
+def test_handler_checks_the_tile_counter_of_dynamic_schedules():
+  """A dynamic schedule's call carries its tile counter as a third result (int32 (1,)); a
+  static one carries none. Anything else is refused with the count or shape it saw."""
+  dynamic = next(v for v in VARIANTS if v.schedule.dynamic)
+  static = next(v for v in VARIANTS if not v.schedule.dynamic)
+  for variant, scratch, match in (
+      (dynamic, (), r"0 results after out and lse, the variant takes 1 \(its tile counter\)"),
+      (dynamic, (((2,), jnp.int32),), r"tile_counter is int32 \(2,\), expected int32 \(1\)"),
+      (static, (((1,), jnp.int32),), r"1 results after out and lse, the variant takes 0")):
+    cfg = _config(variant)
+    q, k, v = make_qkv(14, 1, 200, 200, 2, 2, variant.head_dim, dtype=jnp.dtype(variant.dtype))
+    with pytest.raises(Exception, match=match):
+      _run_raw(q, k, v[..., :variant.head_dim_v], variant, cfg, scratch)
 
 
 def test_command_buffer_moving_buffers():

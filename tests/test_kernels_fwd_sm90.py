@@ -70,6 +70,17 @@ def test_overlapped_step_and_warp_uniform_rescale(exported, variant):
   assert votes >= 3, votes
 
 
+@pytest.mark.parametrize("variant", _sass.compiled_variants(VARIANTS), ids=lambda v: v.key)
+def test_dynamic_schedules_claim_tiles_with_an_atomic_add(exported, variant):
+  """A dynamic schedule's producer warp claims tiles with a global atomic add from one lane and
+  broadcasts the tile: two sites, the claim after each tile's loads and the first
+  claim of a CTA past the resident ones. A static schedule touches no counter."""
+  sass = exported(variant).sass["main"]
+  claims = re.findall(r"ATOMG\.E\.ADD\S*", sass)
+  assert len(claims) == (2 if variant.schedule.dynamic else 0), claims
+  assert all(".GPU" in c for c in claims), claims
+
+
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.dtype == "bfloat16"],
                          ids=lambda v: v.key)
 def test_pingpong_turns_are_named_barriers(exported, variant):
@@ -161,11 +172,9 @@ def test_can_implement_is_kernel_support():
                          ids=lambda v: v.key)
 def test_masked_forward_copies_key_ids_with_each_k_stage(exported, variant):
   """Masked variants: each K stage also carries its key block's segment ids (a bulk copy,
-  UBLKCP.S.G, on the K stage's barrier); the dense variants copy none. Only the narrow-band
-  variant walks its tiles as a persistent list."""
-  narrow = variant.schedule != config.fwd_schedule(variant.head_dim, variant.head_dim_v, False,
-                                                   True)
-  assert not variant.causal and variant.schedule.persistent == narrow
+  UBLKCP.S.G, on the K stage's barrier); the dense variants copy none. Masked variants claim
+  their tiles (a dynamic schedule), causal at run time."""
+  assert not variant.causal and variant.schedule.dynamic
   assert "UBLKCP.S.G" in exported(variant).ops(modifiers=True)
   dense = next(v for v in VARIANTS if not v.masked and v.causal and v.dtype == variant.dtype
                and (v.head_dim, v.head_dim_v) == (variant.head_dim, variant.head_dim_v))

@@ -233,6 +233,32 @@ def test_bwd_kernel_primitive_carries_scratch_only_on_the_kernel_path():
     np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.parametrize("options,counter", [
+    ({"causal": True}, True), ({"window_size": (16, 0)}, True), ({"softcap": 5.0}, True),
+    ({}, False)], ids=["causal", "window", "softcap", "dense"])
+def test_forward_custom_call_carries_the_tile_counter_of_dynamic_schedules(options, counter):
+  """Causal and masked forwards claim their tiles from a counter: their custom call has a third
+  result, int32 (1,), which the outer primitive drops; dense calls without the causal mask
+  walk a static list and have none."""
+  q, k, v = make_qkv(11, 2, 100, 64, 4, 2, 64, dtype=jnp.bfloat16)
+  f = jax.jit(lambda q, k, v: jaxflash.attention(q, k, v, implementation="cute", **options))
+  text = f.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  (call,) = [line for line in text.splitlines() if f"@{FWD_TARGET}(" in line]
+  results = re.findall(r"tensor<[^>]+>", call.split(" -> ")[1])
+  assert results == ["tensor<2x100x4x64xbf16>", "tensor<2x4x100xf32>"] + (
+      ["tensor<1xi32>"] if counter else [])
+  cute = jaxflash.config.AttentionConfig(
+      softmax_scale=0.125, implementation="cute", causal=options.get("causal", False),
+      window_left=options.get("window_size", (None,))[0],
+      window_right=options.get("window_size", (None, None))[1], softcap=options.get("softcap"))
+  inner = jax.eval_shape(lambda *a: primitives._flash_fwd_kernel_p.bind(*a, config=cute),
+                         q, k, v)
+  assert [(x.shape, x.dtype) for x in inner[2:]] == ([((1,), jnp.int32)] if counter else [])
+  ref = cute.replace(implementation="reference")
+  assert len(jax.eval_shape(lambda *a: primitives._flash_fwd_kernel_p.bind(*a, config=ref),
+                            q, k, v)) == 2
+
+
 def test_primitive_binds_directly_with_a_config():
   q, k, v = make_qkv(9, 1, 5, 6, 2, 1, 8)
   cfg = jaxflash.config.AttentionConfig(softmax_scale=0.5)

@@ -393,6 +393,8 @@ double MedianMs(Fn launch) {
 // --seq N adds seq N after those (its numbers are only in the log's bench lines).
 std::vector<int> g_extra_seqs;
 
+int32_t* g_fwd_tile_counter = nullptr;  // the timing forward's tile counter (TileCounter)
+
 std::vector<double> Bench(BwdFn bwd, FwdFn fwd, int d, int dv, bool causal, bool det) {
   // seq 1k last: the RESULT line keeps its 4k / 16k columns and appends the 1k ones.
   const int tokens = 16384, heads = 2048 / d;
@@ -440,8 +442,9 @@ std::vector<double> Bench(BwdFn bwd, FwdFn fwd, int d, int dv, bool causal, bool
       f.batch = s.b; f.seqlen_q = s.sq; f.seqlen_k = s.sk; f.num_heads = s.h;
       f.num_kv_heads = s.hk; f.head_dim = d; f.head_dim_v = dv; f.softmax_scale = scale;
       f.window_left = -1; f.window_right = -1;
+      f.tile_counter = g_fwd_tile_counter;
       bool fok = true;
-      fwd_ms = MedianMs([&] { fok &= fwd(&f, nullptr) == 0; });
+      fwd_ms = MedianMs([&] { fok &= LaunchForward(fwd, &f, nullptr) == 0; });
       EXPECT(fok, "forward benchmark launch failed");
       both = (fwd_flops + bwd_flops) / ((ms + fwd_ms) * 1e-3) / 1e12;
     }
@@ -575,6 +578,8 @@ int main(int argc, char** argv) {
       void* flib = dlopen(fwd_path.c_str(), RTLD_NOW | RTLD_LOCAL);
       auto fload = flib ? reinterpret_cast<LoadFn>(dlsym(flib, "jaxflash_variant_load")) : nullptr;
       if (fload && fload() == 0) fwd = reinterpret_cast<FwdFn>(dlsym(flib, "jaxflash_variant_fwd"));
+      auto finfo = flib ? reinterpret_cast<InfoFn>(dlsym(flib, "jaxflash_variant_info")) : nullptr;
+      g_fwd_tile_counter = TileCounter(finfo != nullptr && finfo()->tile_counter != 0);
       printf("  forward for timing: %s%s\n", fwd_path.c_str(), fwd ? "" : " (failed to load)");
     }
     // Every count is checked and timed; with more than one, each gets its own RESULT line.

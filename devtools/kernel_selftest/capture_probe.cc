@@ -105,11 +105,18 @@ int main(int argc, char** argv) {
   args.head_dim_v = dv;
   args.softmax_scale = 0.125f;
   args.window_left = args.window_right = 1 << 30;
+  // A library that claims its tiles (info tile_counter) gets a counter, zeroed on the stream
+  // before each launch as the FFI handler does (inside the capture too).
+  if (info->tile_counter) cudaMalloc(reinterpret_cast<void**>(&args.tile_counter), 4);
+  auto launch_fwd = [&](cudaStream_t stream) {
+    if (args.tile_counter) cudaMemsetAsync(args.tile_counter, 0, 4, stream);
+    return fwd(&args, stream);
+  };
 
   if (warm) {
     args.out = out;
     args.lse = lse;
-    int32_t st = fwd(&args, nullptr);
+    int32_t st = launch_fwd(nullptr);
     cudaError_t e = cudaDeviceSynchronize();
     if (st != 0 || e != cudaSuccess) {
       printf("warm launch failed: %d %s\n", st, Name(e));
@@ -141,7 +148,7 @@ int main(int argc, char** argv) {
       int device = -1;
       device_query = Name(cudaStreamGetDevice(stream, &device));
     }
-    launch = static_cast<cudaError_t>(fwd(&args, stream));
+    launch = static_cast<cudaError_t>(launch_fwd(stream));
     end = cudaStreamEndCapture(stream, &graph);
     if (launch == cudaSuccess && end == cudaSuccess) {
       replayed = true;
@@ -163,7 +170,7 @@ int main(int argc, char** argv) {
     if (!warm) {  // the reference launch, after the capture
       args.out = out;
       args.lse = lse;
-      fwd(&args, nullptr);
+      launch_fwd(nullptr);
       cudaDeviceSynchronize();
     }
     std::vector<uint16_t> a(nv), g(nv);

@@ -153,6 +153,8 @@ bool Report(const char* label, const RowError& e) {
   return g_failures == before;
 }
 
+int32_t* g_tile_counter = nullptr;  // the library under test's (TileCounter), or nullptr
+
 JaxflashFwdArgs MakeArgs(const void* q, const void* k, const void* v, void* o, float* lse,
                          const Shape& s, int d, int dv, float scale) {
   JaxflashFwdArgs a = {};
@@ -160,6 +162,7 @@ JaxflashFwdArgs MakeArgs(const void* q, const void* k, const void* v, void* o, f
   a.batch = s.b; a.seqlen_q = s.sq; a.seqlen_k = s.sk; a.num_heads = s.h; a.num_kv_heads = s.hk;
   a.head_dim = d; a.head_dim_v = dv; a.softmax_scale = scale;
   a.window_left = -1; a.window_right = -1;
+  a.tile_counter = g_tile_counter;
   return a;
 }
 
@@ -187,14 +190,14 @@ void CheckShape(FwdFn fwd, int d, int dv, bool causal, Shape s, float scale, std
   CK(cudaMemset(dout, 0xFF, (no + guard) * 2));
   CK(cudaMemset(dlse, 0xFF, (nl + guard) * 4));
   JaxflashFwdArgs a = MakeArgs(dq, dk, dvv, dout, dlse, s, d, dv, scale);
-  int32_t st = fwd(&a, nullptr);
+  int32_t st = LaunchForward(fwd, &a, nullptr);
   EXPECT(st == 0, "launch status %d", st);
   SyncOrDie("check launch", kDeadline);
   std::vector<uint16_t> ho(no + guard), ho2(no + guard);
   std::vector<float> hl(nl + guard), hl2(nl + guard);
   CK(cudaMemcpy(ho.data(), dout, (no + guard) * 2, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(hl.data(), dlse, (nl + guard) * 4, cudaMemcpyDeviceToHost));
-  st = fwd(&a, nullptr);
+  st = LaunchForward(fwd, &a, nullptr);
   SyncOrDie("check rerun", kDeadline);
   CK(cudaMemcpy(ho2.data(), dout, (no + guard) * 2, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(hl2.data(), dlse, (nl + guard) * 4, cudaMemcpyDeviceToHost));
@@ -269,7 +272,7 @@ std::vector<double> Bench(FwdFn fwd, int d, int dv, bool causal, bool check) {
     bool ok = true;
     for (int r = 0; r < warm + reps; ++r) {
       CK(cudaEventRecord(e0, nullptr));
-      for (int i = 0; i < per_rep; ++i) ok &= fwd(&a, nullptr) == 0;
+      for (int i = 0; i < per_rep; ++i) ok &= LaunchForward(fwd, &a, nullptr) == 0;
       CK(cudaEventRecord(e1, nullptr));
       SyncOrDie("benchmark", 15.0);
       float t;
@@ -358,6 +361,7 @@ int main(int argc, char** argv) {
     g_bf16 = info->dtype == 1;
     const bool causal = info->causal != 0;
     const int d = info->head_dim, dv = info->head_dim_v;
+    g_tile_counter = TileCounter(info->tile_counter != 0);
     int32_t ls = load();
     EXPECT(ls == 0, "load status %d", ls);
     if (ls != 0) {

@@ -34,6 +34,25 @@ typedef const char* (*KeyFn)(void);
 typedef int32_t (*LoadFn)(void);
 
 bool g_bf16 = true;  // the library under test is bf16 (else fp16)
+
+// A forward library whose info has tile_counter 1 claims its tiles from a zeroed int32
+// (kernel_abi.h): TileCounter(wanted) is one device int32 for it (nullptr when not wanted), and
+// LaunchForward zeroes the args' counter on the stream before each launch, as the FFI handler
+// does.
+int32_t* TileCounter(bool wanted) {
+  static int32_t* counter = nullptr;
+  if (wanted && counter == nullptr) CK(cudaMalloc(reinterpret_cast<void**>(&counter), 4));
+  return wanted ? counter : nullptr;
+}
+
+template <typename Fn, typename Args>
+int32_t LaunchForward(Fn fwd, Args* args, cudaStream_t stream) {
+  if (args->tile_counter != nullptr &&
+      cudaMemsetAsync(args->tile_counter, 0, sizeof(int32_t), stream) != cudaSuccess) {
+    return -1;
+  }
+  return fwd(args, stream);
+}
 int g_failures = 0;
 
 #define EXPECT(cond, ...)  \

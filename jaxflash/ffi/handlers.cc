@@ -426,10 +426,43 @@ ffi::Error CheckSink(const CallAttrs& a, const JaxflashVariantInfo& info,
   return ffi::Error::Success();
 }
 
+ffi::Error Zero(const CallAttrs& a, cudaStream_t stream, const char* name, ffi::AnyBuffer buffer) {
+  if (cudaError_t e = cudaMemsetAsync(buffer.untyped_data(), 0, buffer.size_bytes(), stream);
+      e != cudaSuccess) {
+    return ffi::Error::Internal(Where(a) + "zeroing " + name + " failed: " + cudaGetErrorString(e));
+  }
+  return ffi::Error::Success();
+}
+
+// The forward's results after out and lse: the tile counter, an int32 (1,) scratch result of
+// the variants whose info has tile_counter 1 (kernel_abi.h), none for the others. Sets
+// args->tile_counter (NULL without one); the caller zeroes it on the stream before the launch.
+ffi::Error CheckTileCounter(const CallAttrs& a, const JaxflashVariantInfo& info,
+                            const ffi::RemainingRets& scratch, JaxflashFwdArgs* args,
+                            ffi::AnyBuffer* counter) {
+  args->tile_counter = nullptr;
+  const size_t want = info.tile_counter ? 1 : 0;
+  if (scratch.size() != want) {
+    return Invalid(a, "the call has " + std::to_string(scratch.size()) +
+                          " results after out and lse, the variant takes " +
+                          std::to_string(want) + (want ? " (its tile counter)" : ""));
+  }
+  if (!want) return ffi::Error::Success();
+  auto got = scratch.get<ffi::AnyBuffer>(0);
+  if (got.has_error()) return got.error();
+  *counter = **got;
+  if (ffi::Error e = CheckExact(a, "tile_counter", *counter, {1}, ffi::DataType::S32);
+      e.failure()) {
+    return e;
+  }
+  args->tile_counter = static_cast<int32_t*>(counter->untyped_data());
+  return ffi::Error::Success();
+}
+
 ffi::Error AttentionFwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer q,
                         ffi::AnyBuffer k, ffi::AnyBuffer v,
                         ffi::RemainingArgs mask_operands, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::AnyBuffer> lse,
+                        ffi::Result<ffi::AnyBuffer> lse, ffi::RemainingRets scratch,
                         std::string_view variant, float softmax_scale, bool causal,
                         int32_t window_left, int32_t window_right, float softcap,
                         int32_t head_dim, int32_t head_dim_v) {
@@ -455,6 +488,11 @@ ffi::Error AttentionFwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
       e.failure()) {
     return e;
   }
+  ffi::AnyBuffer counter = *out;  // replaced by the tile counter where the variant takes one
+  if (ffi::Error e = CheckTileCounter(attrs, library->info, scratch, &args, &counter);
+      e.failure()) {
+    return e;
+  }
   if (out->element_count() == 0) return ffi::Error::Success();  // b, sq or h is 0
 
   ScopedStreamDevice device(device_ordinal);
@@ -474,6 +512,9 @@ ffi::Error AttentionFwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   args.lse = static_cast<float*>(lse->untyped_data());
   args.softmax_scale = softmax_scale;
   args.softcap = softcap;
+  if (args.tile_counter != nullptr) {
+    if (ffi::Error e = Zero(attrs, stream, "tile_counter", counter); e.failure()) return e;
+  }
   if (int32_t status = library->fwd(&args, stream); status != 0) {
     return LaunchError(Where(attrs), status, q, k);
   }
@@ -528,14 +569,6 @@ ffi::Error CheckBwdBuffers(const CallAttrs& a, const JaxflashVariantInfo& info,
   if (dq_semaphore != nullptr) {
     return CheckExact(a, "dq_semaphore", *dq_semaphore, {b, h, copies * sqr / tile_m},
                       ffi::DataType::S32);
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error Zero(const CallAttrs& a, cudaStream_t stream, const char* name, ffi::AnyBuffer buffer) {
-  if (cudaError_t e = cudaMemsetAsync(buffer.untyped_data(), 0, buffer.size_bytes(), stream);
-      e != cudaSuccess) {
-    return ffi::Error::Internal(Where(a) + "zeroing " + name + " failed: " + cudaGetErrorString(e));
   }
   return ffi::Error::Success();
 }
@@ -911,6 +944,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                                                    // optional, the sink (num_heads,) float32
         .Ret<ffi::AnyBuffer>()                     // out (batch, seqlen_q, num_heads, head_dim_v)
         .Ret<ffi::AnyBuffer>()                     // lse (batch, num_heads, seqlen_q) float32
+        .RemainingRets()                           // dynamic schedules: tile_counter (1,) int32
         .Attr<std::string_view>("variant")         // KernelVariant.key of the kernel to run
         .Attr<float>("softmax_scale")              // multiplies q.k before the softmax
         .Attr<bool>("causal")                      // bottom-right aligned causal mask

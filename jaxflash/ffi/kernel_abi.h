@@ -7,7 +7,7 @@
 
 #include <stdint.h>
 
-#define JAXFLASH_KERNEL_ABI_VERSION 12
+#define JAXFLASH_KERNEL_ABI_VERSION 13
 
 #ifdef __cplusplus
 extern "C" {
@@ -30,6 +30,7 @@ typedef struct {
   int32_t max_dq_copies;  // backward: most dQ accumulator copies a call may hold (1 or 2)
   int32_t masked;         // 1: takes a JaxflashMask (windows, segment ids; causal at run time)
   int32_t tile_n;         // key rows per block (the masked operands' column / row padding)
+  int32_t tile_counter;   // forward: 1 when it claims its tiles from JaxflashFwdArgs.tile_counter
 } JaxflashVariantInfo;
 
 // The run-time operands of a masked variant (jaxflash/block_ranges.py computes them on the
@@ -83,6 +84,9 @@ static inline int64_t jaxflash_fp8_descale_chunks(int64_t length, int64_t tile) 
 //       of the (batch, kv head); NULL otherwise
 //   (q chunks = jaxflash_fp8_descale_chunks(seqlen_q, tile_m), k chunks the same of seqlen_k
 //   and tile_n)
+//   tile_counter (1,)                                 int32 scratch of variants whose info has
+//       tile_counter 1 (their CTAs claim tiles by atomic adds on it); it must be 0 at launch
+//       (the handler zeroes it on the stream); NULL otherwise
 typedef struct {
   const void* q;
   const void* k;
@@ -99,6 +103,7 @@ typedef struct {
   const float* q_descale;             // FP8 variants; NULL otherwise
   const float* kv_descale;            // FP8 variants; NULL otherwise
   int32_t out_float16;                // FP8 variants: 1 writes out as float16, 0 as bfloat16
+  int32_t* tile_counter;              // info.tile_counter variants; NULL otherwise
 } JaxflashFwdArgs;
 
 // Backward call (jaxflash/ffi/variant_bwd.cc): preprocess, main kernel, postprocess, in order on

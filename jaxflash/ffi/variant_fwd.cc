@@ -37,6 +37,9 @@ using TensorKIds = JF_NAME(_Tensor_mKIds_t);
 using TensorRanges = JF_NAME(_Tensor_mRanges_t);
 using TensorOrder = JF_NAME(_Tensor_mOrder_t);
 #endif
+#if JAXFLASH_TILE_COUNTER
+using TensorTileCounter = JF_NAME(_Tensor_mTileCounter_t);
+#endif
 
 using jaxflash::kSignatureMatches;
 
@@ -91,6 +94,11 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
       !Aligned(args->mask.order, 16)) {
     return kInvalid;
   }
+  // Dynamic schedules claim their tiles from a zeroed counter; the others take none.
+  if ((args->tile_counter != nullptr) != (JAXFLASH_TILE_COUNTER != 0) ||
+      !Aligned(args->tile_counter, 4)) {
+    return kInvalid;
+  }
 #if JAXFLASH_FP8
   // 16 bytes: each key block's descales leave by one bulk copy.
   if (args->q_descale == nullptr || args->kv_descale == nullptr ||
@@ -111,6 +119,12 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
   // The kernel reads the sink only when has_sink is 1; without one it gets a valid dummy.
   const int32_t has_sink = args->sink != nullptr ? 1 : 0;
   TensorSink sink = Dense<TensorSink>(has_sink ? args->sink : args->lse, {h});
+#if JAXFLASH_TILE_COUNTER
+  TensorTileCounter counter = Dense<TensorTileCounter>(args->tile_counter, {1});
+#define JF_TILE_COUNTER &counter,
+#else
+#define JF_TILE_COUNTER
+#endif
 #if JAXFLASH_MASKED
   const int32_t m_blocks = (sq + JAXFLASH_TILE_M - 1) / JAXFLASH_TILE_M;
   const int32_t n_blocks = (sk + JAXFLASH_TILE_N - 1) / JAXFLASH_TILE_N;
@@ -120,7 +134,8 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
   TensorRanges ranges = Dense<TensorRanges>(m.ranges, {b, m_blocks}, 4);
   TensorOrder order = Dense<TensorOrder>(m.order, {b * m_blocks});
   return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &sink, &q_ids,
-                                          &k_ids, &ranges, &order, args->softmax_scale,
+                                          &k_ids, &ranges, &order, JF_TILE_COUNTER
+                                          args->softmax_scale,
                                           has_sink, args->window_left, args->window_right,
                                           args->softcap, static_cast<cudaStream_t>(stream));
 #elif JAXFLASH_FP8
@@ -135,7 +150,7 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
                                           static_cast<cudaStream_t>(stream));
 #else
   return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &sink,
-                                          args->softmax_scale, has_sink,
+                                          JF_TILE_COUNTER args->softmax_scale, has_sink,
                                           static_cast<cudaStream_t>(stream));
 #endif
 }

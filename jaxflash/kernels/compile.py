@@ -122,11 +122,16 @@ _NO_MASK = dict.fromkeys(("row_ids", "col_ids", "ranges", "order", "window_left"
                           "window_right", "softcap"))
 
 
+def takes_tile_counter(variant: config.KernelVariant) -> bool:
+  """Whether the variant's kernel claims its tiles from a counter (a dynamic forward schedule)."""
+  return variant.direction == "fwd" and getattr(variant.schedule, "dynamic", False)
+
+
 def fwd_signature(variant: config.KernelVariant):
-  """Fake (q, k, v, out, lse, sink, q_ids, k_ids, ranges, order) tensors and the (window_left,
-  window_right, softcap) scalars of the forward kernel; shapes dynamic, head dims static. The
-  mask operands and softcap are None for dense variants; sink (num_heads,) float32 is there for
-  every variant.
+  """Fake (q, k, v, out, lse, sink, q_ids, k_ids, ranges, order, tile_counter) tensors and the
+  (window_left, window_right, softcap) scalars of the forward kernel; shapes dynamic, head dims
+  static. The mask operands and softcap are None for dense variants, the tile counter ((1,)
+  int32) for static schedules; sink (num_heads,) float32 is there for every variant.
 
   Extents that must be equal share one SymInt. Strides are explicit 64-bit SymInts in mode
   order (batch, seq, heads) for q/k/v/out and (batch, heads) for lse, with a unit last stride:
@@ -147,8 +152,11 @@ def fwd_signature(variant: config.KernelVariant):
   sink = make_fake_tensor(cutlass.Float32, (cute.sym_int32(),), (1,), assumed_align=4)
   masking = (mask_signature(batch, variant.schedule.tile_m, variant.schedule.tile_n)
              if variant.masked else _NO_MASK)
+  counter = (make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
+             if takes_tile_counter(variant) else None)
   return (q, k, v, out, lse, sink, masking["row_ids"], masking["col_ids"], masking["ranges"],
-          masking["order"], masking["window_left"], masking["window_right"], masking["softcap"])
+          masking["order"], counter, masking["window_left"], masking["window_right"],
+          masking["softcap"])
 
 
 def fp8_fwd_signature(variant: config.KernelVariant):
@@ -275,10 +283,10 @@ def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
                             cutlass.Int32(0), cutlass.Int32(0), make_fake_stream(),
                             options=options)
   else:
-    q, k, v, out, lse, sink, row_ids, col_ids, ranges, order, left, right, cap = (
+    q, k, v, out, lse, sink, row_ids, col_ids, ranges, order, counter, left, right, cap = (
         fwd_signature(variant))
     compiled = cute.compile(kernel, q, k, v, out, lse, sink, row_ids, col_ids, ranges, order,
-                            cutlass.Float32(1.0), cutlass.Int32(0), left, right, cap,
+                            counter, cutlass.Float32(1.0), cutlass.Int32(0), left, right, cap,
                             make_fake_stream(), options=options)
   compiled.export_to_c(str(out_dir), variant.key, prefix)
   seconds = time.perf_counter() - start
@@ -312,7 +320,8 @@ def glue_defines(variant: config.KernelVariant, parts: dict) -> tuple[str, ...]:
              f"-DJAXFLASH_TILE_N={schedule.tile_n}",
              f"-DJAXFLASH_MAX_DQ_COPIES="
              f"{schedule.dq_copies if variant.direction == 'bwd' else 1}",
-             f"-DJAXFLASH_MASKED={int(variant.masked)}"]
+             f"-DJAXFLASH_MASKED={int(variant.masked)}",
+             f"-DJAXFLASH_TILE_COUNTER={int(takes_tile_counter(variant))}"]
   for part, (prefix, header) in parts.items():
     defines += [f"-DJAXFLASH_PREFIX_{part.upper()}={prefix}",
                 f'-DJAXFLASH_HEADER_{part.upper()}="{header}"']

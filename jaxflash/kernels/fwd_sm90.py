@@ -39,7 +39,8 @@ _REGISTER_SPLIT = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 def _smem_buffers(variant: config.KernelVariant) -> dict:
   """The shared buffers of the 16-bit forward after its mbarriers, in storage order: {name:
   (element type, count, alignment)}. Each Q slot also holds its tile's O (after the last QK^T
-  GEMM); masked variants add each K stage's key block ids (one bulk copy with the K tile)."""
+  GEMM); masked variants add each K stage's key block ids (one bulk copy with the K tile);
+  dynamic schedules each Q slot's tile index (the producer claims it, the consumers read it)."""
   dtype, s = DTYPES[variant.dtype], variant.schedule
   align = sm90_gemm.SMEM_ALIGN
   buffers = dict(
@@ -48,6 +49,8 @@ def _smem_buffers(variant: config.KernelVariant) -> dict:
       sV=(dtype, s.num_stages * s.tile_n * variant.head_dim_v, align))
   if variant.masked:
     buffers["sKIds"] = (Int32, s.num_stages * s.tile_n, 128)
+  if s.dynamic:
+    buffers["sTile"] = (Int32, s.q_stages, 16)
   return buffers
 
 
@@ -66,7 +69,12 @@ class FlashAttentionForwardSm90:
 
   The schedule (config.FwdSchedule) sets the tile, the ping-pong of the consumer warpgroups
   (one's softmax overlaps the other's GEMMs), the persistent grid, the LPT tile order and where
-  O is rescaled.
+  O is rescaled. Dynamic schedules (causal and masked variants) run a persistent grid whose
+  producer warp claims each next tile from a counter in global memory (mTileCounter, zero at
+  launch; tile_scheduler.claim) and publishes it in the Q slot it loads the tile's Q into: the
+  consumers read each tile from the slot they wait on, and a tile index past the last ends
+  their loop. Tiles go to CTAs in the order the hardware would hand one CTA per tile to SMs
+  (longest first), while a CTA's next Q and K loads overlap its current tile.
   Masked variants (windows, segment ids; config.KernelVariant.masked) take per query tile a
   range of key blocks [n_start, n_end) and a sub-range [full_lo, full_hi) that needs no
   elementwise mask (jaxflash/block_ranges.py; they stand in launch order), the tile order
@@ -106,7 +114,7 @@ class FlashAttentionForwardSm90:
     self.num_producer_regs, self.num_mma_regs = _REGISTER_SPLIT[self.num_mma_warpgroups]
     self.pingpong = schedule.pingpong
     self.persistent = schedule.persistent
-    self.one_cta_above_keys = schedule.one_cta_above_keys
+    self.dynamic = schedule.dynamic
     self.lpt = schedule.lpt
     self.rescale_o_before_pv = schedule.rescale_o_before_pv
     self.masked = variant.masked
@@ -189,6 +197,7 @@ class FlashAttentionForwardSm90:
       mKIds: cute.Tensor,  # masked: (batch, n blocks * tile_n) int32 key segment ids, or None
       mRanges: cute.Tensor,  # masked: (batch, m blocks, 4) int32 block ranges in launch order
       mOrder: cute.Tensor,  # masked: (batch * m blocks,) int32 tile order, or None
+      mTileCounter: Optional[cute.Tensor],  # dynamic schedules: (1,) int32, zero; else None
       softmax_scale: Float32,
       has_sink: Int32,  # 1: each row's softmax also runs over mSink[head]; 0: no sink
       window_left: Optional[Int32],  # masked: the band (block_ranges.window_bounds), or None
@@ -204,6 +213,8 @@ class FlashAttentionForwardSm90:
                       f"{mSink.element_type}")
     if const_expr(self.masked != (mRanges is not None)):
       raise TypeError("the mask operands are passed exactly to masked variants")
+    if const_expr(self.dynamic != (mTileCounter is not None)):
+      raise TypeError("the tile counter is passed exactly to dynamic schedules")
     self._setup_attributes()
     (tma_q, tma_k, tma_v, tma_o), (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), mLSE, grid = (
         self._tma_operands(mQ, mK, mV, mO, mLSE))
@@ -218,7 +229,7 @@ class FlashAttentionForwardSm90:
         softmax_scale, has_sink,
         self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout,
         self.tiled_mma_qk, self.tiled_mma_pv,
-        mQIds, mKIds, mRanges, mOrder, window_left, window_right, softcap, mO_rows,
+        mQIds, mKIds, mRanges, mOrder, window_left, window_right, softcap, mO_rows, mTileCounter,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
   def _tma_operands(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -243,8 +254,7 @@ class FlashAttentionForwardSm90:
         (self.tile_m, self.head_dim_v))
     num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
     grid = tile_scheduler.StaticTileScheduler.grid_shape(
-        num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]), self.persistent,
-        cute.size(mK.shape[0]), self.one_cta_above_keys)
+        num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]), self.persistent)
     return ((tma_q, tma_k, tma_v, tma_o), (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o),
             _select(mLSE, [2, 1, 0]), grid)
 
@@ -277,6 +287,7 @@ class FlashAttentionForwardSm90:
       window_right: Optional[Int32],
       softcap: Optional[Float32],
       mO_rows: Optional[cute.Tensor],  # tiles_from_last_row: (seqlen_q, head_dim_v, heads, batch)
+      mTileCounter: Optional[cute.Tensor] = None,  # dynamic: (1,) int32, zero at launch
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -289,6 +300,9 @@ class FlashAttentionForwardSm90:
     sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
     sO = cute.make_tensor(cute.recast_ptr(sQ.iterator, sO_layout.inner, self.dtype),
                           sO_layout.outer)
+    # Dynamic schedules: the tile index of each Q slot.
+    tiles = (_TileHandOff(storage.sTile.get_tensor(cute.make_layout(self.q_stages)), mTileCounter)
+             if const_expr(self.dynamic) else None)
     masking = None
     if const_expr(self.masked):
       sKIds = storage.sKIds.get_tensor(cute.make_layout((self.tile_n, self.num_stages)))
@@ -320,12 +334,12 @@ class FlashAttentionForwardSm90:
       cute.arch.setmaxregister_decrease(self.num_producer_regs)
       if warp_idx == 0:
         self.load(mQ, mK, mV, tma_atom_q, tma_atom_k, tma_atom_v, sQ, sK, sV,
-                  pipeline_q, pipeline_k, pipeline_v, scheduler, masking)
+                  pipeline_q, pipeline_k, pipeline_v, scheduler, masking, tiles)
     else:
       cute.arch.setmaxregister_increase(self.num_mma_regs)
       self.mma(mO, mLSE, mSink, has_sink, tma_atom_o, sQ, sK, sV, sO, tiled_mma_qk,
                tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, softmax_scale, scheduler,
-               mQ.shape[0], mK.shape[0], masking, mO_rows)
+               mQ.shape[0], mK.shape[0], masking, mO_rows, tiles)
 
   @cute.jit
   def _prefetch_descriptors(self, warp_idx: Int32, atoms):
@@ -361,12 +375,14 @@ class FlashAttentionForwardSm90:
   def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
            tma_atom_q: cute.CopyAtom, tma_atom_k: cute.CopyAtom, tma_atom_v: cute.CopyAtom,
            sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-           pipeline_q, pipeline_k, pipeline_v, scheduler, masking):
+           pipeline_q, pipeline_k, pipeline_v, scheduler, masking, tiles=None):
     """Producer warp: per tile, Q once and the K/V blocks in the consumers' order.
 
     The overlapped consumers need K(j+1) before V(j): K(n_max-1), Q, then K(n-1), V(n) for
     n = n_max-1 .. n_min+1, then V(n_min) (n_min = 0 but in masked variants). Masked: each K
-    stage also carries its key block's segment ids.
+    stage also carries its key block's segment ids. Dynamic schedules (tiles): each tile is
+    claimed once the previous one's loads are issued and published with its Q; past the last
+    tile, the end (total_tiles) is published in the next Q slot.
     """
     seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
     q_per_kv = mQ.shape[2] // mK.shape[2]
@@ -374,7 +390,8 @@ class FlashAttentionForwardSm90:
     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
     row_shift = self._row_shift(seqlen_q)
-    tile = scheduler.first_tile()
+    tile = scheduler.first_claim(tiles.counter) if const_expr(self.dynamic) else (
+        scheduler.first_tile())
     while tile < scheduler.total_tiles:
       m_block, head, batch, n_min, n_max, _ = self._tile_and_key_blocks(
           scheduler, tile, masking, seqlen_q + row_shift, seqlen_k)
@@ -402,7 +419,10 @@ class FlashAttentionForwardSm90:
         self._load_key_block_data(masking, pipeline_k, kv_state, n_max - 1, head_kv, batch)
       # Q is loaded even when no key block is visible: the consumers always wait for it, so no
       # TMA write into sQ can still be in flight when the epilogue reuses sQ for O.
-      pipeline_q.producer_acquire(q_state)
+      if const_expr(self.dynamic):
+        tiles.publish(pipeline_q, q_state, tile, True)
+      else:
+        pipeline_q.producer_acquire(q_state)
       cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
       q_state.advance()
       for i in cutlass.range(n_max - 1 - n_min, unroll=1):
@@ -422,7 +442,10 @@ class FlashAttentionForwardSm90:
         cute.copy(tma_atom_v, tVgV[None, n_min], tVsV[None, kv_state.index],
                   tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
         kv_state.advance()
-      tile = scheduler.next_tile(tile)
+      tile = scheduler.claim(tiles.counter) if const_expr(self.dynamic) else (
+          scheduler.next_tile(tile))
+    if const_expr(self.dynamic):
+      tiles.publish(pipeline_q, q_state, scheduler.total_tiles, False)
 
   def _q_slot_layout(self, layout):
     """One Q slot's part of a Q or O shared layout (the layout itself with one slot)."""
@@ -490,8 +513,9 @@ class FlashAttentionForwardSm90:
           sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sO: cute.Tensor,
           tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
           pipeline_q, pipeline_k, pipeline_v, softmax_scale: Float32, scheduler,
-          seqlen_q: Int32, seqlen_k: Int32, masking, mO_rows=None):
-    """Consumer warpgroups: per tile, S = Q K^T, online softmax, O += P V, epilogue."""
+          seqlen_q: Int32, seqlen_k: Int32, masking, mO_rows=None, tiles=None):
+    """Consumer warpgroups: per tile, S = Q K^T, online softmax, O += P V, epilogue. Dynamic
+    schedules (tiles): each tile is the one published with the Q slot waited on."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WARPGROUP_THREADS
     thr_mma_qk = tiled_mma_qk.get_slice(mma_tidx)
@@ -524,7 +548,11 @@ class FlashAttentionForwardSm90:
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
     # The rows the tiles cover (_row_shift): what the mask and the block counts see.
     tiled_rows = seqlen_q + self._row_shift(seqlen_q)
-    tile = scheduler.first_tile()
+    if const_expr(self.dynamic):
+      pipeline_q.consumer_wait(q_state)
+      tile = tiles.read(q_state)
+    else:
+      tile = scheduler.first_tile()
     while tile < scheduler.total_tiles:
       m_block, head, batch, n_min, n_max, slot = self._tile_and_key_blocks(
           scheduler, tile, masking, tiled_rows, seqlen_k)
@@ -540,7 +568,8 @@ class FlashAttentionForwardSm90:
       online.reset(masking.start_max if const_expr(self.masked) else None)
       self._start_tile(online, m_block, head, batch)
       acc_o.fill(0.0)
-      pipeline_q.consumer_wait(q_state)
+      if const_expr(not self.dynamic):
+        pipeline_q.consumer_wait(q_state)
       tile_c = self._consumer_for_slot(c, q_state)
       # Key blocks run from n_max-1 down, so the blocks needing the elementwise mask come first.
       if n_max > n_min:
@@ -586,7 +615,11 @@ class FlashAttentionForwardSm90:
                     tiled_mma_pv, thr_mma_pv, acc_o, online, pipeline_q, q_state, m_block, head,
                     batch, seqlen_q, mO_rows)
       q_state.advance()
-      tile = scheduler.next_tile(tile)
+      if const_expr(self.dynamic):
+        pipeline_q.consumer_wait(q_state)
+        tile = tiles.read(q_state)
+      else:
+        tile = scheduler.next_tile(tile)
 
   @cute.jit
   def _scheduler_sync(self, wg: Int32):
@@ -928,3 +961,32 @@ class _Masking(mask.MaskOperands):
   # start_max and keeps it, and blocks without the mask take OnlineSoftmax.capped_softmax.
   # Otherwise the running max: start_max -inf.
   start_max: Float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _TileHandOff:
+  """Dynamic schedules: the counter the producer claims tiles from and, per Q slot, the tile
+  whose Q the slot holds (a trace-time bundle)."""
+
+  slots: cute.Tensor  # (q_stages,) int32 in shared memory
+  counter: cute.Tensor  # (1,) int32 in global memory, zero at launch
+
+  @cute.jit
+  def publish(self, pipeline_q, q_state, tile: Int32, with_q: cutlass.Constexpr):
+    """Producer warp: waits for Q slot q_state to be free, writes tile into it and arrives on
+    the slot's full barrier, expecting Q's bytes (with_q: the caller's TMA load of Q follows)
+    or not (the end of the tiles: the slot completes at once). The mbarrier arrive releases the
+    write to the consumers that wait on the barrier."""
+    pipeline_q.sync_object_empty.wait(q_state.index, q_state.phase)
+    self.slots[q_state.index] = tile
+    cute.arch.sync_warp()
+    if const_expr(with_q):
+      pipeline_q.sync_object_full.arrive(q_state.index, pipeline_q.producer_mask)
+    else:
+      with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive(pipeline_q.producer_get_barrier(q_state))
+
+  @cute.jit
+  def read(self, q_state) -> Int32:
+    """Consumers, after waiting on Q slot q_state: the tile it holds."""
+    return self.slots[q_state.index]

@@ -1,7 +1,10 @@
 """Maps CTAs to (m_block, head, batch) work tiles over a linear tile index (1-D grid).
 
-Imports cutlass and jaxflash.config only. The producer warp and the consumer warpgroups walk the
-same tile sequence: tile = first_tile(); while tile < total_tiles: ...; tile = next_tile(tile).
+Imports cutlass and jaxflash.config only. Static schedules: the producer warp and the consumer
+warpgroups walk the same tile sequence: tile = first_tile(); while tile < total_tiles: ...;
+tile = next_tile(tile). Dynamic schedules: the producer warp claims each next tile from a
+counter in global memory (first_claim, claim) and hands it to the consumers (the forward kernel
+puts it beside the tile's Q).
 """
 
 import cutlass
@@ -24,9 +27,9 @@ class StaticTileScheduler:
   one head in L2). With `lpt` (causal): batch outermost, then sections of (batch, head) pairs
   whose K and V fit in L2 together, and inside a section m_block from the last (most keys) down,
   heads fastest: longest-processing-time first, with L2 reuse of each section's K/V.
-  `persistent`: grid = min(tiles, MAX_PERSISTENT_CTAS) and each CTA walks every stride-th tile
-  (its next tile's loads overlap its epilogue), unless the host chose a grid of every tile
-  (grid_shape's one_cta_above_keys): then each CTA takes one tile; else one CTA per tile.
+  `persistent`: grid = min(tiles, MAX_PERSISTENT_CTAS); each CTA walks every stride-th tile
+  (its next tile's loads overlap its epilogue), or, with a dynamic schedule, claims its next
+  tile (first_claim, claim); else one CTA per tile.
   """
 
   def __init__(self, num_m_blocks: Int32, num_heads: Int32, batch: Int32, seqlen_k: Int32,
@@ -44,7 +47,8 @@ class StaticTileScheduler:
     self.stride = self.total_tiles
     if cutlass.const_expr(persistent):
       # %nsmid < grid: the CTAs past it would only run after the others finished; let the
-      # first nsmid CTAs take all the tiles instead. A grid of every tile: one tile per CTA.
+      # first nsmid CTAs take all the tiles instead. A grid of every tile (at most
+      # MAX_PERSISTENT_CTAS tiles): one tile per CTA.
       grid = cute.arch.grid_dim()[0]
       stride = cutlass.min(grid, cute.arch.nsmid())
       self.stride = stride + (self.total_tiles - stride) * Int32(grid >= self.total_tiles)
@@ -63,17 +67,11 @@ class StaticTileScheduler:
     return new
 
   @staticmethod
-  def grid_shape(num_m_blocks, num_heads, batch, persistent: bool, seqlen_k=None,
-                 one_cta_above_keys: int = 0):
-    """Host side: the launch grid (a 1-D grid has no 65535 limit on heads or batch). A
-    persistent variant with one_cta_above_keys > 0 launches every tile when seqlen_k (a
-    run-time value) exceeds it."""
+  def grid_shape(num_m_blocks, num_heads, batch, persistent: bool):
+    """Host side: the launch grid (a 1-D grid has no 65535 limit on heads or batch)."""
     total = num_m_blocks * num_heads * batch
     if persistent:
-      grid = cutlass.min(total, MAX_PERSISTENT_CTAS)
-      if one_cta_above_keys > 0:
-        grid = grid + (total - grid) * Int32(seqlen_k > one_cta_above_keys)
-      return (grid, 1, 1)
+      return (cutlass.min(total, MAX_PERSISTENT_CTAS), 1, 1)
     return (total, 1, 1)
 
   @cute.jit
@@ -88,6 +86,28 @@ class StaticTileScheduler:
   @cute.jit
   def next_tile(self, tile: Int32) -> Int32:
     return tile + self.stride
+
+  @cute.jit
+  def first_claim(self, counter: cute.Tensor) -> Int32:
+    """Dynamic schedules (a persistent grid): this CTA's first tile, its own index where it is
+    one of the first stride CTAs (those resident at once), else claimed (claim)."""
+    tile = cute.arch.block_idx()[0]
+    if tile >= self.stride:
+      tile = self.claim(counter)
+    return tile
+
+  @cute.jit
+  def claim(self, counter: cute.Tensor) -> Int32:
+    """Dynamic schedules: the next unclaimed tile, stride + the counter's old value (counter: one
+    int32 in global memory, zero at launch). Lane 0 of the calling warp adds 1 to it, the whole
+    warp gets the tile. Tiles are claimed in index order (with `lpt`, longest first), each by
+    the first CTA that asks: a greedy schedule, as the hardware's one CTA per tile, whose CTAs
+    keep their shared memory, barriers and next tile's loads across tiles. Past total_tiles:
+    no more work."""
+    old = Int32(0)
+    if cute.arch.lane_idx() == 0:
+      old = cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
+    return cute.arch.shuffle_sync(old, 0) + self.stride
 
   @cute.jit
   def decode(self, tile: Int32):
