@@ -205,7 +205,9 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
   p.add_argument("--prep", action="store_true", help="also time the block-range preparation")
+  p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
   p.add_argument("--skip-fa3", action="store_true", help="skip the FlashAttention-3 column")
+  p.add_argument("--skip-det", action="store_true", help="skip the deterministic jaxflash column")
   bench_attention.add_run_arguments(p)
   args = p.parse_args(argv)
   fa3_ok, fa3_where = (False, "--skip-fa3") if args.skip_fa3 else fa3_binding.availability()
@@ -222,9 +224,9 @@ def main(argv=None) -> int:
     q, k, v, ct = (jnp.asarray(rng.standard_normal((b, s, HEADS, HEAD_DIM)), jnp.bfloat16)
                    for _ in range(4))
     for impl, attend in case.impls.items():
-      if impl == "fa3" and not fa3_ok:
+      if (impl == "fa3" and not fa3_ok) or (impl == "jaxflash-det" and args.skip_det):
         continue
-      for mode in ("fwd", "fwd+bwd"):
+      for mode in args.modes:
         if mode == "fwd" and impl == "jaxflash-det":
           continue
         fn = jax.jit(attend if mode == "fwd" else fwd_bwd_fn(attend, ct))
@@ -246,7 +248,7 @@ def main(argv=None) -> int:
   (args.out / "bench_masked.json").write_text(json.dumps(records, indent=1))
   print("| case | mode | " + " | ".join(sorted({r["impl"] for r in records} - {"prep"})) + " |")
   for name in args.cases:
-    for mode in ("fwd", "fwd+bwd"):
+    for mode in args.modes:
       row = {r["impl"]: r for r in records if r["case"] == name and r["mode"] == mode}
       cells = [f"{row[i]['tflops']:.0f}" if i in row and row[i]["tflops"] else "-"
                for i in sorted({r["impl"] for r in records} - {"prep"})]

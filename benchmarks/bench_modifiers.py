@@ -27,6 +27,7 @@ import jaxflash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench_attention.py
 import bench_attention  # noqa: E402
+import fa3_binding  # noqa: E402  (bench_attention put devtools/ on the path)
 
 TOKENS, WIDTH = 16384, 2048
 SOFTCAP = 30.0  # Grok-1's attention softcap (Gemma 2's is 50: --softcap)
@@ -35,6 +36,9 @@ IMPLS = ("jaxflash", "masked", "softcap", "sink", "cudnn")
 # and one learnable sink per head, next to the same call without window and sinks.
 GPT_OSS = dict(head_dim=64, heads=64, kv_heads=8, window=128)
 GPT_OSS_IMPLS = ("causal", "window+sink", "window", "cudnn causal", "cudnn window")
+# FlashAttention-3's window with the sinks applied outside its kernel (devtools/fa3_binding.py),
+# timed where its library is found.
+GPT_OSS_FA3 = "fa3 window+sink"
 
 
 def attend_fn(impl: str, causal: bool, implementation: str = "cute", softcap: float = SOFTCAP):
@@ -79,6 +83,9 @@ def timed_record(fn, args, flops: float, **fields) -> dict:
 def gpt_oss_fn(impl: str, implementation: str = "cute"):
   """attend(q, k, v, sink) for one of GPT_OSS_IMPLS (cuDNN takes no sink)."""
   window = (GPT_OSS["window"], 0)
+  if impl == GPT_OSS_FA3:
+    return lambda q, k, v, sink: fa3_binding.attention(q, k, v, causal=True, window_size=window,
+                                                       learnable_sink=sink)
   if impl.startswith("cudnn"):
     local = window if impl == "cudnn window" else None
     return lambda q, k, v, sink: jax.nn.dot_product_attention(
@@ -117,25 +124,30 @@ def run_gpt_oss(args, rng) -> list:
   """gpt-oss's shape at each --seq (batch * seq = 16384 tokens); effective TFLOP/s over the
   pairs each call's mask keeps (forward 4 d per pair, forward + backward 3.5x that)."""
   d, h = GPT_OSS["head_dim"], GPT_OSS["heads"]
+  fa3_ok, fa3_where = fa3_binding.availability()
+  print(f"FA-3 column: {fa3_where}" if fa3_ok else f"no FA-3 column: {fa3_where}", flush=True)
+  if fa3_ok:
+    fa3_binding.register()
+  impls = GPT_OSS_IMPLS + ((GPT_OSS_FA3,) if fa3_ok else ())
   records = []
   for s in args.seq:
     b = TOKENS // s
     q, k, v, sink = gpt_oss_inputs(s, rng)
     ct = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
     for mode in args.modes:
-      for impl in GPT_OSS_IMPLS:
+      for impl in impls:
         pairs = kept_pairs(s, None if impl.endswith("causal") else GPT_OSS["window"])
         flops = 4.0 * d * pairs * b * h * (1.0 if mode == "fwd" else 3.5)
         attend = gpt_oss_fn(impl)
         fn = jax.jit(attend if mode == "fwd" else fwd_bwd_fn(attend, ct))
         records.append(timed_record(fn, (q, k, v, sink), flops, shape="gpt-oss", seq=s,
                                     mode=mode, impl=impl))
-  print("| seq | mode | " + " | ".join(f"{i} ms" for i in GPT_OSS_IMPLS)
+  print("| seq | mode | " + " | ".join(f"{i} ms" for i in impls)
         + " | window+sink / causal (time) |")
   for s in args.seq:
     for mode in args.modes:
       row = {r["impl"]: r for r in records if (r["seq"], r["mode"]) == (s, mode)}
-      cells = [f"{row[i]['ms']:.3f}" if row[i].get("ms") else "-" for i in GPT_OSS_IMPLS]
+      cells = [f"{row[i]['ms']:.3f}" if row[i].get("ms") else "-" for i in impls]
       ratio = (f"{row['window+sink']['ms'] / row['causal']['ms']:.3f}"
                if row["window+sink"].get("ms") and row["causal"].get("ms") else "-")
       print(f"| {s} | {mode} | " + " | ".join(cells) + f" | {ratio} |")

@@ -109,6 +109,7 @@ def test_modifier_benchmark_columns_are_the_calls_they_name():
 
 
 def test_gpt_oss_columns_are_the_calls_they_name():
+  import jax
   import jax.numpy as jnp
   import numpy as np
 
@@ -126,6 +127,12 @@ def test_gpt_oss_columns_are_the_calls_they_name():
     np.testing.assert_array_equal(run(impl), jaxflash.attention(
         q, k, v, causal=True, implementation="reference", **options))
   assert not np.array_equal(run("window"), run("causal"))  # 200 keys: the window of 128 bites
+  # FA-3's column is its binding with the same window and sinks (lowered for CUDA: no GPU).
+  lowered = jax.jit(modifiers.gpt_oss_fn(modifiers.GPT_OSS_FA3)).trace(
+      q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), sink).lower(
+          lowering_platforms=("cuda",)).as_text()
+  assert "custom_call @dew_flash3_mha_fwd" in lowered
+  assert "window_size_left = 128" in lowered and "window_size_right = 0" in lowered
 
 
 @pytest.mark.parametrize("seq,window", [(1, None), (5, None), (1, 128), (100, 128), (300, 128),

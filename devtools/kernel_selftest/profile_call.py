@@ -10,7 +10,7 @@ cuProfilerStop, so `ncu --profile-from-start off` sees exactly the kernels of on
                                                           # bench_modifiers.py (softcap, sink)
   python devtools/kernel_selftest/profile_call.py fp8 HDIM SEQ IMPL [--causal]  # bench_fp8.py
 
-IMPL: a column of that benchmark (jaxflash, cudnn, xla, paged64, "window+sink", softcap,
+IMPL: a column of that benchmark (jaxflash, fa3, cudnn, xla, paged64, "window+sink", softcap,
 cudnn-fp8, ...).
 """
 import argparse
@@ -38,6 +38,8 @@ def decode_call(case: str, impl: str):
 
 
 def fwd_call(head_dim: int, seq: int, impl: str, causal: bool):
+  if impl == "fa3":  # FlashAttention-3's kernels (devtools/fa3_binding.py)
+    bench_attention.fa3_binding.register()
   batch, heads = 16384 // seq, 2048 // head_dim
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
   q, k, v = (jax.random.normal(key, (batch, seq, heads, head_dim), jnp.bfloat16)
@@ -49,6 +51,8 @@ def masked_call(case: str, impl: str):
   spec = bench_masked.cases()[case]
   if impl not in spec.impls:
     raise SystemExit(f"bench_masked case {case} has no column {impl}")
+  if impl == "fa3":
+    bench_attention.fa3_binding.register()
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
   q, k, v = (jax.random.normal(key, spec.shape + (16, 128), jnp.bfloat16) for key in keys)
   return jax.jit(spec.impls[impl]), (q, k, v, spec.data)
