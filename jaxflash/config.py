@@ -285,9 +285,9 @@ SHORT_DENSE_MAX_KEYS = 2048
 # bounded: a static shape) is at most this wide run a variant of their own: 128 x 128 tiles with
 # two Q slots. A 128-row tile under a causal window of 128 visits 2 key blocks, a 192-row tile
 # about 3.5, so the wider tile computes 1.75x the scores per row; the tiles are short, so the
-# second Q slot hides the next tile's setup. gpt-oss's forward at 16k
-# (window 128 + sinks, 2026-12-05): 0.400 ms against 0.529 ms for 192 x 128, cuDNN's window
-# 0.446 ms (docs/kernels.md, "Forward tiles"; only the 129-key band was measured).
+# second Q slot hides the next tile's setup. gpt-oss's forward at 16k (window 128 + sinks,
+# 2026-12-05): 0.400 ms against 0.529 ms for 192 x 128, cuDNN's window 0.446 ms
+# (docs/kernels.md, "Forward tiles"; only the 129-key band was measured).
 NARROW_BAND_HEAD_DIMS = (64,)
 NARROW_BAND_MAX_KEYS = 256
 
