@@ -130,9 +130,15 @@ def _window(window_size, causal: bool) -> tuple[int, int]:
   return left, right
 
 
-def _attributes(scale: float, causal: bool, window: tuple[int, int]) -> dict:
-  return dict(softmax_scale=np.float64(scale), is_causal=bool(causal),
-              window_size_left=np.int64(window[0]), window_size_right=np.int64(window[1]))
+def _attributes(softmax_scale: float, causal: bool, window_size, max_seqlens) -> dict:
+  """The targets' attributes, typed as they bind them (f64 scale, i64 window sides and, packed,
+  i64 longest documents)."""
+  left, right = _window(window_size, causal)
+  attributes = dict(softmax_scale=np.float64(softmax_scale), is_causal=bool(causal),
+                    window_size_left=np.int64(left), window_size_right=np.int64(right))
+  if max_seqlens is not None:
+    attributes.update(max_seqlen=np.int64(max_seqlens[0]), max_seqlen_k=np.int64(max_seqlens[1]))
+  return attributes
 
 
 def _check(q_shape, k_shape, v_shape, dtype, rank: int) -> None:
@@ -165,10 +171,8 @@ def fwd_call(q_shape, k_shape, v_shape, dtype, *, causal: bool, softmax_scale: f
   lse = (heads, q_shape[0]) if packed else (q_shape[0], heads, q_shape[1])
   results = ((tuple(q_shape), np.dtype(dtype)), (lse, np.dtype(np.float32)),
              ((1, 1, 1, 1), np.dtype(np.float32)), ((1, 1, 1), np.dtype(np.float32)))
-  attributes = _attributes(softmax_scale, causal, _window(window_size, causal))
-  if packed:
-    attributes.update(max_seqlen=np.int64(max_seqlens[0]), max_seqlen_k=np.int64(max_seqlens[1]))
-  return Call(TARGETS[2] if packed else TARGETS[0], results, attributes)
+  return Call(TARGETS[2] if packed else TARGETS[0], results,
+              _attributes(softmax_scale, causal, window_size, max_seqlens))
 
 
 def bwd_call(q_shape, k_shape, v_shape, dtype, *, causal: bool, softmax_scale: float,
@@ -184,10 +188,8 @@ def bwd_call(q_shape, k_shape, v_shape, dtype, *, causal: bool, softmax_scale: f
   scratch = ((rows,), np.dtype(np.float32))
   results = ((tuple(q_shape), np.dtype(dtype)), (tuple(k_shape), np.dtype(dtype)),
              (tuple(v_shape), np.dtype(dtype)), scratch, scratch)
-  attributes = _attributes(softmax_scale, causal, _window(window_size, causal))
-  if packed:
-    attributes.update(max_seqlen=np.int64(max_seqlens[0]), max_seqlen_k=np.int64(max_seqlens[1]))
-  return Call(TARGETS[3] if packed else TARGETS[1], results, attributes)
+  return Call(TARGETS[3] if packed else TARGETS[1], results,
+              _attributes(softmax_scale, causal, window_size, max_seqlens))
 
 
 def _ffi(call: Call, *operands):

@@ -60,16 +60,23 @@ def _bwd_abstract(q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
   return tuple(_jax_internal.shaped_like(x, x.shape, x.dtype, ins) for x in (q, k, v))
 
 
+def _kernel_variant(direction: str, q, v, config: AttentionConfig, seq_k=None):
+  """The KernelVariant a CUDA lowering of this call runs in `direction`, or None (reference).
+  seq_k: the call's keys per sequence (picks among forward variants)."""
+  if config.implementation != "cute":
+    return None
+  dtype, head_dim, head_dim_v = np.dtype(q.dtype).name, q.shape[-1], v.shape[-1]
+  if not kernel_support(direction, dtype, head_dim, head_dim_v, config)[0]:
+    return None
+  return KernelVariant.for_call(direction, "sm90a", dtype, head_dim, head_dim_v, config, seq_k)
+
+
 def _fwd_scratch(q, k, v, config: AttentionConfig) -> tuple:
   """((shape, dtype), ...) of the forward kernel's scratch results (a dynamic schedule's tile
   counter); () on the reference path. From config and avals only, as _bwd_scratch."""
-  if config.implementation != "cute":
+  variant = _kernel_variant("fwd", q, v, config, k.shape[1])
+  if variant is None:
     return ()
-  dtype, head_dim, head_dim_v = np.dtype(q.dtype).name, q.shape[-1], v.shape[-1]
-  if not kernel_support("fwd", dtype, head_dim, head_dim_v, config)[0]:
-    return ()
-  variant = KernelVariant.for_call("fwd", "sm90a", dtype, head_dim, head_dim_v, config,
-                                   k.shape[1])
   return tuple((shape, np.dtype(dt)) for _, shape, dt in fwd_scratch_shapes(variant))
 
 
@@ -81,23 +88,13 @@ def _fwd_kernel_abstract(q, k, v, *rest, config):
   return (out, lse) + scratch
 
 
-def _bwd_variant(q, v, config: AttentionConfig):
-  """The backward KernelVariant a CUDA lowering of this call runs, or None (reference)."""
-  if config.implementation != "cute":
-    return None
-  dtype, head_dim, head_dim_v = np.dtype(q.dtype).name, q.shape[-1], v.shape[-1]
-  if not kernel_support("bwd", dtype, head_dim, head_dim_v, config)[0]:
-    return None
-  return KernelVariant.for_call("bwd", "sm90a", dtype, head_dim, head_dim_v, config)
-
-
 def _bwd_scratch(q, v, config: AttentionConfig) -> tuple:
   """((shape, dtype), ...) of the kernel's scratch results; () on the reference path.
 
   Decided from config and avals only, so that it is the same on every platform: the abstract
   eval cannot know which platform lowers the call.
   """
-  variant = _bwd_variant(q, v, config)
+  variant = _kernel_variant("bwd", q, v, config)
   if variant is None:
     return ()
   b, seq_q, h, _ = q.shape
@@ -191,7 +188,7 @@ def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
   as in the forward (block_ranges.py).
   """
   q_aval, _, v_aval = ctx.avals_in[:3]
-  variant = _bwd_variant(q_aval, v_aval, config)
+  variant = _kernel_variant("bwd", q_aval, v_aval, config)
   if variant is None:
     return _bwd_lower_reference(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids,
                                 config=config)

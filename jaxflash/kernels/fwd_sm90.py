@@ -287,7 +287,7 @@ class FlashAttentionForwardSm90:
       window_right: Optional[Int32],
       softcap: Optional[Float32],
       mO_rows: Optional[cute.Tensor],  # tiles_from_last_row: (seqlen_q, head_dim_v, heads, batch)
-      mTileCounter: Optional[cute.Tensor] = None,  # dynamic: (1,) int32, zero at launch
+      mTileCounter: Optional[cute.Tensor],  # dynamic: (1,) int32, zero at launch; else None
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -549,8 +549,7 @@ class FlashAttentionForwardSm90:
     # The rows the tiles cover (_row_shift): what the mask and the block counts see.
     tiled_rows = seqlen_q + self._row_shift(seqlen_q)
     if const_expr(self.dynamic):
-      pipeline_q.consumer_wait(q_state)
-      tile = tiles.read(q_state)
+      tile = tiles.wait_and_read(pipeline_q, q_state)
     else:
       tile = scheduler.first_tile()
     while tile < scheduler.total_tiles:
@@ -616,8 +615,7 @@ class FlashAttentionForwardSm90:
                     batch, seqlen_q, mO_rows)
       q_state.advance()
       if const_expr(self.dynamic):
-        pipeline_q.consumer_wait(q_state)
-        tile = tiles.read(q_state)
+        tile = tiles.wait_and_read(pipeline_q, q_state)
       else:
         tile = scheduler.next_tile(tile)
 
@@ -987,6 +985,8 @@ class _TileHandOff:
         cute.arch.mbarrier_arrive(pipeline_q.producer_get_barrier(q_state))
 
   @cute.jit
-  def read(self, q_state) -> Int32:
-    """Consumers, after waiting on Q slot q_state: the tile it holds."""
+  def wait_and_read(self, pipeline_q, q_state) -> Int32:
+    """Consumers: waits for Q slot q_state to be full and returns the tile it holds (its Q, or
+    total_tiles at the end)."""
+    pipeline_q.consumer_wait(q_state)
     return self.slots[q_state.index]
