@@ -16,14 +16,14 @@ from jaxflash import _jax_internal, user_warning
 log = logging.getLogger("jaxflash")
 
 
-def resolve(requested: Optional[str], support: tuple[bool, str], missing: Callable[[], str],
-            device_required_by: Optional[str] = None) -> str:
+def resolve(requested: Optional[str], support: tuple[bool, str],
+            missing: Callable[[], str]) -> str:
   """Returns "cute" or "reference" for one call.
 
   support: config.kernel_support's (covered, reason) for the call. missing(): why a kernel the
   call needs is unavailable here ("" when each is installed or buildable), asked only where a
-  CUDA device is visible. device_required_by: None when "cute" may be lowered for a GPU that is
-  elsewhere (jax.export); else the kernels' name for the error raised without a CUDA device.
+  CUDA device is visible. "cute" without a CUDA device lowers for a GPU that is elsewhere
+  (jax.export).
   """
   if requested == "reference":
     return "reference"
@@ -33,10 +33,7 @@ def resolve(requested: Optional[str], support: tuple[bool, str], missing: Callab
       raise ValueError(f"implementation='cute': {reason}; use implementation=None (auto) or "
                        f"'reference'")
     if not _jax_internal.has_cuda_device():
-      if device_required_by is None:
-        return "cute"
-      raise ValueError(f"implementation='cute': {device_required_by} need an NVIDIA Hopper GPU "
-                       f"and none is visible; use implementation=None (auto) or 'reference'")
+      return "cute"
   elif not _jax_internal.has_hopper_device():
     return "reference"
   elif not covered:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import checks, implementation, reference, split_kv
+from jaxflash import _jax_internal, checks, implementation, reference, split_kv
 from jaxflash.attention import empty_result
 from jaxflash.config import AttentionConfig, IMPLEMENTATIONS, decode_variant, kernel_support
 from jaxflash.sink import add_learnable_sink, check_learnable_sink
@@ -85,15 +85,22 @@ def _check_options(causal, softmax_scale, window_size, softcap, num_splits, retu
 
 
 def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
-                            head_dim_v: int) -> str:
+                            head_dim_v: int, num_splits: Optional[int]) -> str:
   """'cute' or 'reference' (implementation.resolve): the decode kernel where one covers the
-  call (fp16/bf16, the forward's head dims) and is installed or buildable; 'cute' needs a CUDA
-  device here."""
+  call (fp16/bf16, the forward's head dims) and is installed or buildable. 'cute' lowers
+  without a CUDA device here (jax.export for a GPU elsewhere) only with num_splits given: the
+  automatic count is chosen from the GPU's SM count."""
   def missing() -> str:
     from jaxflash import ffi  # only on a CUDA host: keeps `import jaxflash` light
     return ffi.variant_available(decode_variant(dtype, head_dim, head_dim_v))[1]
-  return implementation.resolve(requested, kernel_support("decode", dtype, head_dim, head_dim_v),
-                                missing, device_required_by="the decode kernels")
+  covered = kernel_support("decode", dtype, head_dim, head_dim_v)
+  if (requested == "cute" and covered[0] and num_splits is None
+      and not _jax_internal.has_cuda_device()):
+    raise ValueError("num_splits: None (automatic) is chosen from the GPU's SM count, and no "
+                     "CUDA device is visible; to lower implementation='cute' for a GPU "
+                     "elsewhere (jax.export), give num_splits (an int >= 1), or use "
+                     "implementation=None (auto) or 'reference'")
+  return implementation.resolve(requested, covered, missing)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
@@ -146,8 +153,10 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
     softmax_scale, window_size, softcap, learnable_sink: as in `jaxflash.attention`, with the
       window measured from each query's position above.
     num_splits: how many parts the kernel splits each sequence's keys into (None: chosen from
-      the static shapes and the GPU's SM count); the result is the same up to rounding, and
-      bitwise the same run to run for a given count. The reference computes in one pass.
+      the static shapes and the GPU's SM count, so implementation="cute" on a host without a
+      GPU, e.g. jax.export for one elsewhere, needs it given); the result is the same up to
+      rounding, and bitwise the same run to run for a given count. The reference computes in
+      one pass.
     return_lse: also return lse (batch, num_heads, seq_q), float32 (natural log).
     implementation: None (auto): the decode kernel on a Hopper GPU for float16/bfloat16 and
       the forward kernels' head dims, else the reference; "cute": the kernel or an error;
@@ -176,7 +185,8 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
     if learnable_sink is not None:
       out, lse = add_learnable_sink(out, lse, learnable_sink)
   else:
-    impl = _resolve_implementation(implementation, dtype, query.shape[-1], v_cache.shape[-1])
+    impl = _resolve_implementation(implementation, dtype, query.shape[-1], v_cache.shape[-1],
+                                   num_splits)
     out, lse = _forward(config.replace(implementation=impl), num_splits, query, k_cache,
                         v_cache, lengths, page_table, learnable_sink)
   return (out, lse) if return_lse else out

@@ -141,6 +141,37 @@ def test_cuda_export_of_a_decoding_step_holds_the_decode_target():
   assert f"custom_call @{DECODE_TARGET}(" in text and "CustomSPMDPartitioning" not in text
 
 
+def test_cuda_export_of_a_kv_cache_decoding_step_with_num_splits():
+  """A decoding step over a paged cache (update_kv_cache, then kv_cache_attention on the decode
+  kernel) exports for a GPU elsewhere when num_splits is given: the count is then no function
+  of this host's devices, and the custom call's partial results carry it. Without num_splits
+  the same export names the argument (tests/test_kv_cache.py)."""
+  pages, page_size, kv_heads, d = 12, 64, 2, 128
+  q = jax.ShapeDtypeStruct((3, 1, 8, d), jnp.bfloat16)
+  new_kv = jax.ShapeDtypeStruct((3, 1, kv_heads, d), jnp.bfloat16)
+  pool = jax.ShapeDtypeStruct((pages, page_size, kv_heads, d), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((3, 4), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((3,), jnp.int32)
+
+  def step(q, new_k, new_v, k_pool, v_pool, page_table, lengths):
+    k_pool, v_pool, lengths = jaxflash.update_kv_cache(k_pool, v_pool, new_k, new_v, lengths,
+                                                       page_table=page_table)
+    out = jaxflash.kv_cache_attention(q, k_pool, v_pool, lengths, page_table=page_table,
+                                      num_splits=5, implementation="cute")
+    return out, k_pool, v_pool, lengths
+
+  exported = jax.export.export(
+      jax.jit(step, donate_argnums=(3, 4)), platforms=("cuda",),
+      disabled_checks=[DisabledSafetyCheck.custom_call(DECODE_TARGET)])(
+          q, new_kv, new_kv, pool, pool, table, lengths)
+  text = jax.export.deserialize(exported.serialize()).mlir_module()
+  calls = [l for l in text.splitlines() if f"custom_call @{DECODE_TARGET}(" in l]
+  assert len(calls) == 1, calls
+  # out_partial (batch, num_splits, kv heads, rows, head_dim_v): the given count, 5.
+  assert f"tensor<3x5x{kv_heads}x4x{d}xf32>" in calls[0], calls[0]
+  assert exported.out_avals[0].shape == (3, 1, 8, d)
+
+
 def test_sharded_export_through_shard_map():
   """Multi-device export: attention inside shard_map serializes (docs/export.md)."""
   r = _multidevice.run_worker("tests.test_export")
