@@ -40,7 +40,7 @@ _KERNELS_SRC = Path(__file__).resolve().parent / "kernels"
 _HANDLER_SOURCES = ("handlers.cc", "variant_registry.cc")
 _HANDLER_HEADERS = ("kernel_abi.h", "variant_registry.h")
 _VARIANT_SOURCES = ("variant_fwd.cc", "variant_bwd.cc", "variant_decode.cc")
-_VARIANT_HEADERS = ("kernel_abi.h", "tensor_args.h", "variant_common.h")
+_VARIANT_HEADERS = ("kernel_abi.h", "tensor_args.h", "variant_common.h", "variant_load.h")
 _CXXFLAGS = ("-std=c++17", "-O2", "-shared", "-fPIC")
 # Hide the static CUDA runtime's symbols: each library keeps its own copy, and nothing outside
 # it can bind to them. -s strips the static symbol table (the dynamic one stays).

@@ -33,7 +33,7 @@ using fa4_glue::kInvalid;
 FA4_FWD_GROUPS(FA4_DECLARE_MODULE)
 #undef FA4_DECLARE_MODULE
 
-// Loads every group's module (fa4_glue::LoadOnce runs it once); whether all loaded.
+// Loads every group's module (jaxflash::LoadOnce runs it once); whether all loaded.
 bool LoadModules() {
   bool ok = true;
 #define FA4_LOAD_MODULE(G)                              \
@@ -97,13 +97,10 @@ FA4_EXPORT const JaxflashVariantInfo* jaxflash_variant_info(void) {
   return &info;
 }
 
-FA4_EXPORT int32_t jaxflash_variant_load(void) { return fa4_glue::LoadOnce(LoadModules); }
+FA4_EXPORT int32_t jaxflash_variant_load(void) { return jaxflash::LoadOnce(LoadModules); }
 
 FA4_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream_ptr) {
-  int32_t status = Validate(args);
-  if (status != 0) return status;
-  status = jaxflash_variant_load();
-  if (status != 0) return status;
+  if (int32_t status = jaxflash::RefuseOrLoad(Validate(args)); status != 0) return status;
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const int32_t g = args->num_heads / args->num_kv_heads;
 #define FA4_DISPATCH(G) \

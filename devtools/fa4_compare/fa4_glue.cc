@@ -57,7 +57,7 @@ fa4_bwd_postkv_Kernel_Module_t g_postkv = {};
 FA4_GROUPS(FA4_DECLARE_MODULE)
 #undef FA4_DECLARE_MODULE
 
-// Loads every module (fa4_glue::LoadOnce runs it once); whether all loaded.
+// Loads every module (jaxflash::LoadOnce runs it once); whether all loaded.
 bool LoadModules() {
   fa4_bwd_pre_Kernel_Module_Load(&g_pre);
   fa4_bwd_post_Kernel_Module_Load(&g_post);
@@ -195,12 +195,10 @@ FA4_EXPORT const JaxflashVariantInfo* jaxflash_variant_info(void) {
   return &info;
 }
 
-FA4_EXPORT int32_t jaxflash_variant_load(void) { return fa4_glue::LoadOnce(LoadModules); }
+FA4_EXPORT int32_t jaxflash_variant_load(void) { return jaxflash::LoadOnce(LoadModules); }
 
 FA4_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream_ptr) {
-  int32_t status = Validate(args);
-  if (status != 0) return status;
-  status = jaxflash_variant_load();
+  int32_t status = jaxflash::RefuseOrLoad(Validate(args));
   if (status != 0) return status;
 
   const JaxflashBwdArgs& a = *args;

@@ -4,13 +4,10 @@
 
 #include <stdint.h>
 
-#include <mutex>
-
 #include "kernel_abi.h"
 #include "tensor_args.h"
 #include "variant_common.h"
 #include JAXFLASH_HEADER_PRE
-#include JAXFLASH_HEADER_MAIN
 #include JAXFLASH_HEADER_POST
 
 #if !defined(JAXFLASH_PREFIX_PRE) || !defined(JAXFLASH_PREFIX_POST)
@@ -19,7 +16,6 @@
 static_assert(JAXFLASH_DIRECTION == 1, "variant_bwd.cc builds backward variants");
 
 #define JF_PRE(suffix) JF_CAT(JAXFLASH_PREFIX_PRE, suffix)
-#define JF_MAIN(suffix) JF_CAT(JAXFLASH_PREFIX_MAIN, suffix)
 #define JF_POST(suffix) JF_CAT(JAXFLASH_PREFIX_POST, suffix)
 
 namespace {
@@ -55,10 +51,7 @@ JF_CHECK_SIGNATURE(JF_MAIN(_Tensor_mSem_t));
 #endif
 
 JF_PRE(_Kernel_Module_t) g_pre = {};
-JF_MAIN(_Kernel_Module_t) g_main = {};
 JF_POST(_Kernel_Module_t) g_post = {};
-std::once_flag g_load_once;
-int32_t g_load_status = -1;
 
 int32_t Validate(const JaxflashBwdArgs* a) {
   const int32_t kInvalid = static_cast<int32_t>(cudaErrorInvalidValue);
@@ -102,21 +95,16 @@ int32_t Validate(const JaxflashBwdArgs* a) {
 }  // namespace
 
 JF_EXPORT int32_t jaxflash_variant_load(void) {
-  std::call_once(g_load_once, [] {
-    g_load_status = jaxflash::LoadModules([] {
-      JF_PRE(_Kernel_Module_Load)(&g_pre);
-      JF_MAIN(_Kernel_Module_Load)(&g_main);
-      JF_POST(_Kernel_Module_Load)(&g_post);
-      return g_pre.module != nullptr && g_main.module != nullptr && g_post.module != nullptr;
-    });
+  return jaxflash::LoadOnce([] {
+    JF_PRE(_Kernel_Module_Load)(&g_pre);
+    const bool main_loaded = LoadMainModule();
+    JF_POST(_Kernel_Module_Load)(&g_post);
+    return g_pre.module != nullptr && main_loaded && g_post.module != nullptr;
   });
-  return g_load_status;
 }
 
 JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream_ptr) {
-  int32_t status = Validate(args);
-  if (status != 0) return status;
-  status = jaxflash_variant_load();
+  int32_t status = jaxflash::RefuseOrLoad(Validate(args));
   if (status != 0) return status;
 
   const JaxflashBwdArgs& a = *args;

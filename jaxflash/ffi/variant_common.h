@@ -1,5 +1,6 @@
 // What the forward, backward and decode glue of a variant library share: the build macros, the
-// exported version / key / info functions, and the one-time module load.
+// exported version / key / info functions, the MAIN object's module and its load (once, with
+// variant_load.h) and the check of the mask operands.
 //
 // The glue sources (variant_fwd.cc, variant_bwd.cc, variant_decode.cc) are compiled once per
 // KernelVariant; the variant comes in through macros that
@@ -22,6 +23,7 @@
 
 #include "cuda_runtime_api.h"
 #include "kernel_abi.h"
+#include "variant_load.h"
 
 #if !defined(JAXFLASH_VARIANT_KEY) || !defined(JAXFLASH_DIRECTION) || !defined(JAXFLASH_DTYPE) || \
     !defined(JAXFLASH_HEAD_DIM) || !defined(JAXFLASH_HEAD_DIM_V) || !defined(JAXFLASH_CAUSAL) ||  \
@@ -32,8 +34,12 @@
 #error "define the JAXFLASH_* macros listed at the top of variant_common.h"
 #endif
 
+#include JAXFLASH_HEADER_MAIN
+
 #define JF_CAT2(a, b) a##b
 #define JF_CAT(a, b) JF_CAT2(a, b)
+// <prefix><suffix>: a name that export_to_c generated for the MAIN object.
+#define JF_MAIN(suffix) JF_CAT(JAXFLASH_PREFIX_MAIN, suffix)
 // cute_dsl_<prefix>_wrapper: the launcher export_to_c generates for an exported object.
 #define JF_WRAPPER(prefix) JF_CAT(JF_CAT(cute_dsl_, prefix), _wrapper)
 #define JF_EXPORT extern "C" __attribute__((visibility("default")))
@@ -50,19 +56,21 @@ JF_EXPORT const JaxflashVariantInfo* jaxflash_variant_info(void) {
   return &info;
 }
 
-namespace jaxflash {
+namespace {
 
-// Runs `load` (the generated <prefix>_Kernel_Module_Load calls) and restores the caller's
-// device, which Module_Load may leave changed as it walks every device. The generated loaders
-// only print their errors: `load` returns whether every module handle is set. 0 on success.
-template <typename Load>
-int32_t LoadModules(Load load) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return static_cast<int32_t>(cudaErrorNoDevice);
-  const bool ok = load();
-  cudaSetDevice(device);
-  return ok ? 0 : static_cast<int32_t>(cudaErrorInvalidKernelImage);
+// The module of the MAIN object: the kernel of a forward or decode variant, the backward's main
+// kernel.
+JF_MAIN(_Kernel_Module_t) g_main = {};
+
+// Loads g_main (its generated Module_Load); whether its handle is set.
+bool LoadMainModule() {
+  JF_MAIN(_Kernel_Module_Load)(&g_main);
+  return g_main.module != nullptr;
 }
+
+}  // namespace
+
+namespace jaxflash {
 
 // The masked operands must all be there for a masked variant (ranks only when deterministic)
 // and absent otherwise.

@@ -3,14 +3,9 @@
 
 #include <stdint.h>
 
-#include <mutex>
-
 #include "kernel_abi.h"
 #include "tensor_args.h"
 #include "variant_common.h"
-#include JAXFLASH_HEADER_MAIN
-
-#define JF_NAME(suffix) JF_CAT(JAXFLASH_PREFIX_MAIN, suffix)
 
 namespace {
 
@@ -18,17 +13,16 @@ using jaxflash::Aligned;
 using jaxflash::Dense;
 using jaxflash::kSignatureMatches;
 
-using Module = JF_NAME(_Kernel_Module_t);
-using TensorQ = JF_NAME(_Tensor_mQ_t);
-using TensorK = JF_NAME(_Tensor_mK_t);
-using TensorV = JF_NAME(_Tensor_mV_t);
-using TensorPageTable = JF_NAME(_Tensor_mPageTable_t);
-using TensorLengths = JF_NAME(_Tensor_mLengths_t);
-using TensorSink = JF_NAME(_Tensor_mSink_t);
-using TensorOPart = JF_NAME(_Tensor_mOPart_t);
-using TensorLsePart = JF_NAME(_Tensor_mLSEPart_t);
-using TensorO = JF_NAME(_Tensor_mO_t);
-using TensorLse = JF_NAME(_Tensor_mLSE_t);
+using TensorQ = JF_MAIN(_Tensor_mQ_t);
+using TensorK = JF_MAIN(_Tensor_mK_t);
+using TensorV = JF_MAIN(_Tensor_mV_t);
+using TensorPageTable = JF_MAIN(_Tensor_mPageTable_t);
+using TensorLengths = JF_MAIN(_Tensor_mLengths_t);
+using TensorSink = JF_MAIN(_Tensor_mSink_t);
+using TensorOPart = JF_MAIN(_Tensor_mOPart_t);
+using TensorLsePart = JF_MAIN(_Tensor_mLSEPart_t);
+using TensorO = JF_MAIN(_Tensor_mO_t);
+using TensorLse = JF_MAIN(_Tensor_mLSE_t);
 
 // q, k, v: 3 dynamic extents and 2 dynamic strides each; the others are checked by Dense against
 // the extents it fills (page_table and sink 2 / 1, lengths 1 / 0, out_partial and lse_partial
@@ -40,10 +34,6 @@ static_assert(JAXFLASH_DIRECTION == 2, "variant_decode.cc builds decode variants
 
 // CUDA's limit on gridDim.y and gridDim.z.
 constexpr int64_t kMaxGridYZ = 65535;
-
-Module g_module = {};
-std::once_flag g_load_once;
-int32_t g_load_status = -1;
 
 // cudaErrorInvalidValue for what the kernel cannot take, else 0.
 int32_t Validate(const JaxflashDecodeArgs* a) {
@@ -87,20 +77,10 @@ int32_t Validate(const JaxflashDecodeArgs* a) {
 
 }  // namespace
 
-JF_EXPORT int32_t jaxflash_variant_load(void) {
-  std::call_once(g_load_once, [] {
-    g_load_status = jaxflash::LoadModules([] {
-      JF_NAME(_Kernel_Module_Load)(&g_module);
-      return g_module.module != nullptr;
-    });
-  });
-  return g_load_status;
-}
+JF_EXPORT int32_t jaxflash_variant_load(void) { return jaxflash::LoadOnce(LoadMainModule); }
 
 JF_EXPORT int32_t jaxflash_variant_decode(const JaxflashDecodeArgs* args, void* stream) {
-  if (int32_t invalid = Validate(args); invalid != 0) return invalid;
-  const int32_t status = jaxflash_variant_load();
-  if (status != 0) return status;
+  if (int32_t status = jaxflash::RefuseOrLoad(Validate(args)); status != 0) return status;
 
   const int32_t b = args->batch, rows = args->rows, hk = args->num_kv_heads;
   const int32_t pages = args->num_pages, page_size = args->page_size;
@@ -117,7 +97,7 @@ JF_EXPORT int32_t jaxflash_variant_decode(const JaxflashDecodeArgs* args, void* 
   TensorLsePart lse_part = Dense<TensorLsePart>(args->lse_partial, {b, splits, hk, rows});
   TensorO out = Dense<TensorO>(args->out, {b, hk, rows}, JAXFLASH_HEAD_DIM_V);
   TensorLse lse = Dense<TensorLse>(args->lse, {b, hk, rows});
-  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &page_table, &lengths, &sink,
+  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &page_table, &lengths, &sink,
                                           &o_part, &lse_part, &out, &lse,
                                           args->softmax_scale, args->seqlen_q,
                                           args->window_left, args->window_right, args->softcap,

@@ -3,14 +3,10 @@
 
 #include <stdint.h>
 
-#include <mutex>
-
 #include "kernel_abi.h"
 #include "tensor_args.h"
 #include "variant_common.h"
-#include JAXFLASH_HEADER_MAIN
 
-#define JF_NAME(suffix) JF_CAT(JAXFLASH_PREFIX_MAIN, suffix)
 // FP8 variants (float8_e4m3fn q, k, v; bf16 or fp16 out) also take the descales and the out
 // dtype.
 #define JAXFLASH_FP8 (JAXFLASH_DTYPE == 2)
@@ -20,25 +16,24 @@ namespace {
 using jaxflash::Aligned;
 using jaxflash::Dense;
 
-using Module = JF_NAME(_Kernel_Module_t);
-using TensorQ = JF_NAME(_Tensor_mQ_t);
-using TensorK = JF_NAME(_Tensor_mK_t);
-using TensorV = JF_NAME(_Tensor_mV_t);
-using TensorO = JF_NAME(_Tensor_mO_t);
-using TensorLse = JF_NAME(_Tensor_mLSE_t);
-using TensorSink = JF_NAME(_Tensor_mSink_t);
+using TensorQ = JF_MAIN(_Tensor_mQ_t);
+using TensorK = JF_MAIN(_Tensor_mK_t);
+using TensorV = JF_MAIN(_Tensor_mV_t);
+using TensorO = JF_MAIN(_Tensor_mO_t);
+using TensorLse = JF_MAIN(_Tensor_mLSE_t);
+using TensorSink = JF_MAIN(_Tensor_mSink_t);
 #if JAXFLASH_FP8
-using TensorQDescale = JF_NAME(_Tensor_mQDescale_t);
-using TensorKVDescale = JF_NAME(_Tensor_mKVDescale_t);
+using TensorQDescale = JF_MAIN(_Tensor_mQDescale_t);
+using TensorKVDescale = JF_MAIN(_Tensor_mKVDescale_t);
 #endif
 #if JAXFLASH_MASKED
-using TensorQIds = JF_NAME(_Tensor_mQIds_t);
-using TensorKIds = JF_NAME(_Tensor_mKIds_t);
-using TensorRanges = JF_NAME(_Tensor_mRanges_t);
-using TensorOrder = JF_NAME(_Tensor_mOrder_t);
+using TensorQIds = JF_MAIN(_Tensor_mQIds_t);
+using TensorKIds = JF_MAIN(_Tensor_mKIds_t);
+using TensorRanges = JF_MAIN(_Tensor_mRanges_t);
+using TensorOrder = JF_MAIN(_Tensor_mOrder_t);
 #endif
 #if JAXFLASH_TILE_COUNTER
-using TensorTileCounter = JF_NAME(_Tensor_mTileCounter_t);
+using TensorTileCounter = JF_MAIN(_Tensor_mTileCounter_t);
 #endif
 
 using jaxflash::kSignatureMatches;
@@ -51,23 +46,8 @@ static_assert(sizeof(TensorSink::dynamic_shapes) == sizeof(int32_t),
               "the sink is a (num_heads,) vector in jaxflash.kernels.compile.fwd_signature");
 static_assert(JAXFLASH_DIRECTION == 0, "variant_fwd.cc builds forward variants");
 
-Module g_module = {};
-std::once_flag g_load_once;
-int32_t g_load_status = -1;
-
-}  // namespace
-
-JF_EXPORT int32_t jaxflash_variant_load(void) {
-  std::call_once(g_load_once, [] {
-    g_load_status = jaxflash::LoadModules([] {
-      JF_NAME(_Kernel_Module_Load)(&g_module);
-      return g_module.module != nullptr;
-    });
-  });
-  return g_load_status;
-}
-
-JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream) {
+// cudaErrorInvalidValue for what the kernel cannot take, else 0.
+int32_t Validate(const JaxflashFwdArgs* args) {
   const int32_t kInvalid = static_cast<int32_t>(cudaErrorInvalidValue);
   if (args == nullptr || args->head_dim != JAXFLASH_HEAD_DIM ||
       args->head_dim_v != JAXFLASH_HEAD_DIM_V) {
@@ -106,8 +86,15 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
     return kInvalid;
   }
 #endif
-  const int32_t status = jaxflash_variant_load();
-  if (status != 0) return status;
+  return 0;
+}
+
+}  // namespace
+
+JF_EXPORT int32_t jaxflash_variant_load(void) { return jaxflash::LoadOnce(LoadMainModule); }
+
+JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream) {
+  if (int32_t status = jaxflash::RefuseOrLoad(Validate(args)); status != 0) return status;
 
   const int32_t b = args->batch, sq = args->seqlen_q, sk = args->seqlen_k;
   const int32_t h = args->num_heads, hk = args->num_kv_heads;
@@ -133,7 +120,7 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
   TensorKIds k_ids = Dense<TensorKIds>(m.col_ids, {b, n_blocks * JAXFLASH_TILE_N});
   TensorRanges ranges = Dense<TensorRanges>(m.ranges, {b, m_blocks}, 4);
   TensorOrder order = Dense<TensorOrder>(m.order, {b * m_blocks});
-  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &sink, &q_ids,
+  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &o, &lse, &sink, &q_ids,
                                           &k_ids, &ranges, &order, JF_TILE_COUNTER
                                           args->softmax_scale,
                                           has_sink, args->window_left, args->window_right,
@@ -144,12 +131,12 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
   TensorQDescale q_descale = Dense<TensorQDescale>(args->q_descale, {b, h, q_chunks});
   // (batch, hk, k_chunks, 4) seen as (batch, hk, 4 * k_chunks).
   TensorKVDescale kv_descale = Dense<TensorKVDescale>(args->kv_descale, {b, hk, 4 * k_chunks});
-  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &sink, &q_descale,
+  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &o, &lse, &sink, &q_descale,
                                           &kv_descale, args->softmax_scale, has_sink,
                                           args->out_float16 != 0 ? 1 : 0,
                                           static_cast<cudaStream_t>(stream));
 #else
-  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_module, &q, &k, &v, &o, &lse, &sink,
+  return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &o, &lse, &sink,
                                           JF_TILE_COUNTER args->softmax_scale, has_sink,
                                           static_cast<cudaStream_t>(stream));
 #endif
