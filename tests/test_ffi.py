@@ -18,11 +18,16 @@ def _variant(causal=False):
 
 
 def _bound_attributes(symbol: str) -> tuple[str, ...]:
-  """Attribute names, in order, of the XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, ...) binding."""
+  """Attribute names, in order, of the XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, ...) binding, with
+  those that its call of BindAttentionAttrs (the attributes the forward and backward share)
+  binds in the place of that call."""
   text = _HANDLERS_CC.read_text()
   start = re.search(rf"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*{symbol},", text).end()
   binding = text[start:text.index(");\n", start)]  # the binding and its traits
-  return tuple(re.findall(r'\.Attr<[^>]+>\("(\w+)"\)', binding))
+  helper_start = text.index("auto BindAttentionAttrs(")
+  helper = text[helper_start:text.index("\n}\n", helper_start)]
+  binding = binding.replace("BindAttentionAttrs(", helper)
+  return tuple(re.findall(r'\.(?:template )?Attr<[^>]+>\("(\w+)"\)', binding))
 
 
 @pytest.mark.parametrize("symbol,names", [

@@ -898,6 +898,32 @@ ffi::Error LoadDecodeCallVariant(ffi::Dictionary attrs) {
   return LoadCallVariant(kDecodeTarget, attrs);
 }
 
+// What every execute binding below starts with: the stream XLA runs the call on, the device of
+// that stream, and the operands q, k, v (their layouts: each binding's comment).
+auto BindStreamAndQkv() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream XLA runs this call on
+      .Ctx<ffi::DeviceOrdinal>()                 // the device of that stream
+      .Arg<ffi::AnyBuffer>()                     // q
+      .Arg<ffi::AnyBuffer>()                     // k
+      .Arg<ffi::AnyBuffer>();                    // v
+}
+
+// The attributes of the forward target (config.FWD_ATTRIBUTE_NAMES, CallAttrs), bound after the
+// buffers of `binding`; the backward target binds them too, then deterministic.
+template <typename Binding>
+auto BindAttentionAttrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<std::string_view>("variant")  // KernelVariant.key of the kernel to run
+      .template Attr<float>("softmax_scale")       // multiplies q.k before the softmax
+      .template Attr<bool>("causal")               // bottom-right aligned causal mask
+      .template Attr<int32_t>("window_left")       // keys visible left of the diagonal, 2^30: all
+      .template Attr<int32_t>("window_right")      // keys visible right of the diagonal, 2^30: all
+      .template Attr<float>("softcap")             // softcap * tanh(s / softcap); 0: off
+      .template Attr<int32_t>("head_dim")          // q/k head dim the variant was built for
+      .template Attr<int32_t>("head_dim_v");       // v/out head dim the variant was built for
+}
+
 }  // namespace
 }  // namespace jaxflash
 
@@ -934,66 +960,43 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 // and buffer shapes (Python registers the targets with that trait).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxflashAttentionFwd, jaxflash::AttentionFwd,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream XLA runs this call on
-        .Ctx<ffi::DeviceOrdinal>()                 // the device of that stream
-        .Arg<ffi::AnyBuffer>()                     // q   (batch, seqlen_q, num_heads, head_dim)
-        .Arg<ffi::AnyBuffer>()                     // k   (batch, seqlen_k, num_kv_heads, head_dim)
-        .Arg<ffi::AnyBuffer>()                     // v   (batch, seqlen_k, num_kv_heads, dv)
-        .RemainingArgs()                           // masked: JaxflashMask operands; then,
-                                                   // optional, the sink (num_heads,) float32
-        .Ret<ffi::AnyBuffer>()                     // out (batch, seqlen_q, num_heads, head_dim_v)
-        .Ret<ffi::AnyBuffer>()                     // lse (batch, num_heads, seqlen_q) float32
-        .RemainingRets()                           // dynamic schedules: tile_counter (1,) int32
-        .Attr<std::string_view>("variant")         // KernelVariant.key of the kernel to run
-        .Attr<float>("softmax_scale")              // multiplies q.k before the softmax
-        .Attr<bool>("causal")                      // bottom-right aligned causal mask
-        .Attr<int32_t>("window_left")              // keys visible left of the diagonal, 2^30: all
-        .Attr<int32_t>("window_right")             // keys visible right of the diagonal, 2^30: all
-        .Attr<float>("softcap")                    // softcap * tanh(s / softcap); 0: off
-        .Attr<int32_t>("head_dim")                 // q/k head dim the variant was built for
-        .Attr<int32_t>("head_dim_v"),              // v/out head dim the variant was built for
+    jaxflash::BindAttentionAttrs(
+        jaxflash::BindStreamAndQkv()  // q (batch, seqlen_q, num_heads, head_dim),
+                                      // k (batch, seqlen_k, num_kv_heads, head_dim),
+                                      // v (batch, seqlen_k, num_kv_heads, head_dim_v)
+            .RemainingArgs()          // masked: JaxflashMask operands; then, optional, the sink
+                                      // (num_heads,) float32
+            .Ret<ffi::AnyBuffer>()    // out (batch, seqlen_q, num_heads, head_dim_v)
+            .Ret<ffi::AnyBuffer>()    // lse (batch, num_heads, seqlen_q) float32
+            .RemainingRets()),        // dynamic schedules: tile_counter (1,) int32
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxflashAttentionBwd, jaxflash::AttentionBwd,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream XLA runs this call on
-        .Ctx<ffi::DeviceOrdinal>()                 // the device of that stream
-        .Arg<ffi::AnyBuffer>()                     // q     (batch, seqlen_q, num_heads, head_dim)
-        .Arg<ffi::AnyBuffer>()                     // k     (batch, seqlen_k, kv_heads, head_dim)
-        .Arg<ffi::AnyBuffer>()                     // v     (batch, seqlen_k, num_kv_heads, dv)
-        .Arg<ffi::AnyBuffer>()                     // out   (batch, seqlen_q, num_heads, head_dim_v)
-        .Arg<ffi::AnyBuffer>()                     // lse   (batch, num_heads, seqlen_q) float32
-        .Arg<ffi::AnyBuffer>()                     // d_out (like out)
-        .Arg<ffi::AnyBuffer>()                     // d_lse (like lse)
-        .RemainingArgs()                           // masked variants: JaxflashMask operands
-        .Ret<ffi::AnyBuffer>()                     // dq    (like q)
-        .Ret<ffi::AnyBuffer>()                     // dk    (like k), summed over a GQA group
-        .Ret<ffi::AnyBuffer>()                     // dv    (like v)
-        .Ret<ffi::AnyBuffer>()                     // dq_accum (batch, heads, sq_rounded, d) f32
-        .Ret<ffi::AnyBuffer>()                     // lse_log2 (batch, heads, sq_rounded) f32
-        .Ret<ffi::AnyBuffer>()                     // delta    (batch, heads, sq_rounded) f32
-        .RemainingRets()                           // dq_semaphore int32, deterministic only
-        .Attr<std::string_view>("variant")         // KernelVariant.key of the kernel to run
-        .Attr<float>("softmax_scale")              // multiplies q.k before the softmax
-        .Attr<bool>("causal")                      // bottom-right aligned causal mask
-        .Attr<int32_t>("window_left")              // keys visible left of the diagonal, 2^30: all
-        .Attr<int32_t>("window_right")             // keys visible right of the diagonal, 2^30: all
-        .Attr<float>("softcap")                    // softcap * tanh(s / softcap); 0: off
-        .Attr<int32_t>("head_dim")                 // q/k head dim the variant was built for
-        .Attr<int32_t>("head_dim_v")               // v/out head dim the variant was built for
-        .Attr<bool>("deterministic"),              // dq accumulated in a fixed order
+    jaxflash::BindAttentionAttrs(
+        jaxflash::BindStreamAndQkv()  // q (batch, seqlen_q, num_heads, head_dim),
+                                      // k (batch, seqlen_k, num_kv_heads, head_dim),
+                                      // v (batch, seqlen_k, num_kv_heads, head_dim_v)
+            .Arg<ffi::AnyBuffer>()    // out   (batch, seqlen_q, num_heads, head_dim_v)
+            .Arg<ffi::AnyBuffer>()    // lse   (batch, num_heads, seqlen_q) float32
+            .Arg<ffi::AnyBuffer>()    // d_out (like out)
+            .Arg<ffi::AnyBuffer>()    // d_lse (like lse)
+            .RemainingArgs()          // masked variants: JaxflashMask operands
+            .Ret<ffi::AnyBuffer>()    // dq    (like q)
+            .Ret<ffi::AnyBuffer>()    // dk    (like k), summed over a GQA group
+            .Ret<ffi::AnyBuffer>()    // dv    (like v)
+            .Ret<ffi::AnyBuffer>()    // dq_accum (batch, heads, sq_rounded, d) f32
+            .Ret<ffi::AnyBuffer>()    // lse_log2 (batch, heads, sq_rounded) f32
+            .Ret<ffi::AnyBuffer>()    // delta    (batch, heads, sq_rounded) f32
+            .RemainingRets())         // dq_semaphore int32, deterministic only
+        .Attr<bool>("deterministic"),  // dq accumulated in a fixed order
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxflashKvCacheAttention, jaxflash::KvCacheAttention,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream XLA runs this call on
-        .Ctx<ffi::DeviceOrdinal>()                 // the device of that stream
-        .Arg<ffi::AnyBuffer>()                     // q  (batch, num_kv_heads, rows, head_dim)
-        .Arg<ffi::AnyBuffer>()                     // k  (num_pages, page_size, kv_heads, head_dim)
-        .Arg<ffi::AnyBuffer>()                     // v  (num_pages, page_size, kv_heads, dv)
+    jaxflash::BindStreamAndQkv()  // q (batch, num_kv_heads, rows, head_dim),
+                                  // k (num_pages, page_size, num_kv_heads, head_dim),
+                                  // v (num_pages, page_size, num_kv_heads, head_dim_v)
         .Arg<ffi::AnyBuffer>()                     // page_table (batch, max_pages) int32; no
                                                    // column: contiguous caches
         .Arg<ffi::AnyBuffer>()                     // lengths    (batch,) int32
