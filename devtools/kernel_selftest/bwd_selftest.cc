@@ -51,7 +51,6 @@ namespace {
 
 typedef int32_t (*BwdFn)(const JaxflashBwdArgs*, void*);
 typedef int32_t (*FwdFn)(const JaxflashFwdArgs*, void*);
-typedef const JaxflashVariantInfo* (*InfoFn)(void);
 
 // A kernel that does not finish within this many seconds ends the process.
 constexpr double kDeadline = 20.0;
@@ -352,20 +351,6 @@ void CheckDeterminism(BwdFn bwd, int d, int dv, bool det, std::mt19937& rng) {
   if (det) EXPECT(dq_diff == 0, "deterministic variant: dq differs between calls");
 }
 
-void FillRandomFast(std::vector<uint16_t>& x, uint64_t seed, float sigma) {
-  std::mt19937 rng(static_cast<uint32_t>(seed));
-  std::normal_distribution<float> nd(0.f, sigma);
-  std::vector<uint16_t> table(1 << 16);
-  for (auto& t : table) t = ToHalfBits(nd(rng));
-  uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (auto& v : x) {
-    state ^= state << 13;
-    state ^= state >> 7;
-    state ^= state << 17;
-    v = table[state & 0xFFFF];
-  }
-}
-
 template <typename Fn>
 double MedianMs(Fn launch) {
   cudaEvent_t e0, e1;
@@ -409,10 +394,10 @@ std::vector<double> Bench(BwdFn bwd, FwdFn fwd, int d, int dv, bool causal, bool
     std::vector<uint16_t> x(n);
     uint64_t seed = 1;
     for (DevBuf* buf : {&dev.q, &dev.k, &dev.v, &dev.dout}) {
-      FillRandomFast(x, seed++, 1.0f);
+      FillRandom(x, seed++, 1.0f);
       buf->Upload(x.data());
     }
-    FillRandomFast(x, seed++, 0.3f);
+    FillRandom(x, seed++, 0.3f);
     dev.o.Upload(x.data());
     // lse ~ log(seq) + a margin keeps P = exp(s - lse) in range for these random inputs.
     std::vector<float> lse(nl, std::log(static_cast<float>(seq)) + 4.0f), dlse(nl, 0.0f);
@@ -455,18 +440,6 @@ std::vector<double> Bench(BwdFn bwd, FwdFn fwd, int d, int dv, bool causal, bool
     both_tf.push_back(both);
   }
   return {bwd_tf[0], bwd_tf[1], both_tf[0], both_tf[1], bwd_tf[2], both_tf[2]};
-}
-
-// The info of a library of this ABI version, or nullptr (with the reason printed).
-const JaxflashVariantInfo* Info(void* lib, const std::string& path) {
-  auto version = reinterpret_cast<VersionFn>(dlsym(lib, "jaxflash_variant_abi_version"));
-  auto info = reinterpret_cast<InfoFn>(dlsym(lib, "jaxflash_variant_info"));
-  if (!version || !info || version() != JAXFLASH_KERNEL_ABI_VERSION) {
-    printf("%s: not a kernel ABI %d library (abi %d)\n", path.c_str(), JAXFLASH_KERNEL_ABI_VERSION,
-           version ? version() : -1);
-    return nullptr;
-  }
-  return info();
 }
 
 // The forward library in dir built for the same dtype, head dims and mask as `want`, or "";
@@ -518,24 +491,16 @@ int main(int argc, char** argv) {
   }
   for (const std::string& path : libs) {
     const int before = g_failures;
-    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-      printf("dlopen %s: %s\n", path.c_str(), dlerror());
+    VariantLibrary<BwdFn> lib;
+    if (!OpenVariant(path, 1, "jaxflash_variant_bwd", &lib)) {
       printf("RESULT %s FAIL 0 0 0 0 0 0\n", path.c_str());
       g_failures++;
       continue;
     }
-    auto key_fn = reinterpret_cast<KeyFn>(dlsym(lib, "jaxflash_variant_key"));
-    auto load = reinterpret_cast<LoadFn>(dlsym(lib, "jaxflash_variant_load"));
-    auto bwd = reinterpret_cast<BwdFn>(dlsym(lib, "jaxflash_variant_bwd"));
-    const JaxflashVariantInfo* info = Info(lib, path);
-    if (!info || !key_fn || !load || !bwd || info->direction != 1) {
-      printf("%s: not a backward variant library (kernel_abi.h)\n", path.c_str());
-      printf("RESULT %s FAIL 0 0 0 0 0 0\n", path.c_str());
-      g_failures++;
-      continue;
-    }
-    const std::string key = key_fn();
+    const std::string& key = lib.key;
+    const JaxflashVariantInfo* info = lib.info;
+    const LoadFn load = lib.load;
+    const BwdFn bwd = lib.entry;
     printf("%s (abi %d): dtype %s head_dim %d head_dim_v %d causal %d deterministic %d tile_m %d "
            "max_dq_copies %d\n", key.c_str(), JAXFLASH_KERNEL_ABI_VERSION,
            info->dtype == 1 ? "bf16" : "f16", info->head_dim, info->head_dim_v, info->causal,

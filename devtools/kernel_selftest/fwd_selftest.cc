@@ -40,7 +40,6 @@
 namespace {
 
 typedef int32_t (*FwdFn)(const JaxflashFwdArgs*, void*);
-typedef const JaxflashVariantInfo* (*InfoFn)(void);
 
 // A kernel that does not finish within this many seconds ends the process.
 constexpr double kDeadline = 5.0;
@@ -220,22 +219,6 @@ void CheckShape(FwdFn fwd, int d, int dv, bool causal, Shape s, float scale, std
   CK(cudaFree(dq)); CK(cudaFree(dk)); CK(cudaFree(dvv)); CK(cudaFree(dout)); CK(cudaFree(dlse));
 }
 
-// Random half-precision bits: a table of normal samples indexed by a fast generator (the
-// benchmark tensors hold 100M elements; drawing each from std::normal_distribution is slow).
-void FillRandom(std::vector<uint16_t>& x, uint64_t seed) {
-  std::mt19937 rng(static_cast<uint32_t>(seed));
-  std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<uint16_t> table(1 << 16);
-  for (auto& t : table) t = ToHalfBits(nd(rng));
-  uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (auto& v : x) {
-    state ^= state << 13;
-    state ^= state >> 7;
-    state ^= state << 17;
-    v = table[state & 0xFFFF];
-  }
-}
-
 // Times the benchmark shapes (top of the file); returns TFLOP/s per sequence length (0 where
 // it failed).
 std::vector<double> Bench(FwdFn fwd, int d, int dv, bool causal, bool check) {
@@ -333,31 +316,19 @@ int main(int argc, char** argv) {
   }
   for (const std::string& path : libs) {
     int failures_before = g_failures;
-    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-      printf("dlopen %s: %s\n", path.c_str(), dlerror());
+    VariantLibrary<FwdFn> lib;
+    if (!OpenVariant(path, 0, "jaxflash_variant_fwd", &lib)) {
       printf("RESULT %s FAIL 0 0 0 0\n", path.c_str());
       g_failures++;
       continue;
     }
-    auto version = reinterpret_cast<VersionFn>(dlsym(lib, "jaxflash_variant_abi_version"));
-    auto key_fn = reinterpret_cast<KeyFn>(dlsym(lib, "jaxflash_variant_key"));
-    auto info_fn = reinterpret_cast<InfoFn>(dlsym(lib, "jaxflash_variant_info"));
-    auto load = reinterpret_cast<LoadFn>(dlsym(lib, "jaxflash_variant_load"));
-    auto fwd = reinterpret_cast<FwdFn>(dlsym(lib, "jaxflash_variant_fwd"));
-    const int abi = version ? version() : -1;
-    const JaxflashVariantInfo* info =
-        abi == JAXFLASH_KERNEL_ABI_VERSION && info_fn ? info_fn() : nullptr;
-    if (!info || !key_fn || !load || !fwd || info->direction != 0) {
-      printf("%s (abi %d): not a forward variant library of kernel ABI %d\n", path.c_str(), abi,
-             JAXFLASH_KERNEL_ABI_VERSION);
-      printf("RESULT %s FAIL 0 0 0 0\n", path.c_str());
-      g_failures++;
-      continue;
-    }
-    std::string key = key_fn();
-    printf("%s (abi %d): dtype %s head_dim %d head_dim_v %d causal %d\n", key.c_str(), abi,
-           info->dtype == 1 ? "bf16" : "f16", info->head_dim, info->head_dim_v, info->causal);
+    const std::string& key = lib.key;
+    const JaxflashVariantInfo* info = lib.info;
+    const LoadFn load = lib.load;
+    const FwdFn fwd = lib.entry;
+    printf("%s (abi %d): dtype %s head_dim %d head_dim_v %d causal %d\n", key.c_str(),
+           JAXFLASH_KERNEL_ABI_VERSION, info->dtype == 1 ? "bf16" : "f16", info->head_dim,
+           info->head_dim_v, info->causal);
     g_bf16 = info->dtype == 1;
     const bool causal = info->causal != 0;
     const int d = info->head_dim, dv = info->head_dim_v;

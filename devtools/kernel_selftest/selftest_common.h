@@ -1,10 +1,12 @@
 // Helpers shared by the standalone kernel self-tests (fwd_selftest.cc, bwd_selftest.cc):
-// CUDA error checks, the failure counter, fp16/bf16 bit conversions, a deadline-bounded device
-// sync and a parallel-for for the float64 references. Included by exactly one .cc per binary.
+// CUDA error checks, the failure counter, opening a variant library, fp16/bf16 bit conversions
+// and random fills, a deadline-bounded device sync and a parallel-for for the float64
+// references. Included by exactly one .cc per binary.
 #ifndef JAXFLASH_DEVTOOLS_SELFTEST_COMMON_H_
 #define JAXFLASH_DEVTOOLS_SELFTEST_COMMON_H_
 
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -14,8 +16,12 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <random>
+#include <string>
 #include <thread>
 #include <vector>
+
+#include "kernel_abi.h"
 
 #define CK(x)                                                                          \
   do {                                                                                 \
@@ -32,6 +38,7 @@ namespace {
 typedef int32_t (*VersionFn)(void);
 typedef const char* (*KeyFn)(void);
 typedef int32_t (*LoadFn)(void);
+typedef const JaxflashVariantInfo* (*InfoFn)(void);
 
 bool g_bf16 = true;  // the library under test is bf16 (else fp16)
 
@@ -54,6 +61,52 @@ int32_t LaunchForward(Fn fwd, Args* args, cudaStream_t stream) {
   return fwd(args, stream);
 }
 int g_failures = 0;
+
+// The info of a library of this ABI version, or nullptr (with the reason printed).
+const JaxflashVariantInfo* Info(void* lib, const std::string& path) {
+  auto version = reinterpret_cast<VersionFn>(dlsym(lib, "jaxflash_variant_abi_version"));
+  auto info = reinterpret_cast<InfoFn>(dlsym(lib, "jaxflash_variant_info"));
+  if (!version || !info || version() != JAXFLASH_KERNEL_ABI_VERSION) {
+    printf("%s: not a kernel ABI %d library (abi %d)\n", path.c_str(), JAXFLASH_KERNEL_ABI_VERSION,
+           version ? version() : -1);
+    return nullptr;
+  }
+  return info();
+}
+
+// A variant library under test: its key, its info and the kernel_abi.h functions a self-test
+// calls (`entry`: jaxflash_variant_fwd or _bwd, as an Entry).
+template <typename Entry>
+struct VariantLibrary {
+  std::string key;
+  const JaxflashVariantInfo* info = nullptr;
+  LoadFn load = nullptr;
+  Entry entry = nullptr;
+};
+
+// Opens the library at `path` as a variant of `direction` (JaxflashVariantInfo.direction: 0
+// forward, 1 backward) that exports `entry_name`; false, with the reason printed, when it is not
+// one.
+template <typename Entry>
+bool OpenVariant(const std::string& path, int32_t direction, const char* entry_name,
+                 VariantLibrary<Entry>* out) {
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    printf("dlopen %s: %s\n", path.c_str(), dlerror());
+    return false;
+  }
+  auto key_fn = reinterpret_cast<KeyFn>(dlsym(lib, "jaxflash_variant_key"));
+  out->info = Info(lib, path);
+  out->load = reinterpret_cast<LoadFn>(dlsym(lib, "jaxflash_variant_load"));
+  out->entry = reinterpret_cast<Entry>(dlsym(lib, entry_name));
+  if (!out->info || !key_fn || !out->load || !out->entry || out->info->direction != direction) {
+    printf("%s: not a %s variant library (kernel_abi.h)\n", path.c_str(),
+           direction == 0 ? "forward" : "backward");
+    return false;
+  }
+  out->key = key_fn();
+  return true;
+}
 
 #define EXPECT(cond, ...)  \
   do {                     \
@@ -87,6 +140,23 @@ float FromHalfBits(uint16_t b) {
   _Float16 h;
   memcpy(&h, &b, 2);
   return static_cast<float>(h);
+}
+
+// Random half-precision bits, normal with standard deviation sigma: a table of samples indexed by
+// a fast generator (the benchmark tensors hold 100M elements; drawing each from
+// std::normal_distribution is slow).
+void FillRandom(std::vector<uint16_t>& x, uint64_t seed, float sigma = 1.f) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::normal_distribution<float> nd(0.f, sigma);
+  std::vector<uint16_t> table(1 << 16);
+  for (auto& t : table) t = ToHalfBits(nd(rng));
+  uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (auto& v : x) {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    v = table[state & 0xFFFF];
+  }
 }
 
 // Waits for the device with a deadline: a hung kernel (a pipeline, barrier or semaphore deadlock)
