@@ -39,23 +39,15 @@ def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
 
 def _missing_kernel(dtype: str, head_dim: int, head_dim_v: int, config: AttentionConfig,
                     seq_k: Optional[int] = None) -> str:
-  """Why a kernel this call needs (forward, and backward where one exists) is unavailable here.
+  """Why the forward kernel of this call is unavailable here ("" when it is installed or
+  buildable: its lowering, right after the trace, builds it).
 
-  The forward must be found or buildable (its lowering, right after the trace, builds it). The
-  backward is built now where it is missing: its lowering comes with the gradient, possibly in
-  a later trace, too late to choose the reference for this call if its build failed.
+  The backward kernel is not looked for: the gradient's lowering finds or builds it (and raises
+  where it cannot), so a call without a gradient never loads or builds a backward variant.
   """
   from jaxflash import ffi  # only on a CUDA host: keeps `import jaxflash` light
-  for direction in ("fwd", "bwd"):
-    if not kernel_support(direction, dtype, head_dim, head_dim_v, config)[0]:
-      continue  # that direction runs the reference anyway
-    variant = KernelVariant.for_call(direction, "sm90a", dtype, head_dim, head_dim_v, config,
-                                     seq_k)
-    available = ffi.variant_available if direction == "fwd" else ffi.provide_variant
-    ok, why = available(variant)
-    if not ok:
-      return why
-  return ""
+  variant = KernelVariant.for_call("fwd", "sm90a", dtype, head_dim, head_dim_v, config, seq_k)
+  return ffi.variant_available(variant)[1]
 
 
 def empty_result(query, value, out_dtype=None):
@@ -107,11 +99,11 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
     return_lse: also return the log-sum-exp (batch, num_heads, seq_q) float32, natural log of
       the softmax denominator in the scaled-score domain; -inf for rows that see no key.
       It is differentiable.
-    implementation: None (CuTe kernels on a Hopper GPU when they cover the call and are built
-      or buildable here, else the reference; a RuntimeWarning names the build command when only
-      the build is missing, or the error of a backward kernel's build, which runs when the
-      call is traced), "cute" (kernels or an error, raised when the call is traced),
-      "reference" (pure JAX).
+    implementation: None (CuTe kernels on a Hopper GPU when they cover the call and the forward
+      kernel is built or buildable here, else the reference; a RuntimeWarning names the build
+      command when only the build is missing), "cute" (kernels or an error, raised when the
+      call is traced), "reference" (pure JAX). The backward kernel is found or built when a
+      gradient of the call lowers, which raises where it cannot be had.
 
   Returns:
     out (batch, seq_q, num_heads, head_dim_v) in the query dtype, or (out, lse). Rows that see

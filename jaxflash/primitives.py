@@ -184,7 +184,8 @@ def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
   """CUDA: the backward custom call when a backward kernel exists, the reference otherwise.
 
   The forward decides implementation='cute'; a backward the kernels lack (a head-dim pair
-  without one) falls back to the reference here. Masked variants get their block ranges here,
+  without one) falls back to the reference here. Its variant is found (or built) here, and only
+  here: a call without a gradient never needs one. Masked variants get their block ranges here,
   as in the forward (block_ranges.py).
   """
   q_aval, _, v_aval = ctx.avals_in[:3]
@@ -193,8 +194,14 @@ def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
     return _bwd_lower_reference(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids,
                                 config=config)
   from jaxflash import ffi  # imported on first CUDA lowering only: keeps `import jaxflash` light
-  if _jax_internal.has_cuda_device():
-    ffi.ensure_variant(variant)  # cross-lowering on a CPU host needs no library
+  if _jax_internal.has_cuda_device():  # cross-lowering on a CPU host needs no library
+    try:
+      ffi.ensure_variant(variant)
+    except RuntimeError as e:
+      raise RuntimeError(f"jaxflash: the gradient of this attention call runs the backward "
+                         f"kernel variant {variant.key}, which is unavailable here "
+                         f"(implementation='reference' computes the call without kernels):\n"
+                         f"{e}") from e
   attrs = ffi.bwd_attributes(variant, config)
   if not variant.masked:
     return jax.ffi.ffi_lowering(BWD_TARGET)(ctx, q, k, v, out, lse, d_out, d_lse, **attrs)

@@ -110,7 +110,6 @@ def _pretend_hopper(monkeypatch, available):
   monkeypatch.setattr(_jax_internal, "has_hopper_device", lambda: True)
   answer = lambda v: (available, "" if available else f"missing {v.key}: build it")
   monkeypatch.setattr(ffi, "variant_available", answer)
-  monkeypatch.setattr(ffi, "provide_variant", answer)  # the backward, built at trace time
 
 
 def test_auto_on_hopper_without_built_kernels_warns_and_runs_the_reference(monkeypatch):
@@ -197,6 +196,34 @@ def test_cute_grad_of_a_forward_only_head_dim_lowers_to_the_forward_kernel_only(
   # q, k, v in; out (b, seq_q, h, head_dim_v), lse and the causal schedule's tile counter out.
   assert (f"tensor<2x64x2x{head_dim_v}xbf16>) -> (tensor<2x100x4x{head_dim_v}xbf16>, "
           f"tensor<2x4x100xf32>, tensor<1xi32>)") in call
+
+
+@pytest.mark.parametrize("implementation", [None, "cute"], ids=["auto", "cute"])
+def test_only_a_gradient_looks_up_the_backward_kernel(monkeypatch, implementation):
+  """A call without a gradient (inference) looks up and loads forward variants only; the
+  backward variant is looked up when a gradient lowers (a Hopper host with a CUDA device and
+  every variant at hand, pretended; the calls lower for CUDA on this CPU host)."""
+  from jaxflash import _jax_internal, ffi
+  from jaxflash.config import BWD_TARGET, FWD_TARGET
+  asked = []  # keys of the variants looked up (variant_available) or loaded (ensure_variant)
+  monkeypatch.setattr(_jax_internal, "has_cuda_device", lambda: True)
+  monkeypatch.setattr(_jax_internal, "has_hopper_device", lambda: True)
+  monkeypatch.setattr(ffi, "variant_available", lambda v: (asked.append(v.key), (True, ""))[1])
+  monkeypatch.setattr(ffi, "ensure_variant", lambda v: asked.append(v.key))
+  # Every variant is at hand: nothing may be built (a lookup that bypassed the two above).
+  monkeypatch.setattr(ffi, "_build_on_demand", lambda v: pytest.fail(f"built {v.key}"))
+  q, k, v = make_qkv(11, 1, 96, 80, 2, 2, 64, dtype=jnp.bfloat16)
+  call = lambda q, k, v: jaxflash.attention(q, k, v, causal=True, implementation=implementation)
+  text = jax.jit(call).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  assert FWD_TARGET in text and BWD_TARGET not in text
+  assert asked and all(key.startswith("fwd-") for key in asked), asked
+  asked.clear()
+  loss = lambda q, k, v: jnp.sum(call(q, k, v).astype(jnp.float32))
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  text = grad.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  assert FWD_TARGET in text and BWD_TARGET in text
+  backward = {key for key in asked if key.startswith("bwd-")}
+  assert len(backward) == 1 and "-bf16-d64-dv64-causal-" in backward.pop(), asked
 
 
 def test_grad_with_head_dim_v_not_head_dim_on_the_reference():

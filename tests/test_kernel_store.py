@@ -232,17 +232,16 @@ def test_handler_library_prefers_a_current_one_in_search_order(folders, monkeypa
 
 
 def _hopper_call_variants(folders, monkeypatch):
-  """A Hopper host (pretended) whose kernel folders hold the forward variant of a causal
+  """A Hopper host (pretended) with a kernel wheel that holds the forward variant of a causal
   bfloat16 head_dim 64 call but not its backward one: (query, forward, backward)."""
   monkeypatch.setattr(_jax_internal, "has_cuda_device", lambda: True)
   monkeypatch.setattr(_jax_internal, "has_hopper_device", lambda: True)
-  monkeypatch.setattr(ffi, "_variants", {})
-  monkeypatch.setattr(ffi, "_provided", {})
   cfg = config.AttentionConfig(softmax_scale=64 ** -0.5, causal=True)
   fwd, bwd = (config.KernelVariant.for_call(d, "sm90a", "bfloat16", 64, 64, cfg)
               for d in ("fwd", "bwd"))
-  _put_variant(folders["env"], fwd.key)
-  q = jnp.asarray(np.random.default_rng(3).standard_normal((1, 8, 2, 64)), jnp.bfloat16)
+  _install_wheel(folders["site"], keys=[fwd.key])
+  # 128 query rows: the prefill kernels' call, not a few-row one (jaxflash/few_rows.py).
+  q = jnp.asarray(np.random.default_rng(3).standard_normal((1, 128, 2, 64)), jnp.bfloat16)
   return q, fwd, bwd
 
 
@@ -254,28 +253,14 @@ def _failing_build(built):
   return build_
 
 
-def test_auto_runs_the_reference_when_the_backward_fails_to_build(folders, monkeypatch):
-  """The backward is built when the call is traced, so that a failed build picks the
-  reference for the call, with a warning, as a missing forward does (not an error when the
-  gradient lowers). The failure is kept: tracing the call again does not rebuild."""
-  q, _, bwd = _hopper_call_variants(folders, monkeypatch)
-  _toolchain(monkeypatch)
-  built = []
-  monkeypatch.setattr(ffi, "_build_on_demand", _failing_build(built))
-  expected = jaxflash.attention(q, q, q, causal=True, implementation="reference")
-  for _ in range(2):
-    with pytest.warns(RuntimeWarning, match=f"(?s)building kernel variant {bwd.key} failed.*"
-                                            f"ptxas error.*running the reference"):
-      out = jaxflash.attention(q, q, q, causal=True)
-    np.testing.assert_array_equal(out, expected)
-  assert built == [bwd.key]
-
-
+@pytest.mark.parametrize("implementation", [None, "cute"], ids=["auto", "cute"])
 @pytest.mark.parametrize("cause", ["build fails", "not buildable"])
-def test_cute_names_an_unavailable_backward_when_the_call_is_traced(folders, monkeypatch, cause):
-  """implementation='cute' raises at trace time (make_jaxpr lowers nothing) for a backward
-  kernel that it cannot have, naming the variant and why."""
-  q, _, bwd = _hopper_call_variants(folders, monkeypatch)
+def test_an_unavailable_backward_raises_when_the_gradient_lowers(folders, monkeypatch, no_loading,
+                                                                implementation, cause):
+  """The call lowers on the forward kernel without looking for its backward one; the gradient's
+  lowering looks for it and raises, naming the variant, why it is unavailable (the build's
+  output, or how to get the kernels) and the reference as the way around."""
+  q, fwd, bwd = _hopper_call_variants(folders, monkeypatch)
   built = []
   if cause == "build fails":
     _toolchain(monkeypatch)
@@ -285,7 +270,13 @@ def test_cute_names_an_unavailable_backward_when_the_call_is_traced(folders, mon
     monkeypatch.setenv(config.BUILD_ON_DEMAND_ENV, "0")
     monkeypatch.setattr(ffi, "_build_on_demand", lambda v: pytest.fail("built"))
     why = f"kernel variant {bwd.key} is in none of the kernel folders.*on-demand builds are off"
-  call = lambda q: jaxflash.attention(q, q, q, causal=True, implementation="cute")
-  with pytest.raises(ValueError, match="(?s)implementation='cute': .*" + why):
-    jax.make_jaxpr(call)(q)
+  call = lambda q: jaxflash.attention(q, q, q, causal=True, implementation=implementation)
+  text = jax.jit(call).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+  assert config.FWD_TARGET in text and not built
+  assert [library.parent.name for library in no_loading] == [fwd.key]
+  loss = lambda q: jnp.sum(call(q).astype(jnp.float32))
+  with pytest.raises(RuntimeError, match=f"(?s)gradient of this attention call runs the backward "
+                                         f"kernel variant {bwd.key}.*implementation='reference'"
+                                         f".*{why}"):
+    jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",))
   assert built == ([bwd.key] if cause == "build fails" else [])

@@ -43,8 +43,6 @@ _TARGETS = ((FWD_TARGET, _FWD_INSTANTIATE_SYMBOL, _FWD_HANDLER_SYMBOL),
 _lock = threading.RLock()
 _handler: Optional[ctypes.CDLL] = None
 _variants: dict[str, Path] = {}  # key -> library registered in this process
-# key -> "" (in a kernel folder) or why its on-demand build failed, as provide_variant found.
-_provided: dict[str, str] = {}
 _prepared = False  # jaxflash_ffi_prepare ran (GPU hosts only)
 
 
@@ -274,30 +272,6 @@ def _locate_or_build(variant: KernelVariant) -> kernel_store.KernelFolder:
       elif found is None:
         raise RuntimeError(_missing_message(key, blocker))
     return found
-
-
-def provide_variant(variant: KernelVariant) -> tuple[bool, str]:
-  """Makes `variant` present in a kernel folder, as ensure_variant does, without loading it.
-
-  Returns (ok, reason): the reason says how to get the kernels (as variant_available's) or why
-  the on-demand build failed. The outcome of a build, or of finding the variant, is kept for
-  the process: a call traced again neither rebuilds nor looks again (a missing variant that
-  cannot be built is looked for again, as a kernel wheel or the build tools may come).
-  """
-  key = variant.key
-  with _lock:
-    if key in _variants or key in _provided:
-      why = _provided.get(key, "")
-      return not why, why
-    ok, why = variant_available(variant)
-    if not ok:
-      return False, why
-    try:
-      _locate_or_build(variant)
-    except RuntimeError as e:
-      why = str(e)
-    _provided[key] = why
-    return not why, why
 
 
 def ensure_variant(variant: KernelVariant) -> Path:
