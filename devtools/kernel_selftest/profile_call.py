@@ -3,7 +3,8 @@ shipped): the call is compiled and warmed up first, then run once between cuProf
 cuProfilerStop, so `ncu --profile-from-start off` sees exactly the kernels of one call.
 
   python devtools/kernel_selftest/profile_call.py decode CASE IMPL   # bench_decode.py's cases
-  python devtools/kernel_selftest/profile_call.py fwd HDIM SEQ IMPL [--causal]  # batch*seq=16k
+  python devtools/kernel_selftest/profile_call.py fwd HDIM SEQ IMPL [--causal] [--grad]
+                                      # batch*seq=16k; --grad: forward + backward (q, k, v)
   python devtools/kernel_selftest/profile_call.py masked CASE IMPL   # bench_masked.py's forward
   python devtools/kernel_selftest/profile_call.py gpt-oss SEQ IMPL   # bench_modifiers --gpt-oss
   python devtools/kernel_selftest/profile_call.py modifier HDIM SEQ IMPL [--causal]
@@ -37,14 +38,17 @@ def decode_call(case: str, impl: str):
   return calls[impl]
 
 
-def fwd_call(head_dim: int, seq: int, impl: str, causal: bool):
+def fwd_call(head_dim: int, seq: int, impl: str, causal: bool, grad: bool):
   if impl == "fa3":  # FlashAttention-3's kernels (devtools/fa3_binding.py)
     bench_attention.fa3_binding.register()
   batch, heads = 16384 // seq, 2048 // head_dim
-  keys = jax.random.split(jax.random.PRNGKey(0), 3)
-  q, k, v = (jax.random.normal(key, (batch, seq, heads, head_dim), jnp.bfloat16)
-             for key in keys)
-  return jax.jit(bench_attention.attention_fn(impl, causal, head_dim, head_dim)), (q, k, v)
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  q, k, v, cotangent = (jax.random.normal(key, (batch, seq, heads, head_dim), jnp.bfloat16)
+                        for key in keys)
+  fn = bench_attention.attention_fn(impl, causal, head_dim, head_dim)
+  if grad:  # bench_attention's forward + backward
+    fn = bench_attention.fwd_bwd_fn(fn, cotangent)
+  return jax.jit(fn), (q, k, v)
 
 
 def masked_call(case: str, impl: str):
@@ -92,6 +96,7 @@ def main():
   f.add_argument("seq", type=int)
   f.add_argument("impl")
   f.add_argument("--causal", action="store_true")
+  f.add_argument("--grad", action="store_true", help="forward + backward")
   m = sub.add_parser("masked")
   m.add_argument("case", choices=bench_masked.CASES)
   m.add_argument("impl")
@@ -108,7 +113,7 @@ def main():
   if args.kind == "decode":
     fn, call_args = decode_call(args.case, args.impl)
   elif args.kind == "fwd":
-    fn, call_args = fwd_call(args.head_dim, args.seq, args.impl, args.causal)
+    fn, call_args = fwd_call(args.head_dim, args.seq, args.impl, args.causal, args.grad)
   elif args.kind == "masked":
     fn, call_args = masked_call(args.case, args.impl)
   elif args.kind == "gpt-oss":

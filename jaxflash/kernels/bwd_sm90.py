@@ -88,18 +88,6 @@ def _smem_buffers(variant: config.KernelVariant) -> dict:
   return buffers
 
 
-def _mma_slices(tiled_mmas, mma_tidx):
-  """(warpgroup index, per-thread slices, warpgroup slices) of the consumers' tiled MMAs.
-
-  Shared-memory operand descriptors are the same for every thread of a warpgroup: slicing the
-  operands with the warpgroup's first thread, a warp-uniform value, keeps their address math on
-  the uniform datapath (no R2UR before each HGMMA). Accumulators take the per-thread slices.
-  """
-  wg_idx = cute.arch.make_warp_uniform(mma_tidx // _WG)
-  per_thread = tuple(t.get_slice(mma_tidx) for t in tiled_mmas)
-  return wg_idx, per_thread, tuple(t.get_slice(wg_idx * _WG) for t in tiled_mmas)
-
-
 class FlashAttentionBackwardSm90:
   """FA-3 style backward main kernel; one CTA per (key block, kv head, batch).
 
@@ -693,8 +681,9 @@ class FlashAttentionBackwardSm90:
     mma_tidx = tidx - _WG
     sQ, sK, sV, sdO = smem["sQ"], smem["sK"], smem["sV"], smem["sdO"]
     sP, sdS = smem["sP"], smem["sdS"]
-    wg_idx, (thr_sdp, thr_dk, thr_dv, thr_dq), (wg_sdp, wg_dk, wg_dv, wg_dq) = _mma_slices(
-        (tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq), mma_tidx)
+    wg_idx = cute.arch.make_warp_uniform(mma_tidx // _WG)
+    (thr_sdp, thr_dk, thr_dv, thr_dq), (wg_sdp, wg_dk, wg_dv, wg_dq) = sm90_gemm.mma_slices(
+        (tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq), mma_tidx, wg_idx)
     frags = dict(
         tSrQ=wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ)),
         tSrK=wg_sdp.make_fragment_B(wg_sdp.partition_B(sK)),
@@ -865,8 +854,9 @@ class FlashAttentionBackwardSm90:
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WG
     sQ, sK, sV, sdO, sdS = smem["sQ"], smem["sK"], smem["sV"], smem["sdO"], smem["sdS"]
-    wg_idx, (thr_sdp, thr_dk, thr_dv, thr_dq), (wg_sdp, wg_dk, wg_dv, wg_dq) = _mma_slices(
-        (tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq), mma_tidx)
+    wg_idx = cute.arch.make_warp_uniform(mma_tidx // _WG)
+    (thr_sdp, thr_dk, thr_dv, thr_dq), (wg_sdp, wg_dk, wg_dv, wg_dq) = sm90_gemm.mma_slices(
+        (tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq), mma_tidx, wg_idx)
     # S^T = K Q^T and dP^T = V dO^T (K, V are the A operands); dV and dK take A (P^T, dS^T)
     # from registers; dQ = dS K as without the swap, dS from one of ds_stages buffers.
     frags = dict(

@@ -445,11 +445,12 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     (highest first), then the partial out and lse."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WARPGROUP_THREADS
-    thr_mma_qk = tiled_mma_qk.get_slice(mma_tidx)
-    thr_mma_pv = tiled_mma_pv.get_slice(mma_tidx)
-    tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
-    tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
-    tOrV = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sV))
+    (thr_mma_qk, thr_mma_pv), (wg_mma_qk, wg_mma_pv) = sm90_gemm.mma_slices(
+        (tiled_mma_qk, tiled_mma_pv), mma_tidx,
+        cute.arch.make_warp_uniform(mma_tidx // _WARPGROUP_THREADS))
+    tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+    tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+    tOrV = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sV))
     acc_shape_s = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
     acc_o = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m,
                                                                       self.head_dim_v)))

@@ -518,11 +518,12 @@ class FlashAttentionForwardSm90:
     schedules (tiles): each tile is the one published with the Q slot waited on."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WARPGROUP_THREADS
-    thr_mma_qk = tiled_mma_qk.get_slice(mma_tidx)
-    thr_mma_pv = tiled_mma_pv.get_slice(mma_tidx)
-    tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
-    tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
-    tOrV = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sV))
+    wg = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS) - 1
+    (thr_mma_qk, thr_mma_pv), (wg_mma_qk, wg_mma_pv) = sm90_gemm.mma_slices(
+        (tiled_mma_qk, tiled_mma_pv), mma_tidx, wg)
+    tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+    tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+    tOrV = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sV))
     acc_shape_s = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
     acc_o = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m,
                                                                       self.head_dim_v)))
@@ -537,7 +538,6 @@ class FlashAttentionForwardSm90:
     row_ids = cute.make_rmem_tensor(num_rows, Int32) if const_expr(self.masked) else None
     c = _Consumer(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_s, acc_o, tOrP,
                   tScS_mn, online, row_scale, pipeline_k, pipeline_v, masking, row_ids)
-    wg = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS) - 1
     if const_expr(self.pingpong):
       # Warpgroup 0 takes the first turn: it arrives on its own barrier once.
       if wg == 0:

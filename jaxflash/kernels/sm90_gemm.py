@@ -25,6 +25,18 @@ WARPGROUP_THREADS = 128
 WARP_THREADS = 32
 
 
+def mma_slices(tiled_mmas, mma_tidx, wg_idx):
+  """(per-thread slices, warpgroup slices) of the consumers' tiled MMAs; mma_tidx: the thread's
+  index among the consumer warpgroups, wg_idx: its warpgroup's (warp-uniform).
+
+  Shared-memory operand descriptors are the same for every thread of a warpgroup: slicing the
+  operands with the warpgroup's first thread, a warp-uniform value, keeps their address math on
+  the uniform datapath (no R2UR before each HGMMA). Accumulators take the per-thread slices.
+  """
+  per_thread = tuple(t.get_slice(mma_tidx) for t in tiled_mmas)
+  return per_thread, tuple(t.get_slice(wg_idx * WARPGROUP_THREADS) for t in tiled_mmas)
+
+
 def smem_aligned(num_bytes: int) -> int:
   """num_bytes rounded up to SMEM_ALIGN (a buffer's footprint in the shared-memory budget)."""
   return (num_bytes + SMEM_ALIGN - 1) // SMEM_ALIGN * SMEM_ALIGN
