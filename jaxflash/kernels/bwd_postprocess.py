@@ -77,8 +77,8 @@ class FlashAttentionBackwardPostprocess:
         else self.head_dim // bwd_common.NUM_MMA_WARPGROUPS)
     tma_atom, tma_dq = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdQ,
                                                    sdQ_layout, tile)
-    self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": dict(
-        sdQ=sm90_gemm.smem_buffer(self.dtype, cute.cosize(sdQ_layout)))}))
+    self.shared_storage = sm90_gemm.shared_storage(
+        {}, dict(sdQ=(self.dtype, cute.cosize(sdQ_layout), sm90_gemm.SMEM_ALIGN)))
     grid = (cute.ceil_div(cute.size(mdQ.shape[0]), self.tile_m), cute.size(mdQ.shape[2]),
             cute.size(mdQ.shape[3]))
     self.kernel(mdQaccum, mSem, tma_dq, tma_atom, softmax_scale, sdQ_layout, tiled_mma).launch(
@@ -91,8 +91,7 @@ class FlashAttentionBackwardPostprocess:
     tidx, _, _ = cute.arch.thread_idx()
     m_block, head, batch = cute.arch.block_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    if warp_idx == 0:
-      cpasync.prefetch_descriptor(tma_atom)
+    sm90_gemm.prefetch_descriptors(warp_idx, (tma_atom,))
     gdQaccum = cute.local_tile(mdQaccum[None, None, head, batch], (self.tile_m, self.head_dim),
                                (m_block, 0))
     half = self.tile_m * self.head_dim // bwd_common.NUM_MMA_WARPGROUPS

@@ -181,9 +181,7 @@ class FlashAttentionBackwardSm90:
   @staticmethod
   def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:
     """Whether this kernel runs the variant (config.kernel_support decides)."""
-    if variant.direction != "bwd":
-      return False, f"variant {variant.key} is not a backward variant"
-    return config.kernel_support("bwd", variant.dtype, variant.head_dim, variant.head_dim_v)
+    return sm90_gemm.variant_support(variant, "bwd")
 
   def _setup_attributes(self):
     """Tiled MMAs, shared layouts, TMA byte counts and the shared storage struct."""
@@ -246,20 +244,15 @@ class FlashAttentionBackwardSm90:
       # The block's lse2 and delta rows (and, masked, query ids) ride on the Q/dO stage (one
       # bulk copy each).
       self.tma_bytes_qdo += (3 if self.masked else 2) * self.tile_m * 4
-    buffers = _smem_buffers(self.variant)
-    # The buffers are what smem_bytes counts; each must hold its tiles exactly.
-    for name, layout in (("sK", self.sK_layout), ("sV", self.sV_layout), ("sQ", self.sQ_layout),
-                         ("sdO", self.sdO_layout), ("sP", self.sPdS_layout),
-                         ("sdS", self.sPdS_layout)):
-      assert name not in buffers or buffers[name][1] == cute.cosize(layout), name
-    # One field list for both schedules (cute.struct reads the class annotations in order).
-    fields = dict(
-        mbar_kv=cute.struct.MemRange[cutlass.Int64, 2],
-        mbar_qdo=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
-        # The separate dO ring of the head-dim split (unused otherwise).
-        mbar_do=cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages],
-        **sm90_gemm.smem_fields(buffers))
-    self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+    tiles = dict(sK=(self.sK_layout,), sV=(self.sV_layout,), sQ=(self.sQ_layout,),
+                 sdO=(self.sdO_layout,), sdS=(self.sPdS_layout,))
+    if not self.swap_sdp:
+      tiles["sP"] = (self.sPdS_layout,)
+    # One pipeline list for both schedules: mbar_do is the separate dO ring of the head-dim
+    # split (unused otherwise).
+    self.shared_storage = sm90_gemm.shared_storage(
+        dict(mbar_kv=1, mbar_qdo=self.num_stages, mbar_do=self.do_stages),
+        _smem_buffers(self.variant), tiles)
 
   @cute.jit
   def __call__(
@@ -378,9 +371,8 @@ class FlashAttentionBackwardSm90:
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    if warp_idx == 0:
-      for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dk, tma_atom_dv):
-        cpasync.prefetch_descriptor(atom)
+    sm90_gemm.prefetch_descriptors(
+        warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dk, tma_atom_dv))
 
     storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
     # pipeline_qdo carries Q and dO, or Q only when dO has its own ring (head-dim split).

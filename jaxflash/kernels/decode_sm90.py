@@ -113,9 +113,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
 
   @staticmethod
   def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:
-    if variant.direction != "decode":
-      return False, f"variant {variant.key} is not a decode variant"
-    return config.kernel_support("decode", variant.dtype, variant.head_dim, variant.head_dim_v)
+    return sm90_gemm.variant_support(variant, "decode")
 
   def _setup_attributes(self):
     """Tiled MMAs, shared layouts (the rings and the 16-key boxes TMA fills), byte counts."""
@@ -137,16 +135,10 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     self.tma_bytes_q = cute.size_in_bytes(self.dtype, self.sQ_layout)
     self.tma_bytes_k = self.tile_n * self.head_dim * self.dtype.width // 8
     self.tma_bytes_v = self.tile_n * self.head_dim_v * self.dtype.width // 8
-    buffers = _smem_buffers(self.variant)
-    for name, layout in (("sQ", self.sQ_layout), ("sK", self.sK_layout),
-                         ("sV", self.sV_layout)):
-      assert buffers[name][1] == cute.cosize(layout), name
-    fields = dict(
-        mbar_q=cute.struct.MemRange[cutlass.Int64, 2],
-        mbar_k=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
-        mbar_v=cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
-        **sm90_gemm.smem_fields(buffers))
-    self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+    self.shared_storage = sm90_gemm.shared_storage(
+        dict(mbar_q=1, mbar_k=self.num_stages, mbar_v=self.num_stages),
+        _smem_buffers(self.variant),
+        dict(sQ=(self.sQ_layout,), sK=(self.sK_layout,), sV=(self.sV_layout,)))
 
   @cute.jit
   def __call__(
@@ -234,8 +226,8 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    self._prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_kt,
-                                          tma_atom_vt))
+    sm90_gemm.prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_kt,
+                                              tma_atom_vt))
     storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
     pipeline_q, pipeline_k, pipeline_v = self._make_pipelines(storage)
     sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)

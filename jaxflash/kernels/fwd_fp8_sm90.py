@@ -168,21 +168,16 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     self.kv_descale_floats = self.tile_n // _CHUNK * _KV_VALUES
     if self.block_descales:
       self.tma_bytes_k += self.kv_descale_floats * 4
-    stages = self.num_stages
-    fields = dict(
-        mbar_q=cute.struct.MemRange[cutlass.Int64, 2],
-        mbar_k=cute.struct.MemRange[cutlass.Int64, 2 * stages],
-        mbar_v=cute.struct.MemRange[cutlass.Int64, 2 * stages],
-        mbar_vt=cute.struct.MemRange[cutlass.Int64, 2 * stages],
-        sQ=sm90_gemm.smem_buffer(FP8, cute.cosize(self.sQ_layout)),
-        sK=sm90_gemm.smem_buffer(FP8, cute.cosize(self.sK_layout)),
-        sV=sm90_gemm.smem_buffer(FP8, cute.cosize(self.sV_layout)),
-        sVt=sm90_gemm.smem_buffer(FP8, cute.cosize(self.sVt_layout)))
+    stages, align = self.num_stages, sm90_gemm.SMEM_ALIGN
+    buffers = {name: (FP8, cute.cosize(layout), align)
+               for name, layout in (("sQ", self.sQ_layout), ("sK", self.sK_layout),
+                                    ("sV", self.sV_layout), ("sVt", self.sVt_layout))}
     if not self.o_in_v_ring:
-      fields["sO"] = sm90_gemm.smem_buffer(self.out_dtype, cute.cosize(self.sO_layout))
+      buffers["sO"] = (self.out_dtype, cute.cosize(self.sO_layout), align)
     if self.block_descales:
-      fields["sKVDescale"] = sm90_gemm.smem_buffer(Float32, self.kv_descale_floats * stages, 16)
-    self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+      buffers["sKVDescale"] = (Float32, self.kv_descale_floats * stages, 16)
+    self.shared_storage = sm90_gemm.shared_storage(
+        dict(mbar_q=1, mbar_k=stages, mbar_v=stages, mbar_vt=stages), buffers)
 
   @cute.jit
   def __call__(
@@ -246,7 +241,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    self._prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o))
+    sm90_gemm.prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o))
     storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
     pipeline_q, pipeline_k, pipeline_v = self._make_pipelines(storage, _TRANSPOSE_WARPS)
     pipeline_vt = pipeline.PipelineAsync.create(

@@ -141,9 +141,7 @@ class FlashAttentionForwardSm90:
   @staticmethod
   def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:
     """Whether this kernel runs the variant (config.kernel_support decides)."""
-    if variant.direction != "fwd":
-      return False, f"variant {variant.key} is not a forward variant"
-    return config.kernel_support("fwd", variant.dtype, variant.head_dim, variant.head_dim_v)
+    return sm90_gemm.variant_support(variant, "fwd")
 
   def _setup_attributes(self):
     """Tiled MMAs, shared layouts, TMA byte counts and the shared storage struct."""
@@ -169,20 +167,11 @@ class FlashAttentionForwardSm90:
     self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.slice_(self.sV_layout, (None, None, 0)))
     if self.masked:
       self.tma_bytes_k += self.tile_n * 4  # the key block's ids ride on the K stage
-    buffers = _smem_buffers(self.variant)
-    # The buffers are what smem_bytes counts; each must hold its tiles exactly. O reuses Q's
-    # buffer once every QK^T GEMM is done (an epilogue barrier orders that).
-    for name, layouts in (("sQ", (self.sQ_layout, self.sO_layout)), ("sK", (self.sK_layout,)),
-                          ("sV", (self.sV_layout,))):
-      assert buffers[name][1] == max(cute.cosize(layout) for layout in layouts), name
-    stages = self.num_stages
-    # cute.struct reads the class annotations in order.
-    fields = dict(
-        mbar_q=cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages],
-        mbar_k=cute.struct.MemRange[cutlass.Int64, 2 * stages],
-        mbar_v=cute.struct.MemRange[cutlass.Int64, 2 * stages],
-        **sm90_gemm.smem_fields(buffers))
-    self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+    # O reuses Q's buffer once every QK^T GEMM is done (an epilogue barrier orders that).
+    self.shared_storage = sm90_gemm.shared_storage(
+        dict(mbar_q=self.q_stages, mbar_k=self.num_stages, mbar_v=self.num_stages),
+        _smem_buffers(self.variant),
+        dict(sQ=(self.sQ_layout, self.sO_layout), sK=(self.sK_layout,), sV=(self.sV_layout,)))
 
   @cute.jit
   def __call__(
@@ -291,7 +280,7 @@ class FlashAttentionForwardSm90:
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    self._prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o))
+    sm90_gemm.prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o))
 
     storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
     pipeline_q, pipeline_k, pipeline_v = self._make_pipelines(storage)
@@ -340,13 +329,6 @@ class FlashAttentionForwardSm90:
       self.mma(mO, mLSE, mSink, has_sink, tma_atom_o, sQ, sK, sV, sO, tiled_mma_qk,
                tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, softmax_scale, scheduler,
                mQ.shape[0], mK.shape[0], masking, mO_rows, tiles)
-
-  @cute.jit
-  def _prefetch_descriptors(self, warp_idx: Int32, atoms):
-    """Warp 0 prefetches the TMA descriptors."""
-    if warp_idx == 0:
-      for atom in atoms:
-        cpasync.prefetch_descriptor(atom)
 
   def _make_pipelines(self, storage, v_consumer_warps: Optional[int] = None):
     """TMA pipelines (Q: q_stages slots): one elected producer thread arrives; consumers

@@ -1,4 +1,5 @@
-"""Hopper (sm_90a) shared-memory tile layouts, tensor views, WGMMA issue and smem stores.
+"""Hopper (sm_90a) kernel plumbing: variant checks, shared storage and tile layouts, tensor views,
+TMA prefetch, WGMMA issue and smem stores.
 
 Imports cutlass and jaxflash.config only. Shared by the forward and backward kernels.
 """
@@ -8,7 +9,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
@@ -23,6 +24,16 @@ SMEM_ALIGN = 1024
 SMEM_CAPACITY = config.SMEM_BYTES
 WARPGROUP_THREADS = 128
 WARP_THREADS = 32
+# The directions of the 16-bit kernels, as their can_implement names them.
+_DIRECTION_NAMES = {"fwd": "forward", "bwd": "backward", "decode": "decode"}
+
+
+def variant_support(variant: config.KernelVariant, direction: str) -> tuple[bool, str]:
+  """can_implement of a 16-bit kernel of `direction`: (ok, reason) for the variant, whose
+  direction must be that one; config.kernel_support decides the rest."""
+  if variant.direction != direction:
+    return False, f"variant {variant.key} is not a {_DIRECTION_NAMES[direction]} variant"
+  return config.kernel_support(direction, variant.dtype, variant.head_dim, variant.head_dim_v)
 
 
 def mma_slices(tiled_mmas, mma_tidx, wg_idx):
@@ -50,6 +61,23 @@ def smem_buffer(dtype, count: int, alignment: int = SMEM_ALIGN):
 def smem_fields(buffers: dict) -> dict:
   """The cute.struct fields of `buffers` ({name: (element type, count, alignment)}, in order)."""
   return {name: smem_buffer(*buffer) for name, buffer in buffers.items()}
+
+
+def shared_storage(pipeline_stages: dict, buffers: dict, tiles: dict = None):
+  """A kernel's shared storage struct: first a full and an empty mbarrier per stage of each
+  pipeline ({name: stages}, in order), then `buffers` ({name: (element type, count,
+  alignment)}, in order), the bytes smem_bytes counts.
+
+  tiles ({name: layouts}): the buffers are what smem_bytes counts, so each named buffer must
+  hold exactly the largest of the layouts it holds.
+  """
+  for name, layouts in (tiles or {}).items():
+    assert buffers[name][1] == max(cute.cosize(layout) for layout in layouts), name
+  fields = {name: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            for name, stages in pipeline_stages.items()}
+  fields.update(smem_fields(buffers))
+  # cute.struct reads the class annotations in order.
+  return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
 def smem_bytes(buffers: dict) -> int:
@@ -88,6 +116,14 @@ def transpose_view(t: cute.Tensor) -> cute.Tensor:
   shape = (t.shape[1], t.shape[0], *t.shape[2:])
   order = (1, 0, *range(2, cute.rank(t)))
   return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+@cute.jit
+def prefetch_descriptors(warp_idx: Int32, atoms):
+  """Warp 0 prefetches the TMA descriptors of `atoms`."""
+  if warp_idx == 0:
+    for atom in atoms:
+      cpasync.prefetch_descriptor(atom)
 
 
 @cute.jit
