@@ -17,7 +17,7 @@ from jaxflash import config
 from jaxflash.kernels import sm90_gemm
 from jaxflash.kernels import softmax
 from jaxflash.kernels.decode_combine import DecodeCombine
-from jaxflash.kernels.fwd_sm90 import FlashAttentionForwardSm90, _Consumer
+from jaxflash.kernels.fwd_sm90 import FlashAttentionForwardSm90
 
 _select = sm90_gemm.select_modes
 DTYPES = sm90_gemm.DTYPES
@@ -437,21 +437,11 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     (highest first), then the partial out and lse."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WARPGROUP_THREADS
-    (thr_mma_qk, thr_mma_pv), (wg_mma_qk, wg_mma_pv) = sm90_gemm.mma_slices(
-        (tiled_mma_qk, tiled_mma_pv), mma_tidx,
-        cute.arch.make_warp_uniform(mma_tidx // _WARPGROUP_THREADS))
-    tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
-    tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-    tOrV = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sV))
-    acc_shape_s = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
-    acc_o = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m,
-                                                                      self.head_dim_v)))
-    tScS_mn = softmax.make_acc_mn_view(
-        thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+    c, thr_mma_pv = self._consumer(mma_tidx, cute.arch.make_warp_uniform(
+        mma_tidx // _WARPGROUP_THREADS), tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, pipeline_k,
+        pipeline_v, softmax_scale, None)
+    tScS_mn, online, acc_o = c.tScS_mn, c.online, c.acc_o
     num_rows = cute.size(tScS_mn, mode=[0])
-    online = self._online_softmax(softmax_scale, num_rows, None)
-    row_scale = cute.make_rmem_tensor(num_rows, Float32)
-    tOrP = self._p_fragment(thr_mma_pv, acc_shape_s)
     # The keys each of this thread's rows sees: [key_lo, key_hi).
     key_lo = cute.make_rmem_tensor(num_rows, Int32)
     key_hi = cute.make_rmem_tensor(num_rows, Int32)
@@ -462,8 +452,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       key_hi[i] = cutlass.min(pos + window_right + 1, work.length)
     band = _KeyBand(capped=capped, tanh_scale=tanh_scale, key_lo=key_lo, key_hi=key_hi,
                     length=work.length, whole_blocks=work.whole_blocks, sV=sV)
-    c = _Consumer(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_s, acc_o, tOrP,
-                  tScS_mn, online, row_scale, pipeline_k, pipeline_v, band, None)
+    c = dataclasses.replace(c, masking=band)
 
     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)

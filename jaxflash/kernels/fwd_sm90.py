@@ -499,27 +499,14 @@ class FlashAttentionForwardSm90:
     """Consumer warpgroups: per tile, S = Q K^T, online softmax, O += P V, epilogue. Dynamic
     schedules (tiles): each tile is the one published with the Q slot waited on."""
     tidx, _, _ = cute.arch.thread_idx()
-    mma_tidx = tidx - _WARPGROUP_THREADS
     wg = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS) - 1
-    (thr_mma_qk, thr_mma_pv), (wg_mma_qk, wg_mma_pv) = sm90_gemm.mma_slices(
-        (tiled_mma_qk, tiled_mma_pv), mma_tidx, wg)
-    tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
-    tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-    tOrV = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sV))
-    acc_shape_s = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
-    acc_o = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m,
-                                                                      self.head_dim_v)))
-    tScS_mn = softmax.make_acc_mn_view(
-        thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+    c, thr_mma_pv = self._consumer(tidx - _WARPGROUP_THREADS, wg, tiled_mma_qk, tiled_mma_pv, sQ,
+                                   sK, sV, pipeline_k, pipeline_v, softmax_scale, scheduler)
+    tScS_mn, online, acc_o = c.tScS_mn, c.online, c.acc_o
     num_rows = cute.size(tScS_mn, mode=[0])
-    online = self._online_softmax(softmax_scale, num_rows, scheduler)
-    row_scale = cute.make_rmem_tensor(num_rows, Float32)
-    # P of the previous key block: with intra-warpgroup overlap it lives across iterations.
-    tOrP = self._p_fragment(thr_mma_pv, acc_shape_s)
     # Masked: the segment ids of this thread's query rows (per tile).
     row_ids = cute.make_rmem_tensor(num_rows, Int32) if const_expr(self.masked) else None
-    c = _Consumer(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_s, acc_o, tOrP,
-                  tScS_mn, online, row_scale, pipeline_k, pipeline_v, masking, row_ids)
+    c = dataclasses.replace(c, masking=masking, row_ids=row_ids)
     if const_expr(self.pingpong):
       # Warpgroup 0 takes the first turn: it arrives on its own barrier once.
       if wg == 0:
@@ -600,6 +587,30 @@ class FlashAttentionForwardSm90:
         tile = tiles.wait_and_read(pipeline_q, q_state)
       else:
         tile = scheduler.next_tile(tile)
+
+  def _consumer(self, mma_tidx: Int32, wg: Int32, tiled_mma_qk: cute.TiledMma,
+                tiled_mma_pv: cute.TiledMma, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                pipeline_k, pipeline_v, softmax_scale: Float32, scheduler):
+    """(_Consumer, PV GEMM slice) of consumer thread mma_tidx of warpgroup wg (warp-uniform): the
+    GEMMs' operand fragments (sm90_gemm.mma_slices), O's accumulator, the coordinates of S, the
+    softmax state and P's registers; no mask operands (the caller adds its own)."""
+    (thr_mma_qk, thr_mma_pv), (wg_mma_qk, wg_mma_pv) = sm90_gemm.mma_slices(
+        (tiled_mma_qk, tiled_mma_pv), mma_tidx, wg)
+    tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+    tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+    tOrV = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sV))
+    acc_shape_s = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+    acc_o = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tile_m,
+                                                                      self.head_dim_v)))
+    tScS_mn = softmax.make_acc_mn_view(
+        thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+    num_rows = cute.size(tScS_mn, mode=[0])
+    online = self._online_softmax(softmax_scale, num_rows, scheduler)
+    row_scale = cute.make_rmem_tensor(num_rows, Float32)
+    # P of the previous key block: with intra-warpgroup overlap it lives across iterations.
+    tOrP = self._p_fragment(thr_mma_pv, acc_shape_s)
+    return _Consumer(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_shape_s, acc_o, tOrP,
+                     tScS_mn, online, row_scale, pipeline_k, pipeline_v), thr_mma_pv
 
   @cute.jit
   def _scheduler_sync(self, wg: Int32):
