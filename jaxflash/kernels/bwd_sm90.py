@@ -653,6 +653,27 @@ class FlashAttentionBackwardSm90:
     acc_dv.fill(0.0)
     return acc_dk, acc_dv
 
+  def _p_scale_and_cap(self, softmax_scale: Float32, masking):
+    """(scale_log2, cap) of the consumer steps: P = exp2(S' * scale_log2 - lse2), where
+    scale_log2 is softmax_scale log2 e, or in masked variants the call's
+    masking.p_scale_log2; cap (masked variants, else None): (capped, tanh_scale,
+    inv_cap_log2)."""
+    scale_log2 = softmax_scale * LOG2_E
+    cap = None
+    if const_expr(self.masked):
+      scale_log2 = masking.p_scale_log2
+      cap = (masking.capped, masking.tanh_scale, masking.inv_cap_log2)
+    return scale_log2, cap
+
+  @cute.jit
+  def _capped_scores(self, acc_s: cute.Tensor, cap) -> cute.Tensor:
+    """S (or S^T) as (rows, columns), soft-capped first where the call's softcap is on (masked
+    variants: t = tanh(S * tanh_scale) in place, cap as in mma_step)."""
+    if const_expr(self.masked):
+      if cap[0] != 0:
+        softmax.soft_cap(acc_s, cap[1])
+    return softmax.make_acc_mn_view(acc_s)
+
   @cute.jit
   def _wait_for_k_v(self, pipeline_kv):
     """Waits for the CTA's K and V tiles; returns the consumer state of the Q/dO ring."""
@@ -691,11 +712,7 @@ class FlashAttentionBackwardSm90:
     acc_dk, acc_dv = self._zeroed_dk_dv(thr_dk, thr_dv)
     tScS_mn = softmax.make_acc_mn_view(
         thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-    scale_log2 = softmax_scale * LOG2_E
-    cap = None
-    if const_expr(self.masked):
-      scale_log2 = masking.p_scale_log2
-      cap = (masking.capped, masking.tanh_scale, masking.inv_cap_log2)
+    scale_log2, cap = self._p_scale_and_cap(softmax_scale, masking)
 
     qdo_state = self._wait_for_k_v(pipeline_kv)
     do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
@@ -773,10 +790,7 @@ class FlashAttentionBackwardSm90:
     warpgroup.wait_group(1)
 
     # P = exp2(S * scale * log2(e) - lse * log2(e)); masked scores are -inf, so P = 0 there.
-    if const_expr(self.masked):
-      if cap[0] != 0:
-        softmax.soft_cap(acc_s, cap[1])
-    acc_s_mn = softmax.make_acc_mn_view(acc_s)
+    acc_s_mn = self._capped_scores(acc_s, cap)
     if const_expr(is_masked):
       if const_expr(self.masked):
         query_ids, key_ids, window_left, window_right = ids
@@ -872,11 +886,7 @@ class FlashAttentionBackwardSm90:
     # (key, query) coordinates of this thread's S^T values.
     tStS_mn = softmax.make_acc_mn_view(
         thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m))))
-    scale_log2 = softmax_scale * LOG2_E
-    cap = None
-    if const_expr(self.masked):
-      scale_log2 = masking.p_scale_log2
-      cap = (masking.capped, masking.tanh_scale, masking.inv_cap_log2)
+    scale_log2, cap = self._p_scale_and_cap(softmax_scale, masking)
 
     ids = None
     if const_expr(self.masked):
@@ -970,10 +980,7 @@ class FlashAttentionBackwardSm90:
     warpgroup.wait_group(1)
 
     # P^T = exp2(S^T * scale * log2(e) - lse * log2(e)), lse of the column's query.
-    if const_expr(self.masked):
-      if cap[0] != 0:
-        softmax.soft_cap(acc_s, cap[1])
-    acc_s_mn = softmax.make_acc_mn_view(acc_s)
+    acc_s_mn = self._capped_scores(acc_s, cap)
     if const_expr(is_masked):
       if const_expr(self.masked):
         # ids: (this thread's key ids, the stages' query ids, window_left, window_right).
