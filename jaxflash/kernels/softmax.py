@@ -241,14 +241,7 @@ class OnlineSoftmax:
       # +inf when the row had no visible key yet (prev -inf): the max moves; NaN when it still
       # has none: the max stays -inf and the row's p stay 0 (shift 0 below).
       grow = (cur_max - prev) * scale_log2
-      new_max = prev
-      if grow > self.threshold_log2:
-        new_max = cur_max
-        moved = Int32(1)
-      self.row_max[i] = new_max
-      safe_max = new_max
-      if new_max == -Float32.inf:
-        safe_max = Float32(0.0)
+      safe_max, moved = self._move_max(i, prev, cur_max, grow, moved)
       shift = safe_max * scale_log2
       if const_expr(self.p_offset_log2 != 0.0):
         shift = shift - self.p_offset_log2
@@ -266,6 +259,22 @@ class OnlineSoftmax:
       block_sum[i] = row_sum
       row_scale[i] = Float32(1.0)
     self._commit(prev_max, block_sum, moved, row_scale)
+
+  @cute.jit
+  def _move_max(self, i: int, prev: Float32, cur_max: Float32, grow: Float32, moved: Int32):
+    """Row i's max after a block: the block's max cur_max where its growth over the old max
+    prev (grow, in log2 units) exceeds threshold_log2, which sets moved to 1; else prev.
+    Returns (the max the row's exponentials take, moved): the new max, or 0 while it is still
+    -inf (no visible key yet), so that the row's p are 0, not NaN."""
+    new_max = prev
+    if grow > self.threshold_log2:
+      new_max = cur_max
+      moved = Int32(1)
+    self.row_max[i] = new_max
+    safe_max = new_max
+    if new_max == -Float32.inf:
+      safe_max = Float32(0.0)
+    return safe_max, moved
 
   def _exp2(self, x: Float32, column: int) -> Float32:
     """2^x: exp2_fma for fma_exp2_per_8 of every 8 columns, MUFU.EX2 for the others."""
@@ -460,14 +469,7 @@ class ChunkScaledSoftmax(OnlineSoftmax):
       cur_max = cute.arch.warp_reduction_max(cur_max, threads_in_group=_THREADS_PER_ROW)
       # As OnlineSoftmax: +inf growth when the row had no visible key yet, NaN when it still
       # has none (the max stays -inf and the shift is 0).
-      new_max = prev
-      if cur_max - prev > self.threshold_log2:
-        new_max = cur_max
-        moved = Int32(1)
-      self.row_max[i] = new_max
-      safe_max = new_max
-      if new_max == -Float32.inf:
-        safe_max = Float32(0.0)
+      safe_max, moved = self._move_max(i, prev, cur_max, cur_max - prev, moved)
       total = Float32(0.0)
       for c in cutlass.range_constexpr(self.chunks):
         shift = safe_max - self.p_offset_log2 - values[CHUNK_VALUES * c + 1]
