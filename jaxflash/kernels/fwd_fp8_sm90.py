@@ -19,9 +19,6 @@ from jaxflash.kernels import softmax
 from jaxflash.kernels import tile_scheduler
 from jaxflash.kernels.fwd_sm90 import FlashAttentionForwardSm90
 
-_select = sm90_gemm.select_modes
-_WARPGROUP_THREADS = sm90_gemm.WARPGROUP_THREADS
-_WARP_THREADS = sm90_gemm.WARP_THREADS
 FP8 = cutlass.Float8E4M3FN
 # Warps 1-3 of the producer warpgroup transpose V (warp 0 issues the TMA loads).
 _TRANSPOSE_WARPS = 3
@@ -204,8 +201,8 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     self._setup_attributes()
     (tma_q, tma_k, tma_v, tma_o), (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), mLSE, grid = (
         self._tma_operands(mQ, mK, mV, mO, mLSE))
-    mQDescale = _select(mQDescale, [2, 1, 0])  # (q chunks, num_heads, batch)
-    mKVDescale = _select(mKVDescale, [2, 1, 0])  # (4 * key chunks, num_kv_heads, batch)
+    # (q chunks, num_heads, batch) and (4 * key chunks, num_kv_heads, batch)
+    mQDescale, mKVDescale = [sm90_gemm.select_modes(t, [2, 1, 0]) for t in (mQDescale, mKVDescale)]
     self.kernel(
         tma_q, tma_k, tma_v, tma_o, mLSE, mSink, mQDescale, mKVDescale,
         tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o, softmax_scale, has_sink, out_float16,
@@ -247,7 +244,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     pipeline_vt = pipeline.PipelineAsync.create(
         barrier_storage=storage.mbar_vt.data_ptr(), num_stages=self.num_stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                 _TRANSPOSE_WARPS * _WARP_THREADS),
+                                                 _TRANSPOSE_WARPS * sm90_gemm.WARP_THREADS),
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
         defer_sync=True)
     sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -280,7 +277,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     self.softmax_scale = softmax_scale
     self.out_float16 = out_float16
     self.q_per_kv = mQ.shape[2] // mK.shape[2]
-    warpgroup_idx = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS)
+    warpgroup_idx = cute.arch.make_warp_uniform(tidx // sm90_gemm.WARPGROUP_THREADS)
     if warpgroup_idx == 0:
       cute.arch.setmaxregister_decrease(self.num_producer_regs)
       scheduler = self._role_scheduler(shared_scheduler, make_scheduler)
@@ -377,7 +374,7 @@ class FlashAttentionForwardFp8Sm90(FlashAttentionForwardSm90):
     warpgroup's 64 rows (one chunk), times the k descale (per-head variants; block variants
     apply the key chunks' per key block)."""
     tidx, _, _ = cute.arch.thread_idx()
-    wg = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS) - 1
+    wg = cute.arch.make_warp_uniform(tidx // sm90_gemm.WARPGROUP_THREADS) - 1
     q_descale = self.q_descale[m_block * (self.tile_m // _CHUNK) + wg, head, batch]
     if const_expr(not self.block_descales):
       k_descale = self.kv_descale[0, head // self.q_per_kv, batch]
