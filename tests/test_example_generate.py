@@ -37,6 +37,16 @@ def test_kv_cache_decoding_gives_the_logits_of_the_full_forward(kind):
   np.testing.assert_array_equal(tokens, full.argmax(-1))
 
 
+def test_one_token_is_the_prefill_alone():
+  """num_tokens 1: the decode loop runs no step, and the token is the prompt's prediction."""
+  transformer, params, prompt = _fresh_model("jaxflash")
+  tokens, logits, _ = generate.generate(transformer, params, prompt, 1)
+  assert tokens.shape == (2, 1) and logits.shape == (2, 1, 256)
+  full = np.asarray(transformer.apply({"params": params}, prompt))[:, -1:]
+  np.testing.assert_allclose(logits, full, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(tokens, full.argmax(-1))
+
+
 def test_a_prompt_can_continue_a_filled_cache_with_jaxflash():
   """jaxflash's cache attention masks bottom-right, so a chunk may follow cached tokens."""
   transformer, params, prompt = _fresh_model("jaxflash")
