@@ -20,12 +20,10 @@ are 80 rows, the coordinates those of dq_tiled_mma(..., rows=80, transposed=True
 (head_dim, 80).
 """
 
-import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jaxflash.kernels import sm90_gemm
@@ -34,10 +32,8 @@ from jaxflash.kernels import sm90_gemm
 # above head_dim 128, half of the head_dim of dK/dV for 64 key rows: bwd_sm90's head-dim split).
 NUM_MMA_WARPGROUPS = 2
 # WGMMA's M is 64 per warpgroup: the dQ accumulator layout and the postprocess work in 64-row
-# blocks (one WGMMA row block; the main kernel's query tile is one or two of them); the key tile
-# is one per consumer warpgroup (head_dim <= 128).
+# blocks (one WGMMA row block; the main kernel's query tile is one or two of them).
 TILE_M = 64
-TILE_N = 64 * NUM_MMA_WARPGROUPS
 
 
 # Floats per 128-bit access: the accumulator's fragment order keeps a thread's values in chunks
