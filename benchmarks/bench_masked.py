@@ -187,7 +187,8 @@ def prep_chain(direction: str, batch: int, seq: int):
 
   def chain(q_ids, kv_ids):
     for _ in range(PREP_CHAIN):
-      results = operands(variant, config, batch, seq, seq, HEADS, (q_ids, kv_ids))
+      heads = (HEADS,) * (1 if direction == "fwd" else 2)  # (query heads[, kv heads]): MHA
+      results = operands(variant, config, batch, seq, seq, *heads, (q_ids, kv_ids))
       zero = jnp.right_shift(results[3][0], 30)
       q_ids, kv_ids = q_ids + zero, kv_ids + zero
     return results

@@ -265,16 +265,19 @@ def _section_blocks(heads: int, dims: int, block: int) -> int:
 
 
 def backward_operands(variant: KernelVariant, config: AttentionConfig, batch: int, seq_q: int,
-                      seq_k: int, num_heads: int, segment_ids=()):
+                      seq_k: int, num_heads: int, num_kv_heads: int, segment_ids=()):
   """The masked backward's operands, in custom-call order: key ids, query ids (padded to key
   tiles / query blocks), block ranges of the key tiles in launch order, the CTA launch order
   (longest first), and for deterministic variants the ranks of each contribution in that
-  order."""
+  order. A section holds the query blocks of the heads whose key tiles run together: one kv
+  head's query heads (the kernel runs one kv head at a time), or every head for deterministic
+  variants (the kv heads of an entry run together; bwd_sm90 _launch_entry)."""
   s = variant.schedule
   tiling = backward_tiling(s.tile_m, s.tile_n, seq_q, seq_k, window_bounds(config))
   kv_ids, q_ids, ranges = _ranges_and_ids(segment_ids[::-1], tiling, batch, seq_k, seq_q,
                                           s.tile_n, s.tile_m)
-  order = longest_first(ranges, _section_blocks(num_heads, variant.head_dim + variant.head_dim_v,
+  heads = num_heads if variant.deterministic else num_heads // num_kv_heads
+  order = longest_first(ranges, _section_blocks(heads, variant.head_dim + variant.head_dim_v,
                                                 s.tile_m))
   operands = (kv_ids, q_ids, in_launch_order(ranges, order), order)
   if variant.deterministic:

@@ -209,7 +209,8 @@ def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
 
   def call(q, k, v, out, lse, d_out, d_lse, *segment_ids):
     operands = block_ranges.backward_operands(variant, config, b, seq_q, seq_k,
-                                              q_aval.shape[2], segment_ids)
+                                              q_aval.shape[2], ctx.avals_in[1].shape[2],
+                                              segment_ids)
     return jax.ffi.ffi_call(BWD_TARGET, _result_types(ctx))(
         q, k, v, out, lse, d_out, d_lse, *operands, **attrs)
 

@@ -74,7 +74,8 @@ def test_prep_timing_runs_a_chain_of_whole_preparations(masked):
     assert len(re.findall(r"\bsort\(", compiled)) == masked.PREP_CHAIN
     variant = KernelVariant.for_call(direction, "sm90a", "bfloat16", masked.HEAD_DIM,
                                      masked.HEAD_DIM, config)
-    want = operands(variant, config, b, s, s, masked.HEADS, (q_ids, kv_ids))
+    heads = (masked.HEADS,) * (1 if direction == "fwd" else 2)  # the cases' heads are MHA
+    want = operands(variant, config, b, s, s, *heads, (q_ids, kv_ids))
     got = chain(q_ids, kv_ids)
     assert len(got) == len(want) == 4
     for g, w in zip(got, want):

@@ -172,7 +172,8 @@ def test_operand_ranges_stand_in_launch_order():
       ("bwd", block_ranges.backward_operands, block_ranges.backward_tiling)):
     variant = config.KernelVariant.for_call(direction, "sm90a", "bfloat16", 128, 128, cfg)
     s = variant.schedule
-    ranges, order = (np.asarray(x) for x in operands(variant, cfg, 2, 2000, 2000, 2,
+    heads = (2,) if direction == "fwd" else (2, 1)
+    ranges, order = (np.asarray(x) for x in operands(variant, cfg, 2, 2000, 2000, *heads,
                                                      (ids, ids))[2:4])
     tiles = ranges.shape[1]
     by_tile = np.asarray(block_ranges.block_ranges(ids, ids, tiling(
@@ -181,6 +182,29 @@ def test_operand_ranges_stand_in_launch_order():
     for entry, tile in enumerate(order):
       b, k = divmod(entry, tiles)
       np.testing.assert_array_equal(ranges[b, k], by_tile[b, tile - b * tiles], direction)
+
+
+def test_backward_sections_hold_the_heads_whose_key_tiles_run_together():
+  """The backward's launch order is longest first within L2-sized sections of the query
+  blocks the key tiles in flight share: those of one kv head's query heads (the kernel runs one
+  kv head at a time), of every head for deterministic variants (the kv heads of an entry run
+  together). So 64 heads over 64 kv heads order like one head, and the deterministic order
+  splits into sections that the one-head order spans."""
+  lengths = [3000, 200, 4000, 900, 6000, 2100]
+  ids = jax.numpy.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jax.numpy.int32)
+  n = ids.shape[1]
+
+  def order(deterministic, heads, kv_heads):
+    cfg = AttentionConfig(softmax_scale=1.0, causal=True, has_segment_ids=True,
+                          deterministic=deterministic)
+    variant = config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", 128, 128, cfg)
+    return np.asarray(block_ranges.backward_operands(variant, cfg, 1, n, n, heads, kv_heads,
+                                                     (ids, ids))[3])
+
+  np.testing.assert_array_equal(order(False, 64, 64), order(False, 1, 1))
+  np.testing.assert_array_equal(order(False, 64, 8), order(False, 8, 1))
+  assert (order(True, 64, 64) != order(False, 64, 64)).any()
+  np.testing.assert_array_equal(order(True, 1, 1), order(False, 1, 1))
 
 
 def test_orders_and_ranks_on_the_host_match_the_device_path():
@@ -213,7 +237,7 @@ def test_operands_match_the_kernel_abi_shapes():
   assert (q_ids.shape, k_ids.shape, ranges.shape, order.shape) == (
       (2, 384), (2, 256), (2, 3, 4), (6,))
   k_ids, q_ids, ranges, order, ranks = block_ranges.backward_operands(bwd, cfg, 2, 300, 250, 4,
-                                                                      ids)
+                                                                      2, ids)
   # backward: key tiles of 128, query blocks of 80
   assert (k_ids.shape, q_ids.shape, ranges.shape, order.shape, ranks.shape) == (
       (2, 256), (2, 320), (2, 2, 4), (4,), (2, 2, 4))
@@ -233,8 +257,9 @@ def test_operands_of_a_call_without_segment_ids_match_the_device_path(monkeypatc
                               ("bwd", block_ranges.backward_operands)):
     variant = config.KernelVariant.for_call(direction, "sm90a", "bfloat16", 64, 64, cfg)
     assert variant.masked and variant.deterministic == (direction == "bwd")
-    static = operands(variant, cfg, 3, 700, 900, 4)
-    traced = operands(variant, cfg, 3, 700, 900, 4, zeros)
+    heads = (4,) if direction == "fwd" else (4, 2)
+    static = operands(variant, cfg, 3, 700, 900, *heads)
+    traced = operands(variant, cfg, 3, 700, 900, *heads, zeros)
     assert isinstance(static[2], np.ndarray) and isinstance(static[3], np.ndarray)
     assert len(static) == len(traced) == (5 if direction == "bwd" else 4)
     for got, want in zip(static, traced):

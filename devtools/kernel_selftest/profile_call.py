@@ -5,7 +5,8 @@ cuProfilerStop, so `ncu --profile-from-start off` sees exactly the kernels of on
   python devtools/kernel_selftest/profile_call.py decode CASE IMPL   # bench_decode.py's cases
   python devtools/kernel_selftest/profile_call.py fwd HDIM SEQ IMPL [--causal] [--grad]
                                       # batch*seq=16k; --grad: forward + backward (q, k, v)
-  python devtools/kernel_selftest/profile_call.py masked CASE IMPL   # bench_masked.py's forward
+  python devtools/kernel_selftest/profile_call.py masked CASE IMPL [--grad]
+                                      # bench_masked.py's forward (--grad: forward + backward)
   python devtools/kernel_selftest/profile_call.py gpt-oss SEQ IMPL   # bench_modifiers --gpt-oss
   python devtools/kernel_selftest/profile_call.py modifier HDIM SEQ IMPL [--causal]
                                                           # bench_modifiers.py (softcap, sink)
@@ -51,7 +52,7 @@ def fwd_call(head_dim: int, seq: int, impl: str, causal: bool, grad: bool):
   return jax.jit(fn), (q, k, v)
 
 
-def masked_call(case: str, impl: str):
+def masked_call(case: str, impl: str, grad: bool):
   spec = bench_masked.cases()[case]
   if impl not in spec.impls:
     raise SystemExit(f"bench_masked case {case} has no column {impl}")
@@ -59,7 +60,10 @@ def masked_call(case: str, impl: str):
     bench_attention.fa3_binding.register()
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
   q, k, v = (jax.random.normal(key, spec.shape + (16, 128), jnp.bfloat16) for key in keys)
-  return jax.jit(spec.impls[impl]), (q, k, v, spec.data)
+  fn = spec.impls[impl]
+  if grad:  # bench_masked's forward + backward
+    fn = bench_masked.fwd_bwd_fn(fn, jax.random.normal(keys[0], q.shape, jnp.bfloat16))
+  return jax.jit(fn), (q, k, v, spec.data)
 
 
 def gpt_oss_call(seq: int, impl: str):
@@ -100,6 +104,7 @@ def main():
   m = sub.add_parser("masked")
   m.add_argument("case", choices=bench_masked.CASES)
   m.add_argument("impl")
+  m.add_argument("--grad", action="store_true", help="forward + backward")
   g = sub.add_parser("gpt-oss")
   g.add_argument("seq", type=int)
   g.add_argument("impl")
@@ -115,7 +120,7 @@ def main():
   elif args.kind == "fwd":
     fn, call_args = fwd_call(args.head_dim, args.seq, args.impl, args.causal, args.grad)
   elif args.kind == "masked":
-    fn, call_args = masked_call(args.case, args.impl)
+    fn, call_args = masked_call(args.case, args.impl, args.grad)
   elif args.kind == "gpt-oss":
     fn, call_args = gpt_oss_call(args.seq, args.impl)
   elif args.kind == "modifier":

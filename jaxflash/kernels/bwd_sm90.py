@@ -320,7 +320,7 @@ class FlashAttentionBackwardSm90:
     grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]),
             cute.size(mK.shape[3]))
     if const_expr(self.masked):
-      # One CTA per (key block, kv head): the kv heads of one entry of the order consecutive.
+      # One CTA per (key block, kv head), in the order of _launch_entry.
       grid = (grid[0] * grid[1] * grid[2], 1, 1)
     self.kernel(
         tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, mLSE2, mDelta, mdQaccum, mSem,
@@ -480,16 +480,27 @@ class FlashAttentionBackwardSm90:
 
   @cute.jit
   def _launch_entry(self, masking):
-    """Masked: (entry, kv head, batch, slot) of this CTA. Entry cta // kv heads of the CTA order
-    names (batch, key block), kv heads fastest; each batch's entries are consecutive, so batch
-    and slot (the entry's place in its batch's part, where its block range stands: the ranges
-    are in launch order) need no load."""
+    """Masked: (entry, kv head, batch, slot) of this CTA. Each entry of the CTA order names
+    (batch, key block). kv heads slowest, then the entries: the CTAs in flight at once share
+    one kv head's queries, dO and dQ accumulator, where kv heads fastest spread them over every
+    head's (2.4x the DRAM traffic on 8 packed documents; docs/kernels.md, "Masked variants").
+    Deterministic variants keep the kv heads of one entry consecutive: their CTAs in flight then
+    mostly add into different heads' dQ, where one kv head's key tiles would queue on the same
+    query blocks' semaphores. Each batch's entries are consecutive, so batch and slot (the
+    entry's place in its batch's part, where its block range stands: the ranges are in launch
+    order) need no load."""
     cta, _, _ = cute.arch.block_idx()
-    num_kv_heads = cute.arch.grid_dim()[0] // masking.order.shape[0]
-    entry = cta // num_kv_heads
+    num_entries = masking.order.shape[0]
+    if const_expr(self.deterministic):
+      num_kv_heads = cute.arch.grid_dim()[0] // num_entries
+      entry = cta // num_kv_heads
+      head_kv = cta - entry * num_kv_heads
+    else:
+      head_kv = cta // num_entries
+      entry = cta - head_kv * num_entries
     num_n = masking.ranges.shape[1]
     batch = entry // num_n
-    return entry, cta - entry * num_kv_heads, batch, entry - batch * num_n
+    return entry, head_kv, batch, entry - batch * num_n
 
   @cute.jit
   def _work_coords(self, seqlen_q: Int32, seqlen_k: Int32, masking):
