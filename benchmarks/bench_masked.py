@@ -184,10 +184,10 @@ def prep_chain(direction: str, batch: int, seq: int):
   config = AttentionConfig(softmax_scale=HEAD_DIM ** -0.5, causal=True, has_segment_ids=True)
   variant = KernelVariant.for_call(direction, "sm90a", "bfloat16", HEAD_DIM, HEAD_DIM, config)
   operands = dict(fwd=block_ranges.forward_operands, bwd=block_ranges.backward_operands)[direction]
+  heads = (HEADS,) * (1 if direction == "fwd" else 2)  # (kv heads) or (heads, kv heads): MHA
 
   def chain(q_ids, kv_ids):
     for _ in range(PREP_CHAIN):
-      heads = (HEADS,) * (1 if direction == "fwd" else 2)  # (query heads[, kv heads]): MHA
       results = operands(variant, config, batch, seq, seq, *heads, (q_ids, kv_ids))
       zero = jnp.right_shift(results[3][0], 30)
       q_ids, kv_ids = q_ids + zero, kv_ids + zero

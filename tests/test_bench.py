@@ -74,7 +74,7 @@ def test_prep_timing_runs_a_chain_of_whole_preparations(masked):
     assert len(re.findall(r"\bsort\(", compiled)) == masked.PREP_CHAIN
     variant = KernelVariant.for_call(direction, "sm90a", "bfloat16", masked.HEAD_DIM,
                                      masked.HEAD_DIM, config)
-    heads = (masked.HEADS,) * (1 if direction == "fwd" else 2)  # the cases' heads are MHA
+    heads = (masked.HEADS,) * (1 if direction == "fwd" else 2)  # (kv heads) or (heads, kv heads)
     want = operands(variant, config, b, s, s, *heads, (q_ids, kv_ids))
     got = chain(q_ids, kv_ids)
     assert len(got) == len(want) == 4
