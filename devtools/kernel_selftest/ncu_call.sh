@@ -7,7 +7,10 @@
 # `times`: every kernel of the call, one line each: duration, DRAM bytes read / written and
 # their rate, grid and block (a call's XLA kernels next to its attention kernel).
 # `full`: `--set full` on the kernels whose name matches REGEX, the headline metrics and
-# ncu_stalls.py's breakdown per warp role.
+# ncu_stalls.py's breakdown per warp role. REGEX matches the function's base name (every CUTLASS
+# kernel of FlashAttention-3 is `device_kernel`); prefixed `demangled:` it matches the demangled
+# name with its template arguments instead, e.g. 'demangled:FlashAttnBwdSm90' for FA-3's
+# backward main kernel alone.
 # Writes $OUT/ncu_LABEL_*.txt (and _sass.csv); the report stays in /tmp. Clocks are left alone
 # (--clock-control none) and caches are flushed before each kernel (ncu's default).
 set -u
@@ -52,7 +55,10 @@ print(f"  {total:8.1f} us in {len(data)} kernels")
 EOF
   exit $?
 fi
-timeout 400 "$ncu" --clock-control none --profile-from-start off --kernel-name "regex:$regex" \
+base=function
+case "$regex" in demangled:*) base=demangled; regex=${regex#demangled:} ;; esac
+timeout 400 "$ncu" --clock-control none --profile-from-start off --kernel-name-base "$base" \
+  --kernel-name "regex:$regex" \
   --set full --import-source no -f -o "$work" \
   python devtools/kernel_selftest/profile_call.py "$@" >"${work}_run.txt" 2>&1 || {
   echo "$label: ncu failed:"; tail -5 "${work}_run.txt"; exit 1; }
