@@ -178,18 +178,18 @@ PREP_CHAIN = 16
 def prep_chain(direction: str, batch: int, seq: int):
   """A jitted program of PREP_CHAIN block-range preparations of one direction, as its lowering
   computes them for these cases' calls, in a chain: each one's ids are offset by its
-  predecessor's first launch-order entry shifted right by 30 bits, zero at run time (an entry
-  is below batch * tiles) but unknown to the compiler, which can therefore neither merge the
+  predecessor's first block range entry shifted right by 30 bits, zero at run time (a block
+  index is below 2**30) but unknown to the compiler, which can therefore neither merge the
   preparations nor hoist them. Returns the last one's operands."""
   config = AttentionConfig(softmax_scale=HEAD_DIM ** -0.5, causal=True, has_segment_ids=True)
   variant = KernelVariant.for_call(direction, "sm90a", "bfloat16", HEAD_DIM, HEAD_DIM, config)
   operands = dict(fwd=block_ranges.forward_operands, bwd=block_ranges.backward_operands)[direction]
-  heads = (HEADS,) * (1 if direction == "fwd" else 2)  # (kv heads) or (heads, kv heads): MHA
+  heads = () if direction == "fwd" else (HEADS, HEADS)  # backward: heads, kv heads (MHA)
 
   def chain(q_ids, kv_ids):
     for _ in range(PREP_CHAIN):
       results = operands(variant, config, batch, seq, seq, *heads, (q_ids, kv_ids))
-      zero = jnp.right_shift(results[3][0], 30)
+      zero = jnp.right_shift(results[2][0, 0, 0], 30)
       q_ids, kv_ids = q_ids + zero, kv_ids + zero
     return results
   return jax.jit(chain)

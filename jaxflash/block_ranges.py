@@ -6,8 +6,8 @@ apply the elementwise mask only outside a sub-range where every (query, key) pai
 pair is visible. Segment ids are run-time data, so for a call with them the primitive's CUDA
 lowering computes these ranges on the device with the XLA ops below. A call without them
 (windows, softcap) has ranges that depend on static shapes alone: band_ranges gives them in
-closed form at trace time, longest_first and launch_ranks run on those NumPy arrays, and the
-program takes the results as constants, with no preparation kernels. Contiguous segments
+closed form at trace time, the backward's longest_first and launch_ranks run on those NumPy
+arrays, and the program takes the results as constants, with no preparation kernels. Contiguous segments
 (packed documents, trailing padding) get tight ranges; other ids stay correct through the
 elementwise mask over the hull of their keys. Imports jax, numpy and config only.
 """
@@ -244,18 +244,26 @@ def _ranges_and_ids(segment_ids, tiling: Tiling, batch: int, rows: int, cols: in
           np.repeat(band_ranges(rows, cols, tiling), batch, axis=0))
 
 
+def last_first(batch: int, tiles: int) -> np.ndarray:
+  """(batch * tiles,) int32 launch order: each batch's tiles from the last down, batches in
+  order. The masked forward's order: a causal query tile sees more keys than the tiles before
+  it in its document, so this is longest first within each document, one document at a time
+  (whose K and V the tiles in flight share in L2), and it needs no sort on the device."""
+  tiles_of = np.arange(tiles - 1, -1, -1, dtype=np.int32)
+  return (np.arange(batch, dtype=np.int32)[:, None] * tiles + tiles_of).reshape(-1)
+
+
 def forward_operands(variant: KernelVariant, config: AttentionConfig, batch: int, seq_q: int,
-                     seq_k: int, num_kv_heads: int, segment_ids=()):
+                     seq_k: int, segment_ids=()):
   """The masked forward's operands, in custom-call order (kernel_abi.h JaxflashMask): query
-  ids, key ids (padded to tiles / blocks), block ranges of the query tiles in launch order
-  (in_launch_order), the launch order."""
+  ids, key ids (padded to tiles / blocks), block ranges of the query tiles in launch order,
+  the launch order (last_first: a constant, so the ranges in launch order are the ranges
+  reversed along the tiles)."""
   s = variant.schedule
   tiling = forward_tiling(s.tile_m, s.tile_n, seq_q, seq_k, window_bounds(config))
   q_ids, kv_ids, ranges = _ranges_and_ids(segment_ids, tiling, batch, seq_q, seq_k, s.tile_m,
                                           s.tile_n)
-  section = _section_blocks(num_kv_heads, variant.head_dim + variant.head_dim_v, s.tile_n)
-  order = longest_first(ranges, section)
-  return q_ids, kv_ids, in_launch_order(ranges, order), order
+  return q_ids, kv_ids, ranges[:, ::-1], last_first(batch, ranges.shape[1])
 
 
 def _section_blocks(heads: int, dims: int, block: int) -> int:

@@ -167,8 +167,7 @@ def _fwd_lower_cuda(ctx, q, k, v, *rest, config):
 
   def call(q, k, v, *rest):
     segment_ids, sink = _split_sink(rest, config)
-    operands = block_ranges.forward_operands(variant, config, b, seq_q, seq_k,
-                                             ctx.avals_in[1].shape[2], segment_ids)
+    operands = block_ranges.forward_operands(variant, config, b, seq_q, seq_k, segment_ids)
     if sink is not None:
       operands = operands + (sink,)
     return jax.ffi.ffi_call(FWD_TARGET, _result_types(ctx))(q, k, v, *operands, **attrs)

@@ -172,7 +172,7 @@ def test_operand_ranges_stand_in_launch_order():
       ("bwd", block_ranges.backward_operands, block_ranges.backward_tiling)):
     variant = config.KernelVariant.for_call(direction, "sm90a", "bfloat16", 128, 128, cfg)
     s = variant.schedule
-    heads = (2,) if direction == "fwd" else (2, 1)
+    heads = () if direction == "fwd" else (2, 1)
     ranges, order = (np.asarray(x) for x in operands(variant, cfg, 2, 2000, 2000, *heads,
                                                      (ids, ids))[2:4])
     tiles = ranges.shape[1]
@@ -182,6 +182,30 @@ def test_operand_ranges_stand_in_launch_order():
     for entry, tile in enumerate(order):
       b, k = divmod(entry, tiles)
       np.testing.assert_array_equal(ranges[b, k], by_tile[b, tile - b * tiles], direction)
+
+
+def test_forward_runs_one_document_at_a_time_longest_tiles_first():
+  """The masked forward launches each batch's query tiles from the last down: on packed causal
+  documents the tiles in flight belong to one document (whose K and V they share in L2) and
+  each document's tiles go longest first. The order is a constant even where the ranges are
+  computed on the device (no sort there), and the ranges stand in that order."""
+  lengths = [3000, 200, 4000, 900, 6000, 2100]
+  ids = jax.numpy.asarray(np.repeat(np.arange(len(lengths)), lengths)[None].repeat(2, 0),
+                          jax.numpy.int32)
+  n = ids.shape[1]
+  cfg = AttentionConfig(softmax_scale=1.0, causal=True, has_segment_ids=True)
+  variant = config.KernelVariant.for_call("fwd", "sm90a", "bfloat16", 128, 128, cfg)
+  _, _, launched, order = block_ranges.forward_operands(variant, cfg, 2, n, n, (ids, ids))
+  assert isinstance(order, np.ndarray)
+  tiles = -(-n // variant.schedule.tile_m)
+  np.testing.assert_array_equal(order, block_ranges.last_first(2, tiles))
+  launched = np.asarray(launched)
+  for b in range(2):
+    start, work = launched[b, :, 0], launched[b, :, 1] - launched[b, :, 0]
+    assert (np.diff(start) <= 0).all()  # documents from the last down, one at a time
+    same_document = np.diff(start) == 0
+    assert (np.diff(work)[same_document] <= 0).all()  # longest first within a document
+    assert len(set(start)) == len(lengths)
 
 
 def test_backward_sections_hold_the_heads_whose_key_tiles_run_together():
@@ -232,7 +256,7 @@ def test_operands_match_the_kernel_abi_shapes():
   bwd = config.KernelVariant.for_call("bwd", "sm90a", "bfloat16", 128, 128, cfg)
   assert fwd.masked and bwd.masked and bwd.deterministic and not fwd.causal
   ids = (np.zeros((2, 300), np.int32), np.zeros((2, 250), np.int32))
-  q_ids, k_ids, ranges, order = block_ranges.forward_operands(fwd, cfg, 2, 300, 250, 2, ids)
+  q_ids, k_ids, ranges, order = block_ranges.forward_operands(fwd, cfg, 2, 300, 250, ids)
   # forward tiles 128 x 128: 3 query tiles, 2 key blocks
   assert (q_ids.shape, k_ids.shape, ranges.shape, order.shape) == (
       (2, 384), (2, 256), (2, 3, 4), (6,))
@@ -257,7 +281,7 @@ def test_operands_of_a_call_without_segment_ids_match_the_device_path(monkeypatc
                               ("bwd", block_ranges.backward_operands)):
     variant = config.KernelVariant.for_call(direction, "sm90a", "bfloat16", 64, 64, cfg)
     assert variant.masked and variant.deterministic == (direction == "bwd")
-    heads = (4,) if direction == "fwd" else (4, 2)
+    heads = () if direction == "fwd" else (4, 2)
     static = operands(variant, cfg, 3, 700, 900, *heads)
     traced = operands(variant, cfg, 3, 700, 900, *heads, zeros)
     assert isinstance(static[2], np.ndarray) and isinstance(static[3], np.ndarray)

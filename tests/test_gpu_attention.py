@@ -66,8 +66,7 @@ def _ffi_call(q, k, v, variant, cfg, segment_ids=(), sink=None):
                   for _, shape, dtype in config.fwd_scratch_shapes(variant))
   operands = ()
   if variant.masked:
-    operands = block_ranges.forward_operands(variant, cfg, b, seq_q, k.shape[1], k.shape[2],
-                                             segment_ids)
+    operands = block_ranges.forward_operands(variant, cfg, b, seq_q, k.shape[1], segment_ids)
   if sink is not None:
     operands = tuple(operands) + (sink,)
   return jax.ffi.ffi_call(FWD_TARGET, result)(q, k, v, *operands,
