@@ -6,7 +6,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from jaxflash import checks, few_rows, fp8, implementation, primitives
+from jaxflash import checks, few_rows, fp8, implementation, primitives, programmable
 from jaxflash.sink import add_learnable_sink, check_learnable_sink
 from jaxflash.config import AttentionConfig, KernelVariant, kernel_support
 
@@ -63,8 +63,9 @@ def empty_result(query, value, out_dtype=None):
 def attention(query, key, value, *, causal: bool = False, softmax_scale: Optional[float] = None,
               window_size=(None, None), softcap: Optional[float] = None, q_segment_ids=None,
               kv_segment_ids=None, learnable_sink=None, q_descale=None, k_descale=None,
-              v_descale=None, out_dtype=None, deterministic: bool = False,
-              return_lse: bool = False, implementation: Optional[str] = None):
+              v_descale=None, out_dtype=None, bias=None, score_mod=None, mask_mod=None,
+              deterministic: bool = False, return_lse: bool = False,
+              implementation: Optional[str] = None):
   """Scaled dot-product attention, FlashAttention style.
 
   Args:
@@ -93,6 +94,20 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
       positive. On a Hopper GPU per-head descales and blocks of 64 tokens or more run the FP8
       kernel; smaller blocks run dequantized on the float32 reference.
     out_dtype: float8_e4m3fn inputs only: bfloat16 (default) or float16.
+    bias: (batch or 1, num_heads or 1, seq_q or 1, seq_k) float32 / bfloat16 / float16, added
+      to the scores after the scale and softcap. Differentiable: its gradient is reduced over
+      the dims of size 1.
+    score_mod: score_mod(score, batch, head, q_idx, kv_idx) -> score, a JAX function of
+      scalars (int32 indices, q_idx in [0, seq_q), kv_idx in [0, seq_k), head a query head;
+      score the scaled, soft-capped score plus the bias) applied to every score; it may close
+      over arrays (ALiBi slopes, bias tables), and the gradients of the float ones are
+      returned by jax.grad.
+    mask_mod: mask_mod(batch, head, q_idx, kv_idx) -> bool, a JAX function of scalars like
+      score_mod: a key is seen only where it is True (and causal, window_size and the segment
+      ids let it). Python control flow on the arguments raises a ValueError when the call is
+      traced; use jnp.where / lax.select. bias, score_mod and mask_mod run on the blocked
+      reference implementation (memory linear in seq_k); the CuTe kernels do not take them,
+      so implementation="cute" raises.
     deterministic: make the backward pass bitwise reproducible run to run. Without a causal
       mask at head_dim > 128 the CuTe backward then keeps two fp32 dQ accumulators (scratch of
       2 x batch x num_heads x seq_q x head_dim x 4 bytes instead of one).
@@ -119,7 +134,8 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
                     window_size=window_size, softcap=softcap, q_segment_ids=q_segment_ids,
                     kv_segment_ids=kv_segment_ids, learnable_sink=learnable_sink,
                     q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                    out_dtype=out_dtype, deterministic=deterministic, return_lse=return_lse,
+                    out_dtype=out_dtype, bias=bias, score_mod=score_mod, mask_mod=mask_mod,
+                    deterministic=deterministic, return_lse=return_lse,
                     implementation=implementation)
 
 
@@ -138,7 +154,8 @@ def _attention(query, key, value, kv_lengths, *, causal: bool = False,
                softmax_scale: Optional[float] = None, window_size=(None, None),
                softcap: Optional[float] = None, q_segment_ids=None, kv_segment_ids=None,
                learnable_sink=None, q_descale=None, k_descale=None, v_descale=None,
-               out_dtype=None, deterministic: bool = False, return_lse: bool = False,
+               out_dtype=None, bias=None, score_mod=None, mask_mod=None,
+               deterministic: bool = False, return_lse: bool = False,
                implementation: Optional[str] = None):
   """attention(); kv_lengths: None, or the lengths behind the segment ids (see
   attention_with_kv_lengths)."""
@@ -147,6 +164,9 @@ def _attention(query, key, value, kv_lengths, *, causal: bool = False,
                           return_lse, implementation, query.shape[-1])
   has_segments = _check_segments(q_segment_ids, kv_segment_ids, query, key)
   if dtype == fp8.FP8_DTYPE:
+    for name, x in (("bias", bias), ("score_mod", score_mod), ("mask_mod", mask_mod)):
+      if x is not None:
+        raise TypeError(f"{name}: float8_e4m3fn inputs take no {name} (pass None)")
     return _fp8_call(query, key, value, config.replace(has_segment_ids=has_segments),
                      learnable_sink, (q_descale, k_descale, v_descale), out_dtype, return_lse,
                      implementation)
@@ -158,8 +178,12 @@ def _attention(query, key, value, kv_lengths, *, causal: bool = False,
   if learnable_sink is not None:
     check_learnable_sink(learnable_sink, query.shape[2], accept_float64=dtype == "float64")
   config = config.replace(has_segment_ids=has_segments)
-  impl = _resolve_implementation(implementation, dtype, query.shape[-1], value.shape[-1], config,
-                                 key.shape[1])
+  mods = programmable.check_mods(bias, score_mod, mask_mod, query, key, dtype)
+  if mods is not None:
+    impl = programmable.resolve_implementation(implementation)
+  else:
+    impl = _resolve_implementation(implementation, dtype, query.shape[-1], value.shape[-1],
+                                   config, key.shape[1])
   config = config.replace(implementation=impl)
   if 0 in query.shape[:3] or 0 in key.shape[:2]:
     out, lse = empty_result(query, value)
@@ -172,7 +196,10 @@ def _attention(query, key, value, kv_lengths, *, causal: bool = False,
     config = config.replace(has_sink=learnable_sink is not None)
     # Masked by lengths, the decode kernel takes the lengths instead of the segment ids.
     few = config.replace(has_segment_ids=False) if kv_lengths is not None else config
-    if few_rows.takes(few, dtype, query.shape, key.shape, value.shape[-1],
+    if mods is not None:
+      out, lse = programmable.attention(config, mods, query, key, value, q_segment_ids,
+                                        kv_segment_ids, learnable_sink)
+    elif few_rows.takes(few, dtype, query.shape, key.shape, value.shape[-1],
                       kv_lengths=kv_lengths is not None):
       out, lse = few_rows.attention_core(few, query, key, value, kv_lengths, learnable_sink)
     else:

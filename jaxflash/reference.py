@@ -5,7 +5,7 @@ Imports jax and jaxflash.config only. Layout BTNH, as in jax.nn.dot_product_atte
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +66,55 @@ def _scores(config: AttentionConfig, qg, k, cdt):
   return config.softcap * t, t
 
 
+class ScoreMods(NamedTuple):
+  """A call's programmable score modifiers (checked by jaxflash/programmable.py), applied in
+  this order after the scale and softcap: scores + bias, then score_mod, then the built-in
+  masks and mask_mod. None: absent.
+
+  bias: (batch or 1, heads or 1, seq_q or 1, seq_k) array added to the scores.
+  score_mod(score, batch, head, q_idx, kv_idx) -> score and mask_mod(batch, head, q_idx,
+  kv_idx) -> bool: JAX functions of scalars (int32 indices; q_idx in [0, seq_q), kv_idx in
+  [0, seq_k)), mapped over every (batch, head, query, key) with vmap.
+  """
+
+  bias: Any = None
+  score_mod: Optional[Callable] = None
+  mask_mod: Optional[Callable] = None
+
+
+def _map_bhqk(fn, scores, b: int, h: int, seq_q: int, cols):
+  """fn over every (batch, head, query, key) index, key innermost: fn(score, b, h, q, kv) with
+  scores (b, h, seq_q, len(cols)), or fn(b, h, q, kv) with scores None. Returns (b, h, seq_q,
+  len(cols))."""
+  idx = tuple(jnp.arange(n, dtype=jnp.int32) for n in (b, h, seq_q)) + (cols,)
+  lead = () if scores is None else (0,)
+  args = (() if scores is None else (scores,)) + idx
+  f = fn
+  for axis in (3, 2, 1, 0):  # kv innermost, batch outermost
+    f = jax.vmap(f, in_axes=lead + tuple(0 if i == axis else None for i in range(4)))
+  return f(*args)
+
+
+def _modify(mods: ScoreMods, s, mask, bias_block, start: int, seq_k: int):
+  """Scores s (b, h_kv, g, s_q, block) and their mask with `mods` applied; bias_block: the
+  bias's columns of this block (b|1, h|1, s_q|1, block) or None. Key columns past seq_k (the
+  last block's padding) call the functions with kv_idx = seq_k - 1; the mask drops them."""
+  b, h_kv, g, seq_q, block = s.shape
+  if bias_block is not None:
+    s = s + bias_block.astype(s.dtype).reshape(
+        bias_block.shape[0], -1 if bias_block.shape[1] == 1 else h_kv,
+        1 if bias_block.shape[1] == 1 else g, *bias_block.shape[2:])
+  cols = jnp.minimum(start + jnp.arange(block, dtype=jnp.int32), seq_k - 1)
+  if mods.score_mod is not None:
+    s4 = _map_bhqk(mods.score_mod, s.reshape(b, h_kv * g, seq_q, block), b, h_kv * g, seq_q,
+                   cols)
+    s = s4.astype(s.dtype).reshape(s.shape)
+  if mods.mask_mod is not None:
+    keep = _map_bhqk(mods.mask_mod, None, b, h_kv * g, seq_q, cols)
+    mask = mask & keep.reshape(b, h_kv, g, seq_q, block)
+  return s, mask
+
+
 def _expand_mask(mask):
   """Broadcast a (rows, cols) or (b, rows, cols) mask against (b, h_kv, g, rows, cols)."""
   if mask.ndim == 2:
@@ -74,13 +123,15 @@ def _expand_mask(mask):
 
 
 def naive_attention(query, key, value, config: AttentionConfig, q_segment_ids=None,
-                    kv_segment_ids=None, compute_dtype=None, learnable_sink=None):
+                    kv_segment_ids=None, compute_dtype=None, learnable_sink=None,
+                    mods: Optional[ScoreMods] = None):
   """Materialises all scores: the test oracle. Returns (out, lse).
 
   compute_dtype: None = float32 (float64 for float64 inputs); pass the input dtype to get the
   "same math done naively in the input dtype" that bounds kernel error in tests.
   learnable_sink: (num_heads,) logits, each an extra column of its head's softmax with no value
   (written out here as that column, independently of jaxflash/sink.py).
+  mods: bias / score_mod / mask_mod (ScoreMods), or None.
   """
   cdt = compute_dtype or _compute_dtype(query.dtype)
   b, seq_q, h, _ = query.shape
@@ -89,6 +140,8 @@ def naive_attention(query, key, value, config: AttentionConfig, q_segment_ids=No
   s, _ = _scores(config, qg, key, cdt)
   mask = _expand_mask(visible_mask(config, seq_q, seq_k, jnp.arange(seq_q), jnp.arange(seq_k),
                                    q_segment_ids, kv_segment_ids))
+  if mods is not None:
+    s, mask = _modify(mods, s, mask, mods.bias, 0, seq_k)
   return _naive_softmax(query, s, mask, value, learnable_sink, cdt)
 
 
@@ -167,10 +220,15 @@ def _block_mask(config, seq_q, seq_k, start, block_k, q_segment_ids, kv_seg_bloc
 
 
 def blocked_forward(query, key, value, config: AttentionConfig, q_segment_ids=None,
-                    kv_segment_ids=None, block_k: Optional[int] = None):
+                    kv_segment_ids=None, block_k: Optional[int] = None,
+                    mods: Optional[ScoreMods] = None):
   """Online-softmax forward over key blocks; never builds a (seq_q x seq_k) buffer.
 
   Returns (out in the query dtype, lse float32 (batch, heads, seq_q), -inf where no key).
+  mods: bias / score_mod / mask_mod (ScoreMods), or None. With them the function is meant to
+  be differentiated by JAX itself (gradients of the bias and of the arrays the functions close
+  over included): each key block's step is rematerialised, so the backward keeps one carry per
+  block, not the blocks' scores.
   """
   cdt = _compute_dtype(query.dtype)
   b, seq_q, h, _ = query.shape
@@ -180,18 +238,24 @@ def blocked_forward(query, key, value, config: AttentionConfig, q_segment_ids=No
   nblocks = -(-seq_k // bk)
   qg = _split_groups(query, h_kv).astype(cdt)
   segs = _key_blocks(kv_segment_ids, nblocks, bk) if kv_segment_ids is not None else None
+  bias = None if mods is None else mods.bias
+  if bias is not None:  # (nblocks, b|1, h|1, s_q|1, bk): the bias's columns of each block
+    bias = jnp.moveaxis(_pad_keys(bias, nblocks, bk, axis=3).reshape(
+        *bias.shape[:3], nblocks, bk), 3, 0)
   xs = (jnp.arange(nblocks) * bk, _key_blocks(key, nblocks, bk),
-        _key_blocks(value, nblocks, bk), segs)
+        _key_blocks(value, nblocks, bk), segs, bias)
 
   def step(carry, x):
-    start, kb, vb, segb = x
+    start, kb, vb, segb, bias_block = x
     s, _ = _scores(config, qg, kb, cdt)
     mask = _block_mask(config, seq_q, seq_k, start, bk, q_segment_ids, segb)
+    if mods is not None:
+      s, mask = _modify(mods, s, mask, bias_block, start, seq_k)
     return _online_step(carry, s, mask, vb, cdt), None
 
   init = _vary_like(_online_init(b, h_kv, g, seq_q, dv, cdt), query, key, value,
                     q_segment_ids, kv_segment_ids)
-  carry, _ = lax.scan(step, init, xs)
+  carry, _ = lax.scan(step if mods is None else jax.checkpoint(step), init, xs)
   return _online_result(carry, query, cdt)
 
 
