@@ -6,6 +6,7 @@ not loading (GPU) or building (tests/test_build.py builds and packs real variant
 
 import importlib
 import json
+import re
 import warnings
 
 import jax
@@ -28,6 +29,7 @@ def folders(monkeypatch, tmp_path):
   monkeypatch.setenv("HOME", str(home))
   monkeypatch.syspath_prepend(str(site))
   monkeypatch.setattr(kernel_store, "_warned_wheels", set())
+  monkeypatch.setattr(ffi, "_failed_builds", {})
   importlib.invalidate_caches()
   return {"env": env, "user": home / ".cache" / "jaxflash" / jaxflash.__version__, "site": site}
 
@@ -213,6 +215,45 @@ def test_a_failed_on_demand_build_raises_with_its_output(folders, monkeypatch, n
                                          ".*unknown variant key"):
     ffi.ensure_variant(variant)
   assert not no_loading
+
+
+def test_a_failed_build_is_not_rerun_in_the_process(folders, monkeypatch, no_loading):
+  """A variant whose on-demand build failed raises the build's error again, at once, on every
+  later request in the process, and variant_available reports it."""
+  _toolchain(monkeypatch)
+  variant, built = _variant(), []
+  monkeypatch.setattr(ffi, "_build_on_demand", _failing_build(built))
+  assert ffi.variant_available(variant) == (True, "")  # buildable, not yet tried
+  with pytest.raises(RuntimeError, match="ptxas error$"):
+    ffi.ensure_variant(variant)
+  again = "(?s)ptxas error.*failed earlier in this process and is not retried"
+  with pytest.raises(RuntimeError, match=again):
+    ffi.ensure_variant(variant)
+  ok, why = ffi.variant_available(variant)
+  assert not ok and re.search(again, why)
+  assert built == [variant.key] and not no_loading
+
+
+def test_auto_runs_the_reference_after_the_forward_build_failed(folders, monkeypatch,
+                                                               no_loading):
+  """On a (pretended) Hopper host whose forward build fails, the call that asked for it raises;
+  a new trace in auto mode runs the reference with a warning that carries the build's error,
+  and builds nothing. (A trace jax cached before the failure keeps the kernel and raises the
+  remembered error at once.)"""
+  monkeypatch.setattr(_jax_internal, "has_cuda_device", lambda: True)
+  monkeypatch.setattr(_jax_internal, "has_hopper_device", lambda: True)
+  _toolchain(monkeypatch)
+  built = []
+  monkeypatch.setattr(ffi, "_build_on_demand", _failing_build(built))
+  q = jnp.asarray(np.random.default_rng(4).standard_normal((1, 128, 2, 64)), jnp.bfloat16)
+  call = lambda q: jaxflash.attention(q, q, q, causal=True)
+  lower = lambda: jax.jit(lambda q: call(q)).trace(q).lower(
+      lowering_platforms=("cuda",)).as_text()
+  with pytest.raises(RuntimeError, match="ptxas error"):
+    lower()
+  with pytest.warns(RuntimeWarning, match="(?s)ptxas error.*running the reference"):
+    text = lower()
+  assert config.FWD_TARGET not in text and len(built) == 1 and not no_loading
 
 
 def test_handler_library_prefers_a_current_one_in_search_order(folders, monkeypatch):

@@ -43,6 +43,10 @@ _TARGETS = ((FWD_TARGET, _FWD_INSTANTIATE_SYMBOL, _FWD_HANDLER_SYMBOL),
 _lock = threading.RLock()
 _handler: Optional[ctypes.CDLL] = None
 _variants: dict[str, Path] = {}  # key -> library registered in this process
+# key -> why its on-demand build failed in this process: a later lowering raises it at once
+# instead of rerunning a build of minutes, and variant_available reports it (so auto mode runs
+# the reference). A new process builds again.
+_failed_builds: dict[str, str] = {}
 _prepared = False  # jaxflash_ffi_prepare ran (GPU hosts only)
 
 
@@ -212,6 +216,8 @@ def variant_available(variant: KernelVariant) -> tuple[bool, str]:
   """
   key = variant.key
   with _lock:
+    if key in _failed_builds:
+      return False, _failed_builds[key]
     if key in _variants or kernel_store.locate(key, variant.arch) is not None:
       return True, ""
     blocker = on_demand_blocker()
@@ -249,6 +255,19 @@ def _build_on_demand(variant: KernelVariant) -> Path:
   return cache
 
 
+def _build_once(variant: KernelVariant) -> Path:
+  """_build_on_demand at most once per variant and process: a failure is remembered in
+  _failed_builds and raised again, with a note, by every later call."""
+  if variant.key in _failed_builds:
+    raise RuntimeError(_failed_builds[variant.key])
+  try:
+    return _build_on_demand(variant)
+  except RuntimeError as e:
+    _failed_builds[variant.key] = (f"{e}\n(This build failed earlier in this process and is "
+                                   f"not retried; a new process builds it again.)")
+    raise
+
+
 def _locate_or_build(variant: KernelVariant) -> kernel_store.KernelFolder:
   """The first kernel folder (search order) that holds `variant`, after building it into the
   cache where it is missing, or its cached build is stale on a build host (the kernel sources
@@ -256,7 +275,7 @@ def _locate_or_build(variant: KernelVariant) -> kernel_store.KernelFolder:
 
   Raises:
     RuntimeError: the variant is nowhere and cannot be built here (the message says how to get
-      it), or the build failed.
+      it), or the build failed (now or earlier in this process).
   """
   key = variant.key
   with _lock:
@@ -268,7 +287,7 @@ def _locate_or_build(variant: KernelVariant) -> kernel_store.KernelFolder:
     if found is None or stale:
       blocker = on_demand_blocker()
       if not blocker:
-        found = kernel_store.KernelFolder("cache", _build_on_demand(variant))
+        found = kernel_store.KernelFolder("cache", _build_once(variant))
       elif found is None:
         raise RuntimeError(_missing_message(key, blocker))
     return found
