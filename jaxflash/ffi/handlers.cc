@@ -84,8 +84,10 @@ ffi::Error Invalid(const CallAttrs& a, const std::string& what) {
   return ffi::Error::InvalidArgument(Where(a) + what);
 }
 
-// The attributes and q's dtype must describe the variant the library was built for.
-ffi::Error CheckAttrs(const CallAttrs& a, const JaxflashVariantInfo& info, ffi::DataType dtype) {
+// q's dtype and the head-dim attributes must be those the variant library was built for
+// (forward, backward and decode variants alike).
+ffi::Error CheckBuiltFor(const CallAttrs& a, const JaxflashVariantInfo& info,
+                         ffi::DataType dtype) {
   const ffi::DataType built_for = info.dtype == 2   ? ffi::DataType::F8E4M3FN
                                   : info.dtype == 1 ? ffi::DataType::BF16
                                                     : ffi::DataType::F16;
@@ -98,6 +100,39 @@ ffi::Error CheckAttrs(const CallAttrs& a, const JaxflashVariantInfo& info, ffi::
                           std::to_string(a.head_dim_v) + " do not match the variant's " +
                           std::to_string(info.head_dim) + ", " + std::to_string(info.head_dim_v));
   }
+  return ffi::Error::Success();
+}
+
+// Kernels that take the window at run time (masked and decode variants): each side within
+// +-kUnbounded, the value that means unbounded.
+ffi::Error CheckWindowSides(const CallAttrs& a) {
+  if (std::abs(static_cast<int64_t>(a.window_left)) > kUnbounded ||
+      std::abs(static_cast<int64_t>(a.window_right)) > kUnbounded) {
+    return Invalid(a, "window (" + std::to_string(a.window_left) + ", " +
+                          std::to_string(a.window_right) + "): each side needs |w| <= " +
+                          std::to_string(kUnbounded) + " (the unbounded value)");
+  }
+  return ffi::Error::Success();
+}
+
+// softcap (0 = off; a finite value > 0 where the variant takes it at run time) and a finite
+// softmax_scale.
+ffi::Error CheckSoftcapAndScale(const CallAttrs& a, bool takes_softcap) {
+  if (a.softcap != 0 && !(takes_softcap && std::isfinite(a.softcap) && a.softcap > 0)) {
+    return Invalid(a, "softcap " + std::to_string(a.softcap) + (takes_softcap
+                          ? ": expected a finite value > 0, or 0 (off)"
+                          : ": this variant runs without softcap only (0); softcap takes a "
+                            "masked variant"));
+  }
+  if (!std::isfinite(a.softmax_scale)) {
+    return Invalid(a, "softmax_scale " + std::to_string(a.softmax_scale) + " is not finite");
+  }
+  return ffi::Error::Success();
+}
+
+// The attributes and q's dtype must describe the variant the library was built for.
+ffi::Error CheckAttrs(const CallAttrs& a, const JaxflashVariantInfo& info, ffi::DataType dtype) {
+  if (ffi::Error e = CheckBuiltFor(a, info, dtype); e.failure()) return e;
   auto flag = [](bool on) { return on ? std::string("true") : std::string("false"); };
   // Masked variants take causal, like the window, at run time.
   if (!info.masked && a.causal != (info.causal != 0)) {
@@ -115,24 +150,11 @@ ffi::Error CheckAttrs(const CallAttrs& a, const JaxflashVariantInfo& info, ffi::
                           "windows only (" + std::to_string(kUnbounded) + "); windows take a "
                           "masked variant");
   }
-  if (info.masked && (std::abs(static_cast<int64_t>(a.window_left)) > kUnbounded ||
-                      std::abs(static_cast<int64_t>(a.window_right)) > kUnbounded)) {
-    return Invalid(a, "window (" + std::to_string(a.window_left) + ", " +
-                          std::to_string(a.window_right) + "): each side needs |w| <= " +
-                          std::to_string(kUnbounded) + " (the unbounded value)");
+  if (info.masked) {
+    if (ffi::Error e = CheckWindowSides(a); e.failure()) return e;
   }
-  // Soft-capping: masked variants, forward and backward (0 = off).
-  const bool takes_softcap = info.masked;
-  if (a.softcap != 0 && !(takes_softcap && std::isfinite(a.softcap) && a.softcap > 0)) {
-    return Invalid(a, "softcap " + std::to_string(a.softcap) + (takes_softcap
-                          ? ": expected a finite value > 0, or 0 (off)"
-                          : ": this variant runs without softcap only (0); softcap takes a "
-                            "masked variant"));
-  }
-  if (!std::isfinite(a.softmax_scale)) {
-    return Invalid(a, "softmax_scale " + std::to_string(a.softmax_scale) + " is not finite");
-  }
-  return ffi::Error::Success();
+  // Soft-capping: masked variants, forward and backward.
+  return CheckSoftcapAndScale(a, info.masked);
 }
 
 // `buffer` must have exactly `dims` and `dtype`.
@@ -672,34 +694,13 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
 // The decode attributes against the variant library and q's dtype.
 ffi::Error CheckDecodeAttrs(const CallAttrs& a, const JaxflashVariantInfo& info,
                             ffi::DataType dtype, int32_t seqlen_q) {
-  const ffi::DataType built_for = info.dtype == 1 ? ffi::DataType::BF16 : ffi::DataType::F16;
-  if (dtype != built_for) {
-    return Invalid(a, std::string("q has dtype ") + DtypeName(dtype) +
-                          ", the variant was built for " + DtypeName(built_for));
-  }
-  if (a.head_dim != info.head_dim || a.head_dim_v != info.head_dim_v) {
-    return Invalid(a, "attributes head_dim=" + std::to_string(a.head_dim) + ", head_dim_v=" +
-                          std::to_string(a.head_dim_v) + " do not match the variant's " +
-                          std::to_string(info.head_dim) + ", " + std::to_string(info.head_dim_v));
-  }
+  if (ffi::Error e = CheckBuiltFor(a, info, dtype); e.failure()) return e;
   if (seqlen_q < 1) {
     return Invalid(a, "attribute seqlen_q=" + std::to_string(seqlen_q) +
                           ": expected >= 1 (the new tokens per sequence)");
   }
-  if (std::abs(static_cast<int64_t>(a.window_left)) > kUnbounded ||
-      std::abs(static_cast<int64_t>(a.window_right)) > kUnbounded) {
-    return Invalid(a, "window (" + std::to_string(a.window_left) + ", " +
-                          std::to_string(a.window_right) + "): each side needs |w| <= " +
-                          std::to_string(kUnbounded) + " (the unbounded value)");
-  }
-  if (a.softcap != 0 && !(std::isfinite(a.softcap) && a.softcap > 0)) {
-    return Invalid(a, "softcap " + std::to_string(a.softcap) +
-                          ": expected a finite value > 0, or 0 (off)");
-  }
-  if (!std::isfinite(a.softmax_scale)) {
-    return Invalid(a, "softmax_scale " + std::to_string(a.softmax_scale) + " is not finite");
-  }
-  return ffi::Error::Success();
+  if (ffi::Error e = CheckWindowSides(a); e.failure()) return e;
+  return CheckSoftcapAndScale(a, /*takes_softcap=*/true);
 }
 
 // Ranks, dtypes and shapes of the decode buffers against the attributes and each other; fills
