@@ -308,8 +308,8 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = Fa
   """The forward schedule table (H200 measurements in docs/kernels.md, "Forward tiles").
 
   masked: the variant for windows, segment ids and softcap, causal or not (all run-time data);
-  it takes the causal tiles, claimed in the longest-first order the call's block ranges give
-  (jaxflash/block_ranges.py).
+  it takes the causal tiles, claimed in the order of the call's block-range operands (each
+  batch's tiles from the last down: jaxflash/block_ranges.py, forward_operands).
   seq_k: the call's keys per sequence (static), or None (a long call): dense calls without the
   causal mask at SHORT_DENSE_HEAD_DIMS up to SHORT_DENSE_MAX_KEYS keys take a schedule of their
   own.
