@@ -1,9 +1,10 @@
 """Attention over KV caches for generation: `kv_cache_attention` and `update_kv_cache`.
 
 Argument checks, defaults and the choice of implementation: the split-KV decode kernel
-(jaxflash/split_kv.py) on a Hopper GPU, else jaxflash/reference.py's cache forward. Imports jax
-and the public-API layer's helpers (checks, attention's empty result, sink), config, reference
-and split_kv.
+(jaxflash/split_kv.py) on a Hopper GPU, else jaxflash/reference.py's cache forward;
+float8_e4m3fn caches (jaxflash/fp8_cache.py) run on the reference. Imports jax and the
+public-API layer's helpers (checks, attention's empty result, sink), config, reference,
+fp8_cache and split_kv.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _jax_internal, checks, implementation, reference, split_kv
+from jaxflash import _jax_internal, checks, fp8_cache, implementation, reference, split_kv
 from jaxflash.attention import empty_result
 from jaxflash.config import AttentionConfig, IMPLEMENTATIONS, decode_variant, kernel_support
 from jaxflash.sink import add_learnable_sink, check_learnable_sink
@@ -31,8 +32,9 @@ def _check_int_array(name: str, x, rank: int, layout: str):
     raise TypeError(f"{name}: expected an integer dtype (int32), got {x.dtype}")
 
 
-def _check_caches(query, k_cache, v_cache, cache_lengths, page_table):
-  """Ranks, shapes and dtypes of the cache operands against the query; returns the dtype."""
+def _check_caches(query, k_cache, v_cache, cache_lengths, page_table, fp8: bool = False):
+  """Ranks, shapes and dtypes of the cache operands against the query; returns the query's
+  dtype (the caches' too, unless they are float8_e4m3fn: fp8)."""
   checks.check_array("query", query, 4, "(batch, seq_q, num_heads, head_dim)")
   paged = page_table is not None
   layout = ("(num_pages, page_size, num_kv_heads, head_dim)" if paged
@@ -64,6 +66,8 @@ def _check_caches(query, k_cache, v_cache, cache_lengths, page_table):
   _check_int_array("cache_lengths", cache_lengths, 1, "(batch,)")
   if tuple(cache_lengths.shape) != (b,):
     raise ValueError(f"cache_lengths: expected shape ({b},), got {tuple(cache_lengths.shape)}")
+  if fp8:
+    return checks.common_dtype({"query": query})
   return checks.common_dtype({"query": query, "k_cache": k_cache, "v_cache": v_cache})
 
 
@@ -105,14 +109,14 @@ def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _forward(config: AttentionConfig, num_splits: Optional[int], query, k_cache, v_cache,
-             lengths, page_table, sink):
+             lengths, page_table, sink, k_descale, v_descale):
   if config.implementation == "cute":  # the kernel clamps the lengths itself
     return split_kv.kernel_forward(config, query, k_cache, v_cache, lengths, page_table, sink,
                                    num_splits)
   capacity = reference.cache_capacity(k_cache, page_table)
   out, lse = reference.blocked_kv_cache_forward(query, k_cache, v_cache,
                                                 jnp.clip(lengths, 0, capacity), config,
-                                                page_table)
+                                                page_table, descales=(k_descale, v_descale))
   if sink is not None:
     out, lse = add_learnable_sink(out, lse, sink)
   return out, lse
@@ -128,8 +132,9 @@ def _forward_jvp(config, num_splits, primals, tangents):
 def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=None,
                        causal: bool = True, softmax_scale: Optional[float] = None,
                        window_size=(None, None), softcap: Optional[float] = None,
-                       learnable_sink=None, num_splits: Optional[int] = None,
-                       return_lse: bool = False, implementation: Optional[str] = None):
+                       learnable_sink=None, k_descale=None, v_descale=None,
+                       num_splits: Optional[int] = None, return_lse: bool = False,
+                       implementation: Optional[str] = None):
   """Attention of new tokens over a KV cache (decoding, speculative verification, chunked
   prefill), contiguous or paged, with per-sequence lengths known at run time only.
 
@@ -152,6 +157,12 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
       at or before it. False: every query sees every key below the length.
     softmax_scale, window_size, softcap, learnable_sink: as in `jaxflash.attention`, with the
       window measured from each query's position above.
+    k_descale, v_descale: float8_e4m3fn caches only (and then required): float32 descales per
+      (page, kv head), (num_pages, num_kv_heads), with a page table, per (sequence, kv head),
+      (batch, num_kv_heads), without: key j of sequence b is its cache entry times the descale
+      of its page (or sequence) and kv head (`update_kv_cache` writes both). These caches run
+      on the reference, which dequantizes each block of keys as it reads it (the decode kernel
+      reads 16-bit caches only; implementation="cute" raises).
     num_splits: how many parts the kernel splits each sequence's keys into (None: chosen from
       the static shapes and the GPU's SM count, so implementation="cute" on a host without a
       GPU, e.g. jax.export for one elsewhere, needs it given); the result is the same up to
@@ -170,7 +181,8 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
   shardings over batch (contiguous caches) or heads (a pool split by kv heads) each shard
   reads only its own cache.
   """
-  dtype = _check_caches(query, k_cache, v_cache, cache_lengths, page_table)
+  fp8 = fp8_cache.check_descales(k_cache, v_cache, k_descale, v_descale, page_table is not None)
+  dtype = _check_caches(query, k_cache, v_cache, cache_lengths, page_table, fp8)
   config = _check_options(causal, softmax_scale, window_size, softcap, num_splits,
                           return_lse, implementation, query.shape[-1])
   if learnable_sink is not None:
@@ -185,29 +197,50 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
     if learnable_sink is not None:
       out, lse = add_learnable_sink(out, lse, learnable_sink)
   else:
-    impl = _resolve_implementation(implementation, dtype, query.shape[-1], v_cache.shape[-1],
-                                   num_splits)
+    if fp8:
+      impl = implementation_of_fp8_caches(implementation)
+    else:
+      impl = _resolve_implementation(implementation, dtype, query.shape[-1],
+                                     v_cache.shape[-1], num_splits)
     out, lse = _forward(config.replace(implementation=impl), num_splits, query, k_cache,
-                        v_cache, lengths, page_table, learnable_sink)
+                        v_cache, lengths, page_table, learnable_sink, k_descale, v_descale)
   return (out, lse) if return_lse else out
 
 
-def update_kv_cache(k_cache, v_cache, new_k, new_v, cache_lengths, *, page_table=None):
+def implementation_of_fp8_caches(requested: Optional[str]) -> str:
+  """'reference', the one implementation of float8_e4m3fn caches; 'cute' raises."""
+  if requested == "cute":
+    raise ValueError(f"implementation='cute': the decode kernel reads float16 / bfloat16 "
+                     f"caches; {fp8_cache.FP8_DTYPE} caches run on the reference (use "
+                     f"implementation=None or 'reference')")
+  return "reference"
+
+
+def update_kv_cache(k_cache, v_cache, new_k, new_v, cache_lengths, *, page_table=None,
+                    k_descale=None, v_descale=None):
   """Writes new tokens into KV caches at each sequence's length.
 
   Args:
     k_cache, v_cache: as for `kv_cache_attention` (contiguous or a page pool).
     new_k: (batch, n, num_kv_heads, head_dim); new_v: (batch, n, num_kv_heads, head_dim_v), in
-      the caches' dtype: token t of sequence b goes to position cache_lengths[b] + t.
+      the caches' dtype (float16 / bfloat16 / float32 for float8_e4m3fn caches, quantized on
+      write): token t of sequence b goes to position cache_lengths[b] + t.
     cache_lengths: (batch,) integers: the valid keys before the new tokens.
     page_table: the page table of a paged pool, or None.
+    k_descale, v_descale: float8_e4m3fn caches only (and then required): their float32
+      descales, as `kv_cache_attention` takes them (zeros for a new pool or cache).
 
   Returns:
     (k_cache, v_cache, new_lengths): the updated caches (an XLA scatter, in place when the
     caches are donated, e.g. `jax.jit(..., donate_argnums=(0, 1))`) and cache_lengths + n as
     int32. Tokens whose position is at or past the capacity are dropped and the new lengths
     are clamped to it; paged: the page table must hold a page for every written position
-    (entries outside the pool are clamped into it, as kv_cache_attention reads them).
+    (entries outside the pool are clamped into it, as kv_cache_attention reads them), and a
+    page is written by one sequence. float8_e4m3fn caches return (k_cache, v_cache,
+    new_lengths, k_descale, v_descale): each page (or sequence) the write touches gets the
+    descale max(its descale, amax of its new tokens per kv head / 448), the rows already in it
+    requantized when that grows (a descale only grows while its page holds valid keys); a page
+    (or sequence) that holds no valid key before the write starts from the new tokens' amax.
   """
   paged = page_table is not None
   layout = ("(num_pages, page_size, num_kv_heads, head_dim)" if paged
@@ -217,11 +250,14 @@ def update_kv_cache(k_cache, v_cache, new_k, new_v, cache_lengths, *, page_table
   checks.check_array("new_k", new_k, 4, "(batch, n, num_kv_heads, head_dim)")
   checks.check_array("new_v", new_v, 4, "(batch, n, num_kv_heads, head_dim_v)")
   b, n = new_k.shape[:2]
+  fp8 = fp8_cache.check_descales(k_cache, v_cache, k_descale, v_descale, paged)
   for name, new, cache in (("new_k", new_k, k_cache), ("new_v", new_v, v_cache)):
     if tuple(new.shape[2:]) != tuple(cache.shape[2:]):
       raise ValueError(f"{name}: shape {tuple(new.shape)} must end in the cache's "
                        f"(num_kv_heads, head_dim) = {tuple(cache.shape[2:])}")
-    if new.dtype != cache.dtype:
+    if fp8:
+      fp8_cache.check_new_tokens(name, new)
+    elif new.dtype != cache.dtype:
       raise TypeError(f"{name}: dtype {new.dtype} differs from the cache's {cache.dtype}")
   if tuple(new_v.shape[:2]) != (b, n):
     raise ValueError(f"new_v: batch and tokens {tuple(new_v.shape[:2])} differ from new_k's "
@@ -250,6 +286,15 @@ def update_kv_cache(k_cache, v_cache, new_k, new_v, cache_lengths, *, page_table
     index = (jnp.broadcast_to(jnp.arange(b)[:, None], (b, n)),
              jnp.where(keep, positions, capacity))
   # Dropped tokens carry an index past the end, which mode="drop" skips.
+  new_lengths = jnp.minimum(lengths + n, capacity)
+  if fp8:
+    table = jnp.asarray(page_table, jnp.int32) if paged else None
+    owner = jnp.where(keep, index[0], k_cache.shape[0])  # a dropped token has no owner
+    k_cache, k_descale = fp8_cache.write(k_cache, k_descale, new_k, lengths, owner, index[1],
+                                         table)
+    v_cache, v_descale = fp8_cache.write(v_cache, v_descale, new_v, lengths, owner, index[1],
+                                         table)
+    return k_cache, v_cache, new_lengths, k_descale, v_descale
   k_cache = k_cache.at[index].set(new_k, mode="drop")
   v_cache = v_cache.at[index].set(new_v, mode="drop")
-  return k_cache, v_cache, jnp.minimum(lengths + n, capacity)
+  return k_cache, v_cache, new_lengths

@@ -355,20 +355,27 @@ def cache_capacity(k_cache, page_table=None) -> int:
   return page_table.shape[1] * k_cache.shape[1]
 
 
-def cache_rows(cache, page_table, positions):
+def cache_rows(cache, page_table, positions, descale=None):
   """The cache rows of logical `positions` (b, n) of each sequence: (b, n, h_kv, d).
 
   Paged: position p of sequence b is row p % page_size of page page_table[b, p // page_size];
   page-table entries outside the pool are clamped into it, as are positions past the
   capacity (their keys are masked by the length, which never exceeds the capacity).
+  descale: float8_e4m3fn caches' (num_pages or batch, h_kv) float32 descales: the rows come
+  back dequantized, in float32 (row * descale of its page or sequence and kv head).
   """
   if page_table is None:
     rows = jnp.clip(positions, 0, cache.shape[1] - 1)
-    return jnp.take_along_axis(cache, rows[:, :, None, None], axis=1)
-  page_size = cache.shape[1]
-  column = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
-  pages = jnp.clip(jnp.take_along_axis(page_table, column, axis=1), 0, cache.shape[0] - 1)
-  return cache[pages, positions % page_size]
+    owner = jnp.broadcast_to(jnp.arange(cache.shape[0])[:, None], positions.shape)
+    out = jnp.take_along_axis(cache, rows[:, :, None, None], axis=1)
+  else:
+    page_size = cache.shape[1]
+    column = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
+    owner = jnp.clip(jnp.take_along_axis(page_table, column, axis=1), 0, cache.shape[0] - 1)
+    out = cache[owner, positions % page_size]
+  if descale is None:
+    return out
+  return out.astype(jnp.float32) * descale[owner][..., None]
 
 
 def cache_mask(config: AttentionConfig, lengths, seq_q: int, cols):
@@ -380,23 +387,27 @@ def cache_mask(config: AttentionConfig, lengths, seq_q: int, cols):
 
 
 def naive_kv_cache_attention(query, k_cache, v_cache, lengths, config: AttentionConfig,
-                             page_table=None, compute_dtype=None, learnable_sink=None):
+                             page_table=None, compute_dtype=None, learnable_sink=None,
+                             descales=(None, None)):
   """Materialises every key of the caches' capacity: the test oracle. `lengths` must already
-  be within [0, capacity]. Returns (out, lse) as naive_attention."""
+  be within [0, capacity]. Returns (out, lse) as naive_attention. descales: (k, v) descales of
+  float8_e4m3fn caches (cache_rows), or Nones."""
   cdt = compute_dtype or _compute_dtype(query.dtype)
   b, seq_q, _, _ = query.shape
   capacity = cache_capacity(k_cache, page_table)
   cols = jnp.broadcast_to(jnp.arange(capacity), (b, capacity))
-  key, value = (cache_rows(c, page_table, cols) for c in (k_cache, v_cache))
+  key, value = (cache_rows(c, page_table, cols, d) for c, d in zip((k_cache, v_cache), descales))
   s, _ = _scores(config, _split_groups(query, key.shape[2]), key, cdt)
   mask = cache_mask(config, lengths, seq_q, jnp.arange(capacity))[:, None, None]
   return _naive_softmax(query, s, mask, value, learnable_sink, cdt)
 
 
 def blocked_kv_cache_forward(query, k_cache, v_cache, lengths, config: AttentionConfig,
-                             page_table=None, block_k: Optional[int] = None):
+                             page_table=None, block_k: Optional[int] = None,
+                             descales=(None, None)):
   """Online-softmax forward over key blocks of the caches: memory of one block at a time.
-  `lengths` must already be within [0, capacity]. Returns (out, lse) as blocked_forward."""
+  `lengths` must already be within [0, capacity]. Returns (out, lse) as blocked_forward.
+  descales: (k, v) descales of float8_e4m3fn caches, each block dequantized as it is read."""
   cdt = _compute_dtype(query.dtype)
   b, seq_q, h, _ = query.shape
   h_kv, dv = k_cache.shape[2], v_cache.shape[-1]
@@ -407,7 +418,8 @@ def blocked_kv_cache_forward(query, k_cache, v_cache, lengths, config: Attention
   def step(carry, start):
     cols = start + jnp.arange(bk)
     positions = jnp.broadcast_to(cols, (b, bk))
-    kb, vb = (cache_rows(c, page_table, positions) for c in (k_cache, v_cache))
+    kb, vb = (cache_rows(c, page_table, positions, d)
+              for c, d in zip((k_cache, v_cache), descales))
     s, _ = _scores(config, qg, kb, cdt)
     mask = cache_mask(config, lengths, seq_q, cols)[:, None, None]
     return _online_step(carry, s, mask, vb, cdt), None
