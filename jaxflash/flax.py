@@ -85,9 +85,10 @@ def _reject_unsupported(bias, mask, dropout_rate, deterministic, module, qk_eins
                      "window_size=...) and pass mask=None, or use the jaxflash.flax "
                      "attention blocks with segment_ids for padding and packed sequences")
   if bias is not None:
-    raise ValueError("bias: jaxflash attention takes no additive bias; use "
-                     "jax.nn.dot_product_attention (or jaxflash.dot_product_attention) for "
-                     "biased attention")
+    raise ValueError("bias: this attention_fn takes no additive bias; call "
+                     "jaxflash.attention(..., bias=...) (the reference path, differentiable) or "
+                     "jax.nn.dot_product_attention (or jaxflash.dot_product_attention, which "
+                     "hands a bias to jax.nn) for biased attention")
   if dropout_rate and not deterministic:
     raise ValueError(f"dropout_rate={dropout_rate}: jaxflash attention has no attention "
                      f"dropout; set dropout_rate=0.0 or deterministic=True")
