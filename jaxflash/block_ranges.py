@@ -7,9 +7,10 @@ pair is visible. Segment ids are run-time data, so for a call with them the prim
 lowering computes these ranges on the device with the XLA ops below. A call without them
 (windows, softcap) has ranges that depend on static shapes alone: band_ranges gives them in
 closed form at trace time, the backward's longest_first and launch_ranks run on those NumPy
-arrays, and the program takes the results as constants, with no preparation kernels. Contiguous segments
-(packed documents, trailing padding) get tight ranges; other ids stay correct through the
-elementwise mask over the hull of their keys. Imports jax, numpy and config only.
+arrays, and the program takes the results as constants, with no preparation kernels.
+Contiguous segments (packed documents, trailing padding) get tight ranges; other ids stay
+correct through the elementwise mask over the hull of their keys. Imports jax, numpy and
+config only.
 """
 
 from __future__ import annotations

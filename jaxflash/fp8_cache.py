@@ -6,7 +6,7 @@ page pool, per (sequence, kv head) for contiguous caches: key j of sequence b is
 sets the descale of each page (or sequence) it touches to the largest of its descale and
 amax(new tokens) / 448 (e4m3's largest finite value), requantizing the rows already there when
 it grows; a page (or sequence) that holds no valid key before the write starts afresh from the
-new tokens' amax. Imports jax, numpy and checks only.
+new tokens' amax. Imports jax, numpy, checks and fp8 (the e4m3 dtype and its range) only.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import checks
+from jaxflash.fp8 import FP8_DTYPE, FP8_MAX
 
-FP8_DTYPE = "float8_e4m3fn"
-E4M3_MAX = 448.0
 NEW_TOKEN_DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -79,7 +78,7 @@ def write(cache, descale, new, lengths, owner, row, page_table):
   new_amax = jnp.zeros(descale.shape, jnp.float32).at[flat].max(
       amax.reshape(b * n, -1), mode="drop")
   kept = jnp.where(starts_fresh[:, None], 0.0, descale)
-  grown = jnp.where(touched[:, None], jnp.maximum(kept, new_amax / E4M3_MAX), descale)
+  grown = jnp.where(touched[:, None], jnp.maximum(kept, new_amax / FP8_MAX), descale)
   # Rows already in a touched page whose descale grew: requantized to the new descale.
   ratio = jnp.where(touched[:, None] & ~starts_fresh[:, None] & (grown > descale),
                     descale / jnp.where(grown > 0, grown, 1.0), 1.0)
@@ -116,4 +115,4 @@ def _rescale(cache, ratio, owners):
 
 
 def _to_e4m3(x):
-  return jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)

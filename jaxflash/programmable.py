@@ -53,7 +53,7 @@ def check_mods(bias, score_mod, mask_mod, query, key, dtype: str):
 def _check_traceable(mods: reference.ScoreMods, dtype: str) -> None:
   """Traces score_mod / mask_mod once on scalars: each must return one scalar (a float score,
   a boolean mask) and be expressible as a jaxpr."""
-  score = jax.ShapeDtypeStruct((), reference._compute_dtype(dtype))
+  score = jax.ShapeDtypeStruct((), jnp.promote_types(dtype, jnp.float32))  # the scores' dtype
   index = jax.ShapeDtypeStruct((), jnp.int32)
   for name, fn, args, want in (
       ("score_mod", mods.score_mod, (score,) + (index,) * 4, "a float scalar"),
