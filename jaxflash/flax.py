@@ -17,8 +17,8 @@ from flax import nnx
 import jaxflash
 
 # jaxflash.attention keywords that make sense as fixed options of an attention_fn.
-_STATIC_OPTIONS = ("causal", "softmax_scale", "window_size", "softcap", "deterministic",
-                   "implementation")
+_STATIC_OPTIONS = ("causal", "softmax_scale", "window_size", "softcap", "score_mod",
+                   "mask_mod", "deterministic", "implementation")
 
 default_kernel_init = nn.initializers.lecun_normal()  # Flax's MultiHeadAttention default
 
@@ -33,7 +33,9 @@ def make_attention_fn(**attention_options) -> Callable[..., jax.Array]:
 
   Args:
     **attention_options: fixed keywords of `jaxflash.attention`: causal, softmax_scale,
-      window_size, softcap, deterministic (bitwise-reproducible backward), implementation.
+      window_size, softcap, score_mod / mask_mod (JAX functions of scalars; batch is the index
+      into the folded batch dims; they run on the reference path), deterministic
+      (bitwise-reproducible backward), implementation.
 
   Returns:
     fn(query, key, value, bias=None, mask=None, ...) with query (batch..., q_len, heads,

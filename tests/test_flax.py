@@ -17,6 +17,7 @@ pytest.importorskip("flax")
 import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import jaxflash  # noqa: E402
 import jaxflash.flax as jf  # noqa: E402
 from tests._cases import x64  # noqa: E402
 from tests._oracle import assert_close_to_oracle  # noqa: E402
@@ -136,6 +137,17 @@ def _adapter_call(**kwargs):
 def test_adapter_refuses(kwargs, match):
   with pytest.raises(ValueError, match=match):
     _adapter_call(**kwargs)
+
+
+def test_adapter_takes_score_mod_and_mask_mod():
+  """make_attention_fn(score_mod=..., mask_mod=...) runs them inside Flax's attention call:
+  the same output as jaxflash.attention with them on the folded batch."""
+  slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625][:HEADS], jnp.float32)
+  options = dict(score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i),
+                 mask_mod=lambda b, h, i, j: j <= i)
+  q = k = v = _normal(8, (B, T, HEADS, 8))
+  np.testing.assert_allclose(jf.make_attention_fn(**options)(q, k, v),
+                             jaxflash.attention(q, k, v, **options), rtol=1e-6, atol=1e-6)
 
 
 def test_adapter_refuses_top_left_causal_cross_attention():
