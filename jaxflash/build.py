@@ -305,14 +305,18 @@ def link_variant(exported, variant: KernelVariant, out: Path,
   dsl_static = _dsl_runtime_static()
   out = Path(out)
   # Export the kernel_abi.h functions only: the exported object's own symbols and the static
-  # runtimes stay private, so variants never bind to each other's copies.
+  # runtimes stay private, so variants never bind to each other's copies. -Bsymbolic binds the
+  # library's calls to its own exported functions (an entry point's RefuseOrLoad calls
+  # jaxflash_variant_load) inside it: loaded RTLD_GLOBAL after another variant, it would
+  # otherwise call that variant's loader.
   script = out.with_suffix(".map")
   script.write_text("{ global: jaxflash_variant_*; local: *; };\n")
   _run([tc.cxx, *_CXXFLAGS, "-fvisibility=hidden", "-o", out, *exported.defines,
         _FFI_SRC / exported.glue_source, exported.object_path, *exported.extra_object_paths,
         "-I", _FFI_SRC,
         "-isystem", tc.cuda_include, dsl_static, tc.cudart_static,
-        f"-Wl,--version-script={script}", *_LDFLAGS], f"linking variant {variant.key}")
+        f"-Wl,--version-script={script}", "-Wl,-Bsymbolic", *_LDFLAGS],
+       f"linking variant {variant.key}")
   missing = set(variant_abi_symbols(variant.direction)) - exported_symbols(out)
   if missing:
     raise BuildError(f"variant {variant.key}: {out.name} does not export {sorted(missing)}")

@@ -107,6 +107,19 @@ def test_variant_library_exports_exactly_the_kernel_abi(built, cache):
 
 
 @pytest.mark.cutlass
+def test_variant_library_binds_its_own_entry_points(built, cache):
+  """No relocation of the library names a kernel_abi.h function: its entry points reach its
+  own jaxflash_variant_load directly, never another variant's loaded with RTLD_GLOBAL."""
+  import shutil
+  import subprocess
+  variant, _, _ = built
+  relocations = subprocess.run([shutil.which("readelf"), "-r", "-W",
+                                cache / variant.key / VARIANT_LIBRARY],
+                               capture_output=True, text=True, check=True).stdout
+  assert "jaxflash_variant_" not in relocations
+
+
+@pytest.mark.cutlass
 def test_second_build_is_a_no_op(built, cache):
   variant, _, _ = built
   lib = cache / variant.key / VARIANT_LIBRARY
