@@ -123,15 +123,13 @@ def _expand_mask(mask):
 
 
 def naive_attention(query, key, value, config: AttentionConfig, q_segment_ids=None,
-                    kv_segment_ids=None, compute_dtype=None, learnable_sink=None,
-                    mods: Optional[ScoreMods] = None):
+                    kv_segment_ids=None, compute_dtype=None, learnable_sink=None):
   """Materialises all scores: the test oracle. Returns (out, lse).
 
   compute_dtype: None = float32 (float64 for float64 inputs); pass the input dtype to get the
   "same math done naively in the input dtype" that bounds kernel error in tests.
   learnable_sink: (num_heads,) logits, each an extra column of its head's softmax with no value
   (written out here as that column, independently of jaxflash/sink.py).
-  mods: bias / score_mod / mask_mod (ScoreMods), or None.
   """
   cdt = compute_dtype or _compute_dtype(query.dtype)
   b, seq_q, h, _ = query.shape
@@ -140,8 +138,6 @@ def naive_attention(query, key, value, config: AttentionConfig, q_segment_ids=No
   s, _ = _scores(config, qg, key, cdt)
   mask = _expand_mask(visible_mask(config, seq_q, seq_k, jnp.arange(seq_q), jnp.arange(seq_k),
                                    q_segment_ids, kv_segment_ids))
-  if mods is not None:
-    s, mask = _modify(mods, s, mask, mods.bias, 0, seq_k)
   return _naive_softmax(query, s, mask, value, learnable_sink, cdt)
 
 
