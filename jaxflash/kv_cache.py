@@ -198,7 +198,7 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
       out, lse = add_learnable_sink(out, lse, learnable_sink)
   else:
     if fp8:
-      impl = implementation_of_fp8_caches(implementation)
+      impl = _fp8_cache_implementation(implementation)
     else:
       impl = _resolve_implementation(implementation, dtype, query.shape[-1],
                                      v_cache.shape[-1], num_splits)
@@ -207,12 +207,14 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
   return (out, lse) if return_lse else out
 
 
-def implementation_of_fp8_caches(requested: Optional[str]) -> str:
+def _fp8_cache_implementation(requested: Optional[str]) -> str:
   """'reference', the one implementation of float8_e4m3fn caches; 'cute' raises."""
+  why = (f"the decode kernel reads float16 / bfloat16 caches; {fp8_cache.FP8_DTYPE} caches run "
+         f"on the reference")
   if requested == "cute":
-    raise ValueError(f"implementation='cute': the decode kernel reads float16 / bfloat16 "
-                     f"caches; {fp8_cache.FP8_DTYPE} caches run on the reference (use "
-                     f"implementation=None or 'reference')")
+    raise ValueError(f"implementation='cute': {why} (use implementation=None or 'reference')")
+  if requested is None:
+    implementation.log.info("jaxflash: using the reference implementation: %s", why)
   return "reference"
 
 
