@@ -28,11 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import checks, fp8_kernel, primitives, reference
-from jaxflash.config import FP8_DESCALE_ROWS, AttentionConfig
+from jaxflash.config import FP8_DESCALE_ROWS, FP8_DTYPE, FP8_HEAD_DIMS, AttentionConfig
 
-FP8_DTYPE = "float8_e4m3fn"
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-HEAD_DIMS = (64, 128, 256)
 OUT_DTYPES = ("bfloat16", "float16")
 _BLOCK_SIZES = tuple(2 ** i for i in range(4, 21))  # 16 ... 2^20
 # The smallest block of block descales that the FP8 kernel takes (its descale chunk).
@@ -233,9 +231,9 @@ def check_fp8_call(config: AttentionConfig, head_dim: int, head_dim_v: int, out_
   if unsupported:
     raise ValueError(f"{', '.join(unsupported)}: not supported with float8_e4m3fn inputs; FP8 "
                      f"attention takes dense or causal masks, GQA/MQA, seq_q != seq_k, "
-                     f"learnable sinks and head_dim {HEAD_DIMS} (= head_dim_v)")
-  if head_dim not in HEAD_DIMS or head_dim_v != head_dim:
-    raise ValueError(f"query/value: FP8 attention takes head_dim {HEAD_DIMS} with head_dim_v "
+                     f"learnable sinks and head_dim {FP8_HEAD_DIMS} (= head_dim_v)")
+  if head_dim not in FP8_HEAD_DIMS or head_dim_v != head_dim:
+    raise ValueError(f"query/value: FP8 attention takes head_dim {FP8_HEAD_DIMS} with head_dim_v "
                      f"equal to it; got head_dim {head_dim}, head_dim_v {head_dim_v}")
   name = "bfloat16" if out_dtype is None else _dtype_name(out_dtype, "out_dtype")
   if name not in OUT_DTYPES:
