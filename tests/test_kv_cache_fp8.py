@@ -50,8 +50,8 @@ def _fill(k, v, lengths, paged, chunks=(7, 30)):
                                                  int(written[j]), n) for j in range(b)])
     nv = jnp.stack([jax.lax.dynamic_slice_in_dim(jnp.pad(v[j], ((0, n), (0, 0), (0, 0))),
                                                  int(written[j]), n) for j in range(b)])
-    kc, vc, new_lengths, kd, vd = update(kc, vc, nk.astype(jnp.float32), nv.astype(jnp.float32),
-                                         jnp.asarray(written), kd, vd)
+    kc, vc, _, kd, vd = update(kc, vc, nk.astype(jnp.float32), nv.astype(jnp.float32),
+                               jnp.asarray(written), kd, vd)
     written = np.minimum(written + n, lengths)
   return kc, vc, kd, vd, table
 
