@@ -4,6 +4,9 @@ Each case is (batch, seq_q, cache length, query heads / kv heads, head_dim), in 
 `--dtypes` (bf16): the new tokens of every sequence against its cache. Columns:
   jaxflash: kv_cache_attention on contiguous caches (max_len = the longest length);
   paged64 / paged256: the same keys in a pool of 64- / 256-token pages, in a random order;
+  fp8 / fp8-paged64 / fp8-paged256: the same three over float8_e4m3fn caches (the keys and
+    values quantized with a descale per sequence, or per page, and kv head); their bandwidth
+    counts the e4m3 bytes (half the 16-bit ones);
   attention: jaxflash.attention(causal=True) over the whole caches (not for ragged lengths),
     which few-row calls run on the decode kernel (jaxflash/few_rows.py);
   prefill: the same call on the prefill kernel (few_rows.MAX_PACKED_ROWS set to 0 while it is
@@ -77,8 +80,9 @@ CASES = {
     "b8_q8_8k_gqa8": Case(8, 8, 8192, 32, 4),
     "b4_q64_8k_mha": Case(4, 64, 8192, 16, 16),
 }
-IMPLS = ("jaxflash", "paged64", "paged256", "attention", "prefill", "nn", "cudnn", "xla",
-         "read")
+IMPLS = ("jaxflash", "paged64", "paged256", "fp8", "fp8-paged64", "fp8-paged256", "attention",
+         "prefill", "nn", "cudnn", "xla", "read")
+FP8_IMPLS = ("fp8", "fp8-paged64", "fp8-paged256")
 
 
 def lengths_of(case: Case) -> np.ndarray:
@@ -88,7 +92,7 @@ def lengths_of(case: Case) -> np.ndarray:
 
 
 def kv_bytes(case: Case, dtype) -> int:
-  """Bytes of K and V of every valid key."""
+  """Bytes of K and V of every valid key (dtype: the caches')."""
   per_key = 2 * case.kv_heads * case.head_dim * np.dtype(dtype).itemsize
   return int(lengths_of(case).sum()) * per_key
 
@@ -102,6 +106,15 @@ def paged(cache, page_size: int, seed: int):
   pool = jnp.zeros((b * pages, page_size) + cache.shape[2:], cache.dtype)
   pool = pool.at[order].set(padded.reshape(b * pages, page_size, *cache.shape[2:]))
   return pool, jnp.asarray(order.reshape(b, pages), jnp.int32)
+
+
+def fp8_cache(cache):
+  """(float8_e4m3fn cache, float32 descale (rows, kv heads)) of a cache (rows, keys, kv heads,
+  d): rows are sequences of contiguous caches or pages of a pool, each (row, kv head) scaled
+  by its amax / 448."""
+  amax = jnp.max(jnp.abs(cache.astype(jnp.float32)), axis=(1, 3))
+  descale = jnp.where(amax > 0, amax / 448.0, 1.0)
+  return (cache / descale[:, None, :, None]).astype(jnp.float8_e4m3fn), descale
 
 
 def _on_prefill(trace):
@@ -137,6 +150,14 @@ def calls(case: Case, dtype, impls, splits=(), layers=1) -> dict:
       fn = jax.jit(lambda q, k, v, n, t: jaxflash.kv_cache_attention(q, k, v, n, page_table=t,
                                                                      **options))
       out[name] = (fn, (q, k_pool, v_pool, lengths, table))
+  for name, page_size in (("fp8", None), ("fp8-paged64", 64), ("fp8-paged256", 256)):
+    if name in impls:
+      (k_pool, table), (v_pool, _) = ((paged(x, page_size, 2) for x in (k, v)) if page_size
+                                      else ((k, None), (v, None)))
+      (k8, kd), (v8, vd) = fp8_cache(k_pool), fp8_cache(v_pool)
+      fn = jax.jit(lambda q, k, v, n, t, kd, vd: jaxflash.kv_cache_attention(
+          q, k, v, n, page_table=t, k_descale=kd, v_descale=vd, **options))
+      out[name] = (fn, (q, k8, v8, lengths, table, kd, vd))
   if "attention" in impls and not case.ragged:
     out["attention"] = (jax.jit(lambda q, k, v: jaxflash.attention(q, k, v, causal=True,
                                                                     **options)), (q, k, v))
@@ -225,8 +246,9 @@ def _run_case(name, dtype, impls, splits, num_calls, layers=1) -> list[dict]:
         del ready[impl]
   for impl, (_, _, samples) in ready.items():
     seconds = statistics.median(samples)
+    read = kv_bytes(case, jnp.float8_e4m3fn) if impl in FP8_IMPLS else moved
     records.append({"case": name, "impl": impl, "us": seconds * 1e6,
-                    "tb_per_s": moved / seconds / 1e12,
+                    "tb_per_s": read / seconds / 1e12,
                     "hbm_limit_us": moved / (HBM_TB_PER_S * 1e12) * 1e6})
   return records
 

@@ -197,11 +197,15 @@ class DecodeSchedule:
 
   tile_m: int  # packed query rows per CTA: 64, one consumer warpgroup
   tile_n: int  # key rows per step
-  num_stages: int  # depth of the K and V rings
+  num_stages: int  # depth of the K and V rings (in the query's dtype)
+  # FP8 caches: depth of the e4m3 rings that TMA fills and warps 1-3 of the producer warpgroup
+  # convert into the 16-bit rings; 0: 16-bit caches (TMA fills the 16-bit rings).
+  fp8_stages: int = 0
 
   @property
   def key(self) -> str:
-    return f"m{self.tile_m}n{self.tile_n}s{self.num_stages}"
+    return f"m{self.tile_m}n{self.tile_n}s{self.num_stages}" + (
+        f"e{self.fp8_stages}" if self.fp8_stages else "")
 
 
 Schedule = Union[FwdSchedule, BwdSchedule, DecodeSchedule]
@@ -212,18 +216,31 @@ _DECODE_STAGES = {(64, 64): 4, (96, 96): 4, (128, 128): 3, (192, 128): 4, (192, 
                   (256, 256): 3}
 
 
-def decode_schedule(head_dim: int, head_dim_v: int) -> DecodeSchedule:
+# Decode over FP8 caches: two 16-bit K / V stages (the converted blocks the GEMMs read) and the
+# deepest e4m3 ring, up to 4 stages, that fits beside them and the Q tile.
+_DECODE_FP8_STAGES = {64: 4, 128: 2, 256: 2}
+
+
+def decode_schedule(head_dim: int, head_dim_v: int, fp8_cache: bool = False) -> DecodeSchedule:
   """The decode schedule table: 64 packed query rows per CTA (one consumer warpgroup: a decode
   step has few rows, the query heads of a kv head times the new tokens), key tiles of 128 up
   to head dim 128 and of 64 above, and the deepest K / V ring up to 4 stages that fits 227 KiB
   of shared memory with the Q tile (decoding streams the cache: a deep ring keeps loads in
-  flight)."""
+  flight). FP8 caches (head_dim = head_dim_v in FP8_HEAD_DIMS): two 16-bit stages and the
+  e4m3 ring of _DECODE_FP8_STAGES."""
+  tile_n = 128 if max(head_dim, head_dim_v) <= 128 else 64
+  if fp8_cache:
+    if head_dim != head_dim_v or head_dim not in _DECODE_FP8_STAGES:
+      raise ValueError(f"(head_dim, head_dim_v): ({head_dim}, {head_dim_v}) has no decode "
+                       f"schedule over {FP8_DTYPE} caches; accepted: head_dim = head_dim_v in "
+                       f"{tuple(_DECODE_FP8_STAGES)}")
+    return DecodeSchedule(tile_m=64, tile_n=tile_n, num_stages=2,
+                          fp8_stages=_DECODE_FP8_STAGES[head_dim])
   stages = _DECODE_STAGES.get((head_dim, head_dim_v))
   if stages is None:
     raise ValueError(f"(head_dim, head_dim_v): ({head_dim}, {head_dim_v}) has no decode "
                      f"schedule; accepted: {tuple(_DECODE_STAGES)}")
-  return DecodeSchedule(tile_m=64, tile_n=128 if max(head_dim, head_dim_v) <= 128 else 64,
-                        num_stages=stages)
+  return DecodeSchedule(tile_m=64, tile_n=tile_n, num_stages=stages)
 
 
 # The FP8 forward (kernels/fwd_fp8_sm90.py): e4m3 q, k, v, bf16 or fp16 out (a run-time choice);
@@ -426,25 +443,31 @@ class KernelVariant:
   masked: bool = False
   # FP8 forward only: descales per 64 tokens (block quantization), not per (batch, kv head).
   block_descales: bool = False
+  # Decode only: FP8_DTYPE caches (float32 descales per page or sequence and kv head), the
+  # query and out in dtype; None: caches in dtype.
+  kv_dtype: Optional[str] = None
 
   @property
   def key(self) -> str:
     """Readable, unique name: folder in the kernel cache and the FFI `variant` attribute."""
     flags = "".join(f for f, on in (("-causal", self.causal), ("-masked", self.masked),
                                     ("-det", self.deterministic),
-                                    ("-blk", self.block_descales)) if on)
+                                    ("-blk", self.block_descales),
+                                    (f"-kv{_DTYPE_SHORT.get(self.kv_dtype)}",
+                                     self.kv_dtype is not None)) if on)
     return (f"{self.direction}-{self.arch}-{_DTYPE_SHORT[self.dtype]}-d{self.head_dim}"
             f"-dv{self.head_dim_v}{flags}-{self.schedule.key}")
 
   @classmethod
   def for_call(cls, direction: str, arch: str, dtype: str, head_dim: int, head_dim_v: int,
-               config: AttentionConfig, seq_k: Optional[int] = None) -> "KernelVariant":
+               config: AttentionConfig, seq_k: Optional[int] = None,
+               kv_dtype: Optional[str] = None) -> "KernelVariant":
     """The variant that runs one call (kernel_support must have accepted it). A decode variant
-    depends on dtype and head dims only (its options are run-time scalars). seq_k: the call's
-    keys per sequence, which picks among forward variants (fwd_schedule); None for a long
-    call."""
+    depends on dtype, head dims and the caches' dtype (kv_dtype: FP8_DTYPE, or None for caches
+    in dtype) only (its options are run-time scalars). seq_k: the call's keys per sequence,
+    which picks among forward variants (fwd_schedule); None for a long call."""
     if direction == "decode":
-      return decode_variant(dtype, head_dim, head_dim_v, arch)
+      return decode_variant(dtype, head_dim, head_dim_v, arch, kv_dtype)
     if dtype == FP8_DTYPE:
       return fp8_fwd_variant(head_dim, config.causal, arch, config.block_descales)
     deterministic = config.deterministic and direction == "bwd"
@@ -500,26 +523,46 @@ def _fp8_kernel_support(direction: str, head_dim: int, head_dim_v: int,
   return True, ""
 
 
-def decode_variant(dtype: str, head_dim: int, head_dim_v: int,
-                   arch: str = "sm90a") -> KernelVariant:
-  """The split-KV decode variant of a dtype and head-dim pair (one per pair: causal, windows
-  and softcap are run-time scalars of the call)."""
+def decode_variant(dtype: str, head_dim: int, head_dim_v: int, arch: str = "sm90a",
+                   kv_dtype: Optional[str] = None) -> KernelVariant:
+  """The split-KV decode variant of a query dtype, head-dim pair and cache dtype (kv_dtype:
+  FP8_DTYPE, or None for caches in dtype); causal, windows and softcap are run-time scalars
+  of the call."""
+  if kv_dtype is not None and kv_dtype != FP8_DTYPE:
+    raise ValueError(f"kv_dtype: expected None (caches in {dtype}) or {FP8_DTYPE!r}, got "
+                     f"{kv_dtype!r}")
   return KernelVariant(direction="decode", arch=arch, dtype=dtype, head_dim=head_dim,
                        head_dim_v=head_dim_v, causal=False,
-                       schedule=decode_schedule(head_dim, head_dim_v))
+                       schedule=decode_schedule(head_dim, head_dim_v, kv_dtype is not None),
+                       kv_dtype=kv_dtype)
+
+
+def decode_fp8_support(dtype: str, head_dim: int, head_dim_v: int) -> tuple[bool, str]:
+  """Whether a decode kernel reads FP8_DTYPE caches with a dtype query: float16 / bfloat16
+  queries, head_dim = head_dim_v in FP8_HEAD_DIMS."""
+  if dtype not in KERNEL_DTYPES:
+    return False, (f"a {dtype} query has no decode kernel over {FP8_DTYPE} caches; accepted: "
+                   f"{', '.join(KERNEL_DTYPES)}")
+  if head_dim != head_dim_v or head_dim not in FP8_HEAD_DIMS:
+    return False, (f"{FP8_DTYPE} caches have decode kernels for head_dim = head_dim_v in "
+                   f"{FP8_HEAD_DIMS}; got {head_dim}, {head_dim_v}")
+  return True, ""
 
 
 def shipped_variants(arch: str = "sm90a", direction: str = "fwd") -> list[KernelVariant]:
   """The variants `python -m jaxflash.build --all` builds and the CPU compile tests check.
 
   direction="bwd" lists the backward variants (non-deterministic and deterministic),
-  direction="decode" the split-KV decode variants (one per dtype and head-dim pair).
+  direction="decode" the split-KV decode variants (one per dtype and head-dim pair, and one per
+  dtype and FP8 head dim over FP8 caches).
   """
   if direction not in DIRECTIONS:
     raise ValueError(f"direction: {direction!r} unknown; accepted: {DIRECTIONS}")
-  if direction == "decode":
-    return [decode_variant(dtype, d, dv, arch) for dtype in KERNEL_DTYPES
-            for d, dv in KERNEL_HEAD_DIM_PAIRS["decode"]]
+  if direction == "decode":  # caches in the query's dtype, then FP8 caches
+    return ([decode_variant(dtype, d, dv, arch) for dtype in KERNEL_DTYPES
+             for d, dv in KERNEL_HEAD_DIM_PAIRS["decode"]]
+            + [decode_variant(dtype, d, d, arch, FP8_DTYPE) for dtype in KERNEL_DTYPES
+               for d in FP8_HEAD_DIMS])
   out = []
   # Dense (causal or not), then masked (windows, segment ids: causal at run time), then masked
   # with a narrow band where that differs; forward variants of long calls, then those of short

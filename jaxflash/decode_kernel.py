@@ -37,9 +37,9 @@ from jaxflash import _jax_internal, primitives, sharding
 from jaxflash.config import DECODE_TARGET, WINDOW_UNBOUNDED, KernelVariant
 
 
-def decode_attention(q_packed, k_pool, v_pool, page_table, lengths, sink=None, *,
-                     variant: KernelVariant, softmax_scale: float, seqlen_q: int,
-                     window_left: Optional[int], window_right: Optional[int],
+def decode_attention(q_packed, k_pool, v_pool, page_table, lengths, sink=None, k_descale=None,
+                     v_descale=None, *, variant: KernelVariant, softmax_scale: float,
+                     seqlen_q: int, window_left: Optional[int], window_right: Optional[int],
                      softcap: Optional[float], num_splits: int):
   """(out, lse) of the split-KV decode kernels, in the packed layout.
 
@@ -48,8 +48,9 @@ def decode_attention(q_packed, k_pool, v_pool, page_table, lengths, sink=None, *
       bfloat16): rows = seqlen_q * group (group = query heads per kv head); row i * group + j
       is query token i of query head kv * group + j.
     k_pool, v_pool: (num_pages, page_size, num_kv_heads, head_dim) and (..., head_dim_v) in
-      the same dtype, page_size a power of two >= 16; or, with page_table None, contiguous
-      caches (batch, max_len, num_kv_heads, head_dim[_v]) of any max_len.
+      the same dtype (float8_e4m3fn for a variant with kv_dtype), page_size a power of two
+      >= 16; or, with page_table None, contiguous caches (batch, max_len, num_kv_heads,
+      head_dim[_v]) of any max_len.
     page_table: (batch, max_pages) int32: key position p of sequence b is row p % page_size of
       page page_table[b, p // page_size] (the kernel clamps entries into the pool); None:
       contiguous caches.
@@ -57,6 +58,9 @@ def decode_attention(q_packed, k_pool, v_pool, page_table, lengths, sink=None, *
       page_size].
     sink: (num_kv_heads, group) float32 learnable sinks (that of query head kv * group + j), or
       None.
+    k_descale, v_descale: float8_e4m3fn caches (and only those): (num_pages, num_kv_heads)
+      float32, a contiguous cache's page being its sequence: key p is its entry times the
+      descale of its page and kv head.
     variant: the decode KernelVariant (config.decode_variant) of the dtype and head dims.
     softmax_scale: multiplies q.k before the softmax.
     seqlen_q: new tokens per sequence; token i of sequence b sits at position lengths[b] -
@@ -81,6 +85,7 @@ def decode_attention(q_packed, k_pool, v_pool, page_table, lengths, sink=None, *
   if not paged:
     page_table = jnp.zeros((np.shape(q_packed)[0], 1), jnp.int32)  # for the checks only
   _check(q_packed, k_pool, v_pool, page_table, lengths, sink, variant, seqlen_q, num_splits)
+  descales = _check_descales(k_pool, k_descale, v_descale, variant)
   b, hk, rows, _ = q_packed.shape
   if sink is None:  # empty: no kernel fills it at run time
     sink = np.zeros((hk, 0), np.float32)
@@ -99,8 +104,26 @@ def decode_attention(q_packed, k_pool, v_pool, page_table, lengths, sink=None, *
                 window_right=None if window_right is None else int(window_right),
                 softcap=None if softcap is None else float(softcap), num_splits=int(num_splits))
   tables = (page_table,) if paged else ()
-  return tuple(decode_call_p.bind(q_packed, k_pool, v_pool, lengths, sink, *tables,
+  return tuple(decode_call_p.bind(q_packed, k_pool, v_pool, lengths, sink, *tables, *descales,
                                   paged=paged, **params))
+
+
+def _check_descales(k, k_descale, v_descale, variant) -> tuple:
+  """(k_descale, v_descale) of a variant over FP8 caches (float32 (num_pages, num_kv_heads)),
+  () of one over 16-bit caches (which takes none)."""
+  given = (k_descale, v_descale)
+  if variant.kv_dtype is None:
+    if any(x is not None for x in given):
+      raise TypeError(f"k_descale / v_descale: variant {variant.key} reads {variant.dtype} "
+                      f"caches, which take no descales")
+    return ()
+  want = (k.shape[0], k.shape[2])
+  for name, x in zip(("k_descale", "v_descale"), given):
+    if x is None or tuple(np.shape(x)) != want or np.dtype(x.dtype) != np.float32:
+      seen = "None" if x is None else f"{np.dtype(x.dtype).name} {tuple(np.shape(x))}"
+      raise ValueError(f"{name}: expected float32 of shape {want} (num_pages, num_kv_heads) "
+                       f"for the {variant.kv_dtype} caches of {variant.key}, got {seen}")
+  return given
 
 
 def _check(q, k, v, page_table, lengths, sink, variant, seqlen_q, num_splits):
@@ -115,10 +138,12 @@ def _check(q, k, v, page_table, lengths, sink, variant, seqlen_q, num_splits):
       ("page_table", page_table, 2, "(batch, max_pages)"), ("lengths", lengths, 1, "(batch,)")):
     if np.ndim(x) != rank:
       raise ValueError(f"{name}: expected rank {rank} {layout}, got shape {np.shape(x)}")
-  for name, x in (("q_packed", q), ("k_pool", k), ("v_pool", v)):
-    if np.dtype(x.dtype).name != variant.dtype:
+  kv_dtype = variant.kv_dtype or variant.dtype
+  for name, x, want in (("q_packed", q, variant.dtype), ("k_pool", k, kv_dtype),
+                        ("v_pool", v, kv_dtype)):
+    if np.dtype(x.dtype).name != want:
       raise TypeError(f"{name}: dtype {np.dtype(x.dtype).name} differs from the variant's "
-                      f"{variant.dtype} ({variant.key})")
+                      f"{want} ({variant.key})")
   for name, x in (("page_table", page_table), ("lengths", lengths)):
     if np.dtype(x.dtype) != np.int32:
       raise TypeError(f"{name}: expected int32, got {np.dtype(x.dtype).name}")
@@ -155,10 +180,10 @@ def _is_int(x) -> bool:
   return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _abstract(q, k, v, page_table, lengths, sink, *, variant, num_splits, **_):
+def _abstract(q, k, v, page_table, lengths, sink, *descales, variant, num_splits, **_):
   """decode_p's results: out, lse, then the scratch out_partial and lse_partial."""
   b, hk, rows, _ = q.shape
-  ins = (q, k, v, page_table, lengths, sink)
+  ins = (q, k, v, page_table, lengths, sink, *descales)
   f32 = np.dtype(np.float32)
   out = _jax_internal.shaped_like(q, (b, hk, rows, variant.head_dim_v), q.dtype, ins)
   lse = _jax_internal.shaped_like(q, (b, hk, rows), f32, ins)
@@ -168,24 +193,29 @@ def _abstract(q, k, v, page_table, lengths, sink, *, variant, num_splits, **_):
   return out, lse, out_partial, lse_partial
 
 
-def _lower_cuda(ctx, q, k, v, page_table, lengths, sink, *, variant, softmax_scale, seqlen_q,
-                window_left, window_right, softcap, num_splits):
+def _lower_cuda(ctx, q, k, v, page_table, lengths, sink, *descales, variant, softmax_scale,
+                seqlen_q, window_left, window_right, softcap, num_splits):
   del num_splits  # out_partial's dim 1 carries it
   from jaxflash import ffi  # imported on first CUDA lowering only: keeps `import jaxflash` light
   if _jax_internal.has_cuda_device():
     ffi.ensure_variant(variant)  # cross-lowering on a CPU host needs no library
   attrs = ffi.decode_attributes(variant, softmax_scale, seqlen_q, window_left, window_right,
                                 softcap)
-  return jax.ffi.ffi_lowering(DECODE_TARGET)(ctx, q, k, v, page_table, lengths, sink, **attrs)
+  return jax.ffi.ffi_lowering(DECODE_TARGET)(ctx, q, k, v, page_table, lengths, sink, *descales,
+                                            **attrs)
 
 
-def _reference(q, k, v, page_table, lengths, sink, *, variant, softmax_scale, seqlen_q,
+def _reference(q, k, v, page_table, lengths, sink, *descales, variant, softmax_scale, seqlen_q,
                window_left, window_right, softcap, num_splits):
   """The kernels' results in XLA ops: the same split of each row tile's key blocks
   (FlashAttentionDecodeSm90._work), masks and soft-capping for the float32 partials, merged as
-  DecodeCombine does. decode_p's lowering on platforms other than CUDA (tests of the call
-  around the kernel; it gathers every sequence's keys)."""
+  DecodeCombine does; FP8 caches dequantized by their descales. decode_p's lowering on
+  platforms other than CUDA (tests of the call around the kernel; it gathers every sequence's
+  keys)."""
   f32 = jnp.float32
+  if descales:  # (num_pages, kv heads) per cache
+    k = k.astype(f32) * descales[0][:, None, :, None]
+    v = v.astype(f32) * descales[1][:, None, :, None]
   tile_m, tile_n = variant.schedule.tile_m, variant.schedule.tile_n
   b, hk, rows, d = q.shape
   num_pages, page_size = k.shape[:2]
@@ -283,7 +313,8 @@ def _batch_sequential(prim):
 
 
 # decode_p: one kernel call on whatever it is given (the CUDA custom call; elsewhere the XLA
-# reference of its partials).
+# reference of its partials). Operands (q, k, v, page_table, lengths, sink), then k_descale and
+# v_descale for FP8 caches.
 decode_p = primitives.make_primitive("jaxflash_decode_kernel", _abstract)
 mlir.register_lowering(decode_p, mlir.lower_fun(_reference, multiple_results=True))
 mlir.register_lowering(decode_p, _lower_cuda, platform="cuda")
@@ -292,35 +323,44 @@ batching.primitive_batchers[decode_p] = _batch_sequential(decode_p)
 
 # decode_call_p: decode_p per shard of batch and kv heads, through custom_partitioning
 # (sharding.decode_sharding_rule / decode_partition), returning out and lse (the partials are
-# decode_p's scratch). Operands (q, k, v, lengths, sink[, page_table]): contiguous caches have
-# no table operand, each shard numbering its own sequences' pages.
-def _call_abstract(q, k, v, lengths, sink, *page_table, paged, **params):
-  del paged
-  return _abstract(q, k, v, page_table[0] if page_table else lengths, lengths, sink,
+# decode_p's scratch). Operands (q, k, v, lengths, sink[, page_table][, k_descale, v_descale]):
+# contiguous caches have no table operand, each shard numbering its own sequences' pages; FP8
+# caches add their descales.
+def _split_rest(rest, paged: bool):
+  """(page_table or None, descales) of decode_call_p's operands after the sink."""
+  return (rest[0] if paged else None), tuple(rest[1:] if paged else rest)
+
+
+def _call_abstract(q, k, v, lengths, sink, *rest, paged, **params):
+  table, descales = _split_rest(rest, paged)
+  return _abstract(q, k, v, lengths if table is None else table, lengths, sink, *descales,
                    **params)[:2]
 
 
 def _partitioned(static):
   paged, params = static[0], dict(static[1:])
+  fp8 = params["variant"].kv_dtype is not None
 
-  def compute(*args):  # (q, k, v, page_table, lengths, sink) of one shard
+  def compute(*args):  # (q, k, v, page_table, lengths, sink[, k_descale, v_descale]), a shard
     return tuple(decode_p.bind(*args, **params))[:2]
 
-  def impl(static, q, k, v, lengths, sink, *page_table):
+  def impl(static, q, k, v, lengths, sink, *rest):
     del static
+    table, descales = _split_rest(rest, paged)
     # Contiguous caches: a table of no column (sequence b is page b), which nothing fills.
-    table = page_table[0] if paged else jnp.zeros((q.shape[0], 0), jnp.int32)
-    return compute(q, k, v, table, lengths, sink)
+    if table is None:
+      table = jnp.zeros((q.shape[0], 0), jnp.int32)
+    return compute(q, k, v, table, lengths, sink, *descales)
 
   def partition(static, mesh, arg_shapes, result_shapes):
     del static, result_shapes
     arg_shardings, result_shardings, per_shard = sharding.decode_partition(
-        paged, mesh, arg_shapes, compute)
+        paged, mesh, arg_shapes, compute, fp8)
     return mesh, per_shard, result_shardings, arg_shardings
 
   def rule(static, mesh, operand_types, result_types):
     del static, mesh, operand_types, result_types
-    return sharding.decode_sharding_rule(paged)
+    return sharding.decode_sharding_rule(paged, fp8)
 
   partitioned = custom_partitioning(impl, static_argnums=(0,))
   partitioned.def_partition(partition=partition, sharding_rule=rule)
@@ -337,18 +377,20 @@ def _batch_call(args, dims, *, paged, **params):
   """vmap of decode_call_p: one call over batch x the mapped size when that keeps every
   sequence's keys its own (mapped contiguous caches, or an unmapped page pool: the page table
   indexes the one pool whatever the batch row) and one sink for all, else one call per mapped
-  element. The split count stays the call's."""
+  element. The split count stays the call's. FP8 caches' descales go with their caches: a
+  pool's stay whole (mapped, the call runs per element), contiguous caches' fold with them."""
   cache_dims = dims[1:3]
+  descale_args = range(6, len(args)) if paged else range(5, len(args))
   if dims[4] is not None:  # the sink is per head: a mapped one has no batch row to fold into
     return _batch_sequential(decode_call_p)(args, dims, paged=paged, **params)
-  if paged and any(d is not None for d in cache_dims):
+  if paged and any(dims[i] is not None for i in (1, 2, *descale_args)):
     return _batch_sequential(decode_call_p)(args, dims, paged=paged, **params)
   if not paged and any(d is None for d in cache_dims):  # folding would copy shared caches
     return _batch_sequential(decode_call_p)(args, dims, paged=paged, **params)
   size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
 
   def fold(i, a, d):
-    if (paged and i in (1, 2)) or i == 4:  # the pool, the sink
+    if (paged and i in (1, 2, *descale_args)) or i == 4:  # the pool and its descales, the sink
       return a
     a = jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
     return a.reshape((size * a.shape[1],) + a.shape[2:])

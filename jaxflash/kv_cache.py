@@ -19,7 +19,8 @@ import numpy as np
 
 from jaxflash import _jax_internal, checks, fp8_cache, implementation, reference, split_kv
 from jaxflash.attention import empty_result
-from jaxflash.config import AttentionConfig, IMPLEMENTATIONS, decode_variant, kernel_support
+from jaxflash.config import (AttentionConfig, IMPLEMENTATIONS, decode_fp8_support,
+                             decode_variant, kernel_support)
 from jaxflash.sink import add_learnable_sink, check_learnable_sink
 
 # Accepted page sizes: powers of two, as FlashAttention's paged caches take them.
@@ -89,15 +90,20 @@ def _check_options(causal, softmax_scale, window_size, softcap, num_splits, retu
 
 
 def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
-                            head_dim_v: int, num_splits: Optional[int]) -> str:
+                            head_dim_v: int, num_splits: Optional[int],
+                            kv_dtype: Optional[str]) -> str:
   """'cute' or 'reference' (implementation.resolve): the decode kernel where one covers the
-  call (fp16/bf16, the forward's head dims) and is installed or buildable. 'cute' lowers
-  without a CUDA device here (jax.export for a GPU elsewhere) only with num_splits given: the
-  automatic count is chosen from the GPU's SM count."""
+  call (fp16/bf16, the forward's head dims; float8_e4m3fn caches: head_dim = head_dim_v in
+  config.FP8_HEAD_DIMS) and is installed or buildable. 'cute' lowers without a CUDA device
+  here (jax.export for a GPU elsewhere) only with num_splits given: the automatic count is
+  chosen from the GPU's SM count. kv_dtype: the caches' dtype where it is FP8, else None."""
   def missing() -> str:
     from jaxflash import ffi  # only on a CUDA host: keeps `import jaxflash` light
-    return ffi.variant_available(decode_variant(dtype, head_dim, head_dim_v))[1]
+    variant = decode_variant(dtype, head_dim, head_dim_v, kv_dtype=kv_dtype)
+    return ffi.variant_available(variant)[1]
   covered = kernel_support("decode", dtype, head_dim, head_dim_v)
+  if covered[0] and kv_dtype is not None:
+    covered = decode_fp8_support(dtype, head_dim, head_dim_v)
   if (requested == "cute" and covered[0] and num_splits is None
       and not _jax_internal.has_cuda_device()):
     raise ValueError("num_splits: None (automatic) is chosen from the GPU's SM count, and no "
@@ -112,7 +118,7 @@ def _forward(config: AttentionConfig, num_splits: Optional[int], query, k_cache,
              lengths, page_table, sink, k_descale, v_descale):
   if config.implementation == "cute":  # the kernel clamps the lengths itself
     return split_kv.kernel_forward(config, query, k_cache, v_cache, lengths, page_table, sink,
-                                   num_splits)
+                                   num_splits, k_descale, v_descale)
   capacity = reference.cache_capacity(k_cache, page_table)
   out, lse = reference.blocked_kv_cache_forward(query, k_cache, v_cache,
                                                 jnp.clip(lengths, 0, capacity), config,
@@ -160,9 +166,10 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
     k_descale, v_descale: float8_e4m3fn caches only (and then required): float32 descales per
       (page, kv head), (num_pages, num_kv_heads), with a page table, per (sequence, kv head),
       (batch, num_kv_heads), without: key j of sequence b is its cache entry times the descale
-      of its page (or sequence) and kv head (`update_kv_cache` writes both). These caches run
-      on the reference, which dequantizes each block of keys as it reads it (the decode kernel
-      reads 16-bit caches only; implementation="cute" raises).
+      of its page (or sequence) and kv head (`update_kv_cache` writes both). The decode kernel
+      reads them with a float16 / bfloat16 query and head_dim = head_dim_v in 64, 128, 256
+      (it converts each block exactly to the query's dtype and applies the descales in
+      float32); the reference dequantizes each block of keys as it reads it.
     num_splits: how many parts the kernel splits each sequence's keys into (None: chosen from
       the static shapes and the GPU's SM count, so implementation="cute" on a host without a
       GPU, e.g. jax.export for one elsewhere, needs it given); the result is the same up to
@@ -197,25 +204,11 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
     if learnable_sink is not None:
       out, lse = add_learnable_sink(out, lse, learnable_sink)
   else:
-    if fp8:
-      impl = _fp8_cache_implementation(implementation)
-    else:
-      impl = _resolve_implementation(implementation, dtype, query.shape[-1],
-                                     v_cache.shape[-1], num_splits)
+    impl = _resolve_implementation(implementation, dtype, query.shape[-1], v_cache.shape[-1],
+                                   num_splits, fp8_cache.FP8_DTYPE if fp8 else None)
     out, lse = _forward(config.replace(implementation=impl), num_splits, query, k_cache,
                         v_cache, lengths, page_table, learnable_sink, k_descale, v_descale)
   return (out, lse) if return_lse else out
-
-
-def _fp8_cache_implementation(requested: Optional[str]) -> str:
-  """'reference', the one implementation of float8_e4m3fn caches; 'cute' raises."""
-  why = (f"the decode kernel reads float16 / bfloat16 caches; {fp8_cache.FP8_DTYPE} caches run "
-         f"on the reference")
-  if requested == "cute":
-    raise ValueError(f"implementation='cute': {why} (use implementation=None or 'reference')")
-  if requested is None:
-    implementation.log.info("jaxflash: using the reference implementation: %s", why)
-  return "reference"
 
 
 def update_kv_cache(k_cache, v_cache, new_k, new_v, cache_lengths, *, page_table=None,

@@ -312,31 +312,34 @@ def _named(mesh, specs):
 ROWS, MAX_PAGES, PAGES, PAGE_ROWS = "rows", "max_pages", "pages", "page_rows"
 
 
-def decode_sharding_rule(paged: bool):
-  """(rule string, keyword arguments) of the decode call (q, k, v, lengths, sink[, page_table])
-  -> (out, lse): batch and kv heads shard; a page pool shards by kv heads only (any sequence
-  may own any page)."""
+def decode_sharding_rule(paged: bool, fp8: bool = False):
+  """(rule string, keyword arguments) of the decode call (q, k, v, lengths, sink[, page_table]
+  [, k_descale, v_descale]) -> (out, lse): batch and kv heads shard; a page pool shards by kv
+  heads only (any sequence may own any page); FP8 caches' descales (pages or sequences, kv
+  heads) shard as their caches."""
   q = f"{BATCH} {KV_HEADS} {ROWS} {HEAD_DIM}"
   cache = f"{PAGES} {PAGE_ROWS}" if paged else f"{BATCH} {SEQ_K}"
   operands = [q, f"{cache} {KV_HEADS} {HEAD_DIM}", f"{cache} {KV_HEADS} {HEAD_DIM_V}", BATCH,
               f"{KV_HEADS} {Q_PER_KV}"]
   if paged:
     operands.append(f"{BATCH} {MAX_PAGES}")
+  if fp8:
+    operands += [f"{PAGES if paged else BATCH} {KV_HEADS}"] * 2
   results = [f"{BATCH} {KV_HEADS} {ROWS} {HEAD_DIM_V}", f"{BATCH} {KV_HEADS} {ROWS}"]
   whole = (ROWS, HEAD_DIM, HEAD_DIM_V, Q_PER_KV) + (
       (PAGES, PAGE_ROWS, MAX_PAGES) if paged else (SEQ_K,))
   return _rule(operands, results, {}, whole)
 
 
-def decode_partition(paged: bool, mesh, arg_shapes,
-                     compute: Callable) -> tuple[tuple, tuple, Callable]:
+def decode_partition(paged: bool, mesh, arg_shapes, compute: Callable,
+                     fp8: bool = False) -> tuple[tuple, tuple, Callable]:
   """custom_partitioning's decision for the decode call.
 
   Batch: q's batch axes, else (contiguous caches) the cache's; kv heads: q's kv-head axes,
   else the cache's, those not used by batch; trailing axes drop until their size divides
-  batch / kv heads. Everything else is gathered. `compute(q, k, v, page_table, lengths, sink)`
-  runs one shard; for contiguous caches the page table has no column (each shard's sequence b
-  is its page b).
+  batch / kv heads. Everything else is gathered. `compute(q, k, v, page_table, lengths, sink[,
+  k_descale, v_descale])` runs one shard; for contiguous caches the page table has no column
+  (each shard's sequence b is its page b). FP8 caches' descales shard as their caches.
   """
   mesh_shape = dict(mesh.shape)
   q, k = arg_shapes[:2]
@@ -352,11 +355,13 @@ def decode_partition(paged: bool, mesh, arg_shapes,
           PartitionSpec(h, None))
   if paged:
     args += (PartitionSpec(b, None),)
+  if fp8:
+    args += (PartitionSpec(None if paged else b, h),) * 2
   results = (PartitionSpec(b, h, None, None), PartitionSpec(b, h, None))
 
-  def per_shard(q, k, v, lengths, sink, *page_table):
-    if not paged:  # a table of no column: sequence b is page b of the shard's caches
-      page_table = (jnp.zeros((q.shape[0], 0), jnp.int32),)
-    return tuple(compute(q, k, v, *page_table, lengths, sink))
+  def per_shard(q, k, v, lengths, sink, *rest):
+    # A table of no column for contiguous caches: sequence b is page b of the shard's caches.
+    table = rest[0] if paged else jnp.zeros((q.shape[0], 0), jnp.int32)
+    return tuple(compute(q, k, v, table, lengths, sink, *rest[int(paged):]))
 
   return _named(mesh, args), _named(mesh, results), per_shard

@@ -81,13 +81,14 @@ def unpack(out, lse, seq_q: int):
 
 
 def kernel_forward(cfg: config.AttentionConfig, query, k_cache, v_cache, lengths, page_table,
-                   sink, num_splits):
+                   sink, num_splits, k_descale=None, v_descale=None):
   """kv_cache_attention on the decode kernels: (out, lse) as the reference returns them, with
   the sink. The kernel clamps the lengths to [0, capacity]; page_table None means contiguous
-  caches."""
+  caches; float8_e4m3fn caches come with their descales."""
   b, seq_q, h, d = query.shape
   hk, dv = k_cache.shape[2], v_cache.shape[-1]
-  variant = config.decode_variant(str(query.dtype), d, dv)
+  kv_dtype = None if k_cache.dtype == query.dtype else str(k_cache.dtype)
+  variant = config.decode_variant(str(query.dtype), d, dv, kv_dtype=kv_dtype)
   rows = seq_q * (h // hk)
   if num_splits is None:
     capacity = k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
@@ -99,7 +100,8 @@ def kernel_forward(cfg: config.AttentionConfig, query, k_cache, v_cache, lengths
   if sink is not None:  # query head kv * group + j's sink at [kv, j]
     sink = jnp.asarray(sink, jnp.float32).reshape(hk, h // hk)
   out, lse = decode_kernel.decode_attention(
-      pack_query(query, hk), k_cache, v_cache, page_table, lengths, sink, variant=variant,
+      pack_query(query, hk), k_cache, v_cache, page_table, lengths, sink, k_descale, v_descale,
+      variant=variant,
       softmax_scale=cfg.softmax_scale, seqlen_q=seq_q, window_left=cfg.window_left,
       window_right=right, softcap=cfg.softcap, num_splits=num_splits)
   return unpack(out, lse, seq_q)

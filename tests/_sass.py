@@ -112,7 +112,7 @@ class _VariantInfo(ctypes.Structure):
   """kernel_abi.h's JaxflashVariantInfo."""
   _fields_ = [(name, ctypes.c_int32) for name in (
       "direction", "dtype", "head_dim", "head_dim_v", "causal", "deterministic", "tile_m",
-      "max_dq_copies", "masked", "tile_n")]
+      "max_dq_copies", "masked", "tile_n", "tile_counter", "kv_fp8")]
 
 
 def library_info(path):

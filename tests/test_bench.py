@@ -287,8 +287,8 @@ def test_decode_benchmark_columns_compute_the_same_attention(decode):
   assert decode.kv_bytes(case, jnp.bfloat16) == int(lengths.sum()) * 2 * 2 * 16 * 2
   runs = decode.calls(case, jnp.float32, decode.IMPLS, splits=(1, 3))
   # attention / prefill take whole caches: not ragged ones; jax.nn has no cuDNN on a CPU.
-  assert set(runs) == {"jaxflash", "paged64", "paged256", "nn", "cudnn", "xla", "split1",
-                       "split3"}
+  assert set(runs) == {"jaxflash", "paged64", "paged256", "fp8", "fp8-paged64", "fp8-paged256",
+                       "nn", "cudnn", "xla", "split1", "split3"}
   full_runs = decode.calls(case._replace(ragged=False), jnp.float32, ("read",))
   k, v = full_runs["read"][1]
   np.testing.assert_allclose(full_runs["read"][0](k, v), (k.sum(), v.sum()), rtol=1e-5)
@@ -296,6 +296,13 @@ def test_decode_benchmark_columns_compute_the_same_attention(decode):
   for name in ("jaxflash", "paged64", "paged256", "nn", "split1", "split3"):
     fn, args = runs[name]
     np.testing.assert_allclose(fn(*args), want, rtol=2e-5, atol=2e-5, err_msg=name)
+  # FP8 caches: the same attention up to e4m3's rounding of the keys and values, each scaled
+  # per sequence or page and kv head.
+  for name in decode.FP8_IMPLS:
+    fn, args = runs[name]
+    assert args[1].dtype == jnp.float8_e4m3fn and args[5].shape == args[1].shape[::2]
+    got = np.asarray(fn(*args))
+    assert np.linalg.norm(got - want) < 0.08 * np.linalg.norm(want), name
   full = decode.calls(case._replace(ragged=False), jnp.float32, decode.IMPLS)
   want = np.asarray(full["xla"][0](*full["xla"][1]))
   for name in ("attention", "prefill"):

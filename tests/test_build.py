@@ -86,7 +86,7 @@ def test_variant_build_writes_library_cubin_and_manifest(built, cache):
   stored = json.loads((folder / VARIANT_MANIFEST).read_text())
   assert stored["key"] == variant.key
   assert stored["spec"] == build.variant_spec(variant)
-  assert stored["abi_version"] == build.abi_version() == 13
+  assert stored["abi_version"] == build.abi_version() == 14
   assert stored["cutlass_version"] == build.cutlass_version()
   import jaxflash
   assert stored["jaxflash_version"] == jaxflash.__version__
@@ -211,7 +211,9 @@ def test_decode_variant_builds_and_exports_the_decode_abi(built_decode, cache):
   folder = cache / variant.key
   assert variant.key.startswith("decode-") and manifest["key"] == variant.key
   assert manifest["spec"]["schedule"] == {"tile_m": 64, "tile_n": variant.schedule.tile_n,
-                                          "num_stages": variant.schedule.num_stages}
+                                          "num_stages": variant.schedule.num_stages,
+                                          "fp8_stages": 0}
+  assert manifest["spec"]["kv_dtype"] is None
   assert build.exported_symbols(folder / VARIANT_LIBRARY) == set(
       build.DECODE_VARIANT_ABI_SYMBOLS)
   assert manifest["extra_cubins"] == {} and (folder / "kernel.cubin").is_file()
@@ -241,7 +243,8 @@ def test_cli_selects_forward_backward_and_decode_variants(tmp_path, capsys):
   want = (config.shipped_variants() + config.shipped_variants(direction="bwd")
           + config.shipped_variants(direction="decode"))
   assert keys == [v.key for v in want]
-  assert sum(key.startswith("decode-") for key in keys) == 12
+  assert sum(key.startswith("decode-") for key in keys) == 18
+  assert sum("-kve4m3-" in key for key in keys) == 6
 
 
 def test_every_direction_has_its_glue_and_abi_entry():

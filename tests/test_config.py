@@ -145,38 +145,74 @@ def test_fp8_forward_schedule_table():
 
 
 def test_decode_variants_one_per_dtype_and_head_dim_pair():
-  """Decode: 2 dtypes x the forward's 6 head-dim pairs; causal, windows and softcap are run-time
-  scalars, so no mask flags."""
-  assert len(DECODE) == 2 * len(PAIRS) == 12
-  assert {(v.dtype, v.head_dim, v.head_dim_v) for v in DECODE} == {
+  """Decode: 2 dtypes x the forward's 6 head-dim pairs over caches in the query's dtype, then 2
+  dtypes x the FP8 head dims over float8_e4m3fn caches; causal, windows and softcap are
+  run-time scalars, so no mask flags."""
+  plain = [v for v in DECODE if v.kv_dtype is None]
+  fp8 = [v for v in DECODE if v.kv_dtype is not None]
+  assert DECODE == plain + fp8
+  assert len(plain) == 2 * len(PAIRS) == 12 and len(fp8) == 2 * len(config.FP8_HEAD_DIMS) == 6
+  assert {(v.dtype, v.head_dim, v.head_dim_v) for v in plain} == {
       (dtype, d, dv) for dtype in config.KERNEL_DTYPES for d, dv in PAIRS}
+  assert {(v.dtype, v.head_dim, v.head_dim_v, v.kv_dtype) for v in fp8} == {
+      (dtype, d, d, config.FP8_DTYPE) for dtype in config.KERNEL_DTYPES
+      for d in config.FP8_HEAD_DIMS}
   for v in DECODE:
     assert v.direction == "decode" and v.key.startswith("decode-sm90a-")
+    assert ("-kve4m3-" in v.key) == (v.kv_dtype is not None)
     assert not (v.causal or v.masked or v.deterministic or v.block_descales)
-    assert v == config.decode_variant(v.dtype, v.head_dim, v.head_dim_v)
+    assert v == config.decode_variant(v.dtype, v.head_dim, v.head_dim_v, kv_dtype=v.kv_dtype)
     for cfg in (_cfg(), _cfg(causal=True, window_left=8, softcap=5.0)):
       assert config.KernelVariant.for_call("decode", "sm90a", v.dtype, v.head_dim, v.head_dim_v,
-                                           cfg) == v
+                                           cfg, kv_dtype=v.kv_dtype) == v
+  with pytest.raises(ValueError, match="kv_dtype: expected None .* or 'float8_e4m3fn', got "
+                                       "'bfloat16'"):
+    config.decode_variant("bfloat16", 128, 128, kv_dtype="bfloat16")
+
+
+def test_decode_fp8_support_names_what_it_takes():
+  assert config.decode_fp8_support("bfloat16", 128, 128) == (True, "")
+  ok, why = config.decode_fp8_support("float32", 128, 128)
+  assert not ok and "a float32 query has no decode kernel over float8_e4m3fn caches" in why
+  for d, dv in ((96, 96), (192, 128)):
+    ok, why = config.decode_fp8_support("float16", d, dv)
+    assert not ok and f"head_dim = head_dim_v in (64, 128, 256); got {d}, {dv}" in why
 
 
 def test_decode_schedule_table():
   """64 packed query rows (one warpgroup), key tiles of 128 up to head dim 128 and 64 above,
-  and the deepest K / V ring up to 4 stages whose stages and the Q tile fit 227 KiB."""
+  and the deepest K / V ring up to 4 stages whose stages and the Q tile fit 227 KiB; over FP8
+  caches two 16-bit stages and the deepest e4m3 ring up to 4 that fits beside them."""
   smem = 227 * 1024
   for v in DECODE:
     s, d, dv = v.schedule, v.head_dim, v.head_dim_v
     assert isinstance(s, config.DecodeSchedule)
     assert (s.tile_m, s.tile_n) == (64, 128 if max(d, dv) <= 128 else 64)
-    assert s.key == f"m64n{s.tile_n}s{s.num_stages}" and v.key.endswith("-" + s.key)
-    size = lambda stages: 2 * (s.tile_m * d + stages * s.tile_n * (d + dv))  # 16-bit elements
-    assert size(s.num_stages) <= smem, v.key
-    assert s.num_stages == 4 or size(s.num_stages + 1) > smem, v.key
-  stages = {(v.head_dim, v.head_dim_v): v.schedule.num_stages for v in DECODE}
+    suffix = f"e{s.fp8_stages}" if v.kv_dtype else ""
+    assert s.key == f"m64n{s.tile_n}s{s.num_stages}{suffix}" and v.key.endswith("-" + s.key)
+    # 16-bit elements of Q and the 16-bit rings, bytes of the e4m3 rings; the mbarriers and
+    # alignment take the last KiB.
+    size = lambda stages, e4m3: (2 * (s.tile_m * d + stages * s.tile_n * (d + dv))
+                                 + e4m3 * s.tile_n * (d + dv) + 1024)
+    if v.kv_dtype is None:
+      assert s.fp8_stages == 0 and size(s.num_stages, 0) <= smem, v.key
+      assert s.num_stages == 4 or size(s.num_stages + 1, 0) > smem, v.key
+    else:
+      assert s.num_stages == 2 and size(2, s.fp8_stages) <= smem, v.key
+      assert s.fp8_stages == 4 or size(2, s.fp8_stages + 1) > smem, v.key
+  stages = {(v.head_dim, v.head_dim_v): v.schedule.num_stages for v in DECODE
+            if v.kv_dtype is None}
   assert stages == {(64, 64): 4, (96, 96): 4, (128, 128): 3, (192, 128): 4, (192, 192): 4,
                     (256, 256): 3}
+  assert {v.head_dim: v.schedule.fp8_stages for v in DECODE if v.kv_dtype} == {
+      64: 4, 128: 2, 256: 2}
   with pytest.raises(ValueError, match=r"\(head_dim, head_dim_v\): \(80, 80\) has no decode "
                                        r"schedule; accepted: \(\(64, 64\)"):
     config.decode_schedule(80, 80)
+  with pytest.raises(ValueError, match=r"\(96, 96\) has no decode schedule over float8_e4m3fn "
+                                       r"caches; accepted: head_dim = head_dim_v in \(64, 128, "
+                                       r"256\)"):
+    config.decode_schedule(96, 96, fp8_cache=True)
 
 
 def test_backward_schedule_table():
@@ -331,9 +367,10 @@ def test_the_kernel_abi_takes_the_dq_copies_from_the_library():
   fields = re.search(r"typedef struct \{(.*?)\} JaxflashVariantInfo;", abi, re.S).group(1)
   assert re.findall(r"int32_t (\w+);", fields) == [
       "direction", "dtype", "head_dim", "head_dim_v", "causal", "deterministic", "tile_m",
-      "max_dq_copies", "masked", "tile_n", "tile_counter"]
+      "max_dq_copies", "masked", "tile_n", "tile_counter", "kv_fp8"]
   handlers = (ffi / "handlers.cc").read_text()
   assert "info.tile_m" in handlers and "info.max_dq_copies" in handlers
+  assert "info.kv_fp8" in handlers
   assert "DQ_COPIES" not in abi + handlers
   assert not re.search(r"\bfind\('-'|rfind\('-'\)|HasToken", handlers)
   assert max(v.schedule.dq_copies for v in BWD) == 2  # the kernels index a copy by one bit

@@ -26,12 +26,13 @@ WRAPPER_PARAMETERS = [
     ("Tensor_mPageTable_t *", "mPageTable"), ("Tensor_mLengths_t *", "mLengths"),
     ("Tensor_mSink_t *", "mSink"), ("Tensor_mOPart_t *", "mOPart"),
     ("Tensor_mLSEPart_t *", "mLSEPart"), ("Tensor_mO_t *", "mO"), ("Tensor_mLSE_t *", "mLSE"),
+    ("Tensor_mKDescale_t *", "mKDescale"), ("Tensor_mVDescale_t *", "mVDescale"),
     ("float", "softmax_scale"), ("int32_t", "seqlen_q"), ("int32_t", "window_left"),
     ("int32_t", "window_right"), ("float", "softcap"), ("cudaStream_t", "stream")]
 # Dynamic extents and strides of each exported tensor struct (tensor_args.h's Dense fills them).
 TENSOR_MODES = {"mQ": (3, 2), "mK": (3, 2), "mV": (3, 2), "mPageTable": (2, 1),
                 "mLengths": (1, 0), "mSink": (2, 1), "mOPart": (4, 3), "mLSEPart": (4, 3),
-                "mO": (3, 2), "mLSE": (3, 2)}
+                "mO": (3, 2), "mLSE": (3, 2), "mKDescale": (2, 1), "mVDescale": (2, 1)}
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,7 @@ def test_decode_variant_exports_the_signature_of_the_glue(exported, variant):
   e = exported(variant).exp
   assert e.cubin[:4] == b"\x7fELF" and e.glue_source == "variant_decode.cc"
   assert "-DJAXFLASH_DIRECTION=2" in e.defines
+  assert f"-DJAXFLASH_KV_FP8={int(variant.kv_dtype is not None)}" in e.defines
   assert f"-DJAXFLASH_TILE_M={variant.schedule.tile_m}" in e.defines
   header = e.header_path.read_text()
   prefix = e.function_prefix
@@ -73,6 +75,9 @@ def test_decode_variant_holds_the_split_kernel_and_the_merge_without_spills(expo
   for kind, ops in parts.items():
     _sass.assert_no_spills(ops, f"{variant.key} {kind}")
   assert "HGMMA" in parts["decode"] and "UTMALDG" in parts["decode"]
+  # FP8 caches: the converting warps' e4m3 -> float16 conversions (then bfloat16 packs).
+  assert ("F2FP.F16.E4M3.UNPACK_B" in _sass.opcodes(sass, modifiers=True)) == (
+      variant.kv_dtype is not None)
   assert "SHFL" in parts["combine"] and "HGMMA" not in parts["combine"]
   assert not {"LDS", "STS", "BAR"} & set(parts["combine"])
 
@@ -86,11 +91,15 @@ class _DecodeArgs(ctypes.Structure):
                   "batch", "rows", "num_kv_heads", "head_dim", "head_dim_v", "num_pages",
                   "page_size", "max_pages", "num_splits", "seqlen_q")]
               + [("softmax_scale", ctypes.c_float), ("window_left", ctypes.c_int32),
-                 ("window_right", ctypes.c_int32), ("softcap", ctypes.c_float)])
+                 ("window_right", ctypes.c_int32), ("softcap", ctypes.c_float),
+                 ("k_descale", ctypes.c_void_p), ("v_descale", ctypes.c_void_p)])
 
 
-def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(exported, tmp_path):
-  variant = next(v for v in VARIANTS if v.head_dim == 128 and v.dtype == "bfloat16")
+@pytest.mark.parametrize("fp8", [False, True], ids=["16bit_caches", "fp8_caches"])
+def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(exported, tmp_path,
+                                                                           fp8):
+  variant = next(v for v in VARIANTS if v.head_dim == 128 and v.dtype == "bfloat16"
+                 and (v.kv_dtype is not None) == fp8)
   lib_path = tmp_path / "decode.so"
   build.link_variant(exported(variant).exp, variant, lib_path)
   assert build.exported_symbols(lib_path) == set(build.variant_abi_symbols("decode"))
@@ -100,7 +109,8 @@ def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(export
   assert lib.jaxflash_variant_abi_version() == _sass.abi_version()
   assert info == dict(
       direction=2, dtype=1, head_dim=128, head_dim_v=128, causal=0, deterministic=0, tile_m=64,
-      max_dq_copies=1, masked=0, tile_n=variant.schedule.tile_n)
+      max_dq_copies=1, masked=0, tile_n=variant.schedule.tile_n, tile_counter=0,
+      kv_fp8=int(fp8))
 
   invalid = 1  # cudaErrorInvalidValue, before any CUDA call
   assert lib.jaxflash_variant_decode(None, None) == invalid
@@ -113,7 +123,7 @@ def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(export
                   num_kv_heads=2, head_dim=128,
                   head_dim_v=128, num_pages=10, page_size=16, max_pages=5, num_splits=3,
                   seqlen_q=2, softmax_scale=0.125, window_left=1 << 30, window_right=0,
-                  softcap=0.0)
+                  softcap=0.0, k_descale=base if fp8 else None, v_descale=base if fp8 else None)
     fields.update(changes)
     return lib.jaxflash_variant_decode(ctypes.byref(_DecodeArgs(**fields)), None)
 
@@ -125,6 +135,9 @@ def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(export
              dict(out_partial=base + 4), dict(out=base + 8), dict(lse=base + 4),
              dict(lengths=base + 2), dict(sink=base + 2), dict(page_table=None),
              dict(lengths=None)]
+  # FP8 caches need both descales (4-byte aligned); 16-bit caches take none.
+  refused += ([dict(k_descale=None), dict(v_descale=None), dict(k_descale=base + 2)] if fp8
+              else [dict(k_descale=base), dict(v_descale=base)])
   for changes in refused:
     assert call(**changes) == invalid, changes
   if not ffi._cuda_device_present():  # a GPU would launch on these host pointers

@@ -169,7 +169,8 @@ def test_linked_library_exports_the_bwd_abi_and_describes_its_variant(exported, 
   assert lib.jaxflash_variant_abi_version() == _sass.abi_version()
   assert info == dict(direction=1, dtype=1, head_dim=192, head_dim_v=128, causal=1,
                       deterministic=int(deterministic), tile_m=64,
-                      max_dq_copies=2 if deterministic else 1, masked=0, tile_n=64)
+                      max_dq_copies=2 if deterministic else 1, masked=0, tile_n=64,
+                      tile_counter=0, kv_fp8=0)
   assert lib.jaxflash_variant_bwd(None, None) == 1  # cudaErrorInvalidValue
 
 

@@ -145,7 +145,8 @@ def test_linked_library_exports_the_kernel_abi_and_describes_its_variant(exporte
   assert lib.jaxflash_variant_abi_version() == _sass.abi_version()
   assert info == dict(direction=0, dtype=1, head_dim=128, head_dim_v=128, causal=int(not masked),
                       deterministic=0, tile_m=variant.schedule.tile_m, max_dq_copies=1,
-                      masked=int(masked), tile_n=variant.schedule.tile_n)
+                      masked=int(masked), tile_n=variant.schedule.tile_n,
+                      tile_counter=int(kernel_compile.takes_tile_counter(variant)), kv_fp8=0)
   assert lib.jaxflash_variant_fwd(None, None) == 1  # cudaErrorInvalidValue
 
 

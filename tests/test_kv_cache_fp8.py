@@ -152,7 +152,8 @@ def _call_args():
     (dict(k_descale=jnp.zeros((7, 2), jnp.bfloat16)), TypeError, "k_descale: expected float32"),
     (dict(k_cache=jnp.zeros((7, PAGE, 2, 8), jnp.bfloat16)), TypeError,
      "k_cache / v_cache: both float8_e4m3fn or neither"),
-    (dict(implementation="cute"), ValueError, "implementation='cute': the decode kernel reads"),
+    (dict(implementation="cute"), ValueError,
+     "implementation='cute': head_dim 8 has no decode kernel"),
 ], ids=["missing_descale", "descale_shape", "descale_dtype", "mixed_caches", "cute"])
 def test_fp8_cache_bad_input_raises_a_named_error(changes, error, pattern):
   args = {**_call_args(), **changes}

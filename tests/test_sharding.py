@@ -199,6 +199,11 @@ DECODE_CALL_CASES = {  # the kernel path's call (decode_attention), its CPU lowe
                                      True),
     "decode_call_paged_batch_heads_sink": (P("data", None, "model"), P(None, None, "model"),
                                            True, True),
+    # float8_e4m3fn caches: their descales (pages or sequences, kv heads) shard as the caches.
+    "decode_call_fp8_batch_heads": (P("data", None, "model"), P("data", None, "model"), False,
+                                    False, True),
+    "decode_call_fp8_paged_heads": (P("data", None, "model"), P(None, None, "model"), True,
+                                    False, True),
 }
 
 
@@ -353,9 +358,11 @@ def _run_kv_cache_case(q_spec, cache_spec, paged):
   return _run_cache_case(q_spec, cache_spec, paged, attend, np.float64, 16, 10)
 
 
-def _run_decode_call_case(q_spec, cache_spec, paged, with_sink):
+def _run_decode_call_case(q_spec, cache_spec, paged, with_sink, fp8=False):
   """split_kv.kernel_forward's call (decode_attention) on bf16 caches, with_sink a learnable
-  sink, which shards with the kv heads; on CPU its results come from decode_p's XLA lowering."""
+  sink, which shards with the kv heads; fp8: the caches quantized to float8_e4m3fn inside the
+  call, a descale per (page or sequence, kv head). On CPU its results come from decode_p's XLA
+  lowering."""
   import jax.numpy as jnp
 
   from jaxflash import split_kv
@@ -365,8 +372,15 @@ def _run_decode_call_case(q_spec, cache_spec, paged, with_sink):
 
   sink = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32) if with_sink else None
 
+  def quantized(cache):
+    descale = jnp.max(jnp.abs(cache.astype(jnp.float32)), axis=(1, 3)) / 448 + 1e-6
+    return (cache / descale[:, None, :, None]).astype(jnp.float8_e4m3fn), descale
+
   def attend(q, k_cache, v_cache, lengths, table):
-    return split_kv.kernel_forward(cfg, q, k_cache, v_cache, lengths, table, sink, 3)
+    if not fp8:
+      return split_kv.kernel_forward(cfg, q, k_cache, v_cache, lengths, table, sink, 3)
+    (k8, kd), (v8, vd) = quantized(k_cache), quantized(v_cache)
+    return split_kv.kernel_forward(cfg, q, k8, v8, lengths, table, sink, 3, kd, vd)
 
   return _run_cache_case(q_spec, cache_spec, paged, attend, jnp.bfloat16, 64, 11)
 

@@ -689,7 +689,9 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
 // and lengths (batch,) int32, sink (num_kv_heads, group) float32 in; out (batch, num_kv_heads,
 // rows, head_dim_v) in q's dtype and lse (batch, num_kv_heads, rows) float32 out, with the
 // scratch out_partial (batch, num_splits, num_kv_heads, rows, head_dim_v) and lse_partial
-// (batch, num_splits, num_kv_heads, rows) float32.
+// (batch, num_splits, num_kv_heads, rows) float32. Variants over float8_e4m3fn caches
+// (info.kv_fp8) take k / v in e4m3 and two more operands after the sink: k_descale and
+// v_descale (num_pages, num_kv_heads) float32.
 
 // The decode attributes against the variant library and q's dtype.
 ffi::Error CheckDecodeAttrs(const CallAttrs& a, const JaxflashVariantInfo& info,
@@ -709,8 +711,8 @@ ffi::Error CheckDecodeBuffers(const CallAttrs& a, const JaxflashVariantInfo& inf
                               int32_t seqlen_q, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                               const ffi::AnyBuffer& v, const ffi::AnyBuffer& page_table,
                               const ffi::AnyBuffer& lengths, const ffi::AnyBuffer& sink,
-                              const ffi::AnyBuffer& out, const ffi::AnyBuffer& lse,
-                              const ffi::AnyBuffer& out_partial,
+                              const ffi::RemainingArgs& descales, const ffi::AnyBuffer& out,
+                              const ffi::AnyBuffer& lse, const ffi::AnyBuffer& out_partial,
                               const ffi::AnyBuffer& lse_partial, JaxflashDecodeArgs* args) {
   struct Named { const char* name; const ffi::AnyBuffer* buffer; size_t rank; const char* layout; };
   for (const Named& n : {
@@ -734,10 +736,13 @@ ffi::Error CheckDecodeBuffers(const CallAttrs& a, const JaxflashVariantInfo& inf
   if (dtype != ffi::DataType::F16 && dtype != ffi::DataType::BF16) {
     return Invalid(a, std::string("q has ") + DtypeName(dtype) + ", accepted: float16, bfloat16");
   }
+  // The caches: q's dtype, or e4m3 for info.kv_fp8 variants.
+  const ffi::DataType kv_dtype = info.kv_fp8 ? ffi::DataType::F8E4M3FN : dtype;
   for (const Named& n : {Named{"k", &k, 4, ""}, Named{"v", &v, 4, ""}}) {
-    if (n.buffer->element_type() != dtype) {
+    if (n.buffer->element_type() != kv_dtype) {
       return Invalid(a, std::string(n.name) + " has " + DtypeName(n.buffer->element_type()) +
-                            ", q has " + DtypeName(dtype));
+                            ", the variant reads " + DtypeName(kv_dtype) + " caches (q has " +
+                            DtypeName(dtype) + ")");
     }
   }
   if (ffi::Error e = CheckDecodeAttrs(a, info, dtype, seqlen_q); e.failure()) return e;
@@ -800,6 +805,21 @@ ffi::Error CheckDecodeBuffers(const CallAttrs& a, const JaxflashVariantInfo& inf
       e.failure()) {
     return e;
   }
+  const size_t want_descales = info.kv_fp8 ? 2 : 0;
+  if (descales.size() != want_descales) {
+    return Invalid(a, std::to_string(descales.size()) + " operands after the sink, expected " +
+                          std::to_string(want_descales) + (info.kv_fp8 ? " (k_descale, v_descale)"
+                                                                        : ""));
+  }
+  const char* descale_names[] = {"k_descale", "v_descale"};
+  for (size_t i = 0; i < want_descales; ++i) {
+    auto got = descales.get<ffi::AnyBuffer>(i);
+    if (got.has_error()) return got.error();
+    // A row per page; contiguous caches: per sequence (their pages).
+    if (ffi::Error e = CheckExact(a, descale_names[i], *got, {pages, hk}, f32); e.failure()) {
+      return e;
+    }
+  }
   for (int64_t d : {b, rows, hk, pages, page_size, max_pages, splits}) {
     // The kernel ABI takes int32 extents; larger ones would silently wrap.
     if (d > std::numeric_limits<int32_t>::max()) {
@@ -831,7 +851,8 @@ ffi::Error CheckDecodeBuffers(const CallAttrs& a, const JaxflashVariantInfo& inf
 ffi::Error KvCacheAttention(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer q,
                             ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer page_table,
                             ffi::AnyBuffer lengths, ffi::AnyBuffer sink,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                            ffi::RemainingArgs descales, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::AnyBuffer> lse,
                             ffi::Result<ffi::AnyBuffer> out_partial,
                             ffi::Result<ffi::AnyBuffer> lse_partial, std::string_view variant,
                             float softmax_scale, int32_t seqlen_q, int32_t window_left,
@@ -844,8 +865,8 @@ ffi::Error KvCacheAttention(cudaStream_t stream, int32_t device_ordinal, ffi::An
   if (ffi::Error e = FindLibrary(attrs, &library); e.failure()) return e;
   JaxflashDecodeArgs args{};
   if (ffi::Error e = CheckDecodeBuffers(attrs, library->info, seqlen_q, q, k, v, page_table,
-                                        lengths, sink, *out, *lse, *out_partial, *lse_partial,
-                                        &args);
+                                        lengths, sink, descales, *out, *lse, *out_partial,
+                                        *lse_partial, &args);
       e.failure()) {
     return e;
   }
@@ -874,6 +895,10 @@ ffi::Error KvCacheAttention(cudaStream_t stream, int32_t device_ordinal, ffi::An
   args.window_left = window_left;
   args.window_right = window_right;
   args.softcap = softcap;
+  if (library->info.kv_fp8) {
+    args.k_descale = static_cast<const float*>(descales.get<ffi::AnyBuffer>(0)->untyped_data());
+    args.v_descale = static_cast<const float*>(descales.get<ffi::AnyBuffer>(1)->untyped_data());
+  }
   if (int32_t status = library->decode(&args, stream); status != 0) {
     return LaunchError(Where(attrs), status, q, k);
   }
@@ -1002,6 +1027,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                                                    // column: contiguous caches
         .Arg<ffi::AnyBuffer>()                     // lengths    (batch,) int32
         .Arg<ffi::AnyBuffer>()                     // sink (num_kv_heads, group or 0: none) f32
+        .RemainingArgs()                           // e4m3 caches: k_descale, v_descale
+                                                   // (num_pages, num_kv_heads) f32
         .Ret<ffi::AnyBuffer>()                     // out (batch, num_kv_heads, rows, dv), q's dtype
         .Ret<ffi::AnyBuffer>()                     // lse (batch, num_kv_heads, rows) f32
         .Ret<ffi::AnyBuffer>()                     // out_partial (batch, splits, hk, rows, dv) f32

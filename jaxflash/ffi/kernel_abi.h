@@ -7,7 +7,7 @@
 
 #include <stdint.h>
 
-#define JAXFLASH_KERNEL_ABI_VERSION 13
+#define JAXFLASH_KERNEL_ABI_VERSION 14
 
 #ifdef __cplusplus
 extern "C" {
@@ -31,6 +31,8 @@ typedef struct {
   int32_t masked;         // 1: takes a JaxflashMask (windows, segment ids; causal at run time)
   int32_t tile_n;         // key rows per block (the masked operands' column / row padding)
   int32_t tile_counter;   // forward: 1 when it claims its tiles from JaxflashFwdArgs.tile_counter
+  int32_t kv_fp8;         // decode: 1 when k and v are float8_e4m3fn caches with descales
+                          // (JaxflashDecodeArgs.k_descale / v_descale), 0 when in q's dtype
 } JaxflashVariantInfo;
 
 // The run-time operands of a masked variant (jaxflash/block_ranges.py computes them on the
@@ -152,9 +154,13 @@ typedef struct {
 //   q           (batch, num_kv_heads, rows, head_dim)   fp16/bf16; rows = seqlen_q * group (group
 //               = query heads per kv head): row i * group + j is query token i of query head
 //               kv * group + j
-//   k           (num_pages, page_size, num_kv_heads, head_dim)    same dtype as q; a contiguous
-//               cache is num_pages = batch, page_size = its length, max_pages = 0
-//   v           (num_pages, page_size, num_kv_heads, head_dim_v)  same dtype as q
+//   k           (num_pages, page_size, num_kv_heads, head_dim)    same dtype as q, or
+//               float8_e4m3fn (info.kv_fp8); a contiguous cache is num_pages = batch,
+//               page_size = its length, max_pages = 0
+//   v           (num_pages, page_size, num_kv_heads, head_dim_v)  as k
+//   k_descale, v_descale (num_pages, num_kv_heads) float32, info.kv_fp8 variants (NULL
+//               otherwise): key p of sequence b is k[its page, row, kv] * k_descale[its page,
+//               kv] (a contiguous cache's page is its sequence), its value likewise
 //   page_table  (batch, max_pages) int32: key position p of sequence b is row p % page_size of
 //               page page_table[b, p / page_size] (the kernel clamps entries into the pool);
 //               max_pages 0 (page_table may be NULL): contiguous caches, sequence b in page b
@@ -193,6 +199,8 @@ typedef struct {
                                       // causal is window_right = 0; unbounded: 2^30
                                       // (jaxflash.config.WINDOW_UNBOUNDED)
   float softcap;                      // > 0: scores become softcap * tanh(s / softcap); 0: off
+  const float* k_descale;             // info.kv_fp8 variants; NULL otherwise
+  const float* v_descale;
 } JaxflashDecodeArgs;
 
 // Returns JAXFLASH_KERNEL_ABI_VERSION; the handler refuses a library with another version.

@@ -11,7 +11,7 @@
 //   -DJAXFLASH_HEAD_DIM=<d>  -DJAXFLASH_HEAD_DIM_V=<dv>  -DJAXFLASH_CAUSAL=<0|1>
 //   -DJAXFLASH_DETERMINISTIC=<0|1>  -DJAXFLASH_TILE_M=<query rows per tile>
 //   -DJAXFLASH_TILE_N=<key rows per block>  -DJAXFLASH_MAX_DQ_COPIES=<1|2>
-//   -DJAXFLASH_MASKED=<0|1>  -DJAXFLASH_TILE_COUNTER=<0|1>
+//   -DJAXFLASH_MASKED=<0|1>  -DJAXFLASH_TILE_COUNTER=<0|1>  -DJAXFLASH_KV_FP8=<0|1>
 //   -DJAXFLASH_PREFIX_<PART>=<prefix>  -DJAXFLASH_HEADER_<PART>="\"<out_dir>/<file>.h\""
 //     for each exported object: MAIN (every direction), PRE and POST (backward)
 // Link: jaxflash.build.link_variant (docs/build.md). Only the kernel_abi.h functions are
@@ -29,7 +29,7 @@
     !defined(JAXFLASH_HEAD_DIM) || !defined(JAXFLASH_HEAD_DIM_V) || !defined(JAXFLASH_CAUSAL) ||  \
     !defined(JAXFLASH_DETERMINISTIC) || !defined(JAXFLASH_TILE_M) ||                               \
     !defined(JAXFLASH_TILE_N) || !defined(JAXFLASH_MAX_DQ_COPIES) ||                                \
-    !defined(JAXFLASH_MASKED) || !defined(JAXFLASH_TILE_COUNTER) ||                                \
+    !defined(JAXFLASH_MASKED) || !defined(JAXFLASH_TILE_COUNTER) || !defined(JAXFLASH_KV_FP8) ||  \
     !defined(JAXFLASH_PREFIX_MAIN) || !defined(JAXFLASH_HEADER_MAIN)
 #error "define the JAXFLASH_* macros listed at the top of variant_common.h"
 #endif
@@ -52,7 +52,7 @@ JF_EXPORT const JaxflashVariantInfo* jaxflash_variant_info(void) {
   static const JaxflashVariantInfo info = {
       JAXFLASH_DIRECTION, JAXFLASH_DTYPE,         JAXFLASH_HEAD_DIM, JAXFLASH_HEAD_DIM_V,
       JAXFLASH_CAUSAL,    JAXFLASH_DETERMINISTIC, JAXFLASH_TILE_M,   JAXFLASH_MAX_DQ_COPIES,
-      JAXFLASH_MASKED,    JAXFLASH_TILE_N,        JAXFLASH_TILE_COUNTER};
+      JAXFLASH_MASKED,    JAXFLASH_TILE_N,        JAXFLASH_TILE_COUNTER, JAXFLASH_KV_FP8};
   return &info;
 }
 

@@ -23,10 +23,12 @@ using TensorOPart = JF_MAIN(_Tensor_mOPart_t);
 using TensorLsePart = JF_MAIN(_Tensor_mLSEPart_t);
 using TensorO = JF_MAIN(_Tensor_mO_t);
 using TensorLse = JF_MAIN(_Tensor_mLSE_t);
+using TensorKDescale = JF_MAIN(_Tensor_mKDescale_t);
+using TensorVDescale = JF_MAIN(_Tensor_mVDescale_t);
 
 // q, k, v: 3 dynamic extents and 2 dynamic strides each; the others are checked by Dense against
-// the extents it fills (page_table and sink 2 / 1, lengths 1 / 0, out_partial and lse_partial
-// 4 / 3, out and lse 3 / 2).
+// the extents it fills (page_table, sink and the descales 2 / 1, lengths 1 / 0, out_partial and
+// lse_partial 4 / 3, out and lse 3 / 2).
 static_assert(kSignatureMatches<TensorQ> && kSignatureMatches<TensorK> &&
                   kSignatureMatches<TensorV>,
               "exported tensor structs do not match jaxflash.kernels.compile.decode_signature");
@@ -72,6 +74,12 @@ int32_t Validate(const JaxflashDecodeArgs* a) {
       a->lengths == nullptr) {
     return kInvalid;
   }
+  // FP8 caches read a descale per (page, kv head); 16-bit ones none.
+  const bool descales = a->k_descale != nullptr && a->v_descale != nullptr &&
+                        Aligned(a->k_descale, 4) && Aligned(a->v_descale, 4);
+  if (JAXFLASH_KV_FP8 ? !descales : (a->k_descale != nullptr || a->v_descale != nullptr)) {
+    return kInvalid;
+  }
   return 0;
 }
 
@@ -97,8 +105,12 @@ JF_EXPORT int32_t jaxflash_variant_decode(const JaxflashDecodeArgs* args, void* 
   TensorLsePart lse_part = Dense<TensorLsePart>(args->lse_partial, {b, splits, hk, rows});
   TensorO out = Dense<TensorO>(args->out, {b, hk, rows}, JAXFLASH_HEAD_DIM_V);
   TensorLse lse = Dense<TensorLse>(args->lse, {b, hk, rows});
+  // A descale row per page (a contiguous cache's page is its sequence); none for 16-bit caches.
+  const int32_t descale_rows = JAXFLASH_KV_FP8 ? pages : 0;
+  TensorKDescale k_descale = Dense<TensorKDescale>(args->k_descale, {descale_rows, hk});
+  TensorVDescale v_descale = Dense<TensorVDescale>(args->v_descale, {descale_rows, hk});
   return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &page_table, &lengths, &sink,
-                                          &o_part, &lse_part, &out, &lse,
+                                          &o_part, &lse_part, &out, &lse, &k_descale, &v_descale,
                                           args->softmax_scale, args->seqlen_q,
                                           args->window_left, args->window_right, args->softcap,
                                           static_cast<cudaStream_t>(stream));

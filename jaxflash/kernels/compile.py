@@ -183,13 +183,13 @@ def fp8_fwd_signature(variant: config.KernelVariant):
 
 
 def decode_signature(variant: config.KernelVariant):
-  """Fake (q, k, v, page_table, lengths, sink, out_partial, lse_partial, out, lse) tensors of
-  the split-KV decode call (kernel_abi.h, JaxflashDecodeArgs); shapes dynamic, head dims
-  static:
+  """Fake (q, k, v, page_table, lengths, sink, out_partial, lse_partial, out, lse, k_descale,
+  v_descale) tensors of the split-KV decode call (kernel_abi.h, JaxflashDecodeArgs); shapes
+  dynamic, head dims static:
 
     q           (batch, num_kv_heads, rows, d)              fp16/bf16
-    k           (num_pages, page_size, num_kv_heads, d)     same dtype
-    v           (num_pages, page_size, num_kv_heads, dv)    same dtype
+    k           (num_pages, page_size, num_kv_heads, d)     same dtype, or e4m3 (kv_dtype)
+    v           (num_pages, page_size, num_kv_heads, dv)    as k
     page_table  (batch, max_pages)                          int32
     lengths     (batch,)                                    int32
     sink        (num_kv_heads, group)                       float32
@@ -197,6 +197,8 @@ def decode_signature(variant: config.KernelVariant):
     lse_partial (batch, num_splits, num_kv_heads, rows)     float32
     out         (batch, num_kv_heads, rows, dv)             q's dtype
     lse         (batch, num_kv_heads, rows)                 float32
+    k_descale   (descale_rows, num_kv_heads)                float32 (read by e4m3 variants)
+    v_descale   (descale_rows, num_kv_heads)                float32
 
   Extents that must be equal share one SymInt (batch, rows, num_kv_heads, num_splits, and
   num_pages / page_size of k and v). page_size may be any size with one page per sequence (a
@@ -221,9 +223,10 @@ def decode_signature(variant: config.KernelVariant):
       strides = tuple(cute.sym_int64(divisibility=inner) for _ in shape[:-2]) + (inner, 1)
     return make_fake_tensor(dt, shape, strides, assumed_align=align)
 
+  kv_dtype = dtype if variant.kv_dtype is None else DTYPES[variant.kv_dtype]
   q = dense((batch, num_kv_heads, rows, d), d, dtype, _ASSUMED_ALIGN)
-  k = dense((num_pages, page_size, num_kv_heads, d), d, dtype, _ASSUMED_ALIGN)
-  v = dense((num_pages, page_size, num_kv_heads, dv), dv, dtype, _ASSUMED_ALIGN)
+  k = dense((num_pages, page_size, num_kv_heads, d), d, kv_dtype, _ASSUMED_ALIGN)
+  v = dense((num_pages, page_size, num_kv_heads, dv), dv, kv_dtype, _ASSUMED_ALIGN)
   page_table = dense((batch, max_pages), 1, cutlass.Int32, 4)
   lengths = make_fake_tensor(cutlass.Int32, (batch,), (1,), assumed_align=4)
   sink = dense((num_kv_heads, group), 1, cutlass.Float32, 4)
@@ -233,7 +236,13 @@ def decode_signature(variant: config.KernelVariant):
                       _ASSUMED_ALIGN)
   out = dense((batch, num_kv_heads, rows, dv), dv, dtype, _ASSUMED_ALIGN)
   lse = dense((batch, num_kv_heads, rows), 1, cutlass.Float32, _ASSUMED_ALIGN)
-  return q, k, v, page_table, lengths, sink, out_partial, lse_partial, out, lse
+  # Pages of a pool, or sequences of contiguous caches: the glue passes either (NULL and no
+  # row for 16-bit caches).
+  descale_rows = cute.sym_int32()
+  k_descale = dense((descale_rows, num_kv_heads), 1, cutlass.Float32, 4)
+  v_descale = dense((descale_rows, num_kv_heads), 1, cutlass.Float32, 4)
+  return (q, k, v, page_table, lengths, sink, out_partial, lse_partial, out, lse, k_descale,
+          v_descale)
 
 
 def _checked(variant: config.KernelVariant, kernel_class) -> config.KernelVariant:
@@ -321,7 +330,8 @@ def glue_defines(variant: config.KernelVariant, parts: dict) -> tuple[str, ...]:
              f"-DJAXFLASH_MAX_DQ_COPIES="
              f"{schedule.dq_copies if variant.direction == 'bwd' else 1}",
              f"-DJAXFLASH_MASKED={int(variant.masked)}",
-             f"-DJAXFLASH_TILE_COUNTER={int(takes_tile_counter(variant))}"]
+             f"-DJAXFLASH_TILE_COUNTER={int(takes_tile_counter(variant))}",
+             f"-DJAXFLASH_KV_FP8={int(variant.kv_dtype is not None)}"]
   for part, (prefix, header) in parts.items():
     defines += [f"-DJAXFLASH_PREFIX_{part.upper()}={prefix}",
                 f'-DJAXFLASH_HEADER_{part.upper()}="{header}"']

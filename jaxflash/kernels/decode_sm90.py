@@ -11,7 +11,9 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from jaxflash import config
 from jaxflash.kernels import sm90_gemm
@@ -21,17 +23,27 @@ from jaxflash.kernels.fwd_sm90 import FlashAttentionForwardSm90
 
 _select = sm90_gemm.select_modes
 DTYPES = sm90_gemm.DTYPES
+FP8 = cutlass.Float8E4M3FN
 _WARPGROUP_THREADS = sm90_gemm.WARPGROUP_THREADS
 # Keys move in boxes of this many rows: the smallest page (a page is a power of two from 16).
 BOX_ROWS = 16
 # Named barrier 1: the consumer warpgroup, after it zeroed V rows past the cache length.
 _V_TAIL_BARRIER = 1
-# (producer, consumer) registers per thread after setmaxnreg: one consumer warpgroup.
+# (producer, consumer) registers per thread after setmaxnreg: one consumer warpgroup. The
+# warps that convert FP8 caches keep a 16-byte load and its 32 converted bytes in flight with
+# their addresses: at 56 registers the variants spilled, so they keep 128 (the pool of 256
+# threads holds both).
 _PRODUCER_REGS, _CONSUMER_REGS = 56, 256
+_FP8_PRODUCER_REGS = 128
+# FP8 caches: warps 1-3 of the producer warpgroup convert the e4m3 blocks (warp 0 issues the
+# TMA loads), 16 bytes of e4m3 per thread and step.
+_CONVERT_WARPS = 3
+_CONVERT_THREADS = _CONVERT_WARPS * sm90_gemm.WARP_THREADS
+_CHUNK = 16
 
 
 def _swizzle_elems(dtype, major_size: int) -> int:
-  """Elements of 16-bit `dtype` per row of the swizzle atom sm90_gemm.smem_layout picks for a
+  """Elements of `dtype` per row of the swizzle atom sm90_gemm.smem_layout picks for a
   contiguous mode of major_size (128-, 64- or 32-byte swizzle): the widest TMA box column."""
   for width_bytes in (128, 64, 32):
     elems = width_bytes * 8 // dtype.width
@@ -41,12 +53,80 @@ def _swizzle_elems(dtype, major_size: int) -> int:
 
 
 def _smem_buffers(variant: config.KernelVariant) -> dict:
-  """Shared buffers after the mbarriers, in storage order: {name: (type, count, alignment)}."""
+  """Shared buffers after the mbarriers, in storage order: {name: (type, count, alignment)}.
+  FP8 caches add the e4m3 rings TMA fills (sK8, sV8)."""
   dtype, s = DTYPES[variant.dtype], variant.schedule
   align = sm90_gemm.SMEM_ALIGN
-  return dict(sQ=(dtype, s.tile_m * variant.head_dim, align),
-              sK=(dtype, s.num_stages * s.tile_n * variant.head_dim, align),
-              sV=(dtype, s.num_stages * s.tile_n * variant.head_dim_v, align))
+  buffers = dict(sQ=(dtype, s.tile_m * variant.head_dim, align),
+                 sK=(dtype, s.num_stages * s.tile_n * variant.head_dim, align),
+                 sV=(dtype, s.num_stages * s.tile_n * variant.head_dim_v, align))
+  if variant.kv_dtype is not None:
+    buffers.update(sK8=(FP8, s.fp8_stages * s.tile_n * variant.head_dim, align),
+                   sV8=(FP8, s.fp8_stages * s.tile_n * variant.head_dim_v, align))
+  return buffers
+
+
+def _byte_offset(layout: cute.ComposedLayout, crd, elem_bytes: int) -> Int32:
+  """Byte offset of coordinate crd in a swizzled shared-memory layout (sm90_gemm.smem_layout)
+  of elem_bytes-byte elements: its swizzle (Swizzle<B, M, S>) acts on byte offsets, so the
+  unswizzled element offset is scaled first. A ring's stages are whole swizzle periods apart,
+  so crd may name any stage."""
+  sw = layout.inner
+  offset = Int32(cute.crd2idx(crd, layout.outer)) * elem_bytes
+  mask = ((1 << sw.num_bits) - 1) << sw.num_base
+  return offset ^ ((offset >> sw.num_shift) & mask)
+
+
+@dsl_user_op
+def _ld_shared_v4(addr: Int32, *, loc=None, ip=None):
+  """Four 32-bit words from shared memory at byte address addr (16-byte aligned)."""
+  res = llvm.inline_asm(
+      llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
+      "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", has_side_effects=True,
+      is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+  return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def _st_shared_v4(addr: Int32, w0: Int32, w1: Int32, w2: Int32, w3: Int32, *, loc=None,
+                  ip=None) -> None:
+  llvm.inline_asm(
+      None, [Int32(x).ir_value(loc=loc, ip=ip) for x in (addr, w0, w1, w2, w3)],
+      "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", has_side_effects=True,
+      is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+# e4m3 -> float16 is exact (cvt.rn.f16x2.e4m3x2: every e4m3 value, subnormals included, is a
+# normal float16), and so is float16 -> float32 -> bfloat16 of such a value (3 mantissa bits).
+_E4M3X4_TO_F16 = ("{ .reg .b16 lo, hi;\n"
+                  "mov.b32 {lo, hi}, $2;\n"
+                  "cvt.rn.f16x2.e4m3x2 $0, lo;\n"
+                  "cvt.rn.f16x2.e4m3x2 $1, hi; }")
+_E4M3X4_TO_BF16 = ("{ .reg .b16 lo, hi, h0, h1, h2, h3;\n"
+                   ".reg .b32 p0, p1;\n"
+                   ".reg .f32 f0, f1, f2, f3;\n"
+                   "mov.b32 {lo, hi}, $2;\n"
+                   "cvt.rn.f16x2.e4m3x2 p0, lo;\n"
+                   "cvt.rn.f16x2.e4m3x2 p1, hi;\n"
+                   "mov.b32 {h0, h1}, p0;\n"
+                   "mov.b32 {h2, h3}, p1;\n"
+                   "cvt.f32.f16 f0, h0;\n"
+                   "cvt.f32.f16 f1, h1;\n"
+                   "cvt.f32.f16 f2, h2;\n"
+                   "cvt.f32.f16 f3, h3;\n"
+                   "cvt.rn.bf16x2.f32 $0, f1, f0;\n"  # the first source goes to the high half
+                   "cvt.rn.bf16x2.f32 $1, f3, f2; }")
+
+
+@dsl_user_op
+def _e4m3x4_to_16bit(word: Int32, bf16: bool, *, loc=None, ip=None):
+  """Four e4m3 bytes (the lowest first) -> two words of two 16-bit values each (float16 or
+  bfloat16), in the same order."""
+  res = llvm.inline_asm(
+      llvm.StructType.get_literal([T.i32()] * 2), [Int32(word).ir_value(loc=loc, ip=ip)],
+      _E4M3X4_TO_BF16 if bf16 else _E4M3X4_TO_F16, "=r,=r,r", has_side_effects=False,
+      is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+  return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
 
 
 class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
@@ -75,6 +155,13 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
   (causal: window_right = 0) and p < L; soft-capping as in the masked forward. The consumer
   warpgroup runs the forward's S / softmax / PV overlap (FlashAttentionForwardSm90) on 64 x
   tile_n blocks, masking only blocks that cross a bound.
+
+  FP8 caches (variant.kv_dtype): TMA copies the e4m3 blocks into rings of their own
+  (schedule.fp8_stages deep), warps 1-3 of the producer warpgroup convert each block exactly
+  into the 16-bit rings the GEMMs read (the query's dtype), in the producer's order; the
+  consumers scale each key's scores by its k descale before the softmax and its P by its v
+  descale after it (the row sums keep the unscaled P), float32 descales per (page, kv head):
+  key j is k[...] * k_descale[its page, kv head]. A contiguous cache's page is its sequence.
   """
 
   def __init__(self, variant: config.KernelVariant):
@@ -95,6 +182,8 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     self.num_mma_threads = _WARPGROUP_THREADS
     self.num_threads = 2 * _WARPGROUP_THREADS
     self.num_producer_regs, self.num_mma_regs = _PRODUCER_REGS, _CONSUMER_REGS
+    if variant.kv_dtype is not None:
+      self.num_producer_regs = _FP8_PRODUCER_REGS
     self.pingpong = False
     self.persistent = False
     self.lpt = False
@@ -103,8 +192,11 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     self.masked = False
     self.fixed_capped_max = False  # the running max, soft-capped or not (_softmax)
     self.tiles_from_last_row = False
-    self.k_box_cols = _swizzle_elems(self.dtype, self.head_dim)
-    self.v_box_rows = _swizzle_elems(self.dtype, self.head_dim_v)
+    self.fp8_cache = variant.kv_dtype is not None
+    self.fp8_stages = schedule.fp8_stages
+    self.kv_dtype = FP8 if self.fp8_cache else self.dtype  # what TMA copies
+    self.k_box_cols = _swizzle_elems(self.kv_dtype, self.head_dim)
+    self.v_box_rows = _swizzle_elems(self.kv_dtype, self.head_dim_v)
 
   @staticmethod
   def smem_bytes(variant: config.KernelVariant) -> int:
@@ -113,7 +205,10 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
 
   @staticmethod
   def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:
-    return sm90_gemm.variant_support(variant, "decode")
+    ok, reason = sm90_gemm.variant_support(variant, "decode")
+    if ok and variant.kv_dtype is not None:
+      ok, reason = config.decode_fp8_support(variant.dtype, variant.head_dim, variant.head_dim_v)
+    return ok, reason
 
   def _setup_attributes(self):
     """Tiled MMAs, shared layouts (the rings and the 16-key boxes TMA fills), byte counts."""
@@ -128,24 +223,32 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
                                            self.num_stages)
     self.sV_layout = sm90_gemm.smem_layout(self.dtype, self.head_dim_v, self.tile_n,
                                            self.num_stages, col_major=True)
+    # The rings TMA fills: the 16-bit ones, or the e4m3 ones of FP8 caches.
+    self.sK_load_layout, self.sV_load_layout = self.sK_layout, self.sV_layout
+    pipelines = dict(mbar_q=1, mbar_k=self.num_stages, mbar_v=self.num_stages)
+    tiles = dict(sQ=(self.sQ_layout,), sK=(self.sK_layout,), sV=(self.sV_layout,))
+    if const_expr(self.fp8_cache):
+      self.sK_load_layout = sm90_gemm.smem_layout(FP8, self.tile_n, self.head_dim,
+                                                  self.fp8_stages)
+      self.sV_load_layout = sm90_gemm.smem_layout(FP8, self.head_dim_v, self.tile_n,
+                                                  self.fp8_stages, col_major=True)
+      pipelines.update(mbar_k8=self.fp8_stages, mbar_v8=self.fp8_stages)
+      tiles.update(sK8=(self.sK_load_layout,), sV8=(self.sV_load_layout,))
     # One TMA box: 16 keys by one swizzle atom's width of the head dim. Inside a ring stage such
     # a box sits at a multiple of the swizzle period, with exactly this layout.
-    self.sK_box = sm90_gemm.smem_layout(self.dtype, BOX_ROWS, self.k_box_cols)
-    self.sV_box = sm90_gemm.smem_layout(self.dtype, self.v_box_rows, BOX_ROWS, col_major=True)
+    self.sK_box = sm90_gemm.smem_layout(self.kv_dtype, BOX_ROWS, self.k_box_cols)
+    self.sV_box = sm90_gemm.smem_layout(self.kv_dtype, self.v_box_rows, BOX_ROWS, col_major=True)
     self.tma_bytes_q = cute.size_in_bytes(self.dtype, self.sQ_layout)
-    self.tma_bytes_k = self.tile_n * self.head_dim * self.dtype.width // 8
-    self.tma_bytes_v = self.tile_n * self.head_dim_v * self.dtype.width // 8
-    self.shared_storage = sm90_gemm.shared_storage(
-        dict(mbar_q=1, mbar_k=self.num_stages, mbar_v=self.num_stages),
-        _smem_buffers(self.variant),
-        dict(sQ=(self.sQ_layout,), sK=(self.sK_layout,), sV=(self.sV_layout,)))
+    self.tma_bytes_k = self.tile_n * self.head_dim * self.kv_dtype.width // 8
+    self.tma_bytes_v = self.tile_n * self.head_dim_v * self.kv_dtype.width // 8
+    self.shared_storage = sm90_gemm.shared_storage(pipelines, _smem_buffers(self.variant), tiles)
 
   @cute.jit
   def __call__(
       self,
       mQ: cute.Tensor,  # (batch, num_kv_heads, rows, head_dim): rows = seqlen_q * group
-      mK: cute.Tensor,  # (num_pages, page_size, num_kv_heads, head_dim)
-      mV: cute.Tensor,  # (num_pages, page_size, num_kv_heads, head_dim_v)
+      mK: cute.Tensor,  # (num_pages, page_size, num_kv_heads, head_dim): q's dtype, or e4m3
+      mV: cute.Tensor,  # (num_pages, page_size, num_kv_heads, head_dim_v): as k
       mPageTable: cute.Tensor,  # (batch, max_pages) int32; no column: contiguous caches
       mLengths: cute.Tensor,  # (batch,) int32 valid keys per sequence
       mSink: cute.Tensor,  # (num_kv_heads, group or 0: none) float32 learnable sinks
@@ -153,6 +256,8 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       mLSEPart: cute.Tensor,  # (batch, num_splits, num_kv_heads, rows) float32
       mO: cute.Tensor,  # (batch, num_kv_heads, rows, head_dim_v) in q's dtype
       mLSE: cute.Tensor,  # (batch, num_kv_heads, rows) float32
+      mKDescale: cute.Tensor,  # FP8 caches: (num_pages, num_kv_heads) float32; else unread
+      mVDescale: cute.Tensor,  # the same for v
       softmax_scale: Float32,
       seqlen_q: Int32,  # query tokens per sequence (rows / group)
       window_left: Int32,  # keys visible left of a query's position (config.WINDOW_UNBOUNDED)
@@ -160,11 +265,14 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       softcap: Float32,  # > 0: scores become softcap * tanh(s / softcap); 0: off
       stream: cuda.CUstream,
   ):
-    if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == self.dtype)):
-      raise TypeError(f"q, k and v must all be {self.dtype}")
+    if const_expr(not (mQ.element_type == self.dtype
+                       and mK.element_type == mV.element_type == self.kv_dtype)):
+      raise TypeError(f"q must be {self.dtype}, k and v {self.kv_dtype}")
     if const_expr(mOPart.element_type != Float32 or mLSEPart.element_type != Float32
-                  or mLSE.element_type != Float32 or mSink.element_type != Float32):
-      raise TypeError("the partial out and lse, the lse and the sink must be Float32")
+                  or mLSE.element_type != Float32 or mSink.element_type != Float32
+                  or mKDescale.element_type != Float32 or mVDescale.element_type != Float32):
+      raise TypeError("the partial out and lse, the lse, the sink and the descales must be "
+                      "Float32")
     if const_expr(mO.element_type != self.dtype):
       raise TypeError(f"out must be {self.dtype}")
     self._setup_attributes()
@@ -181,18 +289,19 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
         load_op, mVt, self.sV_box, (self.v_box_rows, BOX_ROWS))
     # Whole key blocks, when every block lies in one page.
     tma_atom_kt, tma_kt = cpasync.make_tiled_tma_atom(
-        load_op, mK, cute.slice_(self.sK_layout, (None, None, 0)), (self.tile_n, self.head_dim))
+        load_op, mK, cute.slice_(self.sK_load_layout, (None, None, 0)),
+        (self.tile_n, self.head_dim))
     tma_atom_vt, tma_vt = cpasync.make_tiled_tma_atom(
-        load_op, mVt, cute.slice_(self.sV_layout, (None, None, 0)),
+        load_op, mVt, cute.slice_(self.sV_load_layout, (None, None, 0)),
         (self.head_dim_v, self.tile_n))
     grid = (cute.ceil_div(mQ.shape[0], self.tile_m), mOPart.shape[1],
             mQ.shape[3] * mQ.shape[2])
     self.kernel(
         tma_q, tma_k, tma_v, tma_kt, tma_vt, tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_kt,
         tma_atom_vt, mPageTable, mLengths,
-        mOPart, mLSEPart, softmax_scale, seqlen_q, window_left, window_right, softcap,
-        self.sQ_layout, self.sK_layout, self.sV_layout,
-        self.tiled_mma_qk, self.tiled_mma_pv,
+        mOPart, mLSEPart, mKDescale, mVDescale, softmax_scale, seqlen_q, window_left,
+        window_right, softcap, self.sQ_layout, self.sK_layout, self.sV_layout,
+        self.sK_load_layout, self.sV_load_layout, self.tiled_mma_qk, self.tiled_mma_pv,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
     DecodeCombine(self.dtype, self.head_dim_v)(mOPart, mLSEPart, mSink, mO, mLSE, stream)
 
@@ -213,6 +322,8 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       mLengths: cute.Tensor,
       mOPart: cute.Tensor,
       mLSEPart: cute.Tensor,
+      mKDescale: cute.Tensor,
+      mVDescale: cute.Tensor,
       softmax_scale: Float32,
       seqlen_q: Int32,
       window_left: Int32,
@@ -221,6 +332,8 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       sQ_layout: cute.ComposedLayout,
       sK_layout: cute.ComposedLayout,
       sV_layout: cute.ComposedLayout,
+      sK_load_layout: cute.ComposedLayout,  # the ring TMA fills: sK_layout, or e4m3 (FP8)
+      sV_load_layout: cute.ComposedLayout,
       tiled_mma_qk: cute.TiledMma,
       tiled_mma_pv: cute.TiledMma,
   ):
@@ -229,10 +342,17 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     sm90_gemm.prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_kt,
                                               tma_atom_vt))
     storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-    pipeline_q, pipeline_k, pipeline_v = self._make_pipelines(storage)
+    pipeline_q, pipeline_k, pipeline_v, pipeline_k8, pipeline_v8 = self._decode_pipelines(
+        storage)
     sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
     sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
     sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+    # The rings TMA fills (FP8 caches: the e4m3 ones, with their own pipelines).
+    sK_load, sV_load, pipeline_k_load, pipeline_v_load = sK, sV, pipeline_k, pipeline_v
+    if const_expr(self.fp8_cache):
+      sK_load = storage.sK8.get_tensor(sK_load_layout.outer, swizzle=sK_load_layout.inner)
+      sV_load = storage.sV8.get_tensor(sV_load_layout.outer, swizzle=sV_load_layout.inner)
+      pipeline_k_load, pipeline_v_load = pipeline_k8, pipeline_v8
     # Soft-capping: the S registers hold t = tanh(S * scale / softcap), so the softmax scale
     # becomes softcap.
     capped = softcap > Float32(0.0)
@@ -254,14 +374,60 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       cute.arch.setmaxregister_decrease(self.num_producer_regs)
       if warp_idx == 0:
         self.load_decode(mQ, mK, mV, mKt, mVt, tma_atom_q, tma_atom_k, tma_atom_v,
-                         tma_atom_kt, tma_atom_vt, sQ, sK, sV, pipeline_q, pipeline_k,
-                         pipeline_v, mPageTable, work, m_block, head_kv, batch)
+                         tma_atom_kt, tma_atom_vt, sQ, sK_load, sV_load, pipeline_q,
+                         pipeline_k_load, pipeline_v_load, mPageTable, work, m_block, head_kv,
+                         batch)
+      if const_expr(self.fp8_cache):
+        if warp_idx > 0:
+          self.convert_kv(storage.sK8.data_ptr(), sK_load_layout, storage.sV8.data_ptr(),
+                          sV_load_layout, storage.sK.data_ptr(), sK_layout,
+                          storage.sV.data_ptr(), sV_layout, pipeline_k8, pipeline_v8,
+                          pipeline_k, pipeline_v, work, tidx - sm90_gemm.WARP_THREADS)
     else:
       cute.arch.setmaxregister_increase(self.num_mma_regs)
+      descales = None
+      if const_expr(self.fp8_cache):
+        descales = _Descales(
+            k=mKDescale, v=mVDescale,
+            paging=self._paging(mPageTable, mK.shape[0], mK.shape[3], work, head_kv, batch))
       self.mma_decode(mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_q,
                       pipeline_k, pipeline_v, softmax_scale, Int32(capped), tanh_scale, work,
                       m_block, split, head_kv, batch, seqlen_q, window_left, window_right,
-                      mQ.shape[0])
+                      mQ.shape[0], descales)
+
+  def _decode_pipelines(self, storage):
+    """(Q, K, V, e4m3 K, e4m3 V) pipelines; the last two None without FP8 caches.
+
+    TMA pipelines have one elected producer thread; their consumers release per warp (Q is
+    never released: one tile per CTA). FP8 caches: TMA fills the e4m3 rings, whose consumers
+    are the converting warps, and the 16-bit rings are PipelineAsync between the converting
+    threads (producers, each arriving) and the consumer warpgroup's threads.
+    """
+    thread = pipeline.Agent.Thread
+    producer = pipeline.CooperativeGroup(thread, 1)
+    mma_warps = pipeline.CooperativeGroup(thread, self.num_mma_threads // sm90_gemm.WARP_THREADS)
+
+    def tma(mbar, stages, tx, consumers):
+      return pipeline.PipelineTmaAsync.create(
+          barrier_storage=mbar.data_ptr(), num_stages=stages, producer_group=producer,
+          consumer_group=consumers, tx_count=tx, defer_sync=True)
+
+    pipeline_q = tma(storage.mbar_q, 1, self.tma_bytes_q, producer)
+    if const_expr(not self.fp8_cache):
+      return (pipeline_q, tma(storage.mbar_k, self.num_stages, self.tma_bytes_k, mma_warps),
+              tma(storage.mbar_v, self.num_stages, self.tma_bytes_v, mma_warps), None, None)
+    converters = pipeline.CooperativeGroup(thread, _CONVERT_WARPS)
+
+    def converted(mbar):
+      return pipeline.PipelineAsync.create(
+          barrier_storage=mbar.data_ptr(), num_stages=self.num_stages,
+          producer_group=pipeline.CooperativeGroup(thread, _CONVERT_THREADS),
+          consumer_group=pipeline.CooperativeGroup(thread, self.num_mma_threads),
+          defer_sync=True)
+
+    return (pipeline_q, converted(storage.mbar_k), converted(storage.mbar_v),
+            tma(storage.mbar_k8, self.fp8_stages, self.tma_bytes_k, converters),
+            tma(storage.mbar_v8, self.fp8_stages, self.tma_bytes_v, converters))
 
   @cute.jit
   def _work(self, rows: Int32, page_size: Int32, mPageTable: cute.Tensor, mLengths: cute.Tensor,
@@ -356,6 +522,68 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       self._load_block(v_copy, pipeline_v, kv_state, paging, n_start, False)
 
   @cute.jit
+  def convert_kv(self, k8_ptr: cute.Pointer, sK8_layout: cute.ComposedLayout,
+                 v8_ptr: cute.Pointer, sV8_layout: cute.ComposedLayout, k_ptr: cute.Pointer,
+                 sK_layout: cute.ComposedLayout, v_ptr: cute.Pointer,
+                 sV_layout: cute.ComposedLayout, pipeline_k8, pipeline_v8, pipeline_k,
+                 pipeline_v, work, thread: Int32):
+    """Warps 1-3 (FP8 caches; thread: 0-95 among them): each e4m3 K / V block TMA filled
+    becomes a 16-bit block of the ring the consumers' GEMMs read, in the producer's order
+    (K(n_end - 1), then K(n - 1) before V(n), then V(n_start))."""
+    k8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fp8_stages)
+    v8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fp8_stages)
+    k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+    v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+    k_ring = (k8_ptr, sK8_layout, k_ptr, sK_layout, pipeline_k8, pipeline_k)
+    v_ring = (v8_ptr, sV8_layout, v_ptr, sV_layout, pipeline_v8, pipeline_v)
+    n_start, n_end = work.n_start, work.n_end
+    if n_end > n_start:
+      self._convert_block(k_ring, k8_state, k_state, True, thread)
+      k8_state.advance()
+      k_state.advance()
+      for _ in cutlass.range(n_end - 1 - n_start, unroll=1):
+        self._convert_block(k_ring, k8_state, k_state, True, thread)
+        k8_state.advance()
+        k_state.advance()
+        self._convert_block(v_ring, v8_state, v_state, False, thread)
+        v8_state.advance()
+        v_state.advance()
+      self._convert_block(v_ring, v8_state, v_state, False, thread)
+
+  @cute.jit
+  def _convert_block(self, ring, src_state, dst_state, is_k: cutlass.Constexpr, thread: Int32):
+    """One block of `ring` (convert_kv) from e4m3 stage src_state to 16-bit stage dst_state:
+    wait for the first and acquire the second, convert 16 bytes per thread and step (one
+    16-byte load, two 16-byte stores at the same (key, head_dim) coordinates of the two
+    swizzled layouts), release the first and publish the second."""
+    src_ptr, src_layout, dst_ptr, dst_layout, pipe8, pipe16 = ring
+    dim = self.head_dim if const_expr(is_k) else self.head_dim_v
+    per_key = dim // _CHUNK
+    out_bytes = self.dtype.width // 8
+    bf16 = self.dtype == cutlass.BFloat16
+    pipe8.consumer_wait(src_state)
+    pipe16.producer_acquire(dst_state)
+    src_base = Int32(src_ptr.toint())
+    dst_base = Int32(dst_ptr.toint())
+    for chunk in cutlass.range(thread, self.tile_n * per_key, _CONVERT_THREADS, unroll=1):
+      key = chunk // per_key
+      col = (chunk - key * per_key) * _CHUNK
+      # (key, head_dim, stage) of K, (head_dim_v, key, stage) of V: head dims contiguous.
+      crd = lambda c, stage: (key, c, stage) if const_expr(is_k) else (c, key, stage)
+      words = _ld_shared_v4(src_base + _byte_offset(src_layout, crd(col, src_state.index), 1))
+      out = []
+      for w in words:
+        out += _e4m3x4_to_16bit(w, bf16)
+      for half in cutlass.range_constexpr(2):
+        dst = _byte_offset(dst_layout, crd(col + half * _CHUNK // 2, dst_state.index),
+                           out_bytes)
+        _st_shared_v4(dst_base + dst, *out[4 * half:4 * half + 4])
+    # The 16-bit stores are generic-proxy; the consumers' WGMMA reads through the async one.
+    cute.arch.fence_proxy("async.shared", space="cta")
+    sm90_gemm.release_after_lane_loads(pipe8, src_state)
+    pipe16.producer_commit(dst_state)
+
+  @cute.jit
   def _paging(self, mPageTable: cute.Tensor, page_size: Int32, num_pages: Int32, work,
               head_kv: Int32, batch: Int32):
     """What the producer needs to find a key block's pages (see _load_block)."""
@@ -432,9 +660,9 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
                  tiled_mma_pv: cute.TiledMma, pipeline_q, pipeline_k, pipeline_v,
                  softmax_scale: Float32, capped: Int32, tanh_scale: Float32, work,
                  m_block: Int32, split: Int32, head_kv: Int32, batch: Int32, seqlen_q: Int32,
-                 window_left: Int32, window_right: Int32, rows: Int32):
+                 window_left: Int32, window_right: Int32, rows: Int32, descales=None):
     """Consumer warpgroup: S = Q K^T, online softmax, O += P V over the split's key blocks
-    (highest first), then the partial out and lse."""
+    (highest first), then the partial out and lse. descales: FP8 caches' _Descales."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WARPGROUP_THREADS
     c, thr_mma_pv = self._consumer(mma_tidx, cute.arch.make_warp_uniform(
@@ -451,7 +679,8 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       key_lo[i] = pos - window_left
       key_hi[i] = cutlass.min(pos + window_right + 1, work.length)
     band = _KeyBand(capped=capped, tanh_scale=tanh_scale, key_lo=key_lo, key_hi=key_hi,
-                    length=work.length, whole_blocks=work.whole_blocks, sV=sV)
+                    length=work.length, whole_blocks=work.whole_blocks, sV=sV,
+                    descales=descales)
     c = dataclasses.replace(c, masking=band)
 
     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -507,10 +736,14 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
   def _softmax(self, c, acc_s: cute.Tensor, m_block: Int32, n_block: Int32, seqlen_q: Int32,
                seqlen_k: Int32, is_masked: cutlass.Constexpr, k_state,
                fixed_max: cutlass.Constexpr = False):
-    """Soft-cap (when on), mask the keys outside each row's band (is_masked), online softmax.
-    fixed_max is always False here: decode tiles keep the running max."""
+    """FP8 caches: scores times their keys' k descales. Soft-cap (when on), mask the keys
+    outside each row's band (is_masked), online softmax; FP8 caches: P times the keys' v
+    descales (the row sums keep the unscaled P). fixed_max is always False here: decode tiles
+    keep the running max."""
     band = c.masking
     acc_s_mn = softmax.make_acc_mn_view(acc_s)
+    if const_expr(self.fp8_cache):
+      self._scale_by_descales(c, acc_s_mn, n_block, band.descales.k, False)
     if band.capped != 0:
       softmax.soft_cap(acc_s, band.tanh_scale)
     if const_expr(is_masked):
@@ -521,6 +754,52 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
           if key < band.key_lo[i] or key >= band.key_hi[i]:
             acc_s_mn[i, j] = -Float32.inf
     c.online.online_softmax(acc_s_mn, c.row_scale)
+    if const_expr(self.fp8_cache):
+      self._scale_by_descales(c, acc_s_mn, n_block, band.descales.v, is_masked)
+
+  def _column_boxes(self, c) -> list:
+    """The 16-key box of each of a thread's S columns, the same for every thread (trace time):
+    a thread's columns are 8 k + 2 (lane % 4) + {0, 1}, so lanes differ by less than 8 inside
+    one group of 8 keys, never across a box."""
+    boxes = []
+    for lane in (0, 3):  # the smallest and largest lane offset
+      coords = softmax.make_acc_mn_view(c.tiled_mma_qk.get_slice(lane).partition_C(
+          cute.make_identity_tensor((self.tile_m, self.tile_n))))
+      boxes.append([int(coords[0, j][1]) // BOX_ROWS
+                    for j in range(cute.size(coords, mode=[1]))])
+    assert boxes[0] == boxes[1], boxes
+    return boxes[0]
+
+  @cute.jit
+  def _scale_by_descales(self, c, acc_mn: cute.Tensor, n_block: Int32, descale: cute.Tensor,
+                         past_length_zero: cutlass.Constexpr):
+    """acc_mn's columns (keys of block n_block) times their keys' descale (num_pages,
+    num_kv_heads) float32 of FP8 caches: one per block where every block lies in one page,
+    else one per 16-key box (pages of 16 to tile_n / 2 keys). past_length_zero (masked blocks,
+    after the softmax): keys at or past the length get 0 whatever the descale of the page the
+    table names there (P is 0 for them, and 0 times a non-finite descale would poison O)."""
+    band = c.masking
+    paging = band.descales.paging
+    key0 = n_block * self.tile_n
+    num_boxes = self.tile_n // BOX_ROWS
+    scales = cute.make_rmem_tensor(num_boxes, Float32)
+    if band.whole_blocks != 0:
+      block_scale = descale[self._page(paging, key0 // paging.page_size), paging.head_kv]
+      for b in cutlass.range_constexpr(num_boxes):
+        scales[b] = block_scale
+    else:
+      page_shift = paging.box_shift + 4  # pages of 16 << box_shift keys
+      for b in cutlass.range_constexpr(num_boxes):
+        scales[b] = descale[self._page(paging, (key0 + b * BOX_ROWS) >> page_shift),
+                            paging.head_kv]
+    boxes = self._column_boxes(c)
+    for j in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+      col_scale = scales[boxes[j]]
+      if const_expr(past_length_zero):
+        if key0 + c.tScS_mn[0, j][1] >= band.length:
+          col_scale = Float32(0.0)
+      for i in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        acc_mn[i, j] = acc_mn[i, j] * col_scale
 
   @cute.jit
   def epilogue_decode(self, mOPart: cute.Tensor, mLSEPart: cute.Tensor, thr_mma_pv,
@@ -596,3 +875,13 @@ class _KeyBand:
   length: Int32
   whole_blocks: Int32  # _Work.whole_blocks
   sV: cute.Tensor  # the V ring (the first block zeroes rows past the length)
+  descales: "_Descales" = None  # FP8 caches
+
+
+@dataclasses.dataclass(frozen=True)
+class _Descales:
+  """FP8 caches' descales and where a key's page is (the consumer scales scores and P)."""
+
+  k: cute.Tensor  # (num_pages, num_kv_heads) float32
+  v: cute.Tensor
+  paging: _Paging
