@@ -6,8 +6,8 @@
 #   scripts/gpu_flax_compare.sh [STEPS] [CONFIG]     # default: 200 small
 # Trains with each attention and prints tokens/s of each run and the max |difference| of their
 # loss curves; then generates from the jaxflash run's checkpoint with each attention's KV-cache
-# decoding (GEN_BATCH sequences, default 8, of GEN_TOKENS new tokens, default 256) and prints
-# their decode tokens/s. Writes to $OUT (default ./gpu_out): flax_<attention>_metrics.json /
+# decoding, and jaxflash's over float8_e4m3fn caches (GEN_BATCH sequences, default 8, of
+# GEN_TOKENS new tokens, default 256), and prints their decode tokens/s. Writes to $OUT (default ./gpu_out): flax_<attention>_metrics.json /
 # _loss.png / .log, flax_generate_<attention>.log, flax_compare.json, flax_compare.png.
 # Checkpoints stay in a temporary directory (hundreds of MB each).
 # Exit status: nonzero if any run failed.
@@ -43,7 +43,7 @@ done
 # Decoding: the jaxflash run's weights with each attention's cache attention, so the rates (and
 # the greedy texts) compare the attentions alone.
 if [ -d "$work/jaxflash/checkpoints" ]; then
-  for attention in jaxflash cudnn xla; do
+  for attention in jaxflash jaxflash-fp8 cudnn xla; do
     echo "=== generate with $attention"
     "$py" -m examples.flax_transformer.generate --workdir "$work/jaxflash" --config "$config" \
         --attention "$attention" --batch "${GEN_BATCH:-8}" --tokens "${GEN_TOKENS:-256}" \
@@ -83,7 +83,7 @@ for pair, diff in summary["max_abs_loss_difference"].items():
 # generate.py's last line: "decode: N tokens x batch B in S s, R tokens/s (attention=KIND)".
 summary["decode_tokens_per_s"] = {}
 texts = {}
-for kind in ("jaxflash", "cudnn", "xla"):
+for kind in ("jaxflash", "jaxflash-fp8", "cudnn", "xla"):
   path = out / f"flax_generate_{kind}.log"
   if path.exists():
     log = path.read_text()
@@ -95,7 +95,7 @@ for kind in ("jaxflash", "cudnn", "xla"):
 for kind, rate in summary["decode_tokens_per_s"].items():
   same = "same text as jaxflash" if texts.get(kind) == texts.get("jaxflash") else (
       "text differs from jaxflash's")
-  print(f"decode {kind:9s} {rate:14,.0f} tokens/s   ({same})")
+  print(f"decode {kind:12s} {rate:14,.0f} tokens/s   ({same})")
 (out / "flax_compare.json").write_text(json.dumps(summary, indent=1))
 fig, ax = plt.subplots(figsize=(7, 4))
 for kind, m in runs.items():

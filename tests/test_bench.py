@@ -441,3 +441,24 @@ def test_failure_note_names_the_exception_even_without_a_message(bench):
   assert bench.failure_note(RuntimeError("no GPU\ndetails")) == "failed: RuntimeError: no GPU"
   assert bench.failure_note(ValueError()) == "failed: ValueError: "
   assert bench.failure_note(ValueError("x" * 300)) == "failed: ValueError: " + "x" * 200
+
+
+def test_generate_benchmark_times_each_cache_kind_on_the_same_model():
+  """bench_generate on the tiny config (CPU): each kind decodes the same random model (the
+  same greedy tokens from jaxflash's caches as from XLA's), a kind this host cannot run is
+  reported as an error cell, and the table has a row per batch."""
+  pytest.importorskip("flax")
+  import jax
+  generate = load_script("benchmarks/bench_generate.py")
+  kinds = ("jaxflash", "xla", "cudnn")
+  records = generate.run("tiny", kinds, (1, 3), prompt_len=6, num_tokens=3, runs=2)
+  ok = {(r["kind"], r["batch"]): r for r in records if "error" not in r}
+  assert {k for k, _ in ok} == ({"jaxflash", "xla"} if jax.default_backend() != "gpu"
+                                else set(kinds))
+  for batch in (1, 3):
+    assert ok["jaxflash", batch]["first_tokens"] == ok["xla", batch]["first_tokens"]
+    assert ok["jaxflash", batch]["tokens_per_s"] == pytest.approx(
+        batch * 2 / ok["jaxflash", batch]["seconds"])
+  table = generate.markdown(records, kinds, (1, 3)).splitlines()
+  assert table[0] == "| batch | jaxflash | xla | cudnn |" and len(table) == 4
+  assert table[2].startswith("| 1 | ") and " tok/s (" in table[2]

@@ -37,6 +37,27 @@ def test_kv_cache_decoding_gives_the_logits_of_the_full_forward(kind):
   np.testing.assert_array_equal(tokens, full.argmax(-1))
 
 
+def test_fp8_caches_decode_close_to_the_full_forward():
+  """jaxflash-fp8: the model's keys and values stored as float8_e4m3fn (a descale per sequence
+  and kv head): the logits of the full forward pass up to e4m3's rounding, the same greedy
+  tokens here; the 16-bit caches' logits are far closer."""
+  config = configs.get_config("tiny")
+  transformer = model.Transformer(config, model.make_attention("jaxflash"),
+                                  cache_attention=model.make_cache_attention("jaxflash-fp8"))
+  prompt = np.random.default_rng(0).integers(0, 256, (2, 5)).astype(np.int32)
+  params = nn.unbox(transformer.init(jax.random.PRNGKey(1), prompt)["params"])
+  cache = model.init_cache(config, 2, 10, "jaxflash-fp8")
+  assert cache.keys[0][0].dtype == np.dtype("float8_e4m3fn") and cache.keys[0][1].shape == (2, 2)
+  tokens, logits, _ = generate.generate(transformer, params, prompt, 6, cache_kind="jaxflash-fp8")
+  sequence = np.concatenate([prompt, tokens], axis=1)
+  full = np.asarray(transformer.apply({"params": params}, sequence[:, :-1]))[:, 4:]
+  error = np.linalg.norm(logits - full) / np.linalg.norm(full)
+  assert 1e-4 < error < 0.06, error
+  np.testing.assert_array_equal(tokens, full.argmax(-1))
+  with pytest.raises(ValueError, match="attention: expected one of .*'jaxflash-fp8'"):
+    model.init_cache(config, 2, 10, "fp8")
+
+
 def test_one_token_is_the_prefill_alone():
   """num_tokens 1: the decode loop runs no step, and the token is the prompt's prediction."""
   transformer, params, prompt = _fresh_model("jaxflash")

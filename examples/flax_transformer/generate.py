@@ -21,13 +21,14 @@ from jax.sharding import Mesh
 
 from examples.flax_transformer import configs, train
 from examples.flax_transformer.configs import Config
-from examples.flax_transformer.model import ATTENTION_KINDS, init_cache, make_cache_attention
+from examples.flax_transformer.model import (CACHE_KINDS, init_cache, make_cache_attention,
+                                             training_kind)
 
 
 def load(config: Config, workdir, attention: str):
   """(model, params, step): the model of train.make_setup with cache attention of kind
-  `attention`, and the parameters of the latest checkpoint train.train wrote in workdir, on
-  one device."""
+  `attention` (model.CACHE_KINDS), and the parameters of the latest checkpoint train.train
+  wrote in workdir, on one device."""
   workdir = pathlib.Path(workdir)
   directory = workdir / "checkpoints"
   manager = train._checkpoint_manager(workdir) if directory.is_dir() else None
@@ -37,7 +38,7 @@ def load(config: Config, workdir, attention: str):
         f"no checkpoint in {directory.absolute()}: train one first, e.g. python -m "
         f"examples.flax_transformer.main --config tiny --workdir {workdir}")
   mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
-  setup = train.make_setup(config, mesh, attention)
+  setup = train.make_setup(config, mesh, training_kind(attention))
   state = manager.restore(step, args=ocp.args.StandardRestore(train.abstract_state(setup,
                                                                                    config)))
   model = setup.model.clone(cache_attention=make_cache_attention(attention))
@@ -45,17 +46,19 @@ def load(config: Config, workdir, attention: str):
 
 
 def generate(model, params, prompt, num_tokens: int, *, temperature: float = 0.0,
-             seed: int = 0):
+             seed: int = 0, cache_kind: str = "jaxflash", timed_runs: int = 1):
   """Continues prompt (batch, length) int32 by num_tokens >= 1 tokens.
 
   temperature 0 picks the most likely token (greedy), else samples softmax(logits /
-  temperature). Returns (tokens (batch, num_tokens) int32, logits (batch, num_tokens, vocab)
-  float32 that each token was chosen from, seconds of the num_tokens - 1 decode steps, timed
-  after compiling their loop).
+  temperature). cache_kind: the model's cache attention kind (model.CACHE_KINDS), which
+  decides the caches' dtype. Returns (tokens (batch, num_tokens) int32, logits (batch,
+  num_tokens, vocab) float32 that each token was chosen from, seconds of the num_tokens - 1
+  decode steps: their compiled loop timed timed_runs times (each on a copy of the prefilled
+  caches, the last on the caches themselves), the median).
   """
   batch, length = prompt.shape
   # The last token is never fed back, so the cache holds all but it.
-  cache = init_cache(model.config, batch, length + num_tokens - 1)
+  cache = init_cache(model.config, batch, length + num_tokens - 1, cache_kind)
 
   def next_token(params, tokens, cache, key):
     logits, cache = model.apply({"params": params}, tokens, cache=cache)
@@ -79,11 +82,15 @@ def generate(model, params, prompt, num_tokens: int, *, temperature: float = 0.0
   token, logits, cache = jax.jit(next_token, donate_argnums=2)(
       params, jnp.asarray(prompt, jnp.int32), cache, keys[0])
   loop = jax.jit(decode, donate_argnums=2).lower(params, token, cache, keys[1:]).compile()
-  jax.block_until_ready(token)
-  start = time.perf_counter()
-  tokens, step_logits = loop(params, token, cache, keys[1:])
-  jax.block_until_ready(tokens)
-  seconds = time.perf_counter() - start
+  samples = []
+  for run in range(timed_runs):
+    run_cache = cache if run == timed_runs - 1 else jax.tree.map(jnp.copy, cache)
+    jax.block_until_ready((token, run_cache))
+    start = time.perf_counter()
+    tokens, step_logits = loop(params, token, run_cache, keys[1:])
+    jax.block_until_ready(tokens)
+    samples.append(time.perf_counter() - start)
+  seconds = float(np.median(samples))
   tokens = jnp.concatenate([token[None], tokens]).T
   logits = jnp.concatenate([logits[None], step_logits]).transpose(1, 0, 2)
   return np.asarray(tokens), np.asarray(logits), seconds
@@ -95,7 +102,8 @@ def main(argv=None) -> None:
   parser.add_argument("--config", default="tiny", choices=sorted(configs.CONFIGS))
   parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                       help="config override; the model fields must match the training run's")
-  parser.add_argument("--attention", default="jaxflash", choices=ATTENTION_KINDS)
+  parser.add_argument("--attention", default="jaxflash", choices=CACHE_KINDS,
+                      help="the cache attention; jaxflash-fp8: float8_e4m3fn KV caches")
   parser.add_argument("--prompt", default="ROMEO:\n")
   parser.add_argument("--tokens", type=int, default=64, help="new tokens (bytes) per sequence")
   parser.add_argument("--batch", type=int, default=1, help="copies of the prompt decoded at once")
@@ -114,7 +122,8 @@ def main(argv=None) -> None:
   except FileNotFoundError as error:
     raise SystemExit(f"generate: {error}") from None
   tokens, _, seconds = generate(model, params, np.tile(prompt, (args.batch, 1)), args.tokens,
-                                temperature=args.temperature, seed=args.seed)
+                                temperature=args.temperature, seed=args.seed,
+                                cache_kind=args.attention)
   for i, row in enumerate(tokens):
     header = f"--- checkpoint step {step}" + (f", sequence {i}" if args.batch > 1 else "")
     print(f"{header} ---\n{args.prompt}{bytes(row.astype(np.uint8)).decode(errors='replace')}")

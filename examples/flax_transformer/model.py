@@ -21,6 +21,8 @@ import jaxflash.flax
 from examples.flax_transformer.configs import Config
 
 ATTENTION_KINDS = ("jaxflash", "cudnn", "xla")
+# Decoding: the training kinds' cache attention, and jaxflash over float8_e4m3fn caches.
+CACHE_KINDS = ATTENTION_KINDS + ("jaxflash-fp8",)
 
 
 def make_attention(kind: str, implementation: Optional[str] = None) -> Callable:
@@ -51,7 +53,9 @@ class KVCache(NamedTuple):
   """Keys and values of the tokens seen so far, for decoding.
 
   keys, values: one (batch, max_len, num_kv_heads, head_dim) array per layer (keys after
-  RoPE); lengths: (batch,) int32, the valid positions of each sequence (all layers alike).
+  RoPE) in the activation dtype, or for float8_e4m3fn caches one (cache, descale (batch,
+  num_kv_heads) float32) pair per layer; lengths: (batch,) int32, the valid positions of each
+  sequence (all layers alike).
   """
 
   keys: tuple
@@ -59,27 +63,50 @@ class KVCache(NamedTuple):
   lengths: jax.Array
 
 
-def init_cache(config: Config, batch: int, max_len: int) -> KVCache:
-  """An empty cache in the model's activation dtype."""
+def training_kind(kind: str) -> str:
+  """The attention kind (ATTENTION_KINDS) that trains a model decoded with cache kind `kind`."""
+  if kind not in CACHE_KINDS:
+    raise ValueError(f"attention: expected one of {CACHE_KINDS}, got {kind!r}")
+  return "jaxflash" if kind == "jaxflash-fp8" else kind
+
+
+def init_cache(config: Config, batch: int, max_len: int, kind: str = "jaxflash") -> KVCache:
+  """An empty cache for cache kind `kind` (CACHE_KINDS): in the model's activation dtype, or
+  float8_e4m3fn with zero descales for jaxflash-fp8."""
   shape = (batch, max_len, config.num_kv_heads, config.head_dim)
-  zeros = lambda: tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers))
-  return KVCache(zeros(), zeros(), jnp.zeros((batch,), jnp.int32))
+  training_kind(kind)  # checks the kind
+  if kind == "jaxflash-fp8":
+    layer = lambda: (jnp.zeros(shape, jnp.float8_e4m3fn),
+                     jnp.zeros((batch, config.num_kv_heads), jnp.float32))
+  else:
+    layer = lambda: jnp.zeros(shape, config.dtype)
+  caches = lambda: tuple(layer() for _ in range(config.num_layers))
+  return KVCache(caches(), caches(), jnp.zeros((batch,), jnp.int32))
 
 
 def make_cache_attention(kind: str) -> Callable:
   """fn(query, key, value, k_cache, v_cache, lengths) -> (out, k_cache, v_cache), backed by
-  `kind`: writes the new tokens' key/value (batch, n, num_kv_heads, head_dim) into the caches
-  after the `lengths` valid positions, then attends the n queries causally to the cache.
+  `kind` (CACHE_KINDS): writes the new tokens' key/value (batch, n, num_kv_heads, head_dim)
+  into the caches after the `lengths` valid positions, then attends the n queries causally to
+  the cache.
 
-  jaxflash: `jaxflash.kv_cache_attention` (any lengths and n). cudnn / xla:
-  `jax.nn.dot_product_attention`; one token (n == 1) attends to the cache with
-  key_value_seq_lengths; a prompt (n > 1) must go into an empty cache, and attends to its
-  own keys with jax.nn's causal mask (top-left aligned, right for an empty cache only).
+  jaxflash: `jaxflash.kv_cache_attention` (any lengths and n). jaxflash-fp8: the same over
+  float8_e4m3fn caches, each layer's k_cache / v_cache a (cache, descale) pair
+  (`update_kv_cache` quantizes the new tokens). cudnn / xla: `jax.nn.dot_product_attention`;
+  one token (n == 1) attends to the cache with key_value_seq_lengths; a prompt (n > 1) must
+  go into an empty cache, and attends to its own keys with jax.nn's causal mask (top-left
+  aligned, right for an empty cache only).
   """
-  if kind not in ATTENTION_KINDS:
-    raise ValueError(f"attention: expected one of {ATTENTION_KINDS}, got {kind!r}")
+  training_kind(kind)  # checks the kind
 
   def cache_attention(query, key, value, k_cache, v_cache, lengths):
+    if kind == "jaxflash-fp8":
+      (k_cache, k_descale), (v_cache, v_descale) = k_cache, v_cache
+      k_cache, v_cache, new_lengths, k_descale, v_descale = jaxflash.update_kv_cache(
+          k_cache, v_cache, key, value, lengths, k_descale=k_descale, v_descale=v_descale)
+      out = jaxflash.kv_cache_attention(query, k_cache, v_cache, new_lengths, causal=True,
+                                        k_descale=k_descale, v_descale=v_descale)
+      return out, (k_cache, k_descale), (v_cache, v_descale)
     k_cache, v_cache, new_lengths = jaxflash.update_kv_cache(k_cache, v_cache, key, value,
                                                              lengths)
     if kind == "jaxflash":
