@@ -108,10 +108,12 @@ def _check(q, k, v, lengths, options, page_size, sink=None, seed=5):
 def _inputs(seed, b, seq_q, h, h_kv, d, capacity, dtype):
   rng = np.random.default_rng(seed)
   q = jnp.asarray(rng.standard_normal((b, seq_q, h, d)), dtype)
-  # Keys and values of different magnitudes per kv head: descales differ between heads.
+  # Keys and values of different magnitudes per kv head and along the sequence: descales
+  # differ between heads and between the pages (and 16-key boxes) of one block.
   scale = np.geomspace(0.1, 30.0, h_kv)[None, None, :, None]
-  k = rng.standard_normal((b, capacity, h_kv, d)) * scale
-  v = rng.standard_normal((b, capacity, h_kv, d)) * scale[..., ::-1, :]
+  along = np.geomspace(0.3, 3.0, capacity)[None, :, None, None]
+  k = rng.standard_normal((b, capacity, h_kv, d)) * scale * along
+  v = rng.standard_normal((b, capacity, h_kv, d)) * scale[..., ::-1, :] * along[:, ::-1]
   return q, k.astype(np.float32), v.astype(np.float32)
 
 
@@ -158,9 +160,8 @@ def test_fp8_caches_written_by_update_kv_cache():
   rng = np.random.default_rng(4)
   b, h, h_kv, d, pages, page = 3, 8, 2, 128, 6, 64
   table = jnp.asarray(rng.permutation(b * pages + 2)[:b * pages].reshape(b, pages), jnp.int32)
-  kc = jnp.zeros((b * pages + 2, page, h_kv, d), FP8)
-  kd = jnp.zeros((b * pages + 2, h_kv), jnp.float32)
-  vc, vd = kc, kd
+  kc, vc = (jnp.zeros((b * pages + 2, page, h_kv, d), FP8) for _ in range(2))
+  kd, vd = (jnp.zeros((b * pages + 2, h_kv), jnp.float32) for _ in range(2))
   lengths = jnp.zeros((b,), jnp.int32)
   update = jax.jit(lambda kc, vc, nk, nv, n, kd, vd: jaxflash.update_kv_cache(
       kc, vc, nk, nv, n, page_table=table, k_descale=kd, v_descale=vd),

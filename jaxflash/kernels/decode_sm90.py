@@ -62,8 +62,16 @@ def _smem_buffers(variant: config.KernelVariant) -> dict:
                  sV=(dtype, s.num_stages * s.tile_n * variant.head_dim_v, align))
   if variant.kv_dtype is not None:
     buffers.update(sK8=(FP8, s.fp8_stages * s.tile_n * variant.head_dim, align),
-                   sV8=(FP8, s.fp8_stages * s.tile_n * variant.head_dim_v, align))
+                   sV8=(FP8, s.fp8_stages * s.tile_n * variant.head_dim_v, align),
+                   sScale=(Float32, _scale_floats(variant), 16))
   return buffers
+
+
+def _scale_floats(variant: config.KernelVariant) -> int:
+  """FP8 caches' descale buffer: per 16-bit K stage, the k descales then the v descales of
+  the block's 16-key boxes; then the v reference (FlashAttentionDecodeSm90.convert_kv)."""
+  s = variant.schedule
+  return s.num_stages * 2 * (s.tile_n // BOX_ROWS) + 1
 
 
 def _byte_offset(layout: cute.ComposedLayout, crd, elem_bytes: int) -> Int32:
@@ -158,10 +166,12 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
 
   FP8 caches (variant.kv_dtype): TMA copies the e4m3 blocks into rings of their own
   (schedule.fp8_stages deep), warps 1-3 of the producer warpgroup convert each block exactly
-  into the 16-bit rings the GEMMs read (the query's dtype), in the producer's order; the
-  consumers scale each key's scores by its k descale before the softmax and its P by its v
-  descale after it (the row sums keep the unscaled P), float32 descales per (page, kv head):
-  key j is k[...] * k_descale[its page, kv head]. A contiguous cache's page is its sequence.
+  into the 16-bit rings the GEMMs read (the query's dtype), in the producer's order, and put
+  each K block's 16-key boxes' descales beside its 16-bit stage (convert_kv); the consumers
+  scale each key's scores by its k descale before the softmax and its P by its v descale
+  (over a reference) after it (the row sums keep the unscaled P), float32 descales per (page,
+  kv head): key j is k[...] * k_descale[its page, kv head]. A contiguous cache's page is its
+  sequence.
   """
 
   def __init__(self, variant: config.KernelVariant):
@@ -379,21 +389,28 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
                          batch)
       if const_expr(self.fp8_cache):
         if warp_idx > 0:
+          paging = self._paging(mPageTable, mK.shape[0], mK.shape[3], work, head_kv, batch)
           self.convert_kv(storage.sK8.data_ptr(), sK_load_layout, storage.sV8.data_ptr(),
                           sV_load_layout, storage.sK.data_ptr(), sK_layout,
                           storage.sV.data_ptr(), sV_layout, pipeline_k8, pipeline_v8,
-                          pipeline_k, pipeline_v, work, tidx - sm90_gemm.WARP_THREADS)
+                          pipeline_k, pipeline_v, work, tidx - sm90_gemm.WARP_THREADS,
+                          _Descales(k=mKDescale, v=mVDescale, paging=paging,
+                                    scales=self._scale_tensor(storage)))
     else:
       cute.arch.setmaxregister_increase(self.num_mma_regs)
-      descales = None
+      scales = None
       if const_expr(self.fp8_cache):
-        descales = _Descales(
-            k=mKDescale, v=mVDescale,
-            paging=self._paging(mPageTable, mK.shape[0], mK.shape[3], work, head_kv, batch))
+        scales = self._scale_tensor(storage)
       self.mma_decode(mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_q,
                       pipeline_k, pipeline_v, softmax_scale, Int32(capped), tanh_scale, work,
                       m_block, split, head_kv, batch, seqlen_q, window_left, window_right,
-                      mQ.shape[0], descales)
+                      mQ.shape[0], scales)
+
+  def _scale_tensor(self, storage) -> cute.Tensor:
+    """FP8 caches' descale buffer (_scale_floats) as (2 * boxes, num_stages + 1): a column per
+    16-bit K stage, the v reference at [0, num_stages]."""
+    boxes = self.tile_n // BOX_ROWS
+    return storage.sScale.get_tensor(cute.make_layout((2 * boxes, self.num_stages + 1)))
 
   def _decode_pipelines(self, storage):
     """(Q, K, V, e4m3 K, e4m3 V) pipelines; the last two None without FP8 caches.
@@ -526,10 +543,19 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
                  v8_ptr: cute.Pointer, sV8_layout: cute.ComposedLayout, k_ptr: cute.Pointer,
                  sK_layout: cute.ComposedLayout, v_ptr: cute.Pointer,
                  sV_layout: cute.ComposedLayout, pipeline_k8, pipeline_v8, pipeline_k,
-                 pipeline_v, work, thread: Int32):
+                 pipeline_v, work, thread: Int32, descales):
     """Warps 1-3 (FP8 caches; thread: 0-95 among them): each e4m3 K / V block TMA filled
     becomes a 16-bit block of the ring the consumers' GEMMs read, in the producer's order
-    (K(n_end - 1), then K(n - 1) before V(n), then V(n_start))."""
+    (K(n_end - 1), then K(n - 1) before V(n), then V(n_start)). With each K block go its
+    boxes' k and v descales (the latter over the v reference), into the descale buffer's
+    column of the 16-bit K stage; the v reference, 1 / (the v descale of the split's first
+    key, or 1 where that is not positive and finite), goes to its own slot first.
+
+    P is scaled by v descale / v reference and O by the reference at the end: P times a
+    descale of 1e-3 would put small probabilities below float16's normal range (2^-14), P
+    times such a ratio (1 where every key shares a descale: contiguous caches) keeps them in
+    it."""
+    scales, paging = descales.scales, descales.paging
     k8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fp8_stages)
     v8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fp8_stages)
     k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -538,11 +564,22 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     v_ring = (v8_ptr, sV8_layout, v_ptr, sV_layout, pipeline_v8, pipeline_v)
     n_start, n_end = work.n_start, work.n_end
     if n_end > n_start:
-      self._convert_block(k_ring, k8_state, k_state, True, thread)
+      reference = Float32(1.0)
+      first = descales.v[self._page(paging, (n_end - 1) * self.tile_n // paging.page_size),
+                         paging.head_kv]
+      if first > Float32(0.0):
+        if first < Float32.inf:
+          reference = first
+      if thread == 0:  # published with the first K stage (its commit releases the write)
+        scales[0, self.num_stages] = reference
+      v_factor = Float32(1.0) / reference
+      scale = self._block_descale(descales, n_end - 1, v_factor, thread)
+      self._convert_block(k_ring, k8_state, k_state, True, thread, (scales, scale))
       k8_state.advance()
       k_state.advance()
-      for _ in cutlass.range(n_end - 1 - n_start, unroll=1):
-        self._convert_block(k_ring, k8_state, k_state, True, thread)
+      for i in cutlass.range(n_end - 1 - n_start, unroll=1):
+        scale = self._block_descale(descales, n_end - 2 - i, v_factor, thread)
+        self._convert_block(k_ring, k8_state, k_state, True, thread, (scales, scale))
         k8_state.advance()
         k_state.advance()
         self._convert_block(v_ring, v8_state, v_state, False, thread)
@@ -551,11 +588,31 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       self._convert_block(v_ring, v8_state, v_state, False, thread)
 
   @cute.jit
-  def _convert_block(self, ring, src_state, dst_state, is_k: cutlass.Constexpr, thread: Int32):
+  def _block_descale(self, descales, n_block: Int32, v_factor: Float32,
+                     thread: Int32) -> Float32:
+    """Thread b < boxes of the converting warps: the k descale of box b of key block n_block;
+    thread boxes + b: its v descale times v_factor (others: unused). A box's descale is that
+    of the page holding its first key (one per block where pages hold whole blocks); read
+    before the block's conversion waits, stored once its 16-bit K stage is free
+    (_convert_block)."""
+    boxes = self.tile_n // BOX_ROWS
+    paging = descales.paging
+    box = thread % boxes
+    page = self._page(paging, (n_block * self.tile_n + box * BOX_ROWS) // paging.page_size)
+    value = descales.k[page, paging.head_kv]
+    if thread >= boxes:
+      value = descales.v[page, paging.head_kv] * v_factor
+    return value
+
+
+  @cute.jit
+  def _convert_block(self, ring, src_state, dst_state, is_k: cutlass.Constexpr, thread: Int32,
+                     descale=None):
     """One block of `ring` (convert_kv) from e4m3 stage src_state to 16-bit stage dst_state:
     wait for the first and acquire the second, convert 16 bytes per thread and step (one
     16-byte load, two 16-byte stores at the same (key, head_dim) coordinates of the two
-    swizzled layouts), release the first and publish the second."""
+    swizzled layouts), release the first and publish the second. descale (K blocks): (the
+    descale buffer, this thread's value of _block_descale), stored into the stage's column."""
     src_ptr, src_layout, dst_ptr, dst_layout, pipe8, pipe16 = ring
     dim = self.head_dim if const_expr(is_k) else self.head_dim_v
     per_key = dim // _CHUNK
@@ -563,6 +620,10 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     bf16 = self.dtype == cutlass.BFloat16
     pipe8.consumer_wait(src_state)
     pipe16.producer_acquire(dst_state)
+    if const_expr(descale is not None):
+      scales, value = descale
+      if thread < 2 * (self.tile_n // BOX_ROWS):
+        scales[thread, dst_state.index] = value
     src_base = Int32(src_ptr.toint())
     dst_base = Int32(dst_ptr.toint())
     for chunk in cutlass.range(thread, self.tile_n * per_key, _CONVERT_THREADS, unroll=1):
@@ -660,9 +721,10 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
                  tiled_mma_pv: cute.TiledMma, pipeline_q, pipeline_k, pipeline_v,
                  softmax_scale: Float32, capped: Int32, tanh_scale: Float32, work,
                  m_block: Int32, split: Int32, head_kv: Int32, batch: Int32, seqlen_q: Int32,
-                 window_left: Int32, window_right: Int32, rows: Int32, descales=None):
+                 window_left: Int32, window_right: Int32, rows: Int32, scales=None):
     """Consumer warpgroup: S = Q K^T, online softmax, O += P V over the split's key blocks
-    (highest first), then the partial out and lse. descales: FP8 caches' _Descales."""
+    (highest first), then the partial out and lse. scales: FP8 caches' descale buffer
+    (convert_kv)."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WARPGROUP_THREADS
     c, thr_mma_pv = self._consumer(mma_tidx, cute.arch.make_warp_uniform(
@@ -680,7 +742,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       key_hi[i] = cutlass.min(pos + window_right + 1, work.length)
     band = _KeyBand(capped=capped, tanh_scale=tanh_scale, key_lo=key_lo, key_hi=key_hi,
                     length=work.length, whole_blocks=work.whole_blocks, sV=sV,
-                    descales=descales)
+                    scales=scales)
     c = dataclasses.replace(c, masking=band)
 
     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -702,8 +764,25 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
           self.overlap_step(c, kv_state, v_state, Int32(0), m_block, upper - 1 - i, seqlen_q,
                             work.length, is_masked)
       self.last_block(c, kv_state)
+    out_scale = None
+    if const_expr(self.fp8_cache):
+      # The v reference; a split without keys has none (and O = 0).
+      out_scale = Float32(1.0)
+      if n_end > n_start:
+        out_scale = scales[0, self.num_stages]
     self.epilogue_decode(mOPart, mLSEPart, thr_mma_pv, acc_o, online, m_block, split, head_kv,
-                         batch, rows)
+                         batch, rows, out_scale)
+
+  @cute.jit
+  def _release_k(self, c, kv_state, is_masked: cutlass.Constexpr,
+                 after_softmax: cutlass.Constexpr):
+    """FP8 caches: after the softmax, which reads the stage's descales (each thread's arrive
+    on the 16-bit PipelineAsync follows its own loads); else as the forward."""
+    if const_expr(self.fp8_cache):
+      if const_expr(after_softmax):
+        c.pipeline_k.consumer_release(kv_state)
+    else:
+      FlashAttentionForwardSm90._release_k(self, c, kv_state, is_masked, after_softmax)
 
   @cute.jit
   def first_block(self, c, kv_state, m_block: Int32, n_block: Int32, seqlen_q: Int32,
@@ -743,7 +822,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     band = c.masking
     acc_s_mn = softmax.make_acc_mn_view(acc_s)
     if const_expr(self.fp8_cache):
-      self._scale_by_descales(c, acc_s_mn, n_block, band.descales.k, False)
+      self._scale_by_descales(c, acc_s_mn, n_block, k_state, 0, False)
     if band.capped != 0:
       softmax.soft_cap(acc_s, band.tanh_scale)
     if const_expr(is_masked):
@@ -755,7 +834,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
             acc_s_mn[i, j] = -Float32.inf
     c.online.online_softmax(acc_s_mn, c.row_scale)
     if const_expr(self.fp8_cache):
-      self._scale_by_descales(c, acc_s_mn, n_block, band.descales.v, is_masked)
+      self._scale_by_descales(c, acc_s_mn, n_block, k_state, 1, is_masked)
 
   def _column_boxes(self, c) -> list:
     """The 16-key box of each of a thread's S columns, the same for every thread (trace time):
@@ -771,27 +850,19 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     return boxes[0]
 
   @cute.jit
-  def _scale_by_descales(self, c, acc_mn: cute.Tensor, n_block: Int32, descale: cute.Tensor,
-                         past_length_zero: cutlass.Constexpr):
-    """acc_mn's columns (keys of block n_block) times their keys' descale (num_pages,
-    num_kv_heads) float32 of FP8 caches: one per block where every block lies in one page,
-    else one per 16-key box (pages of 16 to tile_n / 2 keys). past_length_zero (masked blocks,
-    after the softmax): keys at or past the length get 0 whatever the descale of the page the
-    table names there (P is 0 for them, and 0 times a non-finite descale would poison O)."""
+  def _scale_by_descales(self, c, acc_mn: cute.Tensor, n_block: Int32, k_state,
+                         which: cutlass.Constexpr, past_length_zero: cutlass.Constexpr):
+    """acc_mn's columns (keys of block n_block) times their boxes' descales, which (0: k, 1: v
+    over the v reference) of the descale buffer's column of K stage k_state (convert_kv).
+    past_length_zero (masked blocks, after the softmax): keys at or past the length get 0
+    whatever the descale of the page the table names there (P is 0 for them, and 0 times a
+    non-finite descale would poison O)."""
     band = c.masking
-    paging = band.descales.paging
-    key0 = n_block * self.tile_n
     num_boxes = self.tile_n // BOX_ROWS
     scales = cute.make_rmem_tensor(num_boxes, Float32)
-    if band.whole_blocks != 0:
-      block_scale = descale[self._page(paging, key0 // paging.page_size), paging.head_kv]
-      for b in cutlass.range_constexpr(num_boxes):
-        scales[b] = block_scale
-    else:
-      page_shift = paging.box_shift + 4  # pages of 16 << box_shift keys
-      for b in cutlass.range_constexpr(num_boxes):
-        scales[b] = descale[self._page(paging, (key0 + b * BOX_ROWS) >> page_shift),
-                            paging.head_kv]
+    for b in cutlass.range_constexpr(num_boxes):
+      scales[b] = band.scales[which * num_boxes + b, k_state.index]
+    key0 = n_block * self.tile_n
     boxes = self._column_boxes(c)
     for j in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
       col_scale = scales[boxes[j]]
@@ -804,14 +875,18 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
   @cute.jit
   def epilogue_decode(self, mOPart: cute.Tensor, mLSEPart: cute.Tensor, thr_mma_pv,
                       acc_o: cute.Tensor, online, m_block: Int32, split: Int32, head_kv: Int32,
-                      batch: Int32, rows: Int32):
-    """Normalises O over this split's keys and stores it and the lse (float32, rows < rows):
-    straight from registers, the rows are few."""
+                      batch: Int32, rows: Int32, out_scale=None):
+    """Normalises O over this split's keys (times out_scale if given: FP8 caches' v
+    reference, convert_kv) and stores it and the lse (float32, rows < rows): straight from registers, the rows are
+    few."""
     acc_o_mn = softmax.make_acc_mn_view(acc_o)
     num_rows = cute.size(acc_o_mn, mode=[0])
     row_inv = cute.make_rmem_tensor(num_rows, Float32)
     lse = cute.make_rmem_tensor(num_rows, Float32)
     online.finalize(row_inv, lse, -Float32.inf)
+    if const_expr(out_scale is not None):
+      for i in cutlass.range_constexpr(num_rows):
+        row_inv[i] = row_inv[i] * out_scale
     tOcO_mn = softmax.make_acc_mn_view(
         thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
     for i in cutlass.range_constexpr(num_rows):
@@ -875,13 +950,15 @@ class _KeyBand:
   length: Int32
   whole_blocks: Int32  # _Work.whole_blocks
   sV: cute.Tensor  # the V ring (the first block zeroes rows past the length)
-  descales: "_Descales" = None  # FP8 caches
+  scales: cute.Tensor = None  # FP8 caches: the descale buffer (convert_kv)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Descales:
-  """FP8 caches' descales and where a key's page is (the consumer scales scores and P)."""
+  """FP8 caches' descales, where a key's page is, and the descale buffer the converting warps
+  fill (convert_kv)."""
 
   k: cute.Tensor  # (num_pages, num_kv_heads) float32
   v: cute.Tensor
   paging: _Paging
+  scales: cute.Tensor
