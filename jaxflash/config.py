@@ -216,9 +216,9 @@ _DECODE_STAGES = {(64, 64): 4, (96, 96): 4, (128, 128): 3, (192, 128): 4, (192, 
                   (256, 256): 3}
 
 
-# Decode over FP8 caches: key tiles of 64, two 16-bit K / V stages (the converted blocks the
-# GEMMs read) and the deepest e4m3 ring, up to 8 stages, that fits beside them and the Q tile.
-_DECODE_FP8_STAGES = {64: 8, 128: 8, 256: 2}
+# Decode over FP8 caches: two 16-bit K / V stages (the converted blocks the GEMMs read) and the
+# deepest e4m3 ring, up to 4 stages, that fits beside them and the Q tile.
+_DECODE_FP8_STAGES = {64: 4, 128: 2, 256: 2}
 
 
 def decode_schedule(head_dim: int, head_dim_v: int, fp8_cache: bool = False) -> DecodeSchedule:
@@ -226,11 +226,10 @@ def decode_schedule(head_dim: int, head_dim_v: int, fp8_cache: bool = False) -> 
   step has few rows, the query heads of a kv head times the new tokens), key tiles of 128 up
   to head dim 128 and of 64 above, and the deepest K / V ring up to 4 stages that fits 227 KiB
   of shared memory with the Q tile (decoding streams the cache: a deep ring keeps loads in
-  flight). FP8 caches (head_dim = head_dim_v in FP8_HEAD_DIMS): key tiles of 64, two 16-bit
-  stages and the e4m3 ring of _DECODE_FP8_STAGES (the bytes in flight are the e4m3 ring's)."""
+  flight). FP8 caches (head_dim = head_dim_v in FP8_HEAD_DIMS): two 16-bit stages and the
+  e4m3 ring of _DECODE_FP8_STAGES."""
   tile_n = 128 if max(head_dim, head_dim_v) <= 128 else 64
   if fp8_cache:
-    tile_n = 64
     if head_dim != head_dim_v or head_dim not in _DECODE_FP8_STAGES:
       raise ValueError(f"(head_dim, head_dim_v): ({head_dim}, {head_dim_v}) has no decode "
                        f"schedule over {FP8_DTYPE} caches; accepted: head_dim = head_dim_v in "

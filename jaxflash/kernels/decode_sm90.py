@@ -30,18 +30,16 @@ BOX_ROWS = 16
 # Named barrier 1: the consumer warpgroup, after it zeroed V rows past the cache length.
 _V_TAIL_BARRIER = 1
 # (producer, consumer) registers per thread after setmaxnreg: one consumer warpgroup. The
-# warps that convert FP8 caches keep three 16-byte loads and their converted bytes in flight
-# with their addresses: at 56 registers the variants spilled, at 128 head_dim 256 did; they
-# keep 160 (the pool of 256 threads holds both).
+# warps that convert FP8 caches keep a 16-byte load and its 32 converted bytes in flight with
+# their addresses: at 56 registers the variants spilled, so they keep 128 (the pool of 256
+# threads holds both).
 _PRODUCER_REGS, _CONSUMER_REGS = 56, 256
-_FP8_PRODUCER_REGS = 160
+_FP8_PRODUCER_REGS = 128
 # FP8 caches: warps 1-3 of the producer warpgroup convert the e4m3 blocks (warp 0 issues the
 # TMA loads), 16 bytes of e4m3 per thread and step.
 _CONVERT_WARPS = 3
 _CONVERT_THREADS = _CONVERT_WARPS * sm90_gemm.WARP_THREADS
 _CHUNK = 16
-# Chunks a converting thread loads before converting them (independent loads in flight).
-_CONVERT_UNROLL = 3
 
 
 def _swizzle_elems(dtype, major_size: int) -> int:
@@ -628,32 +626,19 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
         scales[thread, dst_state.index] = value
     src_base = Int32(src_ptr.toint())
     dst_base = Int32(dst_ptr.toint())
-    total = self.tile_n * per_key
-    # (key, head_dim, stage) of K, (head_dim_v, key, stage) of V: head dims contiguous.
-    crd = lambda key, c, stage: (key, c, stage) if const_expr(is_k) else (c, key, stage)
-    # Each step a thread loads `unroll` chunks, then converts and stores them: independent
-    # loads in flight. A chunk past the block's last repeats the last (the same bytes stored
-    # twice).
-    unroll = _CONVERT_UNROLL
-    for base in cutlass.range(thread, total, _CONVERT_THREADS * unroll, unroll=1):
-      coords, loaded = [], []
-      for u in cutlass.range_constexpr(unroll):
-        chunk = base + u * _CONVERT_THREADS
-        if const_expr(u > 0):
-          chunk = cutlass.min(chunk, total - 1)
-        key = chunk // per_key
-        col = (chunk - key * per_key) * _CHUNK
-        coords.append((key, col))
-        loaded.append(_ld_shared_v4(
-            src_base + _byte_offset(src_layout, crd(key, col, src_state.index), 1)))
-      for (key, col), words in zip(coords, loaded):
-        out = []
-        for w in words:
-          out += _e4m3x4_to_16bit(w, bf16)
-        for half in cutlass.range_constexpr(2):
-          dst = _byte_offset(dst_layout, crd(key, col + half * _CHUNK // 2, dst_state.index),
-                             out_bytes)
-          _st_shared_v4(dst_base + dst, *out[4 * half:4 * half + 4])
+    for chunk in cutlass.range(thread, self.tile_n * per_key, _CONVERT_THREADS, unroll=1):
+      key = chunk // per_key
+      col = (chunk - key * per_key) * _CHUNK
+      # (key, head_dim, stage) of K, (head_dim_v, key, stage) of V: head dims contiguous.
+      crd = lambda c, stage: (key, c, stage) if const_expr(is_k) else (c, key, stage)
+      words = _ld_shared_v4(src_base + _byte_offset(src_layout, crd(col, src_state.index), 1))
+      out = []
+      for w in words:
+        out += _e4m3x4_to_16bit(w, bf16)
+      for half in cutlass.range_constexpr(2):
+        dst = _byte_offset(dst_layout, crd(col + half * _CHUNK // 2, dst_state.index),
+                           out_bytes)
+        _st_shared_v4(dst_base + dst, *out[4 * half:4 * half + 4])
     # The 16-bit stores are generic-proxy; the consumers' WGMMA reads through the async one.
     cute.arch.fence_proxy("async.shared", space="cta")
     sm90_gemm.release_after_lane_loads(pipe8, src_state)
