@@ -413,27 +413,21 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     return storage.sScale.get_tensor(cute.make_layout((2 * boxes, self.num_stages + 1)))
 
   def _decode_pipelines(self, storage):
-    """(Q, K, V, e4m3 K, e4m3 V) pipelines; the last two None without FP8 caches.
-
-    TMA pipelines have one elected producer thread; their consumers release per warp (Q is
-    never released: one tile per CTA). FP8 caches: TMA fills the e4m3 rings, whose consumers
-    are the converting warps, and the 16-bit rings are PipelineAsync between the converting
-    threads (producers, each arriving) and the consumer warpgroup's threads.
-    """
+    """(Q, K, V, e4m3 K, e4m3 V) pipelines: without FP8 caches the forward's three
+    (_make_pipelines) and two Nones. FP8 caches: TMA fills the e4m3 rings (one elected producer
+    thread), whose consumers are the converting warps (released per warp), and the 16-bit rings
+    are PipelineAsync between the converting threads (producers, each arriving) and the
+    consumer warpgroup's threads (Q as the forward's)."""
+    if const_expr(not self.fp8_cache):
+      return (*self._make_pipelines(storage), None, None)
     thread = pipeline.Agent.Thread
     producer = pipeline.CooperativeGroup(thread, 1)
-    mma_warps = pipeline.CooperativeGroup(thread, self.num_mma_threads // sm90_gemm.WARP_THREADS)
+    converters = pipeline.CooperativeGroup(thread, _CONVERT_WARPS)
 
     def tma(mbar, stages, tx, consumers):
       return pipeline.PipelineTmaAsync.create(
           barrier_storage=mbar.data_ptr(), num_stages=stages, producer_group=producer,
           consumer_group=consumers, tx_count=tx, defer_sync=True)
-
-    pipeline_q = tma(storage.mbar_q, 1, self.tma_bytes_q, producer)
-    if const_expr(not self.fp8_cache):
-      return (pipeline_q, tma(storage.mbar_k, self.num_stages, self.tma_bytes_k, mma_warps),
-              tma(storage.mbar_v, self.num_stages, self.tma_bytes_v, mma_warps), None, None)
-    converters = pipeline.CooperativeGroup(thread, _CONVERT_WARPS)
 
     def converted(mbar):
       return pipeline.PipelineAsync.create(
@@ -442,7 +436,8 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
           consumer_group=pipeline.CooperativeGroup(thread, self.num_mma_threads),
           defer_sync=True)
 
-    return (pipeline_q, converted(storage.mbar_k), converted(storage.mbar_v),
+    return (tma(storage.mbar_q, 1, self.tma_bytes_q, producer), converted(storage.mbar_k),
+            converted(storage.mbar_v),
             tma(storage.mbar_k8, self.fp8_stages, self.tma_bytes_k, converters),
             tma(storage.mbar_v8, self.fp8_stages, self.tma_bytes_v, converters))
 
