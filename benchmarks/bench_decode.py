@@ -29,7 +29,8 @@ weighs on the mean (on the H200, the same program at 8 x 1 x 32k took 179 us per
 calls and 151 us over 20; a generation loop runs in the steady state). `--layers L` makes
 each column one program of L calls, each layer with its own copy of the caches (a model's
 decoding step: `layered`), and reports the time per call. Results go to
-OUT/bench_decode.json and a markdown table on stdout.
+OUT/bench_decode.json (rewritten after each case, with each case's table row on stderr, so a
+run cut short keeps what it measured) and a markdown table on stdout.
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ def layered(fn, args, queries, copies: dict):
   one cache XLA would fuse the layers' jax.nn attentions into one read of it). `copies` maps
   id(array) to its per-layer copies, so columns over the same caches share them."""
   def copied(a):
-    if not jnp.issubdtype(a.dtype, jnp.floating):
+    if a is None or not jnp.issubdtype(a.dtype, jnp.floating):  # no table, lengths, tables
       return [a] * len(queries)
     if id(a) not in copies:
       copies[id(a)] = [a] + [jnp.array(a, copy=True) for _ in queries[1:]]
@@ -206,11 +207,16 @@ def layered(fn, args, queries, copies: dict):
   return step, (layer_args,)
 
 
-def run(case_names, dtypes, impls, splits=(), num_calls=20, layers=1) -> list[dict]:
+def run(case_names, dtypes, impls, splits=(), num_calls=20, layers=1,
+        on_case=None) -> list[dict]:
+  """Every case's records; on_case(records so far), if given, after each case (main writes
+  them out then, so a run cut short keeps the cases it finished)."""
   records = []
   for dtype in dtypes:
     for name in case_names:
       records += _run_case(name, dtype, impls, splits, num_calls, layers)
+      if on_case is not None:
+        on_case(records)
   return records
 
 
@@ -289,11 +295,16 @@ def main(argv=None) -> int:
   if args.calls < 1 or args.layers < 1 or any(n < 1 for n in args.splits):
     p.error(f"--calls, --layers and --splits take integers >= 1, got {args.calls}, "
             f"{args.layers} and {args.splits}")
-  records = run(args.cases, [jnp.dtype(d) for d in args.dtypes], args.impls, args.splits,
-                args.calls, args.layers)
   args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "bench_decode.json").write_text(json.dumps(records, indent=1))
-  print(markdown(records, list(args.impls) + [f"split{n}" for n in args.splits]))
+  columns = list(args.impls) + [f"split{n}" for n in args.splits]
+
+  def finished(records):  # the JSON and the table so far, after each case
+    (args.out / "bench_decode.json").write_text(json.dumps(records, indent=1))
+    print(markdown(records, columns).splitlines()[-1], file=sys.stderr, flush=True)
+
+  records = run(args.cases, [jnp.dtype(d) for d in args.dtypes], args.impls, args.splits,
+                args.calls, args.layers, on_case=finished)
+  print(markdown(records, columns))
   return 0
 
 

@@ -319,7 +319,11 @@ def test_decode_benchmark_layers_make_one_program_of_distinct_calls(decode):
   import jax.numpy as jnp
   import numpy as np
   case = decode.Case(2, 1, 40, 4, 2, head_dim=16, ragged=True)
-  runs = decode.calls(case, jnp.float32, ("jaxflash", "xla"), layers=3)
+  runs = decode.calls(case, jnp.float32, ("jaxflash", "fp8", "xla"), layers=3)
+  # FP8 caches: each layer its own copy of the e4m3 caches and their descales.
+  _, (fp8_layers,) = runs["fp8"]
+  assert fp8_layers[1][1] is not fp8_layers[0][1] and fp8_layers[1][5] is not fp8_layers[0][5]
+  assert fp8_layers[1][4] is None  # contiguous caches: no page table
   fn, (layer_args,) = runs["jaxflash"]
   outs = fn(layer_args)
   assert len(layer_args) == len(outs) == 3
@@ -362,6 +366,33 @@ def test_decode_benchmark_reports_a_column_that_fails_while_timed(decode, monkey
   by_impl = {r["impl"]: r for r in records}
   assert by_impl["flaky"]["error"] == "RuntimeError: device lost"
   assert by_impl["steady"]["us"] > 0 and "error" not in by_impl["steady"]
+
+
+def test_decode_benchmark_main_writes_out_each_case_as_it_finishes(decode, monkeypatch, tmp_path,
+                                                                  capsys):
+  """The JSON is rewritten and the case's row printed to stderr after each case: a run cut
+  short (a device call's time limit) keeps the cases it finished."""
+  import json
+  import jax.numpy as jnp
+  monkeypatch.setattr(decode, "calls", lambda *a: {"xla": (lambda: jnp.zeros(()), ())})
+  written = []
+  real_run = decode._run_case
+
+  def run_case(name, *args):
+    if written:  # the previous case is already on disk
+      assert [r["case"] for r in json.loads((tmp_path / "bench_decode.json").read_text())] == \
+          written
+    written.append(name)
+    return real_run(name, *args)
+
+  monkeypatch.setattr(decode, "_run_case", run_case)
+  cases = ["b8_q1_32k_gqa8", "b1_q1_128k_gqa4"]
+  assert decode.main(["--cases", *cases, "--impls", "xla", "--calls", "1", "--spin-up", "0",
+                      "--out", str(tmp_path)]) == 0
+  err = capsys.readouterr().err.splitlines()
+  assert [line.split(" |")[0] for line in err if line.startswith("| b")] == [
+      f"| {c}" for c in cases]
+  assert len(json.loads((tmp_path / "bench_decode.json").read_text())) == 2
 
 
 @pytest.fixture(scope="module")
