@@ -368,8 +368,8 @@ def test_decode_benchmark_reports_a_column_that_fails_while_timed(decode, monkey
   assert by_impl["steady"]["us"] > 0 and "error" not in by_impl["steady"]
 
 
-def test_decode_benchmark_main_writes_out_each_case_as_it_finishes(decode, monkeypatch, tmp_path,
-                                                                  capsys):
+def test_decode_benchmark_main_writes_out_each_case_as_it_finishes(decode, monkeypatch,
+                                                                  tmp_path, capsys):
   """The JSON is rewritten and the case's row printed to stderr after each case: a run cut
   short (a device call's time limit) keeps the cases it finished."""
   import json

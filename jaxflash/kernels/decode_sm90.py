@@ -599,7 +599,6 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       value = descales.v[page, paging.head_kv] * v_factor
     return value
 
-
   @cute.jit
   def _convert_block(self, ring, src_state, dst_state, is_k: cutlass.Constexpr, thread: Int32,
                      descale=None):
@@ -872,8 +871,8 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
                       acc_o: cute.Tensor, online, m_block: Int32, split: Int32, head_kv: Int32,
                       batch: Int32, rows: Int32, out_scale=None):
     """Normalises O over this split's keys (times out_scale if given: FP8 caches' v
-    reference, convert_kv) and stores it and the lse (float32, rows < rows): straight from registers, the rows are
-    few."""
+    reference, convert_kv) and stores it and the lse (float32, rows < rows): straight from
+    registers, the rows are few."""
     acc_o_mn = softmax.make_acc_mn_view(acc_o)
     num_rows = cute.size(acc_o_mn, mode=[0])
     row_inv = cute.make_rmem_tensor(num_rows, Float32)

@@ -78,9 +78,10 @@ class FlashAttentionForwardSm90:
   Masked variants (windows, segment ids; config.KernelVariant.masked) take per query tile a
   range of key blocks [n_start, n_end) and a sub-range [full_lo, full_hi) that needs no
   elementwise mask (jaxflash/block_ranges.py; they stand in launch order), the tile order
-  (each batch's tiles from the last down), the query and key segment ids and the band as run-time operands. The
-  producer copies each key block's ids into shared memory with its K tile; the blocks outside
-  [full_lo, full_hi) are masked by band and ids (mask.apply_band_and_ids). They also take the
+  (each batch's tiles from the last down), the query and key segment ids and the band as
+  run-time operands. The producer copies each key block's ids into shared memory with its K
+  tile; the blocks outside [full_lo, full_hi) are masked by band and ids
+  (mask.apply_band_and_ids). They also take the
   call's softcap as a run-time Float32: when > 0, each S becomes tanh(S * scale / softcap),
   behind a branch that is uniform across every warp, and the softmax then scales by softcap, so
   max, sums and lse stay in the capped domain. Where P's type can hold every capped score's p
