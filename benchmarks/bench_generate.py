@@ -4,7 +4,7 @@ cache attention kind and batch, one run.
 examples/flax_transformer/generate.py's `generate`: the prompt fills the caches in one call,
 then the further tokens come from one compiled loop (`lax.scan` over the steps, the caches
 carried and donated). Columns are the cache kinds (jaxflash: kv_cache_attention on the
-decode kernel; jaxflash-fp8: the same over float8_e4m3fn caches; cudnn / xla:
+decode kernel; jaxflash-fp8: the same over float8_e4m3fn page pools; cudnn / xla:
 jax.nn.dot_product_attention with key_value_seq_lengths), rows the batch sizes. The model is
 --config (small: 6 layers, head_dim 128, 6 / 2 heads) with random parameters (the speed does
 not depend on them), the prompt --prompt random bytes, --tokens new tokens, greedy. A cell is

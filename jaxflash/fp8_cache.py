@@ -63,30 +63,40 @@ def check_new_tokens(name: str, new) -> None:
 def write(cache, descale, new, lengths, owner, row, page_table):
   """(cache, descale) after writing `new` (b, n, h_kv, d) at (owner, row) (b, n) each: owner
   the page (or sequence) of each token, num_owners = cache.shape[0] for a dropped token;
-  lengths (b,): the valid keys before the write."""
+  lengths (b,): the valid keys before the write.
+
+  A page pool's touched pages are requantized unconditionally (a page whose descale stays
+  scatters nothing back), so a decoding step runs no conditional: XLA evaluates a conditional's
+  predicate on the host, one round trip per layer and cache. A contiguous cache's descale
+  covers its whole sequence, so its rows are requantized under a conditional, only when a
+  descale grows."""
   num_owners, rows_per_owner = cache.shape[:2]
-  b, n = new.shape[:2]
+  b, n, h = new.shape[:3]
+  new = new.astype(jnp.float32)
   positions = lengths[:, None] + jnp.arange(n, dtype=jnp.int32)
   # The owner holds valid keys of its sequence before the write unless its first position
   # (page start; 0 for a contiguous row) lies at or past the sequence's length.
   start = (positions // rows_per_owner) * rows_per_owner if page_table is not None else 0
-  fresh = jnp.broadcast_to(start >= lengths[:, None], (b, n))
-  amax = jnp.max(jnp.abs(new.astype(jnp.float32)), axis=-1)  # (b, n, h_kv)
-  flat = owner.reshape(-1)
-  touched = jnp.zeros((num_owners,), bool).at[flat].set(True, mode="drop")
-  starts_fresh = jnp.zeros((num_owners,), bool).at[flat].set(fresh.reshape(-1), mode="drop")
-  new_amax = jnp.zeros(descale.shape, jnp.float32).at[flat].max(
-      amax.reshape(b * n, -1), mode="drop")
-  kept = jnp.where(starts_fresh[:, None], 0.0, descale)
-  grown = jnp.where(touched[:, None], jnp.maximum(kept, new_amax / FP8_MAX), descale)
-  # Rows already in a touched page whose descale grew: requantized to the new descale.
-  ratio = jnp.where(touched[:, None] & ~starts_fresh[:, None] & (grown > descale),
+  fresh = jnp.broadcast_to(start >= lengths[:, None], (b, n)).astype(jnp.float32)
+  # One scatter gathers every owner's statistics: the new tokens' amax per kv head, whether
+  # a token lands there, whether it starts afresh (alike for every token of one owner).
+  stats = jnp.concatenate([jnp.max(jnp.abs(new), axis=-1),
+                           jnp.ones((b, n, 1), jnp.float32), fresh[..., None]], axis=-1)
+  stats = jnp.zeros((num_owners, h + 2), jnp.float32).at[owner.reshape(-1)].max(
+      stats.reshape(b * n, h + 2), mode="drop")
+  touched, starts_fresh = stats[:, h:h + 1] > 0, stats[:, h + 1:] > 0
+  kept = jnp.where(starts_fresh, 0.0, descale)
+  grown = jnp.where(touched, jnp.maximum(kept, stats[:, :h] / FP8_MAX), descale)
+  # Rows already in a touched owner whose descale grew: requantized to the new descale.
+  ratio = jnp.where(touched & ~starts_fresh & (grown > descale),
                     descale / jnp.where(grown > 0, grown, 1.0), 1.0)
-  cache = jax.lax.cond(jnp.any(ratio < 1), _rescale, lambda c, *_: c, cache, ratio,
-                       _touched_owners(owner, lengths, n, rows_per_owner, page_table,
-                                       num_owners))
+  owners = _touched_owners(owner, lengths, n, rows_per_owner, page_table, num_owners)
+  if page_table is not None:
+    cache = _rescale(cache, ratio, owners)
+  else:
+    cache = jax.lax.cond(jnp.any(ratio < 1), _rescale, lambda c, *_: c, cache, ratio, owners)
   scale = jnp.take(grown, jnp.clip(owner, 0, num_owners - 1), axis=0)  # (b, n, h_kv)
-  quantized = _to_e4m3(new.astype(jnp.float32) / jnp.where(scale > 0, scale, 1.0)[..., None])
+  quantized = _to_e4m3(new / jnp.where(scale > 0, scale, 1.0)[..., None])
   return cache.at[owner, row].set(quantized, mode="drop"), grown
 
 
@@ -96,7 +106,7 @@ def _touched_owners(owner, lengths, n: int, rows_per_owner: int, page_table, num
   consecutive positions span), num_owners (dropped) past the page table."""
   if page_table is None:
     return owner[:, :1]
-  t = min((n - 1) // rows_per_owner + 2, page_table.shape[1])
+  t = min((n + rows_per_owner - 2) // rows_per_owner + 1, page_table.shape[1])
   column = lengths[:, None] // rows_per_owner + jnp.arange(t, dtype=jnp.int32)
   pages = jnp.take_along_axis(page_table, jnp.clip(column, 0, page_table.shape[1] - 1), axis=1)
   pages = jnp.clip(pages, 0, num_owners - 1)
@@ -107,10 +117,12 @@ def _touched_owners(owner, lengths, n: int, rows_per_owner: int, page_table, num
 
 def _rescale(cache, ratio, owners):
   """cache with the rows of `owners` (b, t) multiplied by their ratio (num_owners, h_kv) and
-  quantized again; owners = num_owners are skipped."""
+  quantized again; owners = num_owners and owners whose ratio is 1 everywhere are skipped."""
   num_owners = cache.shape[0]
-  rows = jnp.take(cache, jnp.clip(owners, 0, num_owners - 1), axis=0).astype(jnp.float32)
-  r = jnp.take(ratio, jnp.clip(owners, 0, num_owners - 1), axis=0)  # (b, t, h_kv)
+  clipped = jnp.clip(owners, 0, num_owners - 1)
+  r = jnp.take(ratio, clipped, axis=0)  # (b, t, h_kv)
+  owners = jnp.where(jnp.all(r == 1, axis=-1), num_owners, owners)
+  rows = jnp.take(cache, clipped, axis=0).astype(jnp.float32)
   return cache.at[owners].set(_to_e4m3(rows * r[:, :, None, :, None]), mode="drop")
 
 

@@ -38,8 +38,8 @@ def test_kv_cache_decoding_gives_the_logits_of_the_full_forward(kind):
 
 
 def test_fp8_caches_decode_close_to_the_full_forward():
-  """jaxflash-fp8: the model's keys and values stored as float8_e4m3fn (a descale per sequence
-  and kv head): the logits of the full forward pass up to e4m3's rounding, the same greedy
+  """jaxflash-fp8: the model's keys and values stored as float8_e4m3fn page pools (a descale
+  per page and kv head): the logits of the full forward pass up to e4m3's rounding, the same greedy
   tokens here; the 16-bit caches' logits are far closer."""
   config = configs.get_config("tiny")
   transformer = model.Transformer(config, model.make_attention("jaxflash"),
@@ -47,7 +47,9 @@ def test_fp8_caches_decode_close_to_the_full_forward():
   prompt = np.random.default_rng(0).integers(0, 256, (2, 5)).astype(np.int32)
   params = nn.unbox(transformer.init(jax.random.PRNGKey(1), prompt)["params"])
   cache = model.init_cache(config, 2, 10, "jaxflash-fp8")
-  assert cache.keys[0][0].dtype == np.dtype("float8_e4m3fn") and cache.keys[0][1].shape == (2, 2)
+  pool, descale = cache.keys[0]
+  assert pool.dtype == np.dtype("float8_e4m3fn") and descale.shape == (2, config.num_kv_heads)
+  assert pool.shape == (2, model.FP8_PAGE_SIZE, config.num_kv_heads, config.head_dim)
   tokens, logits, _ = generate.generate(transformer, params, prompt, 6, cache_kind="jaxflash-fp8")
   sequence = np.concatenate([prompt, tokens], axis=1)
   full = np.asarray(transformer.apply({"params": params}, sequence[:, :-1]))[:, 4:]

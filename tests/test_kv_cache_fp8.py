@@ -111,6 +111,47 @@ def test_a_descale_grows_and_requantizes_the_rows_already_written():
   assert relative_l2(rows, want) < 0.05
 
 
+def _primitives(jaxpr) -> set:
+  """Names of the primitives in a (closed) jaxpr, its sub-jaxprs' included."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+          names |= _primitives(sub)
+  return names
+
+
+def test_a_page_pool_write_runs_no_conditional_and_keeps_pages_whose_descale_stays():
+  """A decoding step's write into a page pool requantizes the pages it touches without a
+  conditional (XLA reads a conditional's predicate on the host); a contiguous cache's write,
+  whose descale covers the whole sequence, rescales under one. A page whose descale does not
+  grow keeps its rows bit for bit."""
+  rng = np.random.default_rng(8)
+  (kc, vc), (kd, vd), table = _empty(2, 2 * PAGE, 1, 8, 8, paged=True, spare_pages=0)
+  first = jnp.asarray(rng.standard_normal((2, 5, 1, 8)), jnp.float32)
+  update = lambda kc, vc, new, n, kd, vd, table: jaxflash.update_kv_cache(
+      kc, vc, new, new, n, page_table=table, k_descale=kd, v_descale=vd)
+  kc, vc, _, kd, vd = update(kc, vc, first, jnp.zeros(2, jnp.int32), kd, vd, table)
+  step = jnp.asarray(rng.standard_normal((2, 1, 1, 8)), jnp.float32)
+  step = step.at[1].multiply(0.01)  # sequence 1's page keeps its descale, 0's grows
+  step = step.at[0].multiply(10.0)
+  lengths = jnp.full(2, 5, jnp.int32)
+  assert not {"cond", "switch"} & _primitives(jax.make_jaxpr(update)(
+      kc, vc, step, lengths, kd, vd, table))
+  kc2, _, _, kd2, _ = update(kc, vc, step, lengths, kd, vd, table)
+  grown, kept = int(table[0, 0]), int(table[1, 0])
+  assert kd2[grown, 0] > kd[grown, 0] and kd2[kept, 0] == kd[kept, 0]
+  np.testing.assert_array_equal(np.asarray(kc2[kept, :5]).view(np.uint8),
+                                np.asarray(kc[kept, :5]).view(np.uint8))
+  assert (np.asarray(kc2[grown, :5]).view(np.uint8)
+          != np.asarray(kc[grown, :5]).view(np.uint8)).any()
+  (kc, vc), (kd, vd), _ = _empty(2, 2 * PAGE, 1, 8, 8, paged=False)
+  assert "cond" in _primitives(jax.make_jaxpr(update)(kc, vc, step, lengths, kd, vd, None))
+
+
 def test_a_page_without_valid_keys_starts_from_its_new_tokens():
   """A page reused from a sequence that held large values (its descale stale): a write from
   length 0 sets the descale from the new tokens alone; the same for a contiguous sequence."""

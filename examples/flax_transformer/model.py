@@ -23,6 +23,9 @@ from examples.flax_transformer.configs import Config
 ATTENTION_KINDS = ("jaxflash", "cudnn", "xla")
 # Decoding: the training kinds' cache attention, and jaxflash over float8_e4m3fn caches.
 CACHE_KINDS = ATTENTION_KINDS + ("jaxflash-fp8",)
+# Rows per page of the float8_e4m3fn caches' pools: a write requantizes only the pages it
+# touches, where a contiguous cache's descale would cover (and rescale) a whole sequence.
+FP8_PAGE_SIZE = 64
 
 
 def make_attention(kind: str, implementation: Optional[str] = None) -> Callable:
@@ -53,8 +56,9 @@ class KVCache(NamedTuple):
   """Keys and values of the tokens seen so far, for decoding.
 
   keys, values: one (batch, max_len, num_kv_heads, head_dim) array per layer (keys after
-  RoPE) in the activation dtype, or for float8_e4m3fn caches one (cache, descale (batch,
-  num_kv_heads) float32) pair per layer; lengths: (batch,) int32, the valid positions of each
+  RoPE) in the activation dtype, or for float8_e4m3fn caches one (page pool (batch * pages,
+  FP8_PAGE_SIZE, num_kv_heads, head_dim), descale (batch * pages, num_kv_heads) float32) pair
+  per layer, sequence b owning pages [b * pages, (b + 1) * pages); lengths: (batch,) int32, the valid positions of each
   sequence (all layers alike).
   """
 
@@ -72,12 +76,14 @@ def training_kind(kind: str) -> str:
 
 def init_cache(config: Config, batch: int, max_len: int, kind: str = "jaxflash") -> KVCache:
   """An empty cache for cache kind `kind` (CACHE_KINDS): in the model's activation dtype, or
-  float8_e4m3fn with zero descales for jaxflash-fp8."""
+  for jaxflash-fp8 float8_e4m3fn page pools with zero descales (max_len rounded up to whole
+  pages of FP8_PAGE_SIZE rows)."""
   shape = (batch, max_len, config.num_kv_heads, config.head_dim)
   training_kind(kind)  # checks the kind
   if kind == "jaxflash-fp8":
-    layer = lambda: (jnp.zeros(shape, jnp.float8_e4m3fn),
-                     jnp.zeros((batch, config.num_kv_heads), jnp.float32))
+    pages = batch * -(-max_len // FP8_PAGE_SIZE)
+    layer = lambda: (jnp.zeros((pages, FP8_PAGE_SIZE) + shape[2:], jnp.float8_e4m3fn),
+                     jnp.zeros((pages, config.num_kv_heads), jnp.float32))
   else:
     layer = lambda: jnp.zeros(shape, config.dtype)
   caches = lambda: tuple(layer() for _ in range(config.num_layers))
@@ -91,8 +97,8 @@ def make_cache_attention(kind: str) -> Callable:
   the cache.
 
   jaxflash: `jaxflash.kv_cache_attention` (any lengths and n). jaxflash-fp8: the same over
-  float8_e4m3fn caches, each layer's k_cache / v_cache a (cache, descale) pair
-  (`update_kv_cache` quantizes the new tokens). cudnn / xla: `jax.nn.dot_product_attention`;
+  float8_e4m3fn page pools, each layer's k_cache / v_cache a (pool, descale) pair, sequence b
+  owning its run of pages (`update_kv_cache` quantizes the new tokens). cudnn / xla: `jax.nn.dot_product_attention`;
   one token (n == 1) attends to the cache with key_value_seq_lengths; a prompt (n > 1) must
   go into an empty cache, and attends to its own keys with jax.nn's causal mask (top-left
   aligned, right for an empty cache only).
@@ -102,9 +108,13 @@ def make_cache_attention(kind: str) -> Callable:
   def cache_attention(query, key, value, k_cache, v_cache, lengths):
     if kind == "jaxflash-fp8":
       (k_cache, k_descale), (v_cache, v_descale) = k_cache, v_cache
+      batch = query.shape[0]
+      table = jnp.arange(k_cache.shape[0], dtype=jnp.int32).reshape(batch, -1)
       k_cache, v_cache, new_lengths, k_descale, v_descale = jaxflash.update_kv_cache(
-          k_cache, v_cache, key, value, lengths, k_descale=k_descale, v_descale=v_descale)
+          k_cache, v_cache, key, value, lengths, page_table=table, k_descale=k_descale,
+          v_descale=v_descale)
       out = jaxflash.kv_cache_attention(query, k_cache, v_cache, new_lengths, causal=True,
+                                        page_table=table,
                                         k_descale=k_descale, v_descale=v_descale)
       return out, (k_cache, k_descale), (v_cache, v_descale)
     k_cache, v_cache, new_lengths = jaxflash.update_kv_cache(k_cache, v_cache, key, value,
