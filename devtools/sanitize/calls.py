@@ -147,7 +147,8 @@ def fp8_fwd():
 def decode():
   """kv_cache_attention on the split-KV kernel: contiguous and paged (16 and 64 keys a page,
   pages permuted, table entries past the lengths out of the pool), lengths 0, 1, 17 and a
-  partial last page, GQA 4:1, seq_q 1 and 3 (causal), window + softcap + sink."""
+  partial last page, GQA 4:1, seq_q 1 and 3 (causal), window + softcap + sink; the paged and
+  contiguous calls again over float8_e4m3fn caches with their descales."""
   rng = np.random.default_rng(9)
   for d in (64, 128, 256):
     b, cap, h, hk = 4, 200, 8, 2
@@ -171,6 +172,18 @@ def decode():
                                                                *x.shape[2:]))
       outs.append(jaxflash.kv_cache_attention(q3, pool(k), pool(v), lengths,
                                               page_table=jax.device_put(table), **kw))
+      # float8_e4m3fn caches: the same pool quantized with a descale per (page, kv head).
+      amax = lambda x: jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 3))
+      k8, v8 = pool(k), pool(v)
+      kd, vd = amax(k8) / 448 + 1e-6, amax(v8) / 448 + 1e-6
+      quant = lambda x, s: (x.astype(jnp.float32) / s[:, None, :, None]).astype(
+          jnp.float8_e4m3fn)
+      outs.append(jaxflash.kv_cache_attention(q3, quant(k8, kd), quant(v8, vd), lengths,
+                                              page_table=jax.device_put(table), k_descale=kd,
+                                              v_descale=vd, **kw))
+    kd, vd = amax(k) / 448 + 1e-6, amax(v) / 448 + 1e-6
+    outs.append(jaxflash.kv_cache_attention(q3, quant(k, kd), quant(v, vd), lengths,
+                                            k_descale=kd, v_descale=vd, **kw))
     for out in jax.block_until_ready(outs):
       assert np.isfinite(np.asarray(out, np.float32)).all()
 
