@@ -773,17 +773,12 @@ class FlashAttentionForwardSm90:
     """
     pipeline_k, pipeline_v = c.pipeline_k, c.pipeline_v
     acc_s = self._new_acc_s(c)
-    # Ping-pong: a warpgroup's turn comes after warpgroup 0 issued the same GEMMs, which it
-    # did once K and V were full, so only warpgroup 0 waits on their barriers.
-    first = wg == 0 if const_expr(self.pingpong) else True
-    if first:
-      pipeline_k.consumer_wait(kv_state)
+    pipeline_k.consumer_wait(kv_state)
     self._scheduler_sync(wg)
     self._issue_qk(c, acc_s, kv_state)
     if const_expr(self.rescale_o_before_pv):
       self._rescale_o(c)
-    if first:
-      pipeline_v.consumer_wait(v_state)
+    pipeline_v.consumer_wait(v_state)
     self._issue_pv(c, v_state)
     self._scheduler_arrive(wg)
     warpgroup.wait_group(1)
