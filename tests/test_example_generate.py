@@ -39,8 +39,8 @@ def test_kv_cache_decoding_gives_the_logits_of_the_full_forward(kind):
 
 def test_fp8_caches_decode_close_to_the_full_forward():
   """jaxflash-fp8: the model's keys and values stored as float8_e4m3fn page pools (a descale
-  per page and kv head): the logits of the full forward pass up to e4m3's rounding, the same greedy
-  tokens here; the 16-bit caches' logits are far closer."""
+  per page and kv head): the logits of the full forward pass up to e4m3's rounding, the same
+  greedy tokens here; the 16-bit caches' logits are far closer."""
   config = configs.get_config("tiny")
   transformer = model.Transformer(config, model.make_attention("jaxflash"),
                                   cache_attention=model.make_cache_attention("jaxflash-fp8"))

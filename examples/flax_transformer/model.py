@@ -58,8 +58,8 @@ class KVCache(NamedTuple):
   keys, values: one (batch, max_len, num_kv_heads, head_dim) array per layer (keys after
   RoPE) in the activation dtype, or for float8_e4m3fn caches one (page pool (batch * pages,
   FP8_PAGE_SIZE, num_kv_heads, head_dim), descale (batch * pages, num_kv_heads) float32) pair
-  per layer, sequence b owning pages [b * pages, (b + 1) * pages); lengths: (batch,) int32, the valid positions of each
-  sequence (all layers alike).
+  per layer, sequence b owning pages [b * pages, (b + 1) * pages); lengths: (batch,) int32,
+  the valid positions of each sequence (all layers alike).
   """
 
   keys: tuple
@@ -98,10 +98,10 @@ def make_cache_attention(kind: str) -> Callable:
 
   jaxflash: `jaxflash.kv_cache_attention` (any lengths and n). jaxflash-fp8: the same over
   float8_e4m3fn page pools, each layer's k_cache / v_cache a (pool, descale) pair, sequence b
-  owning its run of pages (`update_kv_cache` quantizes the new tokens). cudnn / xla: `jax.nn.dot_product_attention`;
-  one token (n == 1) attends to the cache with key_value_seq_lengths; a prompt (n > 1) must
-  go into an empty cache, and attends to its own keys with jax.nn's causal mask (top-left
-  aligned, right for an empty cache only).
+  owning its run of pages (`update_kv_cache` quantizes the new tokens). cudnn / xla:
+  `jax.nn.dot_product_attention`; one token (n == 1) attends to the cache with
+  key_value_seq_lengths; a prompt (n > 1) must go into an empty cache, and attends to its own
+  keys with jax.nn's causal mask (top-left aligned, right for an empty cache only).
   """
   training_kind(kind)  # checks the kind
 
