@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxflash
+from jaxflash.fp8 import quantize_tensor
 
 
 def _qkv(seed, b, sq, sk, h, hk, d, dtype=jnp.bfloat16):
@@ -172,18 +173,14 @@ def decode():
                                                                *x.shape[2:]))
       outs.append(jaxflash.kv_cache_attention(q3, pool(k), pool(v), lengths,
                                               page_table=jax.device_put(table), **kw))
-      # float8_e4m3fn caches: the same pool quantized with a descale per (page, kv head).
-      amax = lambda x: jnp.max(jnp.abs(x.astype(jnp.float32)), axis=(1, 3))
-      k8, v8 = pool(k), pool(v)
-      kd, vd = amax(k8) / 448 + 1e-6, amax(v8) / 448 + 1e-6
-      quant = lambda x, s: (x.astype(jnp.float32) / s[:, None, :, None]).astype(
-          jnp.float8_e4m3fn)
-      outs.append(jaxflash.kv_cache_attention(q3, quant(k8, kd), quant(v8, vd), lengths,
+      # float8_e4m3fn caches: the same pool with a descale per (page, kv head).
+      (k8, kd), (v8, vd) = quantize_tensor(pool(k)), quantize_tensor(pool(v))
+      outs.append(jaxflash.kv_cache_attention(q3, k8, v8, lengths,
                                               page_table=jax.device_put(table), k_descale=kd,
                                               v_descale=vd, **kw))
-    kd, vd = amax(k) / 448 + 1e-6, amax(v) / 448 + 1e-6
-    outs.append(jaxflash.kv_cache_attention(q3, quant(k, kd), quant(v, vd), lengths,
-                                            k_descale=kd, v_descale=vd, **kw))
+    (k8, kd), (v8, vd) = quantize_tensor(k), quantize_tensor(v)  # per (sequence, kv head)
+    outs.append(jaxflash.kv_cache_attention(q3, k8, v8, lengths, k_descale=kd, v_descale=vd,
+                                            **kw))
     for out in jax.block_until_ready(outs):
       assert np.isfinite(np.asarray(out, np.float32)).all()
 
