@@ -49,6 +49,7 @@ import numpy as np
 
 import jaxflash
 from jaxflash import few_rows
+from jaxflash.fp8 import quantize_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench_attention.py
 import bench_attention  # noqa: E402
@@ -112,10 +113,8 @@ def paged(cache, page_size: int, seed: int):
 def fp8_cache(cache):
   """(float8_e4m3fn cache, float32 descale (rows, kv heads)) of a cache (rows, keys, kv heads,
   d): rows are sequences of contiguous caches or pages of a pool, each (row, kv head) scaled
-  by its amax / 448."""
-  amax = jnp.max(jnp.abs(cache.astype(jnp.float32)), axis=(1, 3))
-  descale = jnp.where(amax > 0, amax / 448.0, 1.0)
-  return (cache / descale[:, None, :, None]).astype(jnp.float8_e4m3fn), descale
+  by its amax / 448 (jaxflash.fp8.quantize_tensor)."""
+  return quantize_tensor(cache)
 
 
 def _on_prefill(trace):

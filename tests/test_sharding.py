@@ -367,19 +367,16 @@ def _run_decode_call_case(q_spec, cache_spec, paged, with_sink, fp8=False):
 
   from jaxflash import split_kv
   from jaxflash.config import AttentionConfig
+  from jaxflash.fp8 import quantize_tensor
 
   cfg = AttentionConfig(causal=True, softmax_scale=64 ** -0.5, window_left=20)
 
   sink = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32) if with_sink else None
 
-  def quantized(cache):
-    descale = jnp.max(jnp.abs(cache.astype(jnp.float32)), axis=(1, 3)) / 448 + 1e-6
-    return (cache / descale[:, None, :, None]).astype(jnp.float8_e4m3fn), descale
-
   def attend(q, k_cache, v_cache, lengths, table):
     if not fp8:
       return split_kv.kernel_forward(cfg, q, k_cache, v_cache, lengths, table, sink, 3)
-    (k8, kd), (v8, vd) = quantized(k_cache), quantized(v_cache)
+    (k8, kd), (v8, vd) = quantize_tensor(k_cache), quantize_tensor(v_cache)
     return split_kv.kernel_forward(cfg, q, k8, v8, lengths, table, sink, 3, kd, vd)
 
   return _run_cache_case(q_spec, cache_spec, paged, attend, jnp.bfloat16, 64, 11)
