@@ -60,44 +60,52 @@ def check_new_tokens(name: str, new) -> None:
                     f"{', '.join(NEW_TOKEN_DTYPES)} (quantized on write), got {new.dtype}")
 
 
-def write(cache, descale, new, lengths, owner, row, page_table):
-  """(cache, descale) after writing `new` (b, n, h_kv, d) at (owner, row) (b, n) each: owner
-  the page (or sequence) of each token, num_owners = cache.shape[0] for a dropped token;
-  lengths (b,): the valid keys before the write.
+def write(caches, descales, news, lengths, owner, row, page_table):
+  """(caches, descales) after writing each of `news` (b, n, h_kv, d) at (owner, row) (b, n)
+  each into its cache (K and V: the same owners and rows): owner the page (or sequence) of
+  each token, num_owners = cache.shape[0] for a dropped token; lengths (b,): the valid keys
+  before the write.
 
   A page pool's touched pages are requantized unconditionally (a page whose descale stays
   scatters nothing back), so a decoding step runs no conditional: XLA evaluates a conditional's
   predicate on the host, one round trip per layer and cache. A contiguous cache's descale
   covers its whole sequence, so its rows are requantized under a conditional, only when a
   descale grows."""
-  num_owners, rows_per_owner = cache.shape[:2]
-  b, n, h = new.shape[:3]
-  new = new.astype(jnp.float32)
+  num_owners, rows_per_owner = caches[0].shape[:2]
+  b, n, h = news[0].shape[:3]
+  news = [new.astype(jnp.float32) for new in news]
   positions = lengths[:, None] + jnp.arange(n, dtype=jnp.int32)
   # The owner holds valid keys of its sequence before the write unless its first position
   # (page start; 0 for a contiguous row) lies at or past the sequence's length.
   start = (positions // rows_per_owner) * rows_per_owner if page_table is not None else 0
   fresh = jnp.broadcast_to(start >= lengths[:, None], (b, n)).astype(jnp.float32)
-  # One scatter gathers every owner's statistics: the new tokens' amax per kv head, whether
-  # a token lands there, whether it starts afresh (alike for every token of one owner).
-  stats = jnp.concatenate([jnp.max(jnp.abs(new), axis=-1),
-                           jnp.ones((b, n, 1), jnp.float32), fresh[..., None]], axis=-1)
-  stats = jnp.zeros((num_owners, h + 2), jnp.float32).at[owner.reshape(-1)].max(
-      stats.reshape(b * n, h + 2), mode="drop")
-  touched, starts_fresh = stats[:, h:h + 1] > 0, stats[:, h + 1:] > 0
-  kept = jnp.where(starts_fresh, 0.0, descale)
-  grown = jnp.where(touched, jnp.maximum(kept, stats[:, :h] / FP8_MAX), descale)
-  # Rows already in a touched owner whose descale grew: requantized to the new descale.
-  ratio = jnp.where(touched & ~starts_fresh & (grown > descale),
-                    descale / jnp.where(grown > 0, grown, 1.0), 1.0)
+  # One scatter gathers every owner's statistics: each cache's new-token amax per kv head,
+  # whether a token lands there, whether it starts afresh (alike for every token of one owner).
+  width = len(news) * h + 2
+  stats = jnp.concatenate([jnp.max(jnp.abs(new), axis=-1) for new in news]
+                          + [jnp.ones((b, n, 1), jnp.float32), fresh[..., None]], axis=-1)
+  stats = jnp.zeros((num_owners, width), jnp.float32).at[owner.reshape(-1)].max(
+      stats.reshape(b * n, width), mode="drop")
+  touched, starts_fresh = stats[:, -2:-1] > 0, stats[:, -1:] > 0
   owners = _touched_owners(owner, lengths, n, rows_per_owner, page_table, num_owners)
-  if page_table is not None:
-    cache = _rescale(cache, ratio, owners)
-  else:
-    cache = jax.lax.cond(jnp.any(ratio < 1), _rescale, lambda c, *_: c, cache, ratio, owners)
-  scale = jnp.take(grown, jnp.clip(owner, 0, num_owners - 1), axis=0)  # (b, n, h_kv)
-  quantized = _to_e4m3(new / jnp.where(scale > 0, scale, 1.0)[..., None])
-  return cache.at[owner, row].set(quantized, mode="drop"), grown
+  clipped = jnp.clip(owner, 0, num_owners - 1)
+  out_caches, out_descales = [], []
+  for i, (cache, descale, new) in enumerate(zip(caches, descales, news)):
+    kept = jnp.where(starts_fresh, 0.0, descale)
+    grown = jnp.where(touched, jnp.maximum(kept, stats[:, i * h:(i + 1) * h] / FP8_MAX),
+                      descale)
+    # Rows already in a touched owner whose descale grew: requantized to the new descale.
+    ratio = jnp.where(touched & ~starts_fresh & (grown > descale),
+                      descale / jnp.where(grown > 0, grown, 1.0), 1.0)
+    if page_table is not None:
+      cache = _rescale(cache, ratio, owners)
+    else:
+      cache = jax.lax.cond(jnp.any(ratio < 1), _rescale, lambda c, *_: c, cache, ratio, owners)
+    scale = jnp.take(grown, clipped, axis=0)  # (b, n, h_kv)
+    quantized = _to_e4m3(new / jnp.where(scale > 0, scale, 1.0)[..., None])
+    out_caches.append(cache.at[owner, row].set(quantized, mode="drop"))
+    out_descales.append(grown)
+  return out_caches, out_descales
 
 
 def _touched_owners(owner, lengths, n: int, rows_per_owner: int, page_table, num_owners: int):

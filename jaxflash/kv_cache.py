@@ -285,10 +285,9 @@ def update_kv_cache(k_cache, v_cache, new_k, new_v, cache_lengths, *, page_table
   if fp8:
     table = jnp.asarray(page_table, jnp.int32) if paged else None
     owner = jnp.where(keep, index[0], k_cache.shape[0])  # a dropped token has no owner
-    k_cache, k_descale = fp8_cache.write(k_cache, k_descale, new_k, lengths, owner, index[1],
-                                         table)
-    v_cache, v_descale = fp8_cache.write(v_cache, v_descale, new_v, lengths, owner, index[1],
-                                         table)
+    (k_cache, v_cache), (k_descale, v_descale) = fp8_cache.write(
+        (k_cache, v_cache), (k_descale, v_descale), (new_k, new_v), lengths, owner, index[1],
+        table)
     return k_cache, v_cache, new_lengths, k_descale, v_descale
   k_cache = k_cache.at[index].set(new_k, mode="drop")
   v_cache = v_cache.at[index].set(new_v, mode="drop")
