@@ -68,9 +68,9 @@ def write(caches, descales, news, lengths, owner, row, page_table):
 
   A page pool's touched pages are requantized unconditionally (a page whose descale stays
   scatters nothing back), so a decoding step runs no conditional: XLA evaluates a conditional's
-  predicate on the host, one round trip per layer and cache. A contiguous cache's descale
-  covers its whole sequence, so its rows are requantized under a conditional, only when a
-  descale grows."""
+  predicate on the host, one round trip per layer and step. A contiguous cache's descale
+  covers its whole sequence, so its rows are requantized under a conditional (one for all the
+  caches), only when a descale grows."""
   num_owners, rows_per_owner = caches[0].shape[:2]
   b, n, h = news[0].shape[:3]
   news = [new.astype(jnp.float32) for new in news]
@@ -88,24 +88,27 @@ def write(caches, descales, news, lengths, owner, row, page_table):
       stats.reshape(b * n, width), mode="drop")
   touched, starts_fresh = stats[:, -2:-1] > 0, stats[:, -1:] > 0
   owners = _touched_owners(owner, lengths, n, rows_per_owner, page_table, num_owners)
-  clipped = jnp.clip(owner, 0, num_owners - 1)
-  out_caches, out_descales = [], []
-  for i, (cache, descale, new) in enumerate(zip(caches, descales, news)):
+  grown, ratios = [], []
+  for i, descale in enumerate(descales):
     kept = jnp.where(starts_fresh, 0.0, descale)
-    grown = jnp.where(touched, jnp.maximum(kept, stats[:, i * h:(i + 1) * h] / FP8_MAX),
-                      descale)
+    grown.append(jnp.where(touched, jnp.maximum(kept, stats[:, i * h:(i + 1) * h] / FP8_MAX),
+                           descale))
     # Rows already in a touched owner whose descale grew: requantized to the new descale.
-    ratio = jnp.where(touched & ~starts_fresh & (grown > descale),
-                      descale / jnp.where(grown > 0, grown, 1.0), 1.0)
-    if page_table is not None:
-      cache = _rescale(cache, ratio, owners)
-    else:
-      cache = jax.lax.cond(jnp.any(ratio < 1), _rescale, lambda c, *_: c, cache, ratio, owners)
-    scale = jnp.take(grown, clipped, axis=0)  # (b, n, h_kv)
+    ratios.append(jnp.where(touched & ~starts_fresh & (grown[i] > descale),
+                            descale / jnp.where(grown[i] > 0, grown[i], 1.0), 1.0))
+  rescale_all = lambda cs, rs: [_rescale(c, r, owners) for c, r in zip(cs, rs)]
+  if page_table is not None:
+    caches = rescale_all(caches, ratios)
+  else:  # one conditional for all the caches: one predicate for the host to read
+    caches = jax.lax.cond(jnp.any(jnp.stack([jnp.any(r < 1) for r in ratios])), rescale_all,
+                          lambda cs, _: list(cs), list(caches), ratios)
+  clipped = jnp.clip(owner, 0, num_owners - 1)
+  out_caches = []
+  for cache, scale_of, new in zip(caches, grown, news):
+    scale = jnp.take(scale_of, clipped, axis=0)  # (b, n, h_kv)
     quantized = _to_e4m3(new / jnp.where(scale > 0, scale, 1.0)[..., None])
     out_caches.append(cache.at[owner, row].set(quantized, mode="drop"))
-    out_descales.append(grown)
-  return out_caches, out_descales
+  return out_caches, grown
 
 
 def _touched_owners(owner, lengths, n: int, rows_per_owner: int, page_table, num_owners: int):
