@@ -110,13 +110,6 @@ def paged(cache, page_size: int, seed: int):
   return pool, jnp.asarray(order.reshape(b, pages), jnp.int32)
 
 
-def fp8_cache(cache):
-  """(float8_e4m3fn cache, float32 descale (rows, kv heads)) of a cache (rows, keys, kv heads,
-  d): rows are sequences of contiguous caches or pages of a pool, each (row, kv head) scaled
-  by its amax / 448 (jaxflash.fp8.quantize_tensor)."""
-  return quantize_tensor(cache)
-
-
 def _on_prefill(trace):
   """trace() with no call on the decode kernel: the prefill kernel's time of a few-row call."""
   bound, few_rows.MAX_PACKED_ROWS = few_rows.MAX_PACKED_ROWS, 0
@@ -154,7 +147,8 @@ def calls(case: Case, dtype, impls, splits=(), layers=1) -> dict:
     if name in impls:
       (k_pool, table), (v_pool, _) = ((paged(x, page_size, 2) for x in (k, v)) if page_size
                                       else ((k, None), (v, None)))
-      (k8, kd), (v8, vd) = fp8_cache(k_pool), fp8_cache(v_pool)
+      # A descale per (row, kv head): a contiguous cache's sequence or a pool's page.
+      (k8, kd), (v8, vd) = quantize_tensor(k_pool), quantize_tensor(v_pool)
       fn = jax.jit(lambda q, k, v, n, t, kd, vd: jaxflash.kv_cache_attention(
           q, k, v, n, page_table=t, k_descale=kd, v_descale=vd, **options))
       out[name] = (fn, (q, k8, v8, lengths, table, kd, vd))
