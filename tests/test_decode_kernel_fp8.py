@@ -17,6 +17,7 @@ from tests.test_decode_kernel import _decode_calls
 
 FP8 = jnp.float8_e4m3fn
 VARIANT = config.decode_variant("bfloat16", 128, 128, kv_dtype=config.FP8_DTYPE)
+VARIANT16 = config.decode_variant("float16", 128, 128, kv_dtype=config.FP8_DTYPE)
 B, HK, GROUP, SEQ_Q, PAGES, PAGE, MAX_PAGES = 3, 2, 4, 1, 11, 16, 3
 OPTIONS = dict(variant=VARIANT, softmax_scale=0.125, seqlen_q=SEQ_Q, window_left=None,
                window_right=0, softcap=None, num_splits=2)
@@ -135,7 +136,7 @@ def test_kv_cache_attention_lowers_fp8_caches_to_the_kernel_for_a_gpu_elsewhere(
   caches; head dims without an FP8 decode kernel are named."""
   text = jax.jit(_fp8_call(num_splits=4, implementation="cute")).trace().lower(
       lowering_platforms=("cuda",)).as_text()
-  assert f'variant = "{VARIANT.key}"' in text
+  assert f'variant = "{VARIANT16.key}"' in text  # a bfloat16 query runs the float16 variant
   with pytest.raises(ValueError, match="num_splits: None .automatic. is chosen from the GPU's "
                                        "SM count"):
     _fp8_call(implementation="cute")()
@@ -143,3 +144,37 @@ def test_kv_cache_attention_lowers_fp8_caches_to_the_kernel_for_a_gpu_elsewhere(
       "implementation='cute': float8_e4m3fn caches have decode kernels for head_dim = "
       "head_dim_v in (64, 128, 256); got 96, 96")):
     _fp8_call(d=96, num_splits=4, implementation="cute")()
+
+
+@pytest.mark.parametrize("q_scale, v_scale", [(1.0, 1.0), (1e6, 1.0), (1e-7, 1.0), (1.0, 1e3),
+                                              (1.0, 1e-6)],
+                         ids=["unit", "q_past_f16", "q_tiny", "v_past_f16", "v_tiny"])
+def test_a_bfloat16_query_runs_the_float16_variant_scaled_by_powers_of_two(q_scale, v_scale):
+  """split_kv's route for a bfloat16 query over e4m3 caches: a float16 query and output of the
+  float16 variant, scaled by powers of two into float16's range (the call elsewhere rounds the
+  query and the output to float16 as the kernel does): queries and values far past float16's
+  largest or below its smallest normal value keep bfloat16's accuracy, and a page past every
+  length with a huge v descale (1e20, never read) does not shrink the scale of the others."""
+  q, k, v, table, lengths, kd, vd = _operands(3, True)
+  query = (q.reshape(B, SEQ_Q, HK * GROUP, 128).astype(jnp.float32) * q_scale).astype(
+      jnp.bfloat16)
+  vd = vd * v_scale
+  pages = np.asarray(table)  # lengths 0, 17, 48 read pages [1, :2] and [2, :]
+  unread = np.setdiff1d(np.arange(PAGES), np.concatenate([pages[1, :2], pages[2]]))
+  vd = vd.at[unread].set(1e20)
+  kw = dict(page_table=table, k_descale=kd, v_descale=vd, softmax_scale=0.125 / q_scale,
+            return_lse=True)
+  text = jax.jit(lambda *a: jaxflash.kv_cache_attention(
+      *a, implementation="cute", num_splits=2, **kw)).trace(query, k, v, lengths).lower(
+          lowering_platforms=("cuda",)).as_text()
+  assert f'variant = "{VARIANT16.key}"' in text and "f16>" in text
+  out, lse = jax.jit(lambda *a: jaxflash.kv_cache_attention(
+      *a, implementation="cute", num_splits=2, **kw))(query, k, v, lengths)
+  want, want_lse = jaxflash.kv_cache_attention(query, k, v, lengths, implementation="reference",
+                                               **kw)
+  assert out.dtype == jnp.bfloat16
+  out, want = np.asarray(out, np.float32), np.asarray(want, np.float32)
+  assert np.isfinite(out).all()
+  # bfloat16 rounding of the output: 2^-8 of the largest value.
+  np.testing.assert_allclose(out, want, rtol=0, atol=np.abs(want).max() * 2.0**-7)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-4)
