@@ -23,6 +23,7 @@ lowering); never Flax.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Optional
 
@@ -342,6 +343,8 @@ def _partitioned(static):
   fp8 = params["variant"].kv_dtype is not None
 
   def compute(*args):  # (q, k, v, page_table, lengths, sink[, k_descale, v_descale]), a shard
+    if fp8 and params["variant"].dtype == "bfloat16":
+      return _bfloat16_over_fp8(params, *args)
     return tuple(decode_p.bind(*args, **params))[:2]
 
   def impl(static, q, k, v, lengths, sink, *rest):
@@ -365,6 +368,55 @@ def _partitioned(static):
   partitioned = custom_partitioning(impl, static_argnums=(0,))
   partitioned.def_partition(partition=partition, sharding_rule=rule)
   return partitioned
+
+
+def _bfloat16_over_fp8(params, q, k, v, page_table, lengths, sink, k_descale, v_descale):
+  """decode_p of a bfloat16 query over float8_e4m3fn caches on the float16 variant, per shard:
+  e4m3 -> float16 is one conversion per pair in the kernel, e4m3 -> bfloat16 four (through
+  float16 and float32).
+
+  Powers of two keep every value in float16's range, exactly: the query is scaled by 2^s so that
+  its largest magnitude lies in [2^14, 2^15) (a bfloat16 value at least 2^-28 of that largest
+  one is then a normal float16, exact: 8 significant bits), and the k descales by 2^-s, so every
+  score is unchanged; the v descales are scaled by 2^-t so that the largest value a valid key
+  can hold (448 times the largest v descale of a page below a sequence's length) lies in [2^14,
+  2^15), and the float16 output by 2^t in float32 before it becomes bfloat16 (an output is a
+  convex combination of the values). Pages past the lengths never set t: their descales may
+  hold anything. The maxima are the shard's own: no collective."""
+  f32 = jnp.float32
+  variant = dataclasses.replace(params["variant"], dtype="float16")
+  q = q.astype(f32)
+  s = _exponent_to(jnp.max(jnp.abs(q)), 15)
+  t = -_exponent_to(_largest_valid(v_descale, lengths, page_table, k.shape[1]) * 448.0, 15)
+  q = (q * jnp.ldexp(f32(1), s)).astype(jnp.float16)
+  k_descale = k_descale * jnp.ldexp(f32(1), -s)
+  v_descale = v_descale * jnp.ldexp(f32(1), -t)
+  out, lse = decode_p.bind(q, k, v, page_table, lengths, sink, k_descale, v_descale,
+                           **dict(params, variant=variant))[:2]
+  return (out.astype(f32) * jnp.ldexp(f32(1), t)).astype(jnp.bfloat16), lse
+
+
+def _exponent_to(amax, top: int):
+  """The power of two s with amax * 2^s in [2^(top - 1), 2^top): int32, 0 where amax is 0 or
+  not finite, and within [-100, 100] (so that 2^s and 2^-s times a descale stay normal)."""
+  ok = jnp.isfinite(amax) & (amax > 0)
+  _, e = jnp.frexp(jnp.where(ok, amax, 1.0).astype(jnp.float32))
+  return jnp.clip(jnp.where(ok, top - e, 0), -100, 100).astype(jnp.int32)
+
+
+def _largest_valid(descale, lengths, page_table, page_size: int):
+  """The largest finite descale of a page (or contiguous sequence: a table of no column) that
+  holds a key below its sequence's length, over every kv head; 0 if none. The kernel reads no
+  other page."""
+  if page_table.shape[1] == 0:  # (batch, kv heads): sequence b's own descales
+    valid = jnp.broadcast_to((jnp.clip(lengths, 0, page_size) > 0)[:, None], descale.shape)
+  else:
+    length = jnp.clip(lengths, 0, page_size * page_table.shape[1])
+    column = jnp.arange(page_table.shape[1]) * page_size
+    valid = (column[None] < length[:, None])[..., None]  # (b, max_pages, 1)
+    descale = jnp.take(descale, jnp.clip(page_table, 0, descale.shape[0] - 1), axis=0)
+  keep = valid & jnp.isfinite(descale)
+  return jnp.max(jnp.where(keep, jnp.abs(descale), 0.0), initial=0.0)
 
 
 def _call_lowering(ctx, *args, paged, **params):

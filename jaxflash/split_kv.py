@@ -88,9 +88,6 @@ def kernel_forward(cfg: config.AttentionConfig, query, k_cache, v_cache, lengths
   b, seq_q, h, d = query.shape
   hk, dv = k_cache.shape[2], v_cache.shape[-1]
   kv_dtype = None if k_cache.dtype == query.dtype else str(k_cache.dtype)
-  if kv_dtype is not None and query.dtype == jnp.bfloat16:
-    return _bfloat16_over_fp8(cfg, query, k_cache, v_cache, lengths, page_table, sink,
-                              num_splits, k_descale, v_descale)
   variant = config.decode_variant(str(query.dtype), d, dv, kv_dtype=kv_dtype)
   rows = seq_q * (h // hk)
   if num_splits is None:
@@ -108,52 +105,3 @@ def kernel_forward(cfg: config.AttentionConfig, query, k_cache, v_cache, lengths
       softmax_scale=cfg.softmax_scale, seqlen_q=seq_q, window_left=cfg.window_left,
       window_right=right, softcap=cfg.softcap, num_splits=num_splits)
   return unpack(out, lse, seq_q)
-
-
-def _bfloat16_over_fp8(cfg: config.AttentionConfig, query, k_cache, v_cache, lengths,
-                       page_table, sink, num_splits, k_descale, v_descale):
-  """A bfloat16 query over float8_e4m3fn caches on the float16 variant: e4m3 -> float16 is one
-  conversion per pair in the kernel, e4m3 -> bfloat16 four (through float16 and float32).
-
-  Powers of two keep every value in float16's range, exactly: the query is scaled by 2^s so that
-  its largest magnitude lies in [2^14, 2^15) (a bfloat16 value at least 2^-28 of that largest
-  one is then a normal float16, exact: 8 significant bits), and the k descales by 2^-s, so every
-  score is unchanged; the v descales are scaled by 2^-t so that the largest value a valid key
-  can hold (448 times the largest v descale of a page below a sequence's length) lies in [2^14,
-  2^15), and the float16 output by 2^t in float32 before it becomes bfloat16 (an output is a
-  convex combination of the values). Pages past the lengths never set t: their descales may
-  hold anything."""
-  f32 = jnp.float32
-  q = query.astype(f32)
-  s = _exponent_to(jnp.max(jnp.abs(q)), 15)
-  t = -_exponent_to(_largest_valid(v_descale, lengths, page_table, k_cache.shape[1]) * 448.0,
-                    15)
-  q = (q * jnp.ldexp(f32(1), s)).astype(jnp.float16)
-  k_descale = k_descale * jnp.ldexp(f32(1), -s)
-  v_descale = v_descale * jnp.ldexp(f32(1), -t)
-  out, lse = kernel_forward(cfg, q, k_cache, v_cache, lengths, page_table, sink, num_splits,
-                            k_descale, v_descale)
-  return (out.astype(f32) * jnp.ldexp(f32(1), t)).astype(jnp.bfloat16), lse
-
-
-def _exponent_to(amax, top: int):
-  """The power of two s with amax * 2^s in [2^(top - 1), 2^top): int32, 0 where amax is 0 or
-  not finite, and within [-100, 100] (so that 2^s and 2^-s times a descale stay normal)."""
-  _, e = jnp.frexp(jnp.where(jnp.isfinite(amax) & (amax > 0), amax, 1.0).astype(jnp.float32))
-  s = jnp.where(jnp.isfinite(amax) & (amax > 0), top - e, 0)
-  return jnp.clip(s, -100, 100).astype(jnp.int32)
-
-
-def _largest_valid(descale, lengths, page_table, page_size: int):
-  """The largest finite descale of a page (or contiguous sequence) that holds a key below its
-  sequence's length, over every kv head; 0 if none. The kernel reads no other page."""
-  capacity = page_size * (1 if page_table is None else page_table.shape[1])
-  length = jnp.clip(lengths, 0, capacity)
-  if page_table is None:  # (batch, kv heads): sequence b's own descales
-    valid = jnp.broadcast_to((length > 0)[:, None], descale.shape)
-  else:
-    column = jnp.arange(page_table.shape[1]) * page_size
-    valid = (column[None] < length[:, None])[..., None]  # (b, max_pages, 1)
-    descale = jnp.take(descale, jnp.clip(page_table, 0, descale.shape[0] - 1), axis=0)
-  keep = valid & jnp.isfinite(descale)
-  return jnp.max(jnp.where(keep, jnp.abs(descale), 0.0), initial=0.0)

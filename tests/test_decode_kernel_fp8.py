@@ -51,11 +51,12 @@ def test_cuda_lowering_passes_the_e4m3_caches_and_their_descales(paged):
       lowering_platforms=("cuda",)).as_text()
   calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
   assert len(calls) == 1 and f"@{config.DECODE_TARGET}(" in calls[0], calls
-  assert f'variant = "{VARIANT.key}"' in calls[0] and "-kve4m3-" in VARIANT.key
+  # A bfloat16 query runs the float16 variant (decode_kernel._bfloat16_over_fp8).
+  assert f'variant = "{VARIANT16.key}"' in calls[0] and "-kve4m3-" in VARIANT16.key
   rows, cap = (PAGES, PAGE) if paged else (B, PAGE * MAX_PAGES)
   table = f"{B}x{MAX_PAGES}" if paged else f"{B}x0"
   assert re.search(
-      rf"\(tensor<{B}x{HK}x4x128xbf16>, tensor<{rows}x{cap}x{HK}x128xf8E4M3FN>, "
+      rf"\(tensor<{B}x{HK}x4x128xf16>, tensor<{rows}x{cap}x{HK}x128xf8E4M3FN>, "
       rf"tensor<{rows}x{cap}x{HK}x128xf8E4M3FN>, tensor<{table}xi32>, tensor<{B}xi32>, "
       rf"tensor<{HK}x0xf32>, tensor<{rows}x{HK}xf32>, tensor<{rows}x{HK}xf32>\)", calls[0]), \
       calls[0]
@@ -150,7 +151,7 @@ def test_kv_cache_attention_lowers_fp8_caches_to_the_kernel_for_a_gpu_elsewhere(
                                               (1.0, 1e-6)],
                          ids=["unit", "q_past_f16", "q_tiny", "v_past_f16", "v_tiny"])
 def test_a_bfloat16_query_runs_the_float16_variant_scaled_by_powers_of_two(q_scale, v_scale):
-  """split_kv's route for a bfloat16 query over e4m3 caches: a float16 query and output of the
+  """decode_kernel's route for a bfloat16 query over e4m3 caches: a float16 query and output of the
   float16 variant, scaled by powers of two into float16's range (the call elsewhere rounds the
   query and the output to float16 as the kernel does): queries and values far past float16's
   largest or below its smallest normal value keep bfloat16's accuracy, and a page past every
