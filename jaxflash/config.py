@@ -537,6 +537,17 @@ def decode_variant(dtype: str, head_dim: int, head_dim_v: int, arch: str = "sm90
                        kv_dtype=kv_dtype)
 
 
+def decode_launched(variant: KernelVariant) -> KernelVariant:
+  """The decode variant whose kernel runs a call of `variant`: a bfloat16 query over FP8_DTYPE
+  caches runs the float16 one, its query and values scaled by powers of two into float16's
+  range (decode_kernel._bfloat16_over_fp8: e4m3 -> float16 is one conversion per pair, ->
+  bfloat16 four); any other variant runs itself."""
+  if variant.direction == "decode" and variant.kv_dtype is not None and (
+      variant.dtype == "bfloat16"):
+    return dataclasses.replace(variant, dtype="float16")
+  return variant
+
+
 def decode_fp8_support(dtype: str, head_dim: int, head_dim_v: int) -> tuple[bool, str]:
   """Whether a decode kernel reads FP8_DTYPE caches with a dtype query: float16 / bfloat16
   queries, head_dim = head_dim_v in FP8_HEAD_DIMS."""
@@ -554,15 +565,14 @@ def shipped_variants(arch: str = "sm90a", direction: str = "fwd") -> list[Kernel
 
   direction="bwd" lists the backward variants (non-deterministic and deterministic),
   direction="decode" the split-KV decode variants (one per dtype and head-dim pair, and one per
-  dtype and FP8 head dim over FP8 caches).
+  FP8 head dim over FP8 caches: float16, which bfloat16 queries run too, decode_launched).
   """
   if direction not in DIRECTIONS:
     raise ValueError(f"direction: {direction!r} unknown; accepted: {DIRECTIONS}")
   if direction == "decode":  # caches in the query's dtype, then FP8 caches
     return ([decode_variant(dtype, d, dv, arch) for dtype in KERNEL_DTYPES
              for d, dv in KERNEL_HEAD_DIM_PAIRS["decode"]]
-            + [decode_variant(dtype, d, d, arch, FP8_DTYPE) for dtype in KERNEL_DTYPES
-               for d in FP8_HEAD_DIMS])
+            + [decode_variant("float16", d, d, arch, FP8_DTYPE) for d in FP8_HEAD_DIMS])
   out = []
   # Dense (causal or not), then masked (windows, segment ids: causal at run time), then masked
   # with a narrow band where that differs; forward variants of long calls, then those of short

@@ -23,7 +23,6 @@ lowering); never Flax.
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from typing import Optional
 
@@ -35,7 +34,7 @@ from jax.interpreters import batching, mlir
 from jax.experimental.custom_partitioning import custom_partitioning
 
 from jaxflash import _jax_internal, primitives, sharding
-from jaxflash.config import DECODE_TARGET, WINDOW_UNBOUNDED, KernelVariant
+from jaxflash.config import DECODE_TARGET, WINDOW_UNBOUNDED, KernelVariant, decode_launched
 
 
 def decode_attention(q_packed, k_pool, v_pool, page_table, lengths, sink=None, k_descale=None,
@@ -343,7 +342,7 @@ def _partitioned(static):
   fp8 = params["variant"].kv_dtype is not None
 
   def compute(*args):  # (q, k, v, page_table, lengths, sink[, k_descale, v_descale]), a shard
-    if fp8 and params["variant"].dtype == "bfloat16":
+    if decode_launched(params["variant"]) != params["variant"]:
       return _bfloat16_over_fp8(params, *args)
     return tuple(decode_p.bind(*args, **params))[:2]
 
@@ -384,7 +383,7 @@ def _bfloat16_over_fp8(params, q, k, v, page_table, lengths, sink, k_descale, v_
   convex combination of the values). Pages past the lengths never set t: their descales may
   hold anything. The maxima are the shard's own: no collective."""
   f32 = jnp.float32
-  variant = dataclasses.replace(params["variant"], dtype="float16")
+  variant = decode_launched(params["variant"])
   q = q.astype(f32)
   s = _exponent_to(jnp.max(jnp.abs(q)), 15)
   t = -_exponent_to(_largest_valid(v_descale, lengths, page_table, k.shape[1]) * 448.0, 15)

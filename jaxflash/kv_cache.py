@@ -20,7 +20,7 @@ import numpy as np
 from jaxflash import _jax_internal, checks, fp8_cache, implementation, reference, split_kv
 from jaxflash.attention import empty_result
 from jaxflash.config import (AttentionConfig, IMPLEMENTATIONS, decode_fp8_support,
-                             decode_variant, kernel_support)
+                             decode_launched, decode_variant, kernel_support)
 from jaxflash.sink import add_learnable_sink, check_learnable_sink
 
 # Accepted page sizes: powers of two, as FlashAttention's paged caches take them.
@@ -100,7 +100,7 @@ def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
   def missing() -> str:
     from jaxflash import ffi  # only on a CUDA host: keeps `import jaxflash` light
     variant = decode_variant(dtype, head_dim, head_dim_v, kv_dtype=kv_dtype)
-    return ffi.variant_available(variant)[1]
+    return ffi.variant_available(decode_launched(variant))[1]
   covered = kernel_support("decode", dtype, head_dim, head_dim_v)
   if covered[0] and kv_dtype is not None:
     covered = decode_fp8_support(dtype, head_dim, head_dim_v)

@@ -145,18 +145,24 @@ def test_fp8_forward_schedule_table():
 
 
 def test_decode_variants_one_per_dtype_and_head_dim_pair():
-  """Decode: 2 dtypes x the forward's 6 head-dim pairs over caches in the query's dtype, then 2
-  dtypes x the FP8 head dims over float8_e4m3fn caches; causal, windows and softcap are
-  run-time scalars, so no mask flags."""
+  """Decode: 2 dtypes x the forward's 6 head-dim pairs over caches in the query's dtype, then
+  float16 x the FP8 head dims over float8_e4m3fn caches (which bfloat16 queries run:
+  decode_launched); causal, windows and softcap are run-time scalars, so no mask flags."""
   plain = [v for v in DECODE if v.kv_dtype is None]
   fp8 = [v for v in DECODE if v.kv_dtype is not None]
   assert DECODE == plain + fp8
-  assert len(plain) == 2 * len(PAIRS) == 12 and len(fp8) == 2 * len(config.FP8_HEAD_DIMS) == 6
+  assert len(plain) == 2 * len(PAIRS) == 12 and len(fp8) == len(config.FP8_HEAD_DIMS) == 3
   assert {(v.dtype, v.head_dim, v.head_dim_v) for v in plain} == {
       (dtype, d, dv) for dtype in config.KERNEL_DTYPES for d, dv in PAIRS}
   assert {(v.dtype, v.head_dim, v.head_dim_v, v.kv_dtype) for v in fp8} == {
-      (dtype, d, d, config.FP8_DTYPE) for dtype in config.KERNEL_DTYPES
-      for d in config.FP8_HEAD_DIMS}
+      ("float16", d, d, config.FP8_DTYPE) for d in config.FP8_HEAD_DIMS}
+  for d in config.FP8_HEAD_DIMS:
+    for dtype in config.KERNEL_DTYPES:
+      call = config.decode_variant(dtype, d, d, kv_dtype=config.FP8_DTYPE)
+      assert config.decode_launched(call) == config.decode_variant(
+          "float16", d, d, kv_dtype=config.FP8_DTYPE) and call.dtype == dtype
+  for v in plain:  # 16-bit caches: every variant runs itself
+    assert config.decode_launched(v) == v
   for v in DECODE:
     assert v.direction == "decode" and v.key.startswith("decode-sm90a-")
     assert ("-kve4m3-" in v.key) == (v.kv_dtype is not None)

@@ -98,7 +98,9 @@ class _DecodeArgs(ctypes.Structure):
 @pytest.mark.parametrize("fp8", [False, True], ids=["16bit_caches", "fp8_caches"])
 def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(exported, tmp_path,
                                                                            fp8):
-  variant = next(v for v in VARIANTS if v.head_dim == 128 and v.dtype == "bfloat16"
+  # FP8 caches ship float16 variants only (bfloat16 queries run them: config.decode_launched).
+  dtype = "float16" if fp8 else "bfloat16"
+  variant = next(v for v in VARIANTS if v.head_dim == 128 and v.dtype == dtype
                  and (v.kv_dtype is not None) == fp8)
   lib_path = tmp_path / "decode.so"
   build.link_variant(exported(variant).exp, variant, lib_path)
@@ -108,7 +110,7 @@ def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(export
   assert lib.jaxflash_variant_key().decode() == variant.key
   assert lib.jaxflash_variant_abi_version() == _sass.abi_version()
   assert info == dict(
-      direction=2, dtype=1, head_dim=128, head_dim_v=128, causal=0, deterministic=0, tile_m=64,
+      direction=2, dtype=0 if fp8 else 1, head_dim=128, head_dim_v=128, causal=0, deterministic=0, tile_m=64,
       max_dq_copies=1, masked=0, tile_n=variant.schedule.tile_n, tile_counter=0,
       kv_fp8=int(fp8))
 
