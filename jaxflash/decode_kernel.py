@@ -374,9 +374,10 @@ def _bfloat16_over_fp8(params, q, k, v, page_table, lengths, sink, k_descale, v_
   e4m3 -> float16 is one conversion per pair in the kernel, e4m3 -> bfloat16 four (through
   float16 and float32).
 
-  Powers of two keep every value in float16's range, exactly: the query is scaled by 2^s so that
-  its largest magnitude lies in [2^14, 2^15) (a bfloat16 value at least 2^-28 of that largest
-  one is then a normal float16, exact: 8 significant bits), and the k descales by 2^-s, so every
+  Powers of two keep every value in float16's range without rounding it: the query is scaled by
+  2^s so that its largest magnitude lies in [2^14, 2^15) (a bfloat16 value at least 2^-28 of
+  that largest one is then a normal float16, exact: 8 significant bits; smaller ones become
+  subnormal float16), and the k descales by 2^-s, so every
   score is unchanged; the v descales are scaled by 2^-t so that the largest value a valid key
   can hold (448 times the largest v descale of a page below a sequence's length) lies in [2^14,
   2^15), and the float16 output by 2^t in float32 before it becomes bfloat16 (an output is a

@@ -110,8 +110,8 @@ def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(export
   assert lib.jaxflash_variant_key().decode() == variant.key
   assert lib.jaxflash_variant_abi_version() == _sass.abi_version()
   assert info == dict(
-      direction=2, dtype=0 if fp8 else 1, head_dim=128, head_dim_v=128, causal=0, deterministic=0, tile_m=64,
-      max_dq_copies=1, masked=0, tile_n=variant.schedule.tile_n, tile_counter=0,
+      direction=2, dtype=0 if fp8 else 1, head_dim=128, head_dim_v=128, causal=0,
+      deterministic=0, tile_m=64, max_dq_copies=1, masked=0, tile_n=variant.schedule.tile_n, tile_counter=0,
       kv_fp8=int(fp8))
 
   invalid = 1  # cudaErrorInvalidValue, before any CUDA call
