@@ -195,12 +195,16 @@ class DecodeSchedule:
   into the rows, JaxflashDecodeArgs) against one split of that sequence's keys.
   """
 
-  tile_m: int  # packed query rows per CTA: 64, one consumer warpgroup
+  tile_m: int  # packed query rows per CTA: 64 (one consumer warpgroup), 128 when chunked
   tile_n: int  # key rows per step
   num_stages: int  # depth of the K and V rings (in the query's dtype)
   # FP8 caches: depth of the e4m3 rings that TMA fills and warps 1-3 of the producer warpgroup
   # convert into the 16-bit rings; 0: 16-bit caches (TMA fills the 16-bit rings).
   fp8_stages: int = 0
+  # Chunked prefill (kernels/chunked_sm90.py): the forward's 128-row tiles, two consumer
+  # warpgroups taking turns at their GEMMs, one CTA per tile over all of its keys (no split),
+  # out and lse written by the tile itself; the call's scratch partials have 0 splits.
+  chunked: bool = False
 
   @property
   def key(self) -> str:
@@ -219,6 +223,42 @@ _DECODE_STAGES = {(64, 64): 4, (96, 96): 4, (128, 128): 3, (192, 128): 4, (192, 
 # Decode over FP8 caches: two 16-bit K / V stages (the converted blocks the GEMMs read) and the
 # deepest e4m3 ring, up to 4 stages, that fits beside them and the Q tile.
 _DECODE_FP8_STAGES = {64: 4, 128: 2, 256: 2}
+
+
+# Chunked prefill: the (head_dim, head_dim_v) pairs with a chunked variant; larger head dims and
+# FP8 caches run every call on the split-KV decode kernel.
+CHUNKED_HEAD_DIM_PAIRS = ((64, 64), (96, 96), (128, 128))
+# A kv_cache_attention call takes the chunked variant when each (sequence, kv head) has at least
+# this many packed query rows (seq_q * query heads per kv head: one whole 128-row tile; fewer
+# rows would leave part of a tile idle where the decode kernel's 64-row tiles fill) and its
+# tiles, batch * kv heads * row tiles, fill at least CHUNKED_MIN_WAVE of the SMs: below that
+# the decode kernel splits the keys across the idle SMs instead (docs/kernels.md, "Chunked
+# prefill").
+CHUNKED_MIN_ROWS = 128
+CHUNKED_MIN_WAVE = 0.75
+
+
+def chunked_schedule(head_dim: int, head_dim_v: int) -> DecodeSchedule:
+  """The chunked-prefill schedule: the forward's causal head_dim <= 128 tile, 128 x 128 with
+  two K / V stages (fwd_schedule: a third stage never helped), two consumer warpgroups."""
+  if (head_dim, head_dim_v) not in CHUNKED_HEAD_DIM_PAIRS:
+    raise ValueError(f"(head_dim, head_dim_v): ({head_dim}, {head_dim_v}) has no chunked "
+                     f"prefill schedule; accepted: {CHUNKED_HEAD_DIM_PAIRS}")
+  return DecodeSchedule(tile_m=128, tile_n=128, num_stages=2, chunked=True)
+
+
+def chunked_support(dtype: str, head_dim: int, head_dim_v: int,
+                    kv_dtype: Optional[str] = None) -> tuple[bool, str]:
+  """Whether a chunked-prefill variant covers a kv_cache_attention call's dtypes and head dims
+  (the rest of its routing: split_kv.use_chunked)."""
+  if kv_dtype is not None:
+    return False, f"{kv_dtype} caches run on the decode kernel"
+  if dtype not in KERNEL_DTYPES:
+    return False, f"dtype {dtype} has no kernel; accepted: {', '.join(KERNEL_DTYPES)}"
+  if (head_dim, head_dim_v) not in CHUNKED_HEAD_DIM_PAIRS:
+    return False, (f"(head_dim, head_dim_v) ({head_dim}, {head_dim_v}) has no chunked "
+                   f"variant; accepted: {CHUNKED_HEAD_DIM_PAIRS}")
+  return True, ""
 
 
 def decode_schedule(head_dim: int, head_dim_v: int, fp8_cache: bool = False) -> DecodeSchedule:
@@ -548,6 +588,16 @@ def decode_launched(variant: KernelVariant) -> KernelVariant:
   return variant
 
 
+def chunked_variant(dtype: str, head_dim: int, head_dim_v: int,
+                    arch: str = "sm90a") -> KernelVariant:
+  """The chunked-prefill variant of a query dtype and head-dim pair (CHUNKED_HEAD_DIM_PAIRS):
+  a decode-direction variant (the decode call's operands and FFI target) whose schedule is
+  chunked; causal, windows and softcap are run-time scalars as in decode_variant."""
+  return KernelVariant(direction="decode", arch=arch, dtype=dtype, head_dim=head_dim,
+                       head_dim_v=head_dim_v, causal=False,
+                       schedule=chunked_schedule(head_dim, head_dim_v))
+
+
 def decode_fp8_support(dtype: str, head_dim: int, head_dim_v: int) -> tuple[bool, str]:
   """Whether a decode kernel reads FP8_DTYPE caches with a dtype query: float16 / bfloat16
   queries, head_dim = head_dim_v in FP8_HEAD_DIMS."""
@@ -565,14 +615,17 @@ def shipped_variants(arch: str = "sm90a", direction: str = "fwd") -> list[Kernel
 
   direction="bwd" lists the backward variants (non-deterministic and deterministic),
   direction="decode" the split-KV decode variants (one per dtype and head-dim pair, and one per
-  FP8 head dim over FP8 caches: float16, which bfloat16 queries run too, decode_launched).
+  FP8 head dim over FP8 caches: float16, which bfloat16 queries run too, decode_launched), then
+  the chunked-prefill ones (one per dtype and pair of CHUNKED_HEAD_DIM_PAIRS).
   """
   if direction not in DIRECTIONS:
     raise ValueError(f"direction: {direction!r} unknown; accepted: {DIRECTIONS}")
-  if direction == "decode":  # caches in the query's dtype, then FP8 caches
+  if direction == "decode":  # caches in the query's dtype, FP8 caches, chunked prefill
     return ([decode_variant(dtype, d, dv, arch) for dtype in KERNEL_DTYPES
              for d, dv in KERNEL_HEAD_DIM_PAIRS["decode"]]
-            + [decode_variant("float16", d, d, arch, FP8_DTYPE) for d in FP8_HEAD_DIMS])
+            + [decode_variant("float16", d, d, arch, FP8_DTYPE) for d in FP8_HEAD_DIMS]
+            + [chunked_variant(dtype, d, dv, arch) for dtype in KERNEL_DTYPES
+               for d, dv in CHUNKED_HEAD_DIM_PAIRS])
   out = []
   # Dense (causal or not), then masked (windows, segment ids: causal at run time), then masked
   # with a narrow band where that differs; forward variants of long calls, then those of short

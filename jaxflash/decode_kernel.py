@@ -68,7 +68,9 @@ def decode_attention(q_packed, k_pool, v_pool, page_table, lengths, sink=None, k
     window_left, window_right: keys visible left / right of a query's position (None:
       unbounded); causal is window_right = 0.
     softcap: scores become softcap * tanh(s / softcap); None: off.
-    num_splits: parts each sequence's keys are split into (1 to 65535).
+    num_splits: parts each sequence's keys are split into (1 to 65535); 0 for a chunked
+      variant (config.chunked_variant: one CTA per 128-row tile over all of its keys, out and
+      lse written by the tile, no partials).
 
   Returns:
     out (batch, num_kv_heads, rows, head_dim_v) in q's dtype and lse (batch, num_kv_heads,
@@ -167,7 +169,11 @@ def _check(q, k, v, page_table, lengths, sink, variant, seqlen_q, num_splits):
   if not _is_int(seqlen_q) or seqlen_q < 1 or rows % seqlen_q:
     raise ValueError(f"seqlen_q: expected an int >= 1 that divides q_packed's {rows} rows "
                      f"(rows = seqlen_q * query heads per kv head), got {seqlen_q!r}")
-  if not _is_int(num_splits) or not 1 <= num_splits <= 65535:
+  if variant.schedule.chunked:
+    if num_splits != 0 or not _is_int(num_splits):
+      raise ValueError(f"num_splits: a chunked variant ({variant.key}) runs no split: expected "
+                       f"0, got {num_splits!r}")
+  elif not _is_int(num_splits) or not 1 <= num_splits <= 65535:
     raise ValueError(f"num_splits: expected an int from 1 to 65535, got {num_splits!r}")
   group = rows // seqlen_q
   if sink is not None and (tuple(np.shape(sink)) != (hk, group)
@@ -209,9 +215,12 @@ def _reference(q, k, v, page_table, lengths, sink, *descales, variant, softmax_s
                window_left, window_right, softcap, num_splits):
   """The kernels' results in XLA ops: the same split of each row tile's key blocks
   (FlashAttentionDecodeSm90._work), masks and soft-capping for the float32 partials, merged as
-  DecodeCombine does; FP8 caches dequantized by their descales. decode_p's lowering on
+  DecodeCombine does; FP8 caches dequantized by their descales. A chunked variant (num_splits
+  0) computes its tiles as one split and returns partials of 0 splits. decode_p's lowering on
   platforms other than CUDA (tests of the call around the kernel; it gathers every sequence's
   keys)."""
+  chunked = num_splits == 0
+  num_splits = max(num_splits, 1)
   f32 = jnp.float32
   if descales:  # (num_pages, kv heads) per cache
     k = k.astype(f32) * descales[0][:, None, :, None]
@@ -261,6 +270,8 @@ def _reference(q, k, v, page_table, lengths, sink, *descales, variant, softmax_s
                           out_partial / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
   lse_partial = jnp.where(total > 0, top + jnp.log(total), -jnp.inf)
   out, lse = merge_splits(out_partial, lse_partial, sink if sink.shape[1] else None, seqlen_q)
+  if chunked:
+    out_partial, lse_partial = out_partial[:, :0], lse_partial[:, :0]
   return out.astype(q.dtype), lse, out_partial, lse_partial
 
 

@@ -89,7 +89,7 @@ def length_segment_ids(batch: int, seq_q: int, seq_k: int, kv_lengths):
 
 def _forward(config, q, k, v, kv_lengths, sink):
   return split_kv.kernel_forward(config, _on_gpu_p.bind(q), k, v, _lengths(k, kv_lengths), None,
-                                 sink, None)
+                                 sink, None, chunked=False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -19,8 +19,9 @@ import numpy as np
 
 from jaxflash import _jax_internal, checks, fp8_cache, implementation, reference, split_kv
 from jaxflash.attention import empty_result
-from jaxflash.config import (AttentionConfig, IMPLEMENTATIONS, decode_fp8_support,
-                             decode_launched, decode_variant, kernel_support)
+from jaxflash.config import (AttentionConfig, IMPLEMENTATIONS, chunked_variant,
+                             decode_fp8_support, decode_launched, decode_variant,
+                             kernel_support)
 from jaxflash.sink import add_learnable_sink, check_learnable_sink
 
 # Accepted page sizes: powers of two, as FlashAttention's paged caches take them.
@@ -91,20 +92,24 @@ def _check_options(causal, softmax_scale, window_size, softcap, num_splits, retu
 
 def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
                             head_dim_v: int, num_splits: Optional[int],
-                            kv_dtype: Optional[str]) -> str:
-  """'cute' or 'reference' (implementation.resolve): the decode kernel where one covers the
+                            kv_dtype: Optional[str], chunked: bool) -> str:
+  """'cute' or 'reference' (implementation.resolve): the decode kernels where one covers the
   call (fp16/bf16, the forward's head dims; float8_e4m3fn caches: head_dim = head_dim_v in
-  config.FP8_HEAD_DIMS) and is installed or buildable. 'cute' lowers without a CUDA device
-  here (jax.export for a GPU elsewhere) only with num_splits given: the automatic count is
-  chosen from the GPU's SM count. kv_dtype: the caches' dtype where it is FP8, else None."""
+  config.FP8_HEAD_DIMS) and its variant (chunked: the chunked-prefill one, split_kv.use_chunked)
+  is installed or buildable. 'cute' lowers without a CUDA device here (jax.export for a GPU
+  elsewhere) only with num_splits given where the call runs the split-KV variant: the automatic
+  count is chosen from the GPU's SM count (a chunked call runs no split). kv_dtype: the caches'
+  dtype where it is FP8, else None."""
   def missing() -> str:
     from jaxflash import ffi  # only on a CUDA host: keeps `import jaxflash` light
-    variant = decode_variant(dtype, head_dim, head_dim_v, kv_dtype=kv_dtype)
-    return ffi.variant_available(decode_launched(variant))[1]
+    variant = (chunked_variant(dtype, head_dim, head_dim_v) if chunked
+               else decode_launched(decode_variant(dtype, head_dim, head_dim_v,
+                                                   kv_dtype=kv_dtype)))
+    return ffi.variant_available(variant)[1]
   covered = kernel_support("decode", dtype, head_dim, head_dim_v)
   if covered[0] and kv_dtype is not None:
     covered = decode_fp8_support(dtype, head_dim, head_dim_v)
-  if (requested == "cute" and covered[0] and num_splits is None
+  if (requested == "cute" and covered[0] and num_splits is None and not chunked
       and not _jax_internal.has_cuda_device()):
     raise ValueError("num_splits: None (automatic) is chosen from the GPU's SM count, and no "
                      "CUDA device is visible; to lower implementation='cute' for a GPU "
@@ -113,12 +118,12 @@ def _resolve_implementation(requested: Optional[str], dtype: str, head_dim: int,
   return implementation.resolve(requested, covered, missing)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _forward(config: AttentionConfig, num_splits: Optional[int], query, k_cache, v_cache,
-             lengths, page_table, sink, k_descale, v_descale):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _forward(config: AttentionConfig, num_splits: Optional[int], chunked: bool, query, k_cache,
+             v_cache, lengths, page_table, sink, k_descale, v_descale):
   if config.implementation == "cute":  # the kernel clamps the lengths itself
     return split_kv.kernel_forward(config, query, k_cache, v_cache, lengths, page_table, sink,
-                                   num_splits, k_descale, v_descale)
+                                   num_splits, k_descale, v_descale, chunked=chunked)
   capacity = reference.cache_capacity(k_cache, page_table)
   out, lse = reference.blocked_kv_cache_forward(query, k_cache, v_cache,
                                                 jnp.clip(lengths, 0, capacity), config,
@@ -129,8 +134,8 @@ def _forward(config: AttentionConfig, num_splits: Optional[int], query, k_cache,
 
 
 @_forward.defjvp
-def _forward_jvp(config, num_splits, primals, tangents):
-  del config, num_splits, primals, tangents
+def _forward_jvp(config, num_splits, chunked, primals, tangents):
+  del config, num_splits, chunked, primals, tangents
   raise TypeError("kv_cache_attention is forward only (inference): it has no gradient. To "
                   "differentiate attention, call jaxflash.attention on the keys and values.")
 
@@ -204,10 +209,14 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
     if learnable_sink is not None:
       out, lse = add_learnable_sink(out, lse, learnable_sink)
   else:
+    kv_dtype = fp8_cache.FP8_DTYPE if fp8 else None
+    chunked = split_kv.use_chunked(b, seq_q, h, k_cache.shape[2], dtype, query.shape[-1],
+                                   v_cache.shape[-1], kv_dtype)
     impl = _resolve_implementation(implementation, dtype, query.shape[-1], v_cache.shape[-1],
-                                   num_splits, fp8_cache.FP8_DTYPE if fp8 else None)
-    out, lse = _forward(config.replace(implementation=impl), num_splits, query, k_cache,
-                        v_cache, lengths, page_table, learnable_sink, k_descale, v_descale)
+                                   num_splits, kv_dtype, chunked)
+    out, lse = _forward(config.replace(implementation=impl), num_splits, chunked, query,
+                        k_cache, v_cache, lengths, page_table, learnable_sink, k_descale,
+                        v_descale)
   return (out, lse) if return_lse else out
 
 

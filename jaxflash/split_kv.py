@@ -1,5 +1,5 @@
-"""The decode kernel's call around it: query heads packed per kv head (and unpacked after) and
-the split count.
+"""The decode kernels' call around them: query heads packed per kv head (and unpacked after),
+the choice between the split-KV decode variant and the chunked-prefill one, and the split count.
 
 Imports jax, config and jaxflash/decode_kernel.py (the custom call).
 """
@@ -59,6 +59,28 @@ def choose_num_splits(tiles: int, key_blocks: int, sms: int, max_blocks: int) ->
   return min(range(fewest, limit + 1), key=lambda s: (cost(s), s))
 
 
+def use_chunked(batch: int, seq_q: int, num_heads: int, num_kv_heads: int, dtype: str,
+                head_dim: int, head_dim_v: int, kv_dtype=None, sms=None) -> bool:
+  """Whether a kv_cache_attention call runs the chunked-prefill variant (the forward's 128-row
+  tiles over all of a row tile's keys) instead of the split-KV decode one.
+
+  It does where a chunked variant covers the dtypes and head dims (config.chunked_support)
+  and each (sequence, kv head) has at least config.CHUNKED_MIN_ROWS packed query rows (seq_q *
+  query heads per kv head: one whole tile), and its tiles fill at least
+  config.CHUNKED_MIN_WAVE of the SMs (sms: num_sms() when None, the count of an H100 / H200
+  on a host without a GPU, so the choice is the same from static shapes wherever it is made):
+  with fewer tiles the decode kernel's splits of the keys keep the other SMs busy.
+  """
+  if not config.chunked_support(dtype, head_dim, head_dim_v, kv_dtype)[0]:
+    return False
+  rows = seq_q * (num_heads // num_kv_heads)
+  if rows < config.CHUNKED_MIN_ROWS:
+    return False
+  tiles = batch * num_kv_heads * -(-rows // config.chunked_schedule(head_dim,
+                                                                     head_dim_v).tile_m)
+  return tiles >= config.CHUNKED_MIN_WAVE * (num_sms() if sms is None else sms)
+
+
 def pack_query(query, num_kv_heads: int):
   """(batch, seq_q, heads, d) -> (batch, kv heads, seq_q * group, d): row i * group + j of kv
   head kv holds token i of query head kv * group + j (the heads that share kv head kv). A
@@ -81,14 +103,22 @@ def unpack(out, lse, seq_q: int):
 
 
 def kernel_forward(cfg: config.AttentionConfig, query, k_cache, v_cache, lengths, page_table,
-                   sink, num_splits, k_descale=None, v_descale=None):
+                   sink, num_splits, k_descale=None, v_descale=None, chunked=None):
   """kv_cache_attention on the decode kernels: (out, lse) as the reference returns them, with
   the sink. The kernel clamps the lengths to [0, capacity]; page_table None means contiguous
-  caches; float8_e4m3fn caches come with their descales."""
+  caches; float8_e4m3fn caches come with their descales. chunked: run the chunked-prefill
+  variant (True; num_splits is then ignored) or the split-KV one (False); None: use_chunked
+  decides."""
   b, seq_q, h, d = query.shape
   hk, dv = k_cache.shape[2], v_cache.shape[-1]
   kv_dtype = None if k_cache.dtype == query.dtype else str(k_cache.dtype)
-  variant = config.decode_variant(str(query.dtype), d, dv, kv_dtype=kv_dtype)
+  if chunked is None:
+    chunked = use_chunked(b, seq_q, h, hk, str(query.dtype), d, dv, kv_dtype)
+  if chunked:
+    variant = config.chunked_variant(str(query.dtype), d, dv)
+    num_splits = 0
+  else:
+    variant = config.decode_variant(str(query.dtype), d, dv, kv_dtype=kv_dtype)
   rows = seq_q * (h // hk)
   if num_splits is None:
     capacity = k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])

@@ -61,11 +61,13 @@ def test_decode_variant_exports_the_signature_of_the_glue(exported, variant):
     assert (f"int64_t dynamic_strides[{strides}];" in body.group(1)) == (strides > 0), name
 
 
-@pytest.mark.parametrize("variant", _sass.compiled_variants(VARIANTS), ids=lambda v: v.key)
+@pytest.mark.parametrize("variant", _sass.compiled_variants(
+    [v for v in VARIANTS if not v.schedule.chunked]), ids=lambda v: v.key)
 def test_decode_variant_holds_the_split_kernel_and_the_merge_without_spills(exported,
                                                                                   variant):
   """One cubin, two kernels: the splits (TMA copies, WGMMAs) and their merge
-  (kernels/decode_combine.py: warp shuffles, no shared memory)."""
+  (kernels/decode_combine.py: warp shuffles, no shared memory). The chunked variants hold one
+  kernel (tests/test_kernels_chunked_sm90.py)."""
   sass = exported(variant).sass["main"]
   parts = {}
   for name, body in re.findall(r"\.text\.(\S+?):\n(.*?)(?=\.text\.|\Z)", sass, re.S):
@@ -95,13 +97,14 @@ class _DecodeArgs(ctypes.Structure):
                  ("k_descale", ctypes.c_void_p), ("v_descale", ctypes.c_void_p)])
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["16bit_caches", "fp8_caches"])
+@pytest.mark.parametrize("kind", ["16bit_caches", "fp8_caches", "chunked"])
 def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(exported, tmp_path,
-                                                                           fp8):
+                                                                           kind):
+  fp8, chunked = kind == "fp8_caches", kind == "chunked"
   # FP8 caches ship float16 variants only (bfloat16 queries run them: config.decode_launched).
   dtype = "float16" if fp8 else "bfloat16"
   variant = next(v for v in VARIANTS if v.head_dim == 128 and v.dtype == dtype
-                 and (v.kv_dtype is not None) == fp8)
+                 and (v.kv_dtype is not None) == fp8 and v.schedule.chunked == chunked)
   lib_path = tmp_path / "decode.so"
   build.link_variant(exported(variant).exp, variant, lib_path)
   assert build.exported_symbols(lib_path) == set(build.variant_abi_symbols("decode"))
@@ -111,7 +114,8 @@ def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(export
   assert lib.jaxflash_variant_abi_version() == _sass.abi_version()
   assert info == dict(
       direction=2, dtype=0 if fp8 else 1, head_dim=128, head_dim_v=128, causal=0,
-      deterministic=0, tile_m=64, max_dq_copies=1, masked=0, tile_n=variant.schedule.tile_n, tile_counter=0,
+      deterministic=0, tile_m=128 if chunked else 64, max_dq_copies=1, masked=0,
+      tile_n=variant.schedule.tile_n, tile_counter=0,
       kv_fp8=int(fp8))
 
   invalid = 1  # cudaErrorInvalidValue, before any CUDA call
@@ -123,20 +127,25 @@ def test_linked_decode_library_exports_the_decode_abi_and_validates_calls(export
     fields = dict(q=base, k=base, v=base, page_table=base, lengths=base, sink=base,
                   out_partial=base, lse_partial=base, out=base, lse=base, batch=2, rows=8,
                   num_kv_heads=2, head_dim=128,
-                  head_dim_v=128, num_pages=10, page_size=16, max_pages=5, num_splits=3,
+                  head_dim_v=128, num_pages=10, page_size=16, max_pages=5,
+                  num_splits=0 if chunked else 3,
                   seqlen_q=2, softmax_scale=0.125, window_left=1 << 30, window_right=0,
                   softcap=0.0, k_descale=base if fp8 else None, v_descale=base if fp8 else None)
     fields.update(changes)
     return lib.jaxflash_variant_decode(ctypes.byref(_DecodeArgs(**fields)), None)
 
+  # A chunked variant runs no split (0), the split-KV ones at least one.
   refused = [dict(head_dim=64), dict(head_dim_v=64), dict(batch=0), dict(rows=0),
-             dict(num_pages=0), dict(page_size=0), dict(max_pages=-1), dict(num_splits=0),
+             dict(num_pages=0), dict(page_size=0), dict(max_pages=-1),
+             dict(num_splits=1 if chunked else 0),
              dict(max_pages=0, num_pages=1),  # contiguous: one page per sequence
              dict(seqlen_q=0), dict(seqlen_q=3), dict(page_size=24), dict(page_size=48),
              dict(num_splits=65536), dict(batch=40000), dict(q=base + 8), dict(k=base + 4),
-             dict(out_partial=base + 4), dict(out=base + 8), dict(lse=base + 4),
+             dict(out=base + 8), dict(lse=base + 4),
              dict(lengths=base + 2), dict(sink=base + 2), dict(page_table=None),
              dict(lengths=None)]
+  if not chunked:  # a chunked variant's partials are empty, never read or written
+    refused.append(dict(out_partial=base + 4))
   # FP8 caches need both descales (4-byte aligned); 16-bit caches take none.
   refused += ([dict(k_descale=None), dict(v_descale=None), dict(k_descale=base + 2)] if fp8
               else [dict(k_descale=base), dict(v_descale=base)])

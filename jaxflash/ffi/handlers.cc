@@ -872,12 +872,20 @@ ffi::Error KvCacheAttention(cudaStream_t stream, int32_t device_ordinal, ffi::An
   }
   // batch, rows or num_kv_heads is 0: nothing to write.
   if (out->element_count() == 0) return ffi::Error::Success();
-  if (args.num_splits == 0 || args.num_pages == 0 || args.page_size == 0) {
+  // Chunked-prefill variants (128-row tiles, kernels/chunked_sm90.py) write out and lse per
+  // tile and take partials of 0 splits; the split-KV ones at least one split.
+  const bool chunked = library->info.tile_m > 64;
+  if (chunked != (args.num_splits == 0)) {
+    return Invalid(attrs, "out_partial " + Shape(*out_partial) + " has " +
+                              std::to_string(args.num_splits) + " splits (dim 1); the variant " +
+                              (chunked ? "is a chunked one, which takes 0"
+                                       : "splits the keys, it needs at least 1"));
+  }
+  if (args.num_pages == 0 || args.page_size == 0) {
     // TMA cannot describe an empty cache; jaxflash computes such calls without the kernel
     // (jaxflash/decode_kernel.py).
     return Invalid(attrs, "an empty cache (k " + Shape(k) + ", page_table " +
-                              Shape(page_table) + ") or no split (out_partial " +
-                              Shape(*out_partial) + "): the kernel needs keys to read");
+                              Shape(page_table) + "): the kernel needs keys to read");
   }
 
   ScopedStreamDevice device(device_ordinal);

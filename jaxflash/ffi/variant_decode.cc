@@ -36,6 +36,8 @@ static_assert(JAXFLASH_DIRECTION == 2, "variant_decode.cc builds decode variants
 
 // CUDA's limit on gridDim.y and gridDim.z.
 constexpr int64_t kMaxGridYZ = 65535;
+// Chunked prefill: two consumer warpgroups of 64 rows (config.DecodeSchedule.chunked).
+constexpr bool kChunked = JAXFLASH_TILE_M > 64;
 
 // cudaErrorInvalidValue for what the kernel cannot take, else 0.
 int32_t Validate(const JaxflashDecodeArgs* a) {
@@ -46,9 +48,12 @@ int32_t Validate(const JaxflashDecodeArgs* a) {
   // An empty grid is not a valid launch, and TMA descriptors need every extent >= 1: the
   // caller handles empty tensors (no pages: out_partial = 0, lse_partial = -inf).
   if (a->batch <= 0 || a->rows <= 0 || a->num_kv_heads <= 0 || a->num_pages <= 0 ||
-      a->page_size <= 0 || a->max_pages < 0 || a->num_splits <= 0) {
+      a->page_size <= 0 || a->max_pages < 0) {
     return kInvalid;
   }
+  // Chunked-prefill variants (128-row tiles, kernels/chunked_sm90.py) run no split and write
+  // out and lse per tile: out_partial / lse_partial hold 0 splits. The others split the keys.
+  if (kChunked ? a->num_splits != 0 : a->num_splits <= 0) return kInvalid;
   // No page-table column: contiguous caches, sequence b in page b.
   if (a->max_pages == 0 && a->num_pages < a->batch) return kInvalid;
   // rows = seqlen_q * (query heads per kv head).
@@ -67,8 +72,11 @@ int32_t Validate(const JaxflashDecodeArgs* a) {
   // TMA needs 16-byte aligned global addresses (q, k, v); the outputs and float32 partials
   // are 16-byte aligned as every XLA buffer is; the int32 page table and lengths and the sink
   // are read as scalars.
-  if (!Aligned(a->q, 16) || !Aligned(a->k, 16) || !Aligned(a->v, 16) ||
-      !Aligned(a->out_partial, 16) || !Aligned(a->lse_partial, 16) || !Aligned(a->out, 16) ||
+  // A chunked variant's partials are empty (never read or written, whatever their address).
+  const bool partials_aligned =
+      kChunked || (Aligned(a->out_partial, 16) && Aligned(a->lse_partial, 16));
+  if (!Aligned(a->q, 16) || !Aligned(a->k, 16) || !Aligned(a->v, 16) || !partials_aligned ||
+      !Aligned(a->out, 16) ||
       !Aligned(a->lse, 16) || !Aligned(a->page_table, 4) || !Aligned(a->lengths, 4) ||
       !Aligned(a->sink, 4) || (a->page_table == nullptr && a->max_pages > 0) ||
       a->lengths == nullptr) {

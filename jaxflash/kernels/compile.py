@@ -23,6 +23,7 @@ from jaxflash import config
 from jaxflash.kernels.bwd_postprocess import FlashAttentionBackwardPostprocess
 from jaxflash.kernels.bwd_preprocess import FlashAttentionBackwardPreprocess
 from jaxflash.kernels.bwd_sm90 import FlashAttentionBackwardSm90
+from jaxflash.kernels.chunked_sm90 import FlashAttentionChunkedSm90
 from jaxflash.kernels.decode_sm90 import FlashAttentionDecodeSm90
 from jaxflash.kernels.fwd_fp8_sm90 import FlashAttentionForwardFp8Sm90
 from jaxflash.kernels.fwd_sm90 import FlashAttentionForwardSm90
@@ -263,8 +264,11 @@ def build_kernel(variant: config.KernelVariant) -> FlashAttentionForwardSm90:
 
 
 def build_decode_kernel(variant: config.KernelVariant) -> FlashAttentionDecodeSm90:
-  """The split-KV decode kernel object of a variant, or ValueError with the reason."""
-  return FlashAttentionDecodeSm90(_checked(variant, FlashAttentionDecodeSm90))
+  """The kernel object of a decode-direction variant (split-KV decode, or chunked prefill when
+  its schedule is chunked), or ValueError with the reason."""
+  kernel_class = (FlashAttentionChunkedSm90 if getattr(variant.schedule, "chunked", False)
+                  else FlashAttentionDecodeSm90)
+  return kernel_class(_checked(variant, kernel_class))
 
 
 def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:

@@ -27,8 +27,11 @@ FP8 = cutlass.Float8E4M3FN
 _WARPGROUP_THREADS = sm90_gemm.WARPGROUP_THREADS
 # Keys move in boxes of this many rows: the smallest page (a page is a power of two from 16).
 BOX_ROWS = 16
-# Named barrier 1: the consumer warpgroup, after it zeroed V rows past the cache length.
+# Named barrier 1: the consumer warpgroups, after they zeroed V rows past the cache length; 2 + w:
+# consumer warpgroup w's turn to issue its GEMMs (ping-pong, the chunked subclass), the
+# forward's numbering (fwd_sm90's _scheduler_sync and _scheduler_arrive use these barriers).
 _V_TAIL_BARRIER = 1
+_SCHEDULER_BARRIER_BASE = 2
 # (producer, consumer) registers per thread after setmaxnreg: one consumer warpgroup. The
 # warps that convert FP8 caches keep a 16-byte load and its 32 converted bytes in flight with
 # their addresses: at 56 registers the variants spilled, so they keep 128 (the pool of 256
@@ -186,11 +189,12 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     self.tile_n = schedule.tile_n
     self.num_stages = schedule.num_stages
     self.q_stages = 1
-    assert self.tile_m == 64 and self.tile_n % BOX_ROWS == 0, schedule
+    # 64 query rows per consumer warpgroup: one here, two in the chunked subclass.
+    assert self.tile_m % 64 == 0 and self.tile_n % BOX_ROWS == 0, schedule
     self.causal = False  # run-time: window_right
-    self.num_mma_warpgroups = 1
-    self.num_mma_threads = _WARPGROUP_THREADS
-    self.num_threads = 2 * _WARPGROUP_THREADS
+    self.num_mma_warpgroups = self.tile_m // 64
+    self.num_mma_threads = self.num_mma_warpgroups * _WARPGROUP_THREADS
+    self.num_threads = self.num_mma_threads + _WARPGROUP_THREADS
     self.num_producer_regs, self.num_mma_regs = _PRODUCER_REGS, _CONSUMER_REGS
     if variant.kv_dtype is not None:
       self.num_producer_regs = _FP8_PRODUCER_REGS
@@ -216,6 +220,8 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
   @staticmethod
   def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:
     ok, reason = sm90_gemm.variant_support(variant, "decode")
+    if ok and variant.schedule.chunked:
+      return False, f"variant {variant.key} is a chunked-prefill one (kernels/chunked_sm90.py)"
     if ok and variant.kv_dtype is not None:
       ok, reason = config.decode_fp8_support(variant.dtype, variant.head_dim, variant.head_dim_v)
     return ok, reason
@@ -223,10 +229,12 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
   def _setup_attributes(self):
     """Tiled MMAs, shared layouts (the rings and the 16-key boxes TMA fills), byte counts."""
     k_major, mn_major = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+    # One 64 x N WGMMA atom per consumer warpgroup, stacked along M.
+    atoms = (self.num_mma_warpgroups, 1, 1)
     self.tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-        self.dtype, self.dtype, k_major, k_major, Float32, (1, 1, 1), (64, self.tile_n))
+        self.dtype, self.dtype, k_major, k_major, Float32, atoms, (64, self.tile_n))
     self.tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-        self.dtype, self.dtype, k_major, mn_major, Float32, (1, 1, 1), (64, self.head_dim_v),
+        self.dtype, self.dtype, k_major, mn_major, Float32, atoms, (64, self.head_dim_v),
         a_source=warpgroup.OperandSource.RMEM)
     self.sQ_layout = sm90_gemm.smem_layout(self.dtype, self.tile_m, self.head_dim)
     self.sK_layout = sm90_gemm.smem_layout(self.dtype, self.tile_n, self.head_dim,
@@ -716,14 +724,35 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
                  softmax_scale: Float32, capped: Int32, tanh_scale: Float32, work,
                  m_block: Int32, split: Int32, head_kv: Int32, batch: Int32, seqlen_q: Int32,
                  window_left: Int32, window_right: Int32, rows: Int32, scales=None):
-    """Consumer warpgroup: S = Q K^T, online softmax, O += P V over the split's key blocks
-    (highest first), then the partial out and lse. scales: FP8 caches' descale buffer
-    (convert_kv)."""
+    """Consumer warpgroup: the tile's key blocks (run_tile), then the partial out and lse.
+    scales: FP8 caches' descale buffer (convert_kv)."""
+    c, thr_mma_pv = self.run_tile(sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_q,
+                                  pipeline_k, pipeline_v, softmax_scale, capped, tanh_scale,
+                                  work, m_block, seqlen_q, window_left, window_right, rows,
+                                  scales)
+    out_scale = None
+    if const_expr(self.fp8_cache):
+      # The v reference; a split without keys has none (and O = 0).
+      out_scale = Float32(1.0)
+      if work.n_end > work.n_start:
+        out_scale = scales[0, self.num_stages]
+    self.epilogue_decode(mOPart, mLSEPart, thr_mma_pv, c.acc_o, c.online, m_block, split,
+                         head_kv, batch, rows, out_scale)
+
+  @cute.jit
+  def run_tile(self, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+               tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, pipeline_q,
+               pipeline_k, pipeline_v, softmax_scale: Float32, capped: Int32,
+               tanh_scale: Float32, work, m_block: Int32, seqlen_q: Int32, window_left: Int32,
+               window_right: Int32, rows: Int32, scales=None):
+    """Consumer warpgroups: S = Q K^T, online softmax, O += P V over the work's key blocks
+    (highest first), ping-pong between the warpgroups where the schedule has it. Returns the
+    thread's _Consumer (O and the softmax state of the tile) and PV GEMM slice."""
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WARPGROUP_THREADS
-    c, thr_mma_pv = self._consumer(mma_tidx, cute.arch.make_warp_uniform(
-        mma_tidx // _WARPGROUP_THREADS), tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, pipeline_k,
-        pipeline_v, softmax_scale, None)
+    wg = cute.arch.make_warp_uniform(mma_tidx // _WARPGROUP_THREADS)
+    c, thr_mma_pv = self._consumer(mma_tidx, wg, tiled_mma_qk, tiled_mma_pv, sQ, sK, sV,
+                                   pipeline_k, pipeline_v, softmax_scale, None)
     tScS_mn, online, acc_o = c.tScS_mn, c.online, c.acc_o
     num_rows = cute.size(tScS_mn, mode=[0])
     # The keys each of this thread's rows sees: [key_lo, key_hi).
@@ -738,6 +767,11 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
                     length=work.length, whole_blocks=work.whole_blocks, sV=sV,
                     scales=scales)
     c = dataclasses.replace(c, masking=band)
+    if const_expr(self.pingpong):
+      # Warpgroup 0 takes the first turn: it arrives on its own barrier once.
+      if wg == 0:
+        cute.arch.barrier_arrive(barrier_id=_SCHEDULER_BARRIER_BASE,
+                                 number_of_threads=2 * _WARPGROUP_THREADS)
 
     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -755,17 +789,10 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
         for i in cutlass.range(upper - lower, unroll=1):
           v_state = kv_state.clone()
           kv_state.advance()
-          self.overlap_step(c, kv_state, v_state, Int32(0), m_block, upper - 1 - i, seqlen_q,
+          self.overlap_step(c, kv_state, v_state, wg, m_block, upper - 1 - i, seqlen_q,
                             work.length, is_masked)
       self.last_block(c, kv_state)
-    out_scale = None
-    if const_expr(self.fp8_cache):
-      # The v reference; a split without keys has none (and O = 0).
-      out_scale = Float32(1.0)
-      if n_end > n_start:
-        out_scale = scales[0, self.num_stages]
-    self.epilogue_decode(mOPart, mLSEPart, thr_mma_pv, acc_o, online, m_block, split, head_kv,
-                         batch, rows, out_scale)
+    return c, thr_mma_pv
 
   @cute.jit
   def _release_k(self, c, kv_state, is_masked: cutlass.Constexpr,
@@ -797,13 +824,14 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       tidx, _, _ = cute.arch.thread_idx()
       sV_stage = band.sV[None, None, kv_state.index]  # (head_dim_v, tile_n)
       count = (box_end - tail) * self.head_dim_v
-      for idx in cutlass.range(tidx - _WARPGROUP_THREADS, count, _WARPGROUP_THREADS,
+      # Every consumer thread zeroes its share (the consumer warpgroups read the same stage).
+      for idx in cutlass.range(tidx - _WARPGROUP_THREADS, count, self.num_mma_threads,
                                unroll=1):
         key = tail + idx // self.head_dim_v
         sV_stage[idx - (key - tail) * self.head_dim_v, key] = self.dtype(0.0)
-      # Generic-proxy writes, read next by WGMMA (async proxy) of the whole warpgroup.
+      # Generic-proxy writes, read next by WGMMA (async proxy) of every consumer warpgroup.
       cute.arch.fence_proxy("async.shared", space="cta")
-      cute.arch.barrier(barrier_id=_V_TAIL_BARRIER, number_of_threads=_WARPGROUP_THREADS)
+      cute.arch.barrier(barrier_id=_V_TAIL_BARRIER, number_of_threads=self.num_mma_threads)
 
   @cute.jit
   def _softmax(self, c, acc_s: cute.Tensor, m_block: Int32, n_block: Int32, seqlen_q: Int32,

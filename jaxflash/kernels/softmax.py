@@ -366,11 +366,12 @@ class OnlineSoftmax:
       scale_rows(acc_mn, row_scale)
 
   @cute.jit
-  def finalize(self, row_inv: cute.Tensor, lse: cute.Tensor, sink_log2: Float32):
+  def finalize(self, row_inv: cute.Tensor, lse: cute.Tensor, sink_log2):
     """Writes each row's output factor and its natural-log LSE, with the learnable sink.
 
     The sink is one more logit in every row's softmax, in log2 units (sink * log2 e; -inf: no
-    sink), whose column has no value: with a = row_max * scale_log2 and m = max(a, sink_log2),
+    sink; one Float32 for every row, or a tensor of one per row: packed query heads), whose
+    column has no value: with a = row_max * scale_log2 and m = max(a, sink_log2),
     the denominator is 2^m (row_sum 2^(a - m) + 2^(sink_log2 - m)), so the output factor is
     2^(a - m) / that sum and lse = (m + log2(sum)) * ln 2. Without a sink m = a, the factor is
     1/rowsum and lse = (a + log2(rowsum)) * ln 2, bit for bit as without the operand. LSE's sum
@@ -378,7 +379,9 @@ class OnlineSoftmax:
     with no visible key outputs 0 and has lse = the sink (-inf without one); a row whose sum is
     NaN (a NaN in the caller's inputs) outputs NaN and lse NaN, as the reference does.
     """
+    per_row = isinstance(sink_log2, cute.Tensor)
     for i in cutlass.range_constexpr(self.num_rows):
+      sink_i = sink_log2[i] if const_expr(per_row) else sink_log2
       row_sum = cute.arch.warp_reduction_sum(self.row_sum[i], threads_in_group=_THREADS_PER_ROW)
       gap = Float32(0.0)
       if const_expr(self.round_gap is not None):
@@ -387,14 +390,14 @@ class OnlineSoftmax:
       # fixed one (capped_start_max): a sum of 0 means no visible key. NaN compares unequal to 0
       # and flows through the factor and lse.
       inv = Float32(0.0)
-      row_lse = sink_log2 * LN_2
+      row_lse = sink_i * LN_2
       if row_sum != 0.0:
         a = self._max_log2(i)
         if const_expr(self.p_offset_log2 != 0.0):
           a = a - self.p_offset_log2
-        m = cute.arch.fmax(a, sink_log2)
+        m = cute.arch.fmax(a, sink_i)
         keep = cute.math.exp2(a - m, fastmath=True)  # 1 unless the sink dominates
-        sink = cute.math.exp2(sink_log2 - m, fastmath=True)
+        sink = cute.math.exp2(sink_i - m, fastmath=True)
         total = row_sum * keep + sink
         inv = cute.arch.rcp_approx(total) * keep
         if const_expr(self.round_gap is not None):

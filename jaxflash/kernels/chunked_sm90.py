@@ -1,0 +1,227 @@
+"""Hopper (sm_90a) chunked prefill over a KV cache: the forward's 128-row query tiles over keys
+read through a page table, one CTA per tile, no split.
+
+Imports cutlass, jaxflash.config and the sibling helper modules only (never jax).
+"""
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from jaxflash import config
+from jaxflash.kernels import decode_sm90
+from jaxflash.kernels import sm90_gemm
+from jaxflash.kernels import softmax
+from jaxflash.kernels.decode_sm90 import FlashAttentionDecodeSm90
+
+_select = sm90_gemm.select_modes
+_WARPGROUP_THREADS = sm90_gemm.WARPGROUP_THREADS
+# (producer, consumer) registers per thread after setmaxnreg, within the SM's 64K for one CTA:
+# the producer warp's page-table reads of a block's 16-key boxes (decode_sm90._load_block holds
+# 8 pages) spilled at 32 (18 LDL / STL at the forward's 24 / 240 split plus 8), not at 40.
+_PRODUCER_REGS, _CONSUMER_REGS = 40, 232
+
+
+class FlashAttentionChunkedSm90(FlashAttentionDecodeSm90):
+  """Chunked prefill: many new query tokens per sequence over its cached keys, at the forward's
+  speed.
+
+  The decode call's operands (kernel_abi.h's JaxflashDecodeArgs, the query heads of a kv head
+  packed into the rows: row i * group + j is token i of query head kv * group + j) on the
+  forward kernel's tile: 128 rows, two consumer warpgroups that take turns issuing their GEMMs
+  (ping-pong: one's softmax runs under the other's GEMMs) and the intra-warpgroup overlap of
+  S(j+1), softmax and P V(j) (FlashAttentionForwardSm90.overlap_step). CTA (m, 0, b * kv_heads
+  + h) takes the tile's rows against every key block they can see, [n_lo, n_hi) from the
+  sequence's run-time length (the decode kernel's _work with one split), and writes out (q's
+  dtype) and lse itself: no partials, no merge. The grid launches each (batch, kv head)'s tiles
+  from the last (the most keys under causal) down, so the longest tiles start first and the
+  tiles of one kv head, which read the same keys, run together (L2).
+
+  Keys come through the decode kernel's producer (decode_sm90._load_block): a whole block per
+  TMA copy and one page-table read when pages are a multiple of tile_n (or the cache is
+  contiguous), else boxes of 16 keys per page; V rows past the length in the last block are
+  zeroed before its P V GEMM. Masks (causal at each sequence's offset, windows) and softcap are
+  the decode kernel's run-time band (_KeyBand); the learnable sink joins each row's denominator
+  in the epilogue (per packed row: its query head's sink).
+  """
+
+  def __init__(self, variant: config.KernelVariant):
+    super().__init__(variant)
+    assert variant.schedule.chunked and variant.kv_dtype is None, variant.key
+    self.out_dtype = self.dtype
+    self.num_producer_regs, self.num_mma_regs = _PRODUCER_REGS, _CONSUMER_REGS
+    self.pingpong = True
+
+  @staticmethod
+  def can_implement(variant: config.KernelVariant) -> tuple[bool, str]:
+    if variant.direction != "decode" or not variant.schedule.chunked:
+      return False, f"variant {variant.key} is not a chunked-prefill variant"
+    return config.chunked_support(variant.dtype, variant.head_dim, variant.head_dim_v,
+                                  variant.kv_dtype)
+
+  @cute.jit
+  def __call__(
+      self,
+      mQ: cute.Tensor,  # (batch, num_kv_heads, rows, head_dim): rows = seqlen_q * group
+      mK: cute.Tensor,  # (num_pages, page_size, num_kv_heads, head_dim)
+      mV: cute.Tensor,  # (num_pages, page_size, num_kv_heads, head_dim_v)
+      mPageTable: cute.Tensor,  # (batch, max_pages) int32; no column: contiguous caches
+      mLengths: cute.Tensor,  # (batch,) int32 valid keys per sequence
+      mSink: cute.Tensor,  # (num_kv_heads, group or 0: none) float32 learnable sinks
+      mOPart: cute.Tensor,  # (batch, 0, num_kv_heads, rows, head_dim_v) float32: unused
+      mLSEPart: cute.Tensor,  # (batch, 0, num_kv_heads, rows) float32: unused
+      mO: cute.Tensor,  # (batch, num_kv_heads, rows, head_dim_v) in q's dtype
+      mLSE: cute.Tensor,  # (batch, num_kv_heads, rows) float32
+      mKDescale: cute.Tensor,  # FP8 caches only: unused
+      mVDescale: cute.Tensor,  # FP8 caches only: unused
+      softmax_scale: Float32,
+      seqlen_q: Int32,  # query tokens per sequence (rows / group)
+      window_left: Int32,  # keys visible left of a query's position (config.WINDOW_UNBOUNDED)
+      window_right: Int32,  # keys visible right of it: 0 is causal
+      softcap: Float32,  # > 0: scores become softcap * tanh(s / softcap); 0: off
+      stream: cuda.CUstream,
+  ):
+    if const_expr(not (mQ.element_type == mK.element_type == mV.element_type
+                       == mO.element_type == self.dtype)):
+      raise TypeError(f"q, k, v and out must be {self.dtype}")
+    if const_expr(mLSE.element_type != Float32 or mSink.element_type != Float32):
+      raise TypeError("the lse and the sink must be Float32")
+    self._setup_attributes()
+    # Kernel order puts the tile modes first.
+    mQ = _select(mQ, [2, 3, 1, 0])  # (rows, head_dim, kv heads, batch)
+    mK = _select(mK, [1, 3, 2, 0])  # (page_size, head_dim, kv heads, pages)
+    mVt = _select(mV, [3, 1, 2, 0])  # (head_dim_v, page_size, kv heads, pages)
+    load_op = cpasync.CopyBulkTensorTileG2SOp()
+    tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
+        load_op, mQ, self.sQ_layout, (self.tile_m, self.head_dim))
+    box_rows = decode_sm90.BOX_ROWS
+    tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
+        load_op, mK, self.sK_box, (box_rows, self.k_box_cols))
+    tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
+        load_op, mVt, self.sV_box, (self.v_box_rows, box_rows))
+    # Whole key blocks, when every block lies in one page.
+    tma_atom_kt, tma_kt = cpasync.make_tiled_tma_atom(
+        load_op, mK, cute.slice_(self.sK_layout, (None, None, 0)), (self.tile_n, self.head_dim))
+    tma_atom_vt, tma_vt = cpasync.make_tiled_tma_atom(
+        load_op, mVt, cute.slice_(self.sV_layout, (None, None, 0)),
+        (self.head_dim_v, self.tile_n))
+    grid = (cute.ceil_div(mQ.shape[0], self.tile_m), 1, mQ.shape[3] * mQ.shape[2])
+    self.kernel(
+        tma_q, tma_k, tma_v, tma_kt, tma_vt, tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_kt,
+        tma_atom_vt, mPageTable, mLengths, mSink, mO, mLSE, softmax_scale, seqlen_q,
+        window_left, window_right, softcap, self.sQ_layout, self.sK_layout, self.sV_layout,
+        self.tiled_mma_qk, self.tiled_mma_pv,
+    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+  @cute.kernel
+  def kernel(
+      self,
+      mQ: cute.Tensor,  # TMA coordinates of (rows, head_dim, kv heads, batch)
+      mK: cute.Tensor,  # TMA coordinates of (page_size, head_dim, kv heads, pages)
+      mV: cute.Tensor,  # TMA coordinates of (head_dim_v, page_size, kv heads, pages)
+      mKt: cute.Tensor,  # the same coordinates as mK, for whole-block copies
+      mVt: cute.Tensor,  # the same coordinates as mV, for whole-block copies
+      tma_atom_q: cute.CopyAtom,
+      tma_atom_k: cute.CopyAtom,
+      tma_atom_v: cute.CopyAtom,
+      tma_atom_kt: cute.CopyAtom,
+      tma_atom_vt: cute.CopyAtom,
+      mPageTable: cute.Tensor,
+      mLengths: cute.Tensor,
+      mSink: cute.Tensor,
+      mO: cute.Tensor,
+      mLSE: cute.Tensor,
+      softmax_scale: Float32,
+      seqlen_q: Int32,
+      window_left: Int32,
+      window_right: Int32,
+      softcap: Float32,
+      sQ_layout: cute.ComposedLayout,
+      sK_layout: cute.ComposedLayout,
+      sV_layout: cute.ComposedLayout,
+      tiled_mma_qk: cute.TiledMma,
+      tiled_mma_pv: cute.TiledMma,
+  ):
+    tidx, _, _ = cute.arch.thread_idx()
+    warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    sm90_gemm.prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_kt,
+                                              tma_atom_vt))
+    storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+    pipeline_q, pipeline_k, pipeline_v = self._make_pipelines(storage)
+    sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+    sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+    sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+    # Soft-capping: the S registers hold t = tanh(S * scale / softcap), so the softmax scale
+    # becomes softcap.
+    capped = softcap > Float32(0.0)
+    tanh_scale = Float32(0.0)
+    if capped:
+      tanh_scale = softmax_scale / softcap
+      softmax_scale = softcap
+    cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+
+    block_m, _, batch_head = cute.arch.block_idx()
+    # Each (batch, kv head)'s tiles from the last one down: the longest first under causal.
+    m_block = cute.ceil_div(mQ.shape[0], self.tile_m) - 1 - block_m
+    num_kv_heads = mQ.shape[2]
+    batch = batch_head // num_kv_heads
+    head_kv = batch_head - batch * num_kv_heads
+    warpgroup_idx = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS)
+    # Each role derives the tile's keys after its register reallocation: values live across
+    # setmaxnreg would spill in the producer's small budget.
+    if warpgroup_idx == 0:
+      cute.arch.setmaxregister_decrease(self.num_producer_regs)
+      if warp_idx == 0:
+        work = self._work(mQ.shape[0], mK.shape[0], mPageTable, mLengths, Int32(1), m_block,
+                          Int32(0), batch, seqlen_q, window_left, window_right)
+        self.load_decode(mQ, mK, mV, mKt, mVt, tma_atom_q, tma_atom_k, tma_atom_v,
+                         tma_atom_kt, tma_atom_vt, sQ, sK, sV, pipeline_q, pipeline_k,
+                         pipeline_v, mPageTable, work, m_block, head_kv, batch)
+    else:
+      cute.arch.setmaxregister_increase(self.num_mma_regs)
+      work = self._work(mQ.shape[0], mK.shape[0], mPageTable, mLengths, Int32(1), m_block,
+                        Int32(0), batch, seqlen_q, window_left, window_right)
+      c, thr_mma_pv = self.run_tile(sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_q,
+                                    pipeline_k, pipeline_v, softmax_scale, Int32(capped),
+                                    tanh_scale, work, m_block, seqlen_q, window_left,
+                                    window_right, mQ.shape[0])
+      self.epilogue_chunked(mO, mLSE, mSink, thr_mma_pv, c.acc_o, c.online, m_block, head_kv,
+                            batch, mQ.shape[0], seqlen_q)
+
+  @cute.jit
+  def epilogue_chunked(self, mO: cute.Tensor, mLSE: cute.Tensor, mSink: cute.Tensor,
+                       thr_mma_pv, acc_o: cute.Tensor, online, m_block: Int32, head_kv: Int32,
+                       batch: Int32, rows: Int32, seqlen_q: Int32):
+    """Normalises O (each packed row's query head's sink, if any, joins its denominator) and
+    stores it in q's dtype and the lse (rows < rows) from registers: the tile's O is a few
+    percent of the bytes its keys cost, and packed rows past the last token must not be
+    written, which a TMA store of the whole tile would."""
+    acc_o_mn = softmax.make_acc_mn_view(acc_o)
+    num_rows = cute.size(acc_o_mn, mode=[0])
+    row_inv = cute.make_rmem_tensor(num_rows, Float32)
+    lse = cute.make_rmem_tensor(num_rows, Float32)
+    tOcO_mn = softmax.make_acc_mn_view(
+        thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+    group = rows // seqlen_q
+    # Row i * group + j: query head head_kv * group + j, whose sink is mSink[head_kv, j].
+    sink_log2 = cute.make_rmem_tensor(num_rows, Float32)
+    for i in cutlass.range_constexpr(num_rows):
+      sink_log2[i] = -Float32.inf
+      if mSink.shape[1] > 0:
+        row = cutlass.min(m_block * self.tile_m + tOcO_mn[i, 0][0], rows - 1)
+        sink_log2[i] = mSink[head_kv, row % group] * softmax.LOG2_E
+    online.finalize(row_inv, lse, sink_log2)
+    softmax.scale_rows(acc_o_mn, row_inv)
+    r_o = softmax.make_acc_mn_view(self._output_fragment(acc_o))
+    for i in cutlass.range_constexpr(num_rows):
+      row = m_block * self.tile_m + tOcO_mn[i, 0][0]
+      if row < rows:
+        # One lane of each quad (the one holding column 0) writes the row's lse.
+        if tOcO_mn[0, 0][1] == 0:
+          mLSE[batch, head_kv, row] = lse[i]
+        for j in cutlass.range_constexpr(cute.size(r_o, mode=[1])):
+          mO[batch, head_kv, row, tOcO_mn[i, j][1]] = r_o[i, j]
