@@ -239,8 +239,10 @@ CHUNKED_MIN_WAVE = 0.75
 
 
 def chunked_schedule(head_dim: int, head_dim_v: int) -> DecodeSchedule:
-  """The chunked-prefill schedule: the forward's causal head_dim <= 128 tile, 128 x 128 with
-  two K / V stages (fwd_schedule: a third stage never helped), two consumer warpgroups."""
+  """The chunked-prefill schedule: the forward's causal tile at head_dim 96 and 128, 128 x 128
+  with two K / V stages (fwd_schedule: a third stage never helped), two consumer warpgroups;
+  also at head_dim 64, where the forward's tile is 192 x 128 over three warpgroups (the
+  chunked kernel has two)."""
   if (head_dim, head_dim_v) not in CHUNKED_HEAD_DIM_PAIRS:
     raise ValueError(f"(head_dim, head_dim_v): ({head_dim}, {head_dim_v}) has no chunked "
                      f"prefill schedule; accepted: {CHUNKED_HEAD_DIM_PAIRS}")

@@ -147,11 +147,17 @@ def test_fp8_forward_schedule_table():
 def test_decode_variants_one_per_dtype_and_head_dim_pair():
   """Decode: 2 dtypes x the forward's 6 head-dim pairs over caches in the query's dtype, then
   float16 x the FP8 head dims over float8_e4m3fn caches (which bfloat16 queries run:
-  decode_launched); causal, windows and softcap are run-time scalars, so no mask flags."""
-  plain = [v for v in DECODE if v.kv_dtype is None]
+  decode_launched), then 2 dtypes x the chunked-prefill pairs; causal, windows and softcap are
+  run-time scalars, so no mask flags."""
+  chunked = [v for v in DECODE if v.schedule.chunked]
+  plain = [v for v in DECODE if v.kv_dtype is None and not v.schedule.chunked]
   fp8 = [v for v in DECODE if v.kv_dtype is not None]
-  assert DECODE == plain + fp8
+  assert DECODE == plain + fp8 + chunked
   assert len(plain) == 2 * len(PAIRS) == 12 and len(fp8) == len(config.FP8_HEAD_DIMS) == 3
+  assert chunked == [config.chunked_variant(dtype, d, dv) for dtype in config.KERNEL_DTYPES
+                     for d, dv in config.CHUNKED_HEAD_DIM_PAIRS]
+  assert all(v.key.startswith("decode-sm90a-") and v.key.endswith("-m128n128s2")
+             for v in chunked)
   assert {(v.dtype, v.head_dim, v.head_dim_v) for v in plain} == {
       (dtype, d, dv) for dtype in config.KERNEL_DTYPES for d, dv in PAIRS}
   assert {(v.dtype, v.head_dim, v.head_dim_v, v.kv_dtype) for v in fp8} == {
@@ -161,9 +167,9 @@ def test_decode_variants_one_per_dtype_and_head_dim_pair():
       call = config.decode_variant(dtype, d, d, kv_dtype=config.FP8_DTYPE)
       assert config.decode_launched(call) == config.decode_variant(
           "float16", d, d, kv_dtype=config.FP8_DTYPE) and call.dtype == dtype
-  for v in plain:  # 16-bit caches: every variant runs itself
+  for v in plain + chunked:  # 16-bit caches: every variant runs itself
     assert config.decode_launched(v) == v
-  for v in DECODE:
+  for v in plain + fp8:
     assert v.direction == "decode" and v.key.startswith("decode-sm90a-")
     assert ("-kve4m3-" in v.key) == (v.kv_dtype is not None)
     assert not (v.causal or v.masked or v.deterministic or v.block_descales)
@@ -174,6 +180,23 @@ def test_decode_variants_one_per_dtype_and_head_dim_pair():
   with pytest.raises(ValueError, match="kv_dtype: expected None .* or 'float8_e4m3fn', got "
                                        "'bfloat16'"):
     config.decode_variant("bfloat16", 128, 128, kv_dtype="bfloat16")
+
+
+def test_chunked_schedule_table():
+  """Chunked prefill: 128 x 128 tiles (the forward's causal key tile at head_dim <= 128), two
+  stages, two consumer warpgroups, which fit 227 KiB with the Q tile; other pairs have none."""
+  for d, dv in config.CHUNKED_HEAD_DIM_PAIRS:
+    s = config.chunked_schedule(d, dv)
+    assert s == config.DecodeSchedule(tile_m=128, tile_n=128, num_stages=2, chunked=True)
+    assert s.tile_n == config.fwd_schedule(d, dv, causal=True).tile_n == 128
+    assert 2 * (s.tile_m * d + s.num_stages * s.tile_n * (d + dv)) + 1024 <= config.SMEM_BYTES
+  assert config.chunked_support("bfloat16", 128, 128) == (True, "")
+  ok, why = config.chunked_support("bfloat16", 192, 128)
+  assert not ok and "(192, 128) has no chunked variant" in why
+  ok, why = config.chunked_support("float32", 128, 128)
+  assert not ok and "dtype float32 has no kernel" in why
+  with pytest.raises(ValueError, match=r"\(256, 256\) has no chunked prefill schedule"):
+    config.chunked_schedule(256, 256)
 
 
 def test_decode_fp8_support_names_what_it_takes():
@@ -191,6 +214,8 @@ def test_decode_schedule_table():
   caches two 16-bit stages and the deepest e4m3 ring up to 4 that fits beside them."""
   smem = 227 * 1024
   for v in DECODE:
+    if v.schedule.chunked:  # test_chunked_schedule_table
+      continue
     s, d, dv = v.schedule, v.head_dim, v.head_dim_v
     assert isinstance(s, config.DecodeSchedule)
     assert (s.tile_m, s.tile_n) == (64, 128 if max(d, dv) <= 128 else 64)
@@ -207,7 +232,7 @@ def test_decode_schedule_table():
       assert s.num_stages == 2 and size(2, s.fp8_stages) <= smem, v.key
       assert s.fp8_stages == 4 or size(2, s.fp8_stages + 1) > smem, v.key
   stages = {(v.head_dim, v.head_dim_v): v.schedule.num_stages for v in DECODE
-            if v.kv_dtype is None}
+            if v.kv_dtype is None and not v.schedule.chunked}
   assert stages == {(64, 64): 4, (96, 96): 4, (128, 128): 3, (192, 128): 4, (192, 192): 4,
                     (256, 256): 3}
   assert {v.head_dim: v.schedule.fp8_stages for v in DECODE if v.kv_dtype} == {
