@@ -1,7 +1,8 @@
 """Attention over KV caches for generation: `kv_cache_attention` and `update_kv_cache`.
 
-Argument checks, defaults and the choice of implementation: the split-KV decode kernel
-(jaxflash/split_kv.py) on a Hopper GPU, else jaxflash/reference.py's cache forward;
+Argument checks, defaults and the choice of implementation: the decode kernels
+(jaxflash/split_kv.py: split-KV decode, or chunked prefill for calls with many query rows) on a
+Hopper GPU, else jaxflash/reference.py's cache forward;
 float8_e4m3fn caches (jaxflash/fp8_cache.py) run on the reference. Imports jax and the
 public-API layer's helpers (checks, attention's empty result, sink), config, reference,
 fp8_cache and split_kv.
@@ -175,19 +176,28 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
       reads them with a float16 / bfloat16 query and head_dim = head_dim_v in 64, 128, 256
       (it converts each block exactly to the query's dtype and applies the descales in
       float32); the reference dequantizes each block of keys as it reads it.
-    num_splits: how many parts the kernel splits each sequence's keys into (None: chosen from
-      the static shapes and the GPU's SM count, so implementation="cute" on a host without a
-      GPU, e.g. jax.export for one elsewhere, needs it given); the result is the same up to
-      rounding, and bitwise the same run to run for a given count. The reference computes in
-      one pass.
+    num_splits: how many parts the split-KV decode kernel splits each sequence's keys into
+      (None: chosen from the static shapes and the GPU's SM count, so implementation="cute"
+      on a host without a GPU, e.g. jax.export for one elsewhere, needs it given for a call
+      on that kernel); the result is the same up to rounding, and bitwise the same run to run
+      for a given count. Calls on the chunked-prefill kernel (below) run one CTA per query
+      tile over all of its keys and ignore it. The reference computes in one pass.
     return_lse: also return lse (batch, num_heads, seq_q), float32 (natural log).
-    implementation: None (auto): the decode kernel on a Hopper GPU for float16/bfloat16 and
+    implementation: None (auto): the decode kernels on a Hopper GPU for float16/bfloat16 and
       the forward kernels' head dims, else the reference; "cute": the kernel or an error;
       "reference": the pure-JAX implementation, on every platform, which reads the caches
       block by block (memory of one block of keys at a time).
 
   Returns:
     out (batch, seq_q, num_heads, head_dim_v) in the query dtype, or (out, lse).
+
+  On the GPU a call whose packed query rows (seq_q * num_heads / num_kv_heads) fill at least
+  one 128-row tile per (sequence, kv head), with enough such tiles to fill most of the GPU's
+  SMs, runs the chunked-prefill kernel (the forward's 128-row tiles, two consumer warpgroups,
+  keys through the page table; head dims (64, 64), (96, 96), (128, 128) over 16-bit caches):
+  chunked prefill at the forward's speed. Other calls (decoding, short chunks, FP8 caches,
+  larger head dims) run the split-KV decode kernel. Both give the same result up to rounding
+  (docs/kernels.md, "Chunked prefill over KV caches").
 
   Forward only: differentiating raises a TypeError. jit and vmap work; under `jit` with
   shardings over batch (contiguous caches) or heads (a pool split by kv heads) each shard
