@@ -10,14 +10,15 @@ raw call writes into NaN-poisoned buffers, and NaN in cache rows past a length n
 the output.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import config, split_kv
-from jaxflash.decode_kernel import decode_attention
+from jaxflash import config, ffi, split_kv
 from tests._cases import x64
 from tests._oracle import assert_close_to_oracle
 from tests.test_gpu_kv_cache import _check, _inputs, _pool
@@ -74,12 +75,25 @@ def test_a_long_chunk_takes_the_chunked_variant_by_the_routing():
   _check(q, k, v, lengths, {}, page_size=64)
 
 
+# keep_unused: jit would otherwise drop the unread buffers, and their donation with them.
+@functools.partial(jax.jit, static_argnums=(7,), donate_argnums=(5, 6), keep_unused=True)
 def _raw_chunked(q, k, v, table, lengths, out_buffer, lse_buffer, seq_q):
+  """The raw custom call of the chunked variant (packed rows, partials of 0 splits), its out
+  and lse written into the donated buffers' memory."""
   del out_buffer, lse_buffer  # donated: XLA writes the results into their memory
   variant = config.chunked_variant(str(q.dtype), q.shape[-1], v.shape[-1])
-  return decode_attention(q, k, v, table, lengths, variant=variant, softmax_scale=0.1,
-                          seqlen_q=seq_q, window_left=None, window_right=0, softcap=None,
-                          num_splits=0)
+  b, hk, rows, _ = q.shape
+  dv = v.shape[-1]
+  results = (jax.ShapeDtypeStruct((b, hk, rows, dv), q.dtype),
+             jax.ShapeDtypeStruct((b, hk, rows), jnp.float32),
+             jax.ShapeDtypeStruct((b, 0, hk, rows, dv), jnp.float32),
+             jax.ShapeDtypeStruct((b, 0, hk, rows), jnp.float32))
+  if table is None:  # contiguous caches: a table of no column
+    table = jnp.zeros((b, 0), jnp.int32)
+  no_sink = jnp.zeros((hk, 0), jnp.float32)
+  attributes = ffi.decode_attributes(variant, 0.1, seq_q, None, 0, None)
+  return jax.ffi.ffi_call(config.DECODE_TARGET, results)(q, k, v, table, lengths, no_sink,
+                                                         **attributes)[:2]
 
 
 @pytest.mark.parametrize("page_size", [None, 16, 256], ids=["contiguous", "p16", "p256"])
@@ -97,8 +111,7 @@ def test_every_output_element_is_written(page_size):
   out_buffer = jnp.full((b, hk, rows, d), jnp.nan, q.dtype)
   lse_buffer = jnp.full((b, hk, rows), jnp.nan, jnp.float32)
   pointers = (out_buffer.unsafe_buffer_pointer(), lse_buffer.unsafe_buffer_pointer())
-  call = jax.jit(_raw_chunked, static_argnums=(7,), donate_argnums=(5, 6))
-  out, lse = call(packed, k, v, table, lengths, out_buffer, lse_buffer, seq_q)
+  out, lse = _raw_chunked(packed, k, v, table, lengths, out_buffer, lse_buffer, seq_q)
   assert (out.unsafe_buffer_pointer(), lse.unsafe_buffer_pointer()) == pointers, (
       "XLA did not write into the poisoned buffers: the test would miss unwritten elements")
   out, lse = split_kv.unpack(out, lse, seq_q)
