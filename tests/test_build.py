@@ -212,7 +212,7 @@ def test_decode_variant_builds_and_exports_the_decode_abi(built_decode, cache):
   assert variant.key.startswith("decode-") and manifest["key"] == variant.key
   assert manifest["spec"]["schedule"] == {"tile_m": 64, "tile_n": variant.schedule.tile_n,
                                           "num_stages": variant.schedule.num_stages,
-                                          "fp8_stages": 0}
+                                          "fp8_stages": 0, "chunked": False}
   assert manifest["spec"]["kv_dtype"] is None
   assert build.exported_symbols(folder / VARIANT_LIBRARY) == set(
       build.DECODE_VARIANT_ABI_SYMBOLS)
@@ -243,10 +243,12 @@ def test_cli_selects_forward_backward_and_decode_variants(tmp_path, capsys):
   want = (config.shipped_variants() + config.shipped_variants(direction="bwd")
           + config.shipped_variants(direction="decode"))
   assert keys == [v.key for v in want]
-  assert sum(key.startswith("decode-") for key in keys) == 15
+  # 12 split-KV over 16-bit caches, 3 over FP8 caches, 6 chunked prefill (m128).
+  assert sum(key.startswith("decode-") for key in keys) == 21
   # Over FP8 caches only float16 ones: bfloat16 queries run them (config.decode_launched).
   assert sum("-kve4m3-" in key for key in keys) == 3
   assert not any("-kve4m3-" in key and "-bf16-" in key for key in keys)
+  assert sum(key.startswith("decode-") and key.endswith("-m128n128s2") for key in keys) == 6
 
 
 def test_every_direction_has_its_glue_and_abi_entry():
