@@ -171,3 +171,33 @@ def test_the_chunked_call_elsewhere_is_the_reference_attention(paged, options):
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), rtol=1e-2,
                              atol=1e-2)
   np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-5, atol=2e-5)
+
+
+def test_the_public_call_on_the_chunked_path_under_jit_and_vmap(monkeypatch):
+  """kv_cache_attention(implementation="cute") routed to the chunked variant, computed on this
+  host by decode_p's reference lowering: the reference implementation's result, under jit and
+  under vmap over sequences with their own paged pool entries (folded into the batch)."""
+  monkeypatch.setattr(split_kv, "use_chunked", lambda *args, **kwargs: True)
+  rng = np.random.default_rng(9)
+  b, seq_q, h, hk, d, page_size, pages = 3, 33, 8, 2, 64, 16, 4
+  bf16 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+  q = bf16(2, b, seq_q, h, d)
+  pool_k, pool_v = bf16(2 * b * pages, page_size, hk, d), bf16(2 * b * pages, page_size, hk, d)
+  tables = jnp.asarray(rng.permutation(2 * b * pages).reshape(2, b, pages), jnp.int32)
+  lengths = jnp.asarray([[0, 20, 64], [33, 40, 50]], jnp.int32)
+
+  def call(implementation):
+    return lambda q, t, n: jaxflash.kv_cache_attention(q, pool_k, pool_v, n, page_table=t,
+                                                       return_lse=True,
+                                                       implementation=implementation)
+
+  text = jax.jit(call("cute")).trace(q[0], tables[0], lengths[0]).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert config.chunked_variant("bfloat16", d, d).key in text
+  got = jax.jit(jax.vmap(call("cute")))(q, tables, lengths)
+  want = jax.vmap(call("reference"))(q, tables, lengths)
+  np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32),
+                             rtol=2e-2, atol=2e-2)
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-4, atol=1e-4)
+  assert not np.asarray(got[0][0, 0], np.float32).any()  # length 0: zeros, lse -inf
+  assert np.all(np.asarray(got[1][0, 0]) == -np.inf)

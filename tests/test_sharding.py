@@ -204,6 +204,10 @@ DECODE_CALL_CASES = {  # the kernel path's call (decode_attention), its CPU lowe
                                     False, True),
     "decode_call_fp8_paged_heads": (P("data", None, "model"), P(None, None, "model"), True,
                                     False, True),
+    # The chunked-prefill variant (no split, no partials) partitions as the split one.
+    "decode_call_chunked_paged_batch_heads_sink": (P("data", None, "model"),
+                                                   P(None, None, "model"), True, True, False,
+                                                   True),
 }
 
 
@@ -358,11 +362,11 @@ def _run_kv_cache_case(q_spec, cache_spec, paged):
   return _run_cache_case(q_spec, cache_spec, paged, attend, np.float64, 16, 10)
 
 
-def _run_decode_call_case(q_spec, cache_spec, paged, with_sink, fp8=False):
+def _run_decode_call_case(q_spec, cache_spec, paged, with_sink, fp8=False, chunked=False):
   """split_kv.kernel_forward's call (decode_attention) on bf16 caches, with_sink a learnable
   sink, which shards with the kv heads; fp8: the caches quantized to float8_e4m3fn inside the
-  call, a descale per (page or sequence, kv head). On CPU its results come from decode_p's XLA
-  lowering."""
+  call, a descale per (page or sequence, kv head); chunked: on the chunked-prefill variant. On
+  CPU its results come from decode_p's XLA lowering."""
   import jax.numpy as jnp
 
   from jaxflash import split_kv
@@ -375,7 +379,8 @@ def _run_decode_call_case(q_spec, cache_spec, paged, with_sink, fp8=False):
 
   def attend(q, k_cache, v_cache, lengths, table):
     if not fp8:
-      return split_kv.kernel_forward(cfg, q, k_cache, v_cache, lengths, table, sink, 3)
+      return split_kv.kernel_forward(cfg, q, k_cache, v_cache, lengths, table, sink, 3,
+                                     chunked=chunked)
     (k8, kd), (v8, vd) = quantize_tensor(k_cache), quantize_tensor(v_cache)
     return split_kv.kernel_forward(cfg, q, k8, v8, lengths, table, sink, 3, kd, vd)
 
