@@ -180,8 +180,9 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
       (None: chosen from the static shapes and the GPU's SM count, so implementation="cute"
       on a host without a GPU, e.g. jax.export for one elsewhere, needs it given for a call
       on that kernel); the result is the same up to rounding, and bitwise the same run to run
-      for a given count. Calls on the chunked-prefill kernel (below) run one CTA per query
-      tile over all of its keys and ignore it. The reference computes in one pass.
+      for a given count. A given count always runs the split-KV kernel; with None, calls
+      with many query rows per kv head run the chunked-prefill kernel (below: one CTA per
+      query tile over all of its keys, no split). The reference computes in one pass.
     return_lse: also return lse (batch, num_heads, seq_q), float32 (natural log).
     implementation: None (auto): the decode kernels on a Hopper GPU for float16/bfloat16 and
       the forward kernels' head dims, else the reference; "cute": the kernel or an error;
@@ -194,9 +195,9 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
   On the GPU a call whose packed query rows (seq_q * num_heads / num_kv_heads) fill at least
   one 128-row tile per (sequence, kv head), with enough such tiles to fill most of the GPU's
   SMs, runs the chunked-prefill kernel (the forward's 128-row tiles, two consumer warpgroups,
-  keys through the page table; head dims (64, 64), (96, 96), (128, 128) over 16-bit caches):
-  chunked prefill at the forward's speed. Other calls (decoding, short chunks, FP8 caches,
-  larger head dims) run the split-KV decode kernel. Both give the same result up to rounding
+  keys through the page table; head dims (64, 64), (96, 96), (128, 128) over 16-bit caches)
+  when num_splits is None. Other calls (decoding, short chunks, FP8 caches, larger head dims,
+  a given num_splits) run the split-KV decode kernel. Both give the same result up to rounding
   (docs/kernels.md, "Chunked prefill over KV caches").
 
   Forward only: differentiating raises a TypeError. jit and vmap work; under `jit` with
@@ -220,8 +221,9 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
       out, lse = add_learnable_sink(out, lse, learnable_sink)
   else:
     kv_dtype = fp8_cache.FP8_DTYPE if fp8 else None
-    chunked = split_kv.use_chunked(b, seq_q, h, k_cache.shape[2], dtype, query.shape[-1],
-                                   v_cache.shape[-1], kv_dtype)
+    # A given split count asks for the split-KV kernel; only automatic calls may go chunked.
+    chunked = num_splits is None and split_kv.use_chunked(
+        b, seq_q, h, k_cache.shape[2], dtype, query.shape[-1], v_cache.shape[-1], kv_dtype)
     impl = _resolve_implementation(implementation, dtype, query.shape[-1], v_cache.shape[-1],
                                    num_splits, kv_dtype, chunked)
     out, lse = _forward(config.replace(implementation=impl), num_splits, chunked, query,

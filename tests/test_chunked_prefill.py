@@ -94,6 +94,23 @@ def test_a_short_chunk_keeps_the_split_kernel_and_its_num_splits_rule():
   assert "tensor<2x3x4x64x128xf32>" in calls[0]
 
 
+def test_a_given_num_splits_keeps_a_long_chunk_on_the_split_kernel():
+  """The rows and tiles of a chunked call, with num_splits given: the split-KV variant with
+  that many splits (a given count is never ignored)."""
+  b, seq_q, h, hk, d = 8, 512, 16, 4, 128
+  q = jax.ShapeDtypeStruct((b, seq_q, h, d), jnp.bfloat16)
+  cache = jax.ShapeDtypeStruct((b, 1280, hk, d), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+  assert split_kv.use_chunked(b, seq_q, h, hk, "bfloat16", d, d, sms=132)
+  text = jax.jit(lambda *a: jaxflash.kv_cache_attention(*a, num_splits=2,
+                                                        implementation="cute")).trace(
+      q, cache, cache, lengths).lower(lowering_platforms=("cuda",)).as_text()
+  calls = _custom_calls(text)
+  assert len(calls) == 1
+  assert f'variant = "{config.decode_variant("bfloat16", d, d).key}"' in calls[0]
+  assert f"tensor<{b}x2x{hk}x{seq_q * h // hk}x{d}xf32>" in calls[0], calls[0]
+
+
 def test_a_chunked_call_exports_from_a_host_without_a_gpu():
   """jax.export of a prefill chunk over a paged cache (update, then attention) for CUDA, with
   no num_splits: the chunked variant's call, serialized and read back."""
