@@ -149,7 +149,9 @@ def test_cache_rows_past_the_length_are_never_used(chunked):
   for page_size in (16, 256):
     k_pool, table = _pool(k_nan, page_size, 19)
     v_pool, _ = _pool(v_nan, page_size, 19)
-    table = table.at[:, -1:].set(10 ** 6)  # past every length: clamped, never read
+    # Entries of pages wholly past a sequence's length point anywhere: clamped, never read.
+    past_pages = jnp.arange(table.shape[1])[None, :] * page_size >= lengths[:, None]
+    table = jnp.where(past_pages, 10 ** 6, table)
     paged = jaxflash.kv_cache_attention(q, k_pool, v_pool, lengths, page_table=table,
                                         causal=False, implementation="cute")
     assert not np.isnan(np.asarray(paged, np.float32)).any()
