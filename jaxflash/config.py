@@ -236,6 +236,11 @@ CHUNKED_HEAD_DIM_PAIRS = ((64, 64), (96, 96), (128, 128))
 # prefill").
 CHUNKED_MIN_ROWS = 128
 CHUNKED_MIN_WAVE = 0.75
+# Paged caches take the chunked variant only when their page size is a multiple of this: the
+# chunked kernel loads such pages whole per key block or in boxes of 64 keys (2 per 128-key
+# block, kernels/chunked_sm90.py); smaller pages would go in 16-key boxes, with which it ran
+# below the split-KV kernel (docs/kernels.md, "Chunked prefill").
+CHUNKED_PAGE_MULTIPLE = 64
 
 
 def chunked_schedule(head_dim: int, head_dim_v: int) -> DecodeSchedule:

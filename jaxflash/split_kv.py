@@ -66,10 +66,10 @@ def use_chunked(batch: int, seq_q: int, num_heads: int, num_kv_heads: int, dtype
   tiles over all of a row tile's keys) instead of the split-KV decode one.
 
   It does where a chunked variant covers the dtypes and head dims (config.chunked_support),
-  the caches are contiguous (page_size None) or their pages hold whole key blocks (page_size a
-  multiple of the schedule's tile_n: one TMA copy per block; smaller pages take 16-key boxes,
-  which ran the chunked variant below the split-KV kernel, docs/kernels.md "Chunked
-  prefill"), each (sequence, kv head) has at least config.CHUNKED_MIN_ROWS packed query rows
+  the caches are contiguous (page_size None) or their page size is a multiple of
+  config.CHUNKED_PAGE_MULTIPLE (64: one TMA copy per key block, or 64-key boxes; smaller pages
+  would take 16-key boxes, which ran the chunked variant below the split-KV kernel,
+  docs/kernels.md "Chunked prefill"), each (sequence, kv head) has at least config.CHUNKED_MIN_ROWS packed query rows
   (seq_q * query heads per kv head: one whole tile), and its tiles fill at least
   config.CHUNKED_MIN_WAVE of the SMs (sms: num_sms() when None, the count of an H100 / H200
   on a host without a GPU, so the choice is the same from static shapes wherever it is made):
@@ -78,7 +78,7 @@ def use_chunked(batch: int, seq_q: int, num_heads: int, num_kv_heads: int, dtype
   if not config.chunked_support(dtype, head_dim, head_dim_v, kv_dtype)[0]:
     return False
   schedule = config.chunked_schedule(head_dim, head_dim_v)
-  if page_size is not None and page_size % schedule.tile_n:
+  if page_size is not None and page_size % config.CHUNKED_PAGE_MULTIPLE:
     return False
   rows = seq_q * (num_heads // num_kv_heads)
   if rows < config.CHUNKED_MIN_ROWS:

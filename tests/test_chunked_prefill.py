@@ -35,11 +35,13 @@ def test_routing_by_rows_and_tiles(shape, expected):
 
 
 @pytest.mark.parametrize("page_size, expected", [
-    (None, True), (16, False), (64, False), (128, True), (256, True), (1024, True)])
-def test_routing_takes_pools_whose_pages_hold_whole_key_blocks(page_size, expected):
-  # Pages smaller than a 128-key block load in 16-key boxes, below the split-KV kernel's speed.
+    (None, True), (16, False), (32, False), (64, True), (128, True), (256, True), (1024, True)])
+def test_routing_takes_contiguous_caches_and_pages_of_64_keys_or_more(page_size, expected):
+  # Pages of 64 keys load in 64-key boxes, larger ones a key block per copy; pages of 16 or 32
+  # would take 16-key boxes, below the split-KV kernel's speed.
   assert split_kv.use_chunked(16, 512, 32, 8, "bfloat16", 128, 128, sms=132,
                               page_size=page_size) == expected
+  assert config.CHUNKED_PAGE_MULTIPLE == 64
 
 
 def test_routing_keeps_what_no_chunked_variant_covers_on_the_decode_kernel():
@@ -59,16 +61,16 @@ def _custom_calls(text):
   return [line for line in text.splitlines() if "stablehlo.custom_call" in line]
 
 
-@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
-def test_a_long_chunk_lowers_to_the_chunked_variant_without_partials(paged):
+@pytest.mark.parametrize("page_size", [256, 64, None], ids=["p256", "p64", "contiguous"])
+def test_a_long_chunk_lowers_to_the_chunked_variant_without_partials(page_size):
   """Cross-lowered for CUDA on a CPU host with implementation='cute' and no num_splits (a
   chunked call runs no split, so nothing depends on this host's devices): one custom call of
   config.DECODE_TARGET naming the chunked variant, whose partial results have 0 splits."""
   b, seq_q, h, hk, d = 8, 512, 16, 4, 128  # rows 2048: 16 tiles per kv head, 512 tiles
   q = jax.ShapeDtypeStruct((b, seq_q, h, d), jnp.bfloat16)
-  if paged:
-    cache = jax.ShapeDtypeStruct((40, 256, hk, d), jnp.bfloat16)
-    table = jax.ShapeDtypeStruct((b, 5), jnp.int32)
+  if page_size is not None:  # 1280 keys per sequence
+    cache = jax.ShapeDtypeStruct((b * 1280 // page_size, page_size, hk, d), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((b, 1280 // page_size), jnp.int32)
   else:
     cache, table = jax.ShapeDtypeStruct((b, 1280, hk, d), jnp.bfloat16), None
   lengths = jax.ShapeDtypeStruct((b,), jnp.int32)

@@ -4,10 +4,11 @@ Every call is checked against the per-sequence float64 oracle with the 2x-naive 
 (tests/test_gpu_kv_cache.py's _check): chunks of 1, 127, 128, 129 and 600 tokens, GQA 8:1 and
 1:1, lengths 0, shorter than the chunk (queries at negative positions), straddling key blocks
 and pages, full caches, different per sequence; contiguous caches and permuted pools of pages of
-16, 64 and 256 keys; windows, softcap and sinks. The cases force the chunked variant (the
-routing would send small calls to the split-KV kernel); one call takes it by the routing. The
-raw call writes into NaN-poisoned buffers, and NaN in cache rows past a length never reaches
-the output.
+16 (16-key boxes), 64 (64-key boxes), 128 and 256 keys (a key block per copy); windows, softcap
+and sinks. The cases force the chunked variant (the routing would send small calls, and pages
+of 16, to the split-KV kernel); one call over pages of 64 takes it by the routing. The raw call
+writes into NaN-poisoned buffers, and NaN in cache rows past a length never reaches the
+output.
 """
 
 import functools
@@ -64,16 +65,16 @@ def test_sinks_with_empty_sequences_and_negative_positions(chunked, page_size):
 
 def test_a_long_chunk_takes_the_chunked_variant_by_the_routing():
   """8 sequences of 512 new tokens, 32 / 8 heads: 1024 tiles of 128 rows, past the routing's
-  threshold; pages of 128 keys (whole key blocks, which the routing asks for), lengths from 512
-  to the capacity."""
+  threshold; pages of 64 keys (64-key boxes, the smallest pages the routing sends to the
+  chunked variant), lengths from 512 to the capacity."""
   q, k, v = _inputs(14, 8, 512, 32, 8, 128, 128, 1536, "bfloat16")
   lengths = jnp.asarray([512, 513, 640, 700, 1023, 1024, 1300, 1536], jnp.int32)
-  k_pool, table = _pool(k, 128, 15)
-  v_pool, _ = _pool(v, 128, 15)
+  k_pool, table = _pool(k, 64, 15)
+  v_pool, _ = _pool(v, 64, 15)
   hlo = jax.jit(lambda *a: jaxflash.kv_cache_attention(*a[:4], page_table=a[4])).lower(
       q, k_pool, v_pool, lengths, table).as_text()
   assert config.chunked_variant("bfloat16", 128, 128).key in hlo
-  _check(q, k, v, lengths, {}, page_size=128)
+  _check(q, k, v, lengths, {}, page_size=64)
 
 
 # keep_unused: jit would otherwise drop the unread buffers, and their donation with them.
@@ -97,7 +98,8 @@ def _raw_chunked(q, k, v, table, lengths, out_buffer, lse_buffer, seq_q):
                                                          **attributes)[:2]
 
 
-@pytest.mark.parametrize("page_size", [None, 16, 256], ids=["contiguous", "p16", "p256"])
+@pytest.mark.parametrize("page_size", [None, 16, 64, 256],
+                         ids=["contiguous", "p16", "p64", "p256"])
 def test_every_output_element_is_written(page_size):
   """The raw call (packed rows) into NaN-filled buffers that XLA reuses for its results:
   every row, those past the last full tile and those without a key included, is written."""
@@ -134,7 +136,7 @@ def test_every_output_element_is_written(page_size):
 
 def test_cache_rows_past_the_length_are_never_used(chunked):
   """NaN in every cache row at or past a sequence's length (inside the last key block and the
-  last 16-key box too) must not reach the output; page-table entries past the length point
+  last 16- or 64-key box too) must not reach the output; page-table entries past the length point
   anywhere. Bitwise the same as the call over finite caches, and run to run (one CTA per
   tile, no split)."""
   q, k, v = _inputs(18, 3, 130, 8, 2, 128, 128, 300, "bfloat16")
@@ -147,7 +149,7 @@ def test_cache_rows_past_the_length_are_never_used(chunked):
   want = call(q, k, v, lengths)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
   np.testing.assert_array_equal(np.asarray(call(q, k, v, lengths)), np.asarray(want))
-  for page_size in (16, 256):
+  for page_size in (16, 64, 256):
     k_pool, table = _pool(k_nan, page_size, 19)
     v_pool, _ = _pool(v_nan, page_size, 19)
     # Entries of pages wholly past a sequence's length point anywhere: clamped, never read.
@@ -157,3 +159,4 @@ def test_cache_rows_past_the_length_are_never_used(chunked):
                                         causal=False, implementation="cute")
     assert not np.isnan(np.asarray(paged, np.float32)).any()
   _check(q, k, v, lengths, {"causal": False}, page_size=16)
+  _check(q, k, v, lengths, {"causal": False}, page_size=64)

@@ -2,8 +2,8 @@
 
 Every shipped chunked variant is exported once per session (the bfloat16 ones; the float16 twin
 of head_dim 128 in tests/test_decode_variants.py's choice); the SASS checks assert structure:
-WGMMA of the two 64-row warpgroups, TMA loads, the register split, the ping-pong barriers, one
-kernel (no merge) and no local-memory spills. Needs nvidia-cutlass-dsl (marker `cutlass`).
+WGMMA of the two 64-row warpgroups, TMA loads (those of 64-key boxes beside the 16-key ones),
+the register split, the ping-pong barriers, one kernel (no merge) and no local-memory spills. Needs nvidia-cutlass-dsl (marker `cutlass`).
 """
 
 import re
@@ -62,6 +62,28 @@ def test_sass_has_two_warpgroup_wgmma_tma_and_no_spills(exported, variant):
   # Ping-pong: the consumers sync on and arrive at named barriers 2 and 3 (256 threads).
   turns = _sass.pingpong_turns(sass)
   assert "ARV" in turns and any(t.startswith("SYNC") for t in turns), turns
+
+
+def test_pages_of_64_keys_take_64_key_boxes_and_the_split_kernel_keeps_16():
+  # The routing sends pools whose pages are a multiple of 64 keys to the chunked kernel, which
+  # loads pages of 64 in boxes of that many keys; the split-KV class has 16-key boxes only.
+  assert chunked_sm90.FlashAttentionChunkedSm90.box_rows == (config.CHUNKED_PAGE_MULTIPLE, 16)
+  assert FlashAttentionDecodeSm90.box_rows == (16,)
+
+
+@pytest.mark.parametrize("variant", COMPILED, ids=lambda v: v.key)
+def test_sass_has_the_tma_loads_of_both_box_heights(exported, variant):
+  """The producer's loop is compiled twice, for 64-key and for 16-key boxes, each beside the
+  whole-block copies: per loop, Q (c_q column boxes), and at its 2 K and 2 V call sites
+  (decode_sm90.load_decode) a whole block (c column boxes) and tile_n / rows row boxes of c
+  column boxes each. Without the 64-key loop the count is that of one loop of 16-key boxes
+  (74 UTMALDG at head_dim 128, against 100)."""
+  kernel = chunked_sm90.FlashAttentionChunkedSm90(variant)
+  c_k = variant.head_dim // kernel.k_box_cols
+  c_v = variant.head_dim_v // kernel.v_box_rows
+  tile_n = variant.schedule.tile_n
+  per_loop = [c_k + 2 * (c_k + c_v) * (1 + tile_n // rows) for rows in kernel.box_rows]
+  assert exported(variant).ops().count("UTMALDG") == sum(per_loop), per_loop
 
 
 def test_smem_fits_and_registers_fill_the_sm():

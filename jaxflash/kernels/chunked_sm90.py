@@ -23,6 +23,10 @@ _WARPGROUP_THREADS = sm90_gemm.WARPGROUP_THREADS
 # the producer warp's page-table reads of a block's 16-key boxes (decode_sm90._load_block holds
 # 8 pages) spilled at 32 (18 LDL / STL at the forward's 24 / 240 split plus 8), not at 40.
 _PRODUCER_REGS, _CONSUMER_REGS = 40, 232
+# Keys per TMA box of pages of 64 keys (any multiple of 64 below tile_n; the routing's
+# config.CHUNKED_PAGE_MULTIPLE): a 128-key block is 2 such boxes per column box and 2
+# page-table reads, against 8 of each in 16-key boxes.
+WIDE_BOX_ROWS = config.CHUNKED_PAGE_MULTIPLE
 
 
 class FlashAttentionChunkedSm90(FlashAttentionDecodeSm90):
@@ -42,11 +46,19 @@ class FlashAttentionChunkedSm90(FlashAttentionDecodeSm90):
 
   Keys come through the decode kernel's producer (decode_sm90._load_block): a whole block per
   TMA copy and one page-table read when pages are a multiple of tile_n (or the cache is
-  contiguous), else boxes of 16 keys per page; V rows past the length in the last block are
-  zeroed before its P V GEMM. Masks (causal at each sequence's offset, windows) and softcap are
-  the decode kernel's run-time band (_KeyBand); the learnable sink joins each row's denominator
-  in the epilogue (per packed row: its query head's sink).
+  contiguous); else boxes of 64 keys (2 per block and column box, one page-table read per
+  page) when pages are a multiple of 64, and boxes of 16 keys for smaller pages (16 or 32,
+  which split_kv.use_chunked sends to the split-KV kernel; a forced call still runs them). The
+  producer picks the box height once per CTA from the page size. Boxes at or past the length
+  are out of bounds (zero-filled, nothing read); V rows past the length in the last block are
+  zeroed up to the next multiple of 64 (the widest box) before its P V GEMM. Masks (causal at
+  each sequence's offset, windows) and softcap are the decode kernel's run-time band
+  (_KeyBand); the learnable sink joins each row's denominator in the epilogue (per packed row:
+  its query head's sink).
   """
+
+  # 64-key boxes for pages of 64, 16-key ones for smaller pages (decode_sm90._load_block).
+  box_rows = (WIDE_BOX_ROWS, decode_sm90.BOX_ROWS)
 
   def __init__(self, variant: config.KernelVariant):
     super().__init__(variant)
@@ -97,11 +109,15 @@ class FlashAttentionChunkedSm90(FlashAttentionDecodeSm90):
     load_op = cpasync.CopyBulkTensorTileG2SOp()
     tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
         load_op, mQ, self.sQ_layout, (self.tile_m, self.head_dim))
-    box_rows = decode_sm90.BOX_ROWS
+    # Boxes of each height of box_rows: 64 keys, then 16.
     tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
-        load_op, mK, self.sK_box, (box_rows, self.k_box_cols))
+        load_op, mK, self.sK_boxes[0], (self.box_rows[0], self.k_box_cols))
     tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
-        load_op, mVt, self.sV_box, (self.v_box_rows, box_rows))
+        load_op, mVt, self.sV_boxes[0], (self.v_box_rows, self.box_rows[0]))
+    tma_atom_k16, tma_k16 = cpasync.make_tiled_tma_atom(
+        load_op, mK, self.sK_boxes[1], (self.box_rows[1], self.k_box_cols))
+    tma_atom_v16, tma_v16 = cpasync.make_tiled_tma_atom(
+        load_op, mVt, self.sV_boxes[1], (self.v_box_rows, self.box_rows[1]))
     # Whole key blocks, when every block lies in one page.
     tma_atom_kt, tma_kt = cpasync.make_tiled_tma_atom(
         load_op, mK, cute.slice_(self.sK_layout, (None, None, 0)), (self.tile_n, self.head_dim))
@@ -110,23 +126,27 @@ class FlashAttentionChunkedSm90(FlashAttentionDecodeSm90):
         (self.head_dim_v, self.tile_n))
     grid = (cute.ceil_div(mQ.shape[0], self.tile_m), 1, mQ.shape[3] * mQ.shape[2])
     self.kernel(
-        tma_q, tma_k, tma_v, tma_kt, tma_vt, tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_kt,
-        tma_atom_vt, mPageTable, mLengths, mSink, mO, mLSE, softmax_scale, seqlen_q,
-        window_left, window_right, softcap, self.sQ_layout, self.sK_layout, self.sV_layout,
-        self.tiled_mma_qk, self.tiled_mma_pv,
+        tma_q, tma_k, tma_v, tma_k16, tma_v16, tma_kt, tma_vt, tma_atom_q, tma_atom_k,
+        tma_atom_v, tma_atom_k16, tma_atom_v16, tma_atom_kt, tma_atom_vt, mPageTable, mLengths,
+        mSink, mO, mLSE, softmax_scale, seqlen_q, window_left, window_right, softcap,
+        self.sQ_layout, self.sK_layout, self.sV_layout, self.tiled_mma_qk, self.tiled_mma_pv,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
   @cute.kernel
   def kernel(
       self,
       mQ: cute.Tensor,  # TMA coordinates of (rows, head_dim, kv heads, batch)
-      mK: cute.Tensor,  # TMA coordinates of (page_size, head_dim, kv heads, pages)
-      mV: cute.Tensor,  # TMA coordinates of (head_dim_v, page_size, kv heads, pages)
+      mK: cute.Tensor,  # TMA coordinates of (page_size, head_dim, kv heads, pages), 64-key boxes
+      mV: cute.Tensor,  # TMA coordinates of (head_dim_v, page_size, kv heads, pages), the same
+      mK16: cute.Tensor,  # the same coordinates as mK, for 16-key boxes
+      mV16: cute.Tensor,  # the same coordinates as mV, for 16-key boxes
       mKt: cute.Tensor,  # the same coordinates as mK, for whole-block copies
       mVt: cute.Tensor,  # the same coordinates as mV, for whole-block copies
       tma_atom_q: cute.CopyAtom,
       tma_atom_k: cute.CopyAtom,
       tma_atom_v: cute.CopyAtom,
+      tma_atom_k16: cute.CopyAtom,
+      tma_atom_v16: cute.CopyAtom,
       tma_atom_kt: cute.CopyAtom,
       tma_atom_vt: cute.CopyAtom,
       mPageTable: cute.Tensor,
@@ -147,8 +167,8 @@ class FlashAttentionChunkedSm90(FlashAttentionDecodeSm90):
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    sm90_gemm.prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_kt,
-                                              tma_atom_vt))
+    sm90_gemm.prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_k16,
+                                              tma_atom_v16, tma_atom_kt, tma_atom_vt))
     storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
     pipeline_q, pipeline_k, pipeline_v = self._make_pipelines(storage)
     sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -178,9 +198,18 @@ class FlashAttentionChunkedSm90(FlashAttentionDecodeSm90):
       if warp_idx == 0:
         work = self._work(mQ.shape[0], mK.shape[0], mPageTable, mLengths, Int32(1), m_block,
                           Int32(0), batch, seqlen_q, window_left, window_right)
-        self.load_decode(mQ, mK, mV, mKt, mVt, tma_atom_q, tma_atom_k, tma_atom_v,
-                         tma_atom_kt, tma_atom_vt, sQ, sK, sV, pipeline_q, pipeline_k,
-                         pipeline_v, mPageTable, work, m_block, head_kv, batch)
+        # The box height is chosen once, outside the producer's loop: a run-time choice per
+        # block between 64- and 16-key boxes spilled 2 registers at 40 (n_start, n_end).
+        if mK.shape[0] % WIDE_BOX_ROWS == 0:  # page_size
+          self.load_decode(mQ, mK, mV, mKt, mVt, tma_atom_q, tma_atom_k, tma_atom_v,
+                           tma_atom_kt, tma_atom_vt, sQ, sK, sV, pipeline_q, pipeline_k,
+                           pipeline_v, mPageTable, work, m_block, head_kv, batch,
+                           WIDE_BOX_ROWS)
+        else:
+          self.load_decode(mQ, mK16, mV16, mKt, mVt, tma_atom_q, tma_atom_k16, tma_atom_v16,
+                           tma_atom_kt, tma_atom_vt, sQ, sK, sV, pipeline_q, pipeline_k,
+                           pipeline_v, mPageTable, work, m_block, head_kv, batch,
+                           decode_sm90.BOX_ROWS)
     else:
       cute.arch.setmaxregister_increase(self.num_mma_regs)
       work = self._work(mQ.shape[0], mK.shape[0], mPageTable, mLengths, Int32(1), m_block,

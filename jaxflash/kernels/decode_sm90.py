@@ -26,6 +26,7 @@ DTYPES = sm90_gemm.DTYPES
 FP8 = cutlass.Float8E4M3FN
 _WARPGROUP_THREADS = sm90_gemm.WARPGROUP_THREADS
 # Keys move in boxes of this many rows: the smallest page (a page is a power of two from 16).
+# FP8 caches' descales go per this many keys too (_scale_floats).
 BOX_ROWS = 16
 # Named barrier 1: the consumer warpgroups, after they zeroed V rows past the cache length; 2 + w:
 # consumer warpgroup w's turn to issue its GEMMs (ping-pong, the chunked subclass), the
@@ -177,6 +178,11 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
   sequence.
   """
 
+  # Heights (keys) of the TMA boxes that load pages smaller than a key block, widest first; the
+  # last is BOX_ROWS, the smallest page. The producer takes the widest that divides the page
+  # size (load_decode's rows). One height here; the chunked subclass has 64-key boxes too.
+  box_rows = (BOX_ROWS,)
+
   def __init__(self, variant: config.KernelVariant):
     schedule = variant.schedule
     self.variant = variant
@@ -190,7 +196,8 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     self.num_stages = schedule.num_stages
     self.q_stages = 1
     # 64 query rows per consumer warpgroup: one here, two in the chunked subclass.
-    assert self.tile_m % 64 == 0 and self.tile_n % BOX_ROWS == 0, schedule
+    assert self.tile_m % 64 == 0 and self.box_rows[-1] == BOX_ROWS, (schedule, self.box_rows)
+    assert all(self.tile_n % rows == 0 for rows in self.box_rows), (schedule, self.box_rows)
     self.causal = False  # run-time: window_right
     self.num_mma_warpgroups = self.tile_m // 64
     self.num_mma_threads = self.num_mma_warpgroups * _WARPGROUP_THREADS
@@ -252,10 +259,13 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
                                                   self.fp8_stages, col_major=True)
       pipelines.update(mbar_k8=self.fp8_stages, mbar_v8=self.fp8_stages)
       tiles.update(sK8=(self.sK_load_layout,), sV8=(self.sV_load_layout,))
-    # One TMA box: 16 keys by one swizzle atom's width of the head dim. Inside a ring stage such
-    # a box sits at a multiple of the swizzle period, with exactly this layout.
-    self.sK_box = sm90_gemm.smem_layout(self.kv_dtype, BOX_ROWS, self.k_box_cols)
-    self.sV_box = sm90_gemm.smem_layout(self.kv_dtype, self.v_box_rows, BOX_ROWS, col_major=True)
+    # One TMA box per height of box_rows: that many keys by one swizzle atom's width of the head
+    # dim. Inside a ring stage such a box sits at a multiple of the swizzle period, with exactly
+    # this layout.
+    self.sK_boxes = tuple(sm90_gemm.smem_layout(self.kv_dtype, rows, self.k_box_cols)
+                          for rows in self.box_rows)
+    self.sV_boxes = tuple(sm90_gemm.smem_layout(self.kv_dtype, self.v_box_rows, rows,
+                                                col_major=True) for rows in self.box_rows)
     self.tma_bytes_q = cute.size_in_bytes(self.dtype, self.sQ_layout)
     self.tma_bytes_k = self.tile_n * self.head_dim * self.kv_dtype.width // 8
     self.tma_bytes_v = self.tile_n * self.head_dim_v * self.kv_dtype.width // 8
@@ -301,10 +311,11 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     load_op = cpasync.CopyBulkTensorTileG2SOp()
     tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
         load_op, mQ, self.sQ_layout, (self.tile_m, self.head_dim))
+    # Boxes of the one height this class has (the chunked subclass launches its own).
     tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
-        load_op, mK, self.sK_box, (BOX_ROWS, self.k_box_cols))
+        load_op, mK, self.sK_boxes[0], (BOX_ROWS, self.k_box_cols))
     tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
-        load_op, mVt, self.sV_box, (self.v_box_rows, BOX_ROWS))
+        load_op, mVt, self.sV_boxes[0], (self.v_box_rows, BOX_ROWS))
     # Whole key blocks, when every block lies in one page.
     tma_atom_kt, tma_kt = cpasync.make_tiled_tma_atom(
         load_op, mK, cute.slice_(self.sK_load_layout, (None, None, 0)),
@@ -394,7 +405,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
         self.load_decode(mQ, mK, mV, mKt, mVt, tma_atom_q, tma_atom_k, tma_atom_v,
                          tma_atom_kt, tma_atom_vt, sQ, sK_load, sV_load, pipeline_q,
                          pipeline_k_load, pipeline_v_load, mPageTable, work, m_block, head_kv,
-                         batch)
+                         batch, BOX_ROWS)
       if const_expr(self.fp8_cache):
         if warp_idx > 0:
           paging = self._paging(mPageTable, mK.shape[0], mK.shape[3], work, head_kv, batch)
@@ -494,18 +505,20 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
                   tma_atom_v: cute.CopyAtom, tma_atom_kt: cute.CopyAtom,
                   tma_atom_vt: cute.CopyAtom, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                   pipeline_q, pipeline_k, pipeline_v, mPageTable: cute.Tensor, work,
-                  m_block: Int32, head_kv: Int32, batch: Int32):
+                  m_block: Int32, head_kv: Int32, batch: Int32, rows: cutlass.Constexpr):
     """Producer warp: K(n_end-1), Q, then K(n-1), V(n) down the split, then V(n_start) (the
-    consumers' overlap order, as the forward's producer)."""
+    consumers' overlap order, as the forward's producer). tma_atom_k / tma_atom_v copy boxes
+    of `rows` keys (a height of box_rows that divides the page size), for pages smaller than a
+    key block."""
     one_cta = cute.make_layout(1)
     gQ = cute.local_tile(mQ[None, None, head_kv, batch], (self.tile_m, self.head_dim),
                          (m_block, 0))
     tQsQ, tQgQ = cpasync.tma_partition(
         tma_atom_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-    # Boxes: (16 keys, k_box_cols) of K, (v_box_rows, 16 keys) of V^T; whole blocks: (tile_n,
-    # head_dim) of K, (head_dim_v, tile_n) of V^T.
-    box_k = (BOX_ROWS, self.k_box_cols)
-    box_v = (self.v_box_rows, BOX_ROWS)
+    # Boxes: (rows keys, k_box_cols) of K, (v_box_rows, rows keys) of V^T; whole blocks:
+    # (tile_n, head_dim) of K, (head_dim_v, tile_n) of V^T.
+    box_k = (rows, self.k_box_cols)
+    box_v = (self.v_box_rows, rows)
     tKsK, tKgK = cpasync.tma_partition(
         tma_atom_k, 0, one_cta, cute.group_modes(cute.flat_divide(sK, box_k), 0, 2),
         cute.group_modes(cute.flat_divide(mK, box_k), 0, 2))
@@ -518,8 +531,8 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     tVsVt, tVgVt = cpasync.tma_partition(
         tma_atom_vt, 0, one_cta, cute.group_modes(sV, 0, 2),
         cute.group_modes(cute.flat_divide(mVt, (self.head_dim_v, self.tile_n)), 0, 2))
-    k_copy = _BlockCopy(tma_atom_k, tKgK, tKsK, tma_atom_kt, tKgKt, tKsKt)
-    v_copy = _BlockCopy(tma_atom_v, tVgV, tVsV, tma_atom_vt, tVgVt, tVsVt)
+    k_copy = _BlockCopy(rows, tma_atom_k, tKgK, tKsK, tma_atom_kt, tKgKt, tKsKt)
+    v_copy = _BlockCopy(rows, tma_atom_v, tVgV, tVsV, tma_atom_vt, tVgVt, tVsVt)
     paging = self._paging(mPageTable, mK.shape[0], mK.shape[3], work, head_kv, batch)
     q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
     kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
@@ -678,9 +691,10 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
 
     When every block lies in one page (paging.whole_blocks): one page-table read and one TMA
     copy for the block (a contiguous cache's last block may run past max_len: TMA fills those
-    rows with zeros). Else (pages of 16 to tile_n / 2 keys) box by box: the page-table reads of
-    the block's boxes go out together, then a copy per box; boxes at or past the sequence's
-    length are out of bounds (zero-filled, nothing read).
+    rows with zeros). Else (pages of 16 to tile_n / 2 keys, a multiple of copy.rows) box by box,
+    copy.rows keys by a swizzle atom's columns each: the page-table reads of the block's boxes
+    go out together (one per page), then a copy per box; boxes at or past the sequence's length
+    are out of bounds (zero-filled, nothing read).
     """
     barrier = pipe.producer_get_barrier(state)
     key0 = n_block * self.tile_n
@@ -695,19 +709,24 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
         cute.copy(copy.atom_block, copy.g_block[None, 0, row_block, paging.head_kv, page],
                   copy.s_block[None, state.index], tma_bar_ptr=barrier)
     else:
-      boxes = self.tile_n // BOX_ROWS
+      boxes = self.tile_n // copy.rows
       cols = self.head_dim // self.k_box_cols if const_expr(is_k) else (
           self.head_dim_v // self.v_box_rows)
+      # log2(boxes per page): paging's count of 16-key boxes less log2(rows / 16) (rows divides
+      # the page).
+      box_shift = paging.box_shift
+      if const_expr(copy.rows != BOX_ROWS):
+        box_shift = box_shift - ((copy.rows // BOX_ROWS).bit_length() - 1)
       # Block n_block is pages [slot0, slot0 + pages per block) of the sequence.
-      slot0 = n_block * (Int32(boxes) >> paging.box_shift)
-      box_mask = (Int32(1) << paging.box_shift) - 1
+      slot0 = n_block * (Int32(boxes) >> box_shift)
+      box_mask = (Int32(1) << box_shift) - 1
       pages = cute.make_rmem_tensor(boxes, Int32)
       for b in cutlass.range_constexpr(boxes):
-        pages[b] = self._page(paging, slot0 + (Int32(b) >> paging.box_shift))
+        pages[b] = self._page(paging, slot0 + (Int32(b) >> box_shift))
       for b in cutlass.range_constexpr(boxes):
         # Box index inside its page, or one past the page's last box: out of bounds.
         row_box = Int32(b) & box_mask
-        if key0 + b * BOX_ROWS >= paging.length:
+        if key0 + b * copy.rows >= paging.length:
           row_box = box_mask + 1
         for c in cutlass.range_constexpr(cols):
           if const_expr(is_k):
@@ -809,14 +828,16 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
   def first_block(self, c, kv_state, m_block: Int32, n_block: Int32, seqlen_q: Int32,
                   seqlen_k: Int32):
     """The forward's first block, then: V rows past the cache length that were copied (the rest
-    of a whole block, or of the last box of 16 keys) hold whatever the cache has there (maybe
-    not finite), and P = 0 times such a value would still poison O: they are zeroed before the
-    P V GEMM reads the stage."""
+    of a whole block, or of the last box: up to the next multiple of box_rows[0], the widest
+    height, which covers the narrower ones) hold whatever the cache has there (maybe not
+    finite), and P = 0 times such a value would still poison O: they are zeroed before the P V
+    GEMM reads the stage."""
     FlashAttentionForwardSm90.first_block(self, c, kv_state, m_block, n_block, seqlen_q,
                                           seqlen_k)
     band = c.masking
     tail = band.length - n_block * self.tile_n  # valid keys in this block
-    box_end = cutlass.min((tail + BOX_ROWS - 1) // BOX_ROWS * BOX_ROWS, self.tile_n)
+    rows = self.box_rows[0]
+    box_end = cutlass.min((tail + rows - 1) // rows * rows, self.tile_n)
     if band.whole_blocks != 0:
       box_end = self.tile_n
     if tail < box_end:
@@ -935,9 +956,10 @@ class _Work:
 
 @dataclasses.dataclass(frozen=True)
 class _BlockCopy:
-  """The TMA copies of K or V: atom, global coordinates and ring partition, per 16-key box and
-  per whole block."""
+  """The TMA copies of K or V: atom, global coordinates and ring partition, per box of `rows`
+  keys and per whole block."""
 
+  rows: int
   atom_box: cute.CopyAtom
   g_box: cute.Tensor
   s_box: cute.Tensor
@@ -954,7 +976,7 @@ class _Paging:
   page_size: Int32
   num_pages: Int32
   max_slot: Int32  # max_pages - 1 (-1: a contiguous cache, sequence b in page b)
-  box_shift: Int32  # log2(page_size / 16) for page sizes up to 512
+  box_shift: Int32  # log2(page_size / 16) for page sizes up to 512: 16-key boxes per page
   whole_blocks: Int32
   length: Int32
   head_kv: Int32
