@@ -5,11 +5,10 @@ a cache holding `length` keys (the new ones included), GQA 32 / 8 heads, head_di
 each sequence's offset (query i at position length - chunk + i), in each dtype of `--dtypes`.
 The batch keeps 16384 new tokens per call. Columns (TFLOP/s, causal FLOPs: 4 * head_dim * the
 visible (query, key) pairs, per head):
-  chunked / chunked-p128 / chunked-p256: kv_cache_attention on contiguous caches / pools of
-    128- / 256-key pages in a random order, which the routing sends to the chunked-prefill
-    variant (the column reports an error if the traced call names another variant);
-  chunked-p64: pools of 64-key pages forced onto the chunked variant (split_kv.use_chunked true
-    while traced; the routing sends pages smaller than a key block to the split-KV kernel);
+  chunked / chunked-p64 / chunked-p128 / chunked-p256: kv_cache_attention on contiguous
+    caches / pools of 64- / 128- / 256-key pages in a random order, which the routing sends to
+    the chunked-prefill variant (the column reports an error if the traced call names another
+    variant); pages of 64 keys load in 64-key boxes, larger ones a key block per copy;
   split / split-p64: the same calls on the split-KV decode kernel (split_kv.use_chunked false
     while they are traced): what the chunked path replaces;
   attention: jaxflash.attention(causal=True) on the same keys contiguous (seq_k = length:
@@ -119,8 +118,7 @@ def calls(case: Case, dtype, impls) -> dict:
       impl = prefix + suffix
       if impl not in impls:
         continue
-      wrap = (_routed(False) if prefix == "split" else _routed(True) if page_size == 64
-              else lambda trace: trace())
+      wrap = _routed(False) if prefix == "split" else lambda trace: trace()
       if page_size is None:
         args = (q, k, v, lengths, None)
       else:
