@@ -44,6 +44,28 @@ _FP8_PRODUCER_REGS = 128
 _CONVERT_WARPS = 3
 _CONVERT_THREADS = _CONVERT_WARPS * sm90_gemm.WARP_THREADS
 _CHUNK = 16
+# The most chunks a converting thread loads before converting them (independent loads in
+# flight; each chunk's three addresses and its last step stay in registers).
+_CONVERT_GROUP = 4
+# Keys of the 8-row swizzle period: a key offset that is a multiple of it adds a constant.
+_SWIZZLE_ROWS = 8
+
+
+def _convert_group(tile_n: int, keys_per_chunk_step: int) -> int:
+  """Chunks a converting thread handles per step: g with g * keys_per_chunk_step keys a
+  multiple of the swizzle period (so a step adds a constant to every address), at most
+  _CONVERT_GROUP, the fewest keys converted past the block's end, then the most chunks."""
+  def waste(g):
+    keys = g * keys_per_chunk_step
+    return -(-tile_n // keys) * keys - tile_n
+
+  groups = [g for g in range(1, _CONVERT_GROUP + 1)
+            if (g * keys_per_chunk_step) % _SWIZZLE_ROWS == 0
+            and g * keys_per_chunk_step <= tile_n]
+  if not groups:
+    raise ValueError(f"no conversion group for tile_n {tile_n} and {keys_per_chunk_step} keys "
+                     f"per chunk step")
+  return min(groups, key=lambda g: (waste(g), -g))
 
 
 def _swizzle_elems(dtype, major_size: int) -> int:
@@ -576,8 +598,10 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     v8_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.fp8_stages)
     k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
     v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-    k_ring = (k8_ptr, sK8_layout, k_ptr, sK_layout, pipeline_k8, pipeline_k)
-    v_ring = (v8_ptr, sV8_layout, v_ptr, sV_layout, pipeline_v8, pipeline_v)
+    k_ring = (k8_ptr, sK8_layout, k_ptr, sK_layout, pipeline_k8, pipeline_k,
+              self._convert_plan(sK8_layout, sK_layout, True, thread))
+    v_ring = (v8_ptr, sV8_layout, v_ptr, sV_layout, pipeline_v8, pipeline_v,
+              self._convert_plan(sV8_layout, sV_layout, False, thread))
     n_start, n_end = work.n_start, work.n_end
     if n_end > n_start:
       reference = Float32(1.0)
@@ -620,18 +644,53 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       value = descales.v[page, paging.head_kv] * v_factor
     return value
 
+  def _convert_plan(self, src_layout: cute.ComposedLayout, dst_layout: cute.ComposedLayout,
+                    is_k: cutlass.Constexpr, thread: Int32):
+    """A converting thread's addresses in one ring (_convert_block): it converts the chunk of
+    16 head dims at column (thread % per_key) * 16 of keys thread // per_key + j * kps (kps =
+    converting threads / per_key, per_key = head dims / 16), `group` of them per step. Returns
+    (per chunk of a step: byte offset in the e4m3 stage 0, the two 16-byte halves' offsets in
+    the 16-bit stage 0, its last step inside the block), the static byte steps (keys per step
+    in e4m3 and 16-bit, one stage of each) and the number of steps.
+
+    A step's keys are a multiple of the 8-row swizzle period, so the swizzle of a chunk's
+    address is the same every step and the step adds a constant; stages are whole periods
+    apart. A chunk past the block's last key repeats its last step (the same bytes stored
+    again)."""
+    dim = self.head_dim if const_expr(is_k) else self.head_dim_v
+    per_key = dim // _CHUNK
+    kps = _CONVERT_THREADS // per_key
+    group = _convert_group(self.tile_n, kps)
+    step_keys = group * kps
+    out_bytes = self.dtype.width // 8
+    # (key, head_dim, stage) of K, (head_dim_v, key, stage) of V: head dims contiguous.
+    crd = lambda key, c, stage: (key, c, stage) if const_expr(is_k) else (c, key, stage)
+    key0 = thread // per_key
+    col = (thread - key0 * per_key) * _CHUNK
+    chunks = []
+    for g in range(group):  # a Python loop: this method is no kernel function
+      key = key0 + g * kps
+      chunks.append((_byte_offset(src_layout, crd(key, col, 0), 1),
+                     _byte_offset(dst_layout, crd(key, col, 0), out_bytes),
+                     _byte_offset(dst_layout, crd(key, col + _CHUNK // 2, 0), out_bytes),
+                     (self.tile_n - 1 - key) // step_keys))
+    steps = (cute.crd2idx(crd(step_keys, 0, 0), src_layout.outer),
+             cute.crd2idx(crd(step_keys, 0, 0), dst_layout.outer) * out_bytes,
+             cute.crd2idx(crd(0, 0, 1), src_layout.outer),
+             cute.crd2idx(crd(0, 0, 1), dst_layout.outer) * out_bytes)
+    return chunks, steps, -(-self.tile_n // step_keys)
+
   @cute.jit
   def _convert_block(self, ring, src_state, dst_state, is_k: cutlass.Constexpr, thread: Int32,
                      descale=None):
     """One block of `ring` (convert_kv) from e4m3 stage src_state to 16-bit stage dst_state:
-    wait for the first and acquire the second, convert 16 bytes per thread and step (one
-    16-byte load, two 16-byte stores at the same (key, head_dim) coordinates of the two
-    swizzled layouts), release the first and publish the second. descale (K blocks): (the
-    descale buffer, this thread's value of _block_descale), stored into the stage's column."""
-    src_ptr, src_layout, dst_ptr, dst_layout, pipe8, pipe16 = ring
-    dim = self.head_dim if const_expr(is_k) else self.head_dim_v
-    per_key = dim // _CHUNK
-    out_bytes = self.dtype.width // 8
+    wait for the first and acquire the second, then per step (_convert_plan) load the group's
+    16-byte chunks, convert each and store it as two 16-byte halves at the same (key,
+    head_dim) coordinates of the 16-bit layout; release the first and publish the second.
+    descale (K blocks): (the descale buffer, this thread's value of _block_descale), stored
+    into the stage's column."""
+    src_ptr, src_layout, dst_ptr, dst_layout, pipe8, pipe16, plan = ring
+    chunks, (src_step, dst_step, src_stage, dst_stage), num_steps = plan
     bf16 = self.dtype == cutlass.BFloat16
     pipe8.consumer_wait(src_state)
     pipe16.producer_acquire(dst_state)
@@ -639,21 +698,19 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       scales, value = descale
       if thread < 2 * (self.tile_n // BOX_ROWS):
         scales[thread, dst_state.index] = value
-    src_base = Int32(src_ptr.toint())
-    dst_base = Int32(dst_ptr.toint())
-    for chunk in cutlass.range(thread, self.tile_n * per_key, _CONVERT_THREADS, unroll=1):
-      key = chunk // per_key
-      col = (chunk - key * per_key) * _CHUNK
-      # (key, head_dim, stage) of K, (head_dim_v, key, stage) of V: head dims contiguous.
-      crd = lambda c, stage: (key, c, stage) if const_expr(is_k) else (c, key, stage)
-      words = _ld_shared_v4(src_base + _byte_offset(src_layout, crd(col, src_state.index), 1))
-      out = []
-      for w in words:
-        out += _e4m3x4_to_16bit(w, bf16)
-      for half in cutlass.range_constexpr(2):
-        dst = _byte_offset(dst_layout, crd(col + half * _CHUNK // 2, dst_state.index),
-                           out_bytes)
-        _st_shared_v4(dst_base + dst, *out[4 * half:4 * half + 4])
+    src_base = Int32(src_ptr.toint()) + src_state.index * src_stage
+    dst_base = Int32(dst_ptr.toint()) + dst_state.index * dst_stage
+    for step in cutlass.range(num_steps, unroll=1):
+      loaded = []
+      for src, _, _, last in chunks:
+        loaded.append(_ld_shared_v4(src_base + src + cutlass.min(step, last) * src_step))
+      for (_, dst0, dst1, last), words in zip(chunks, loaded):
+        out = []
+        for w in words:
+          out += _e4m3x4_to_16bit(w, bf16)
+        dst = dst_base + cutlass.min(step, last) * dst_step
+        _st_shared_v4(dst + dst0, *out[:4])
+        _st_shared_v4(dst + dst1, *out[4:])
     # The 16-bit stores are generic-proxy; the consumers' WGMMA reads through the async one.
     cute.arch.fence_proxy("async.shared", space="cta")
     sm90_gemm.release_after_lane_loads(pipe8, src_state)
