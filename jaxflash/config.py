@@ -91,10 +91,19 @@ class AttentionConfig:
   # FP8 inputs: out is float16, else bfloat16 (the kernel's choice at run time, from the out
   # buffer's dtype: no variant of its own).
   out_float16: bool = False
+  # An additive bias operand (after the segment ids, before the sink): None without one, else
+  # which of its (batch, heads, seq_q) dims are full (False: size 1, broadcast). Its last dim is
+  # always seq_k. The kernels read broadcast dims with stride 0; the backward reduces dbias
+  # over them in XLA.
+  bias_dims: Optional[tuple[bool, bool, bool]] = None
 
   @property
   def has_window(self) -> bool:
     return self.window_left is not None or self.window_right is not None
+
+  @property
+  def has_bias(self) -> bool:
+    return self.bias_dims is not None
 
   @property
   def window_sides(self) -> tuple[Optional[int], Optional[int]]:
@@ -446,11 +455,16 @@ class KernelVariant:
   # Decode only: FP8_DTYPE caches (float32 descales per page or sequence and kv head), the
   # query and out in dtype; None: caches in dtype.
   kv_dtype: Optional[str] = None
+  # An additive bias (batch|1, heads|1, seq_q|1, seq_k) in dtype, read per score (forward and
+  # backward; the backward also writes dbias per score). Bias variants are masked variants:
+  # causal, windows, segment ids and softcap come with them at run time.
+  bias: bool = False
 
   @property
   def key(self) -> str:
     """Readable, unique name: folder in the kernel cache and the FFI `variant` attribute."""
     flags = "".join(f for f, on in (("-causal", self.causal), ("-masked", self.masked),
+                                    ("-bias", self.bias),
                                     ("-det", self.deterministic),
                                     ("-blk", self.block_descales),
                                     (f"-kv{_DTYPE_SHORT.get(self.kv_dtype)}",
@@ -471,16 +485,20 @@ class KernelVariant:
     if dtype == FP8_DTYPE:
       return fp8_fwd_variant(head_dim, config.causal, arch, config.block_descales)
     deterministic = config.deterministic and direction == "bwd"
-    # Soft-capping runs on the masked variants (a run-time value, like the window).
-    masked = config.has_window or config.has_segment_ids or config.softcap is not None
+    # Soft-capping runs on the masked variants (a run-time value, like the window); so does a
+    # bias (one bias variant per dtype and head dims takes every mask at run time).
+    masked = (config.has_window or config.has_segment_ids or config.softcap is not None
+              or config.has_bias)
     causal = config.causal and not masked
     if direction == "fwd":
-      schedule = fwd_schedule(head_dim, head_dim_v, causal, masked, seq_k, config.band)
+      # Bias variants keep one schedule: the narrow-band tile is not built for them.
+      band = None if config.has_bias else config.band
+      schedule = fwd_schedule(head_dim, head_dim_v, causal, masked, seq_k, band)
     else:
       schedule = bwd_schedule(head_dim, head_dim_v, causal, deterministic, masked)
     return cls(direction=direction, arch=arch, dtype=dtype, head_dim=head_dim,
                head_dim_v=head_dim_v, causal=causal, schedule=schedule,
-               deterministic=deterministic, masked=masked)
+               deterministic=deterministic, masked=masked, bias=config.has_bias)
 
 
 def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
@@ -504,6 +522,30 @@ def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
                    f"kernel; accepted head_dim_v: {accepted}")
   if direction == "decode" and config is not None and config.has_segment_ids:
     return False, "the decode kernels take no segment ids"
+  if config is not None and config.has_bias:
+    return _bias_kernel_support(direction, head_dim, head_dim_v, config)
+  return True, ""
+
+
+# (head_dim, head_dim_v) pairs with bias variants (forward and backward, float16 and bfloat16):
+# the head dims of the models that train with a bias (T5, ALiBi models, AlphaFold-style pair
+# bias: 64 and 128). Each pair adds a forward and a backward variant per dtype; other pairs run
+# the reference (docs/kernels.md, "Bias").
+BIAS_HEAD_DIM_PAIRS = ((64, 64), (128, 128))
+# The backward of a bias call with deterministic=True runs the reference (no deterministic bias
+# variant ships); the bias's own gradient is written once per score in either case.
+BIAS_DIRECTIONS = ("fwd",)
+
+
+def _bias_kernel_support(direction: str, head_dim: int, head_dim_v: int,
+                         config: AttentionConfig) -> tuple[bool, str]:
+  if direction not in BIAS_DIRECTIONS:
+    return False, f"bias: the {direction} kernels take no bias"
+  if (head_dim, head_dim_v) not in BIAS_HEAD_DIM_PAIRS:
+    return False, (f"bias: (head_dim, head_dim_v) ({head_dim}, {head_dim_v}) has no bias "
+                   f"kernel; accepted: {BIAS_HEAD_DIM_PAIRS}")
+  if direction == "bwd" and config.deterministic:
+    return False, "bias: no deterministic backward kernel takes a bias"
   return True, ""
 
 
@@ -579,6 +621,11 @@ def shipped_variants(arch: str = "sm90a", direction: str = "fwd") -> list[Kernel
                                              seq_k)
             if variant not in out:
               out.append(variant)
+  # Bias variants (masked: every mask at run time), not deterministic.
+  for dtype in KERNEL_DTYPES if direction in BIAS_DIRECTIONS else ():
+    for head_dim, head_dim_v in BIAS_HEAD_DIM_PAIRS:
+      cfg = AttentionConfig(softmax_scale=1.0, bias_dims=(True, True, True))
+      out.append(KernelVariant.for_call(direction, arch, dtype, head_dim, head_dim_v, cfg))
   if direction == "fwd":  # FP8: dense, causal or not; per-head or block descales
     out += [fp8_fwd_variant(d, causal, arch, blocks) for blocks in (False, True)
             for d in FP8_HEAD_DIMS for causal in (False, True)]
