@@ -360,7 +360,7 @@ ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
                      JaxflashMask* mask, int32_t* window_left, int32_t* window_right) {
   const bool bwd = a.target == kBwdTarget;
   const size_t want = info.masked ? (bwd && info.deterministic ? 5 : 4) : 0;
-  const size_t fixed = want + (!bwd && info.dtype == kFp8Dtype ? 2 : 0);
+  const size_t fixed = want + (!bwd && info.dtype == kFp8Dtype ? 2 : 0) + (info.bias ? 1 : 0);
   if (extra.size() != fixed && !(!bwd && extra.size() == fixed + 1)) {
     return Invalid(a, std::to_string(extra.size()) + " operands after the tensors, expected " +
                           (info.dtype == kFp8Dtype
@@ -368,6 +368,7 @@ ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
                                : std::to_string(want) + " mask operands for this variant "
                                  "(row_ids, col_ids, ranges, order, and ranks when "
                                  "deterministic)") +
+                          (info.bias ? ", then the bias" : "") +
                           (bwd ? "" : ", then optionally the learnable sink"));
   }
   *mask = JaxflashMask{};
@@ -398,6 +399,31 @@ ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
     pointers[i] = static_cast<const int32_t*>(buffer.untyped_data());
   }
   *mask = JaxflashMask{pointers[0], pointers[1], pointers[2], pointers[3], pointers[4]};
+  return ffi::Error::Success();
+}
+
+// Bias variants: the operand after the mask operands is the bias (kernel_abi.h JaxflashBias), in
+// q's dtype, (batch or 1, num_heads or 1, seqlen_q or 1, seqlen_k). Sets bias->bias and its
+// extents (NULL for other variants); dbias is the backward's to set.
+ffi::Error CheckBias(const CallAttrs& a, const JaxflashVariantInfo& info,
+                     const ffi::RemainingArgs& extra, size_t index, ffi::DataType dtype,
+                     int64_t b, int64_t h, int64_t sq, int64_t sk, JaxflashBias* bias) {
+  *bias = JaxflashBias{};
+  if (!info.bias) return ffi::Error::Success();
+  auto got = extra.get<ffi::AnyBuffer>(index);
+  if (got.has_error()) return got.error();
+  const ffi::AnyBuffer& buffer = got.value();
+  auto d = buffer.dimensions();
+  const bool ok = d.size() == 4 && buffer.element_type() == dtype && (d[0] == 1 || d[0] == b) &&
+                  (d[1] == 1 || d[1] == h) && (d[2] == 1 || d[2] == sq) && d[3] == sk;
+  if (!ok) {
+    return Invalid(a, std::string("bias is ") + DtypeName(buffer.element_type()) + " " +
+                          Shape(buffer) + ", expected " + DtypeName(dtype) + " (" +
+                          std::to_string(b) + " or 1, " + std::to_string(h) + " or 1, " +
+                          std::to_string(sq) + " or 1, " + std::to_string(sk) + ")");
+  }
+  *bias = JaxflashBias{buffer.untyped_data(), static_cast<int32_t>(d[0]),
+                       static_cast<int32_t>(d[1]), static_cast<int32_t>(d[2]), nullptr};
   return ffi::Error::Success();
 }
 
@@ -435,7 +461,7 @@ ffi::Error CheckDescale(const CallAttrs& a, const JaxflashVariantInfo& info,
 // learnable sink, float32 (num_heads,). Sets args->sink (NULL without one).
 ffi::Error CheckSink(const CallAttrs& a, const JaxflashVariantInfo& info,
                      const ffi::RemainingArgs& extra, int64_t num_heads, JaxflashFwdArgs* args) {
-  const size_t fixed = info.masked ? 4 : info.dtype == kFp8Dtype ? 2 : 0;
+  const size_t fixed = info.masked ? 4 + (info.bias ? 1 : 0) : info.dtype == kFp8Dtype ? 2 : 0;
   args->sink = nullptr;
   if (extra.size() == fixed) return ffi::Error::Success();
   auto got = extra.get<ffi::AnyBuffer>(fixed);
@@ -504,6 +530,12 @@ ffi::Error AttentionFwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
     return e;
   }
   if (ffi::Error e = CheckDescale(attrs, library->info, mask_operands, &args); e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckBias(attrs, library->info, mask_operands, 4, q.element_type(),
+                               args.batch, args.num_heads, args.seqlen_q, args.seqlen_k,
+                               &args.bias);
+      e.failure()) {
     return e;
   }
   if (ffi::Error e = CheckSink(attrs, library->info, mask_operands, args.num_heads, &args);
@@ -990,8 +1022,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         jaxflash::BindStreamAndQkv()  // q (batch, seqlen_q, num_heads, head_dim),
                                       // k (batch, seqlen_k, num_kv_heads, head_dim),
                                       // v (batch, seqlen_k, num_kv_heads, head_dim_v)
-            .RemainingArgs()          // masked: JaxflashMask operands; then, optional, the sink
-                                      // (num_heads,) float32
+            .RemainingArgs()          // masked: JaxflashMask operands; bias variants: the
+                                      // bias (b|1, h|1, sq|1, sk) in q's dtype; then,
+                                      // optional, the sink (num_heads,) float32
             .Ret<ffi::AnyBuffer>()    // out (batch, seqlen_q, num_heads, head_dim_v)
             .Ret<ffi::AnyBuffer>()    // lse (batch, num_heads, seqlen_q) float32
             .RemainingRets()),        // dynamic schedules: tile_counter (1,) int32
