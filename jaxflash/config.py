@@ -395,20 +395,23 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = Fa
 
 
 def bwd_schedule(head_dim: int, head_dim_v: int, causal: bool, deterministic: bool,
-                 masked: bool = False) -> BwdSchedule:
+                 masked: bool = False, bias: bool = False) -> BwdSchedule:
   """The backward schedule table (H200 measurements in docs/kernels.md, "Backward tiles").
 
   masked: the variant for windows and segment ids takes the causal tiles and one dQ accumulator.
+  bias: a bias variant (masked).
   """
   causal = causal or masked
-  if head_dim <= 64:
+  if head_dim <= 64 and not bias:
     # 128 x 128 (FA-4's), two 64-row WGMMA blocks of queries per step, dQ split by rows
     # (FA-4's AtomLayoutMdQ = 2); dV after dS: +0-8 %, dS from the fp32 P.
     return BwdSchedule(tile_m=128, tile_n=128, num_stages=2, swap_sdp=True, do_stages=2,
                        dq_pieces=1, dv_after_ds=True, dq_split_m=True, dq_transposed=False,
                        dq_copies=1)
   if head_dim <= 96:
-    # 64 x 128 swapped: +6-9 % over the unswapped schedule.
+    # 64 x 128 swapped: +6-9 % over the unswapped schedule. Also head_dim 64's bias variants:
+    # the bias loads spilled its 128 x 128 tile (64 fp32 S^T and dP^T values per thread each;
+    # 34 LDL / 20 STL).
     return BwdSchedule(tile_m=64, tile_n=128, num_stages=2, swap_sdp=True, do_stages=2,
                        dq_pieces=1, dv_after_ds=False, dq_split_m=False, dq_transposed=False,
                        dq_copies=1)
@@ -499,7 +502,8 @@ class KernelVariant:
       schedule = fwd_schedule(head_dim, head_dim_v, causal, masked, seq_k, band,
                               config.has_bias)
     else:
-      schedule = bwd_schedule(head_dim, head_dim_v, causal, deterministic, masked)
+      schedule = bwd_schedule(head_dim, head_dim_v, causal, deterministic, masked,
+                              config.has_bias)
     return cls(direction=direction, arch=arch, dtype=dtype, head_dim=head_dim,
                head_dim_v=head_dim_v, causal=causal, schedule=schedule,
                deterministic=deterministic, masked=masked, bias=config.has_bias)
@@ -538,7 +542,7 @@ def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
 BIAS_HEAD_DIM_PAIRS = ((64, 64), (128, 128))
 # The backward of a bias call with deterministic=True runs the reference (no deterministic bias
 # variant ships); the bias's own gradient is written once per score in either case.
-BIAS_DIRECTIONS = ("fwd",)
+BIAS_DIRECTIONS = ("fwd", "bwd")
 
 
 def _bias_kernel_support(direction: str, head_dim: int, head_dim_v: int,
@@ -646,15 +650,18 @@ def fwd_scratch_shapes(variant: KernelVariant) -> tuple[tuple[str, tuple[int, ..
   return (("tile_counter", (1,), "int32"),) if dynamic else ()
 
 
-def bwd_scratch_shapes(variant: KernelVariant, batch: int, seq_q: int,
-                       num_heads: int) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+def bwd_scratch_shapes(variant: KernelVariant, batch: int, seq_q: int, num_heads: int,
+                       seq_k: Optional[int] = None) -> tuple[tuple[str, tuple[int, ...], str], ...]:
   """Scratch buffers of one backward call, in custom-call result order after dq, dk, dv.
 
   Returns ((name, shape, dtype), ...). seq_q is rounded up to the schedule's tile_m. The kernels
   never read what they have not written, so XLA may hand over uninitialised memory: the
   preprocess zeroes dq_semaphore, and dq_accum in the default mode; deterministic variants
   store each dq_accum block's first contribution and the postprocess skips blocks whose
-  semaphore counts none. dq_semaphore exists only for deterministic variants.
+  semaphore counts none. dq_semaphore exists only for deterministic variants. Bias variants
+  end with dbias (batch, num_heads, seq_q, seq_k) float32 (seq_k required): d loss / d score of
+  every (batch, query head, query, key), which the handler zeroes (key tiles skip query blocks
+  that the mask hides) and the kernel writes once per visited score.
   """
   if variant.direction != "bwd":
     raise ValueError(f"variant.direction: {variant.direction!r}; scratch exists for 'bwd' only")
@@ -668,6 +675,11 @@ def bwd_scratch_shapes(variant: KernelVariant, batch: int, seq_q: int,
             ("delta", rows, "float32"))
   if variant.deterministic:
     shapes += (("dq_semaphore", (batch, num_heads, copies * seq_q_rounded // tile_m), "int32"),)
+  if variant.bias:
+    if seq_k is None:
+      raise ValueError(f"seq_k: a bias variant's scratch holds dbias per key; got None "
+                       f"({variant.key})")
+    shapes += (("dbias", (batch, num_heads, seq_q, seq_k), "float32"),)
   return shapes
 
 

@@ -100,7 +100,7 @@ def _fwd_kernel_abstract(q, k, v, *rest, config):
   return (out, lse) + scratch
 
 
-def _bwd_scratch(q, v, config: AttentionConfig) -> tuple:
+def _bwd_scratch(q, k, v, config: AttentionConfig) -> tuple:
   """((shape, dtype), ...) of the kernel's scratch results; () on the reference path.
 
   Decided from config and avals only, so that it is the same on every platform: the abstract
@@ -111,7 +111,7 @@ def _bwd_scratch(q, v, config: AttentionConfig) -> tuple:
     return ()
   b, seq_q, h, _ = q.shape
   return tuple((shape, np.dtype(dtype))
-               for _, shape, dtype in bwd_scratch_shapes(variant, b, seq_q, h))
+               for _, shape, dtype in bwd_scratch_shapes(variant, b, seq_q, h, k.shape[1]))
 
 
 def _bwd_kernel_abstract(q, k, v, out, lse, d_out, d_lse, *rest, config):
@@ -120,7 +120,7 @@ def _bwd_kernel_abstract(q, k, v, out, lse, d_out, d_lse, *rest, config):
   grads = _bwd_abstract(q, k, v, out, lse, d_out, d_lse, *rest, config=config)
   ins = (q, k, v, out, lse, d_out, d_lse)
   scratch = tuple(_jax_internal.shaped_like(q, shape, dtype, ins)
-                  for shape, dtype in _bwd_scratch(q, v, config))
+                  for shape, dtype in _bwd_scratch(q, k, v, config))
   return grads + scratch
 
 
@@ -149,7 +149,7 @@ def _bwd_reference(q, k, v, out, lse, d_out, d_lse, *rest, config):
   # Zero stand-ins for the kernel scratch the abstract eval promised; the outer primitive drops
   # them, so XLA removes them again.
   return tuple(grads) + tuple(jnp.zeros(shape, dtype) for shape, dtype in
-                              _bwd_scratch(q, v, config))
+                              _bwd_scratch(q, k, v, config))
 
 
 _fwd_lower_reference = mlir.lower_fun(_fwd_reference, multiple_results=True)
@@ -202,19 +202,20 @@ def _result_types(ctx):
   return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_out)
 
 
-def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
+def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *rest, config):
   """CUDA: the backward custom call when a backward kernel exists, the reference otherwise.
 
   The forward decides implementation='cute'; a backward the kernels lack (a head-dim pair
   without one) falls back to the reference here. Its variant is found (or built) here, and only
   here: a call without a gradient never needs one. Masked variants get their block ranges here,
-  as in the forward (block_ranges.py).
+  as in the forward (block_ranges.py). Bias variants take the bias after the mask operands and
+  return dbias per score as their last scratch result, which is reduced here over the bias's
+  broadcast dims (reference.reduce_bias_grad) into the primitive's dbias.
   """
-  q_aval, _, v_aval = ctx.avals_in[:3]
+  q_aval, k_aval, v_aval = ctx.avals_in[:3]
   variant = _kernel_variant("bwd", q_aval, v_aval, config)
   if variant is None:
-    return _bwd_lower_reference(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids,
-                                config=config)
+    return _bwd_lower_reference(ctx, q, k, v, out, lse, d_out, d_lse, *rest, config=config)
   from jaxflash import ffi  # imported on first CUDA lowering only: keeps `import jaxflash` light
   if _jax_internal.has_cuda_device():  # cross-lowering on a CPU host needs no library
     try:
@@ -227,17 +228,26 @@ def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
   attrs = ffi.bwd_attributes(variant, config)
   if not variant.masked:
     return jax.ffi.ffi_lowering(BWD_TARGET)(ctx, q, k, v, out, lse, d_out, d_lse, **attrs)
-  (b, seq_q), seq_k = q_aval.shape[:2], ctx.avals_in[1].shape[1]
+  (b, seq_q), seq_k = q_aval.shape[:2], k_aval.shape[1]
+  results = _result_types(ctx)
+  if variant.bias:  # the custom call's results: no dbias of the bias's shape, dbias per score
+    results = results[:3] + results[4:]
 
-  def call(q, k, v, out, lse, d_out, d_lse, *segment_ids):
+  def call(q, k, v, out, lse, d_out, d_lse, *rest):
+    segment_ids, bias = _split_bias(rest, config)
     operands = block_ranges.backward_operands(variant, config, b, seq_q, seq_k,
-                                              q_aval.shape[2], ctx.avals_in[1].shape[2],
+                                              q_aval.shape[2], k_aval.shape[2],
                                               segment_ids)
-    return jax.ffi.ffi_call(BWD_TARGET, _result_types(ctx))(
-        q, k, v, out, lse, d_out, d_lse, *operands, **attrs)
+    outs = jax.ffi.ffi_call(BWD_TARGET, results)(
+        q, k, v, out, lse, d_out, d_lse, *operands, *(() if bias is None else (bias,)),
+        **attrs)
+    if bias is None:
+      return outs
+    dbias = reference.reduce_bias_grad(outs[-1], bias.shape).astype(bias.dtype)
+    return tuple(outs[:3]) + (dbias,) + tuple(outs[3:])
 
   return mlir.lower_fun(call, multiple_results=True)(ctx, q, k, v, out, lse, d_out, d_lse,
-                                                     *segment_ids)
+                                                     *rest)
 
 
 def reject_cute_off_gpu(lower_reference, refusal: str):

@@ -134,8 +134,9 @@ def test_vmap_of_grad_with_a_broadcast_bias_matches_a_loop():
 
 def test_cuda_lowering_runs_the_bias_variant_with_the_bias_in_the_query_dtype():
   """implementation='cute' on a CPU host lowers for CUDA: the forward custom call of the masked
-  -bias variant takes the mask operands, then the bias (cast to q's dtype in XLA); the gradient
-  of a bias call without a backward bias kernel lowers to the reference backward."""
+  -bias variant takes the mask operands, then the bias (cast to q's dtype in XLA); the backward
+  custom call of the -bias variant takes the bias last and returns dbias per score (float32),
+  which XLA reduces over the bias's broadcast batch."""
   q, k, v = make_qkv(15, 2, 100, 100, 4, 2, 64, dtype=jnp.bfloat16)
   bias = _bias(16, (1, 4, 100, 100))
   f = jax.jit(lambda q, k, v, b: jaxflash.attention(q, k, v, bias=b, causal=True,
@@ -150,8 +151,12 @@ def test_cuda_lowering_runs_the_bias_variant_with_the_bias_in_the_query_dtype():
                                     .astype(jnp.float32))
   grad = jax.jit(jax.grad(loss, argnums=(0, 3)))
   text = grad.trace(q, k, v, bias).lower(lowering_platforms=("cuda",)).as_text()
-  if "bwd" not in config.BIAS_DIRECTIONS:
-    assert config.BWD_TARGET not in text
+  (call,) = [line for line in text.splitlines() if f"@{config.BWD_TARGET}(" in line]
+  assert "bwd-sm90a-bf16-d64-dv64-masked-bias-m64n128s2swap" in call
+  operands, results = (re.findall(r"tensor<[^>]+>", part) for part in call.split(" -> "))
+  assert operands[-1] == "tensor<1x4x100x100xbf16>", operands
+  # dq, dk, dv, dq_accum, lse_log2, delta, then dbias per score in float32.
+  assert len(results) == 7 and results[-1] == "tensor<2x4x100x100xf32>", results
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

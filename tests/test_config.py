@@ -234,9 +234,11 @@ def test_backward_schedule_table():
     assert s.dq_copies == (2 if two else 1), v.key
     limit = {192: 4096, 128: 8192}[v.head_dim_v] if two and v.causal else None
     assert s.two_dq_copies_max_seq_q == limit, v.key
-  # Masked variants take the causal tiles and one dQ accumulator.
+  # Masked variants take the causal tiles and one dQ accumulator; bias variants at head_dim 64
+  # take head_dim 96's 64 x 128 tile (test_bias_variants_are_masked_variants_of_two_head_dims_
+  # per_dtype).
   for v in BWD:
-    if v.masked:
+    if v.masked and not v.bias:
       causal = config.bwd_schedule(v.head_dim, v.head_dim_v, True, False)
       assert v.schedule == causal, v.key
 
@@ -299,7 +301,9 @@ def test_a_direction_without_a_kernel_is_refused(monkeypatch):
   assert config.kernel_support("fwd", "bfloat16", 256, 256) == (True, "")
   ok, text = config.kernel_support("bwd", "bfloat16", 256, 256)
   assert not ok and "head_dim 256 has no bwd kernel" in text
-  assert len(config.shipped_variants("sm90a", "bwd")) == 2 * 3 * 3 * 2
+  # Bias variants need their own pairs' backward kernels, which 256 is not.
+  bias = len(config.KERNEL_DTYPES) * len(config.BIAS_HEAD_DIM_PAIRS)
+  assert len(config.shipped_variants("sm90a", "bwd")) == 2 * 3 * 3 * 2 + bias
 
 
 @pytest.mark.parametrize("head_dim,rows", [(128, 160), (256, 192)])
@@ -491,6 +495,14 @@ def test_bias_variants_are_masked_variants_of_two_head_dims_per_dtype():
         (dtype, d) for dtype in config.KERNEL_DTYPES for d, _ in config.BIAS_HEAD_DIM_PAIRS]
     assert all(v.masked and not v.causal and not v.deterministic for v in variants)
     assert all(f"-masked-bias-{v.schedule.key}" in v.key for v in variants)
+    # 128 x 128 forward tiles at head_dim 64 and 128 (two consumer warpgroups: the bias loads
+    # spilled the 192-row tile); backward: head_dim 96's 64 x 128 swapped tile at 64 (they
+    # spilled the 128 x 128 one), the masked 80 x 128 one at 128.
+    tiles = {(v.head_dim, v.schedule.tile_m, v.schedule.tile_n) for v in variants}
+    assert tiles == ({(64, 128, 128), (128, 128, 128)} if direction == "fwd"
+                     else {(64, 64, 128), (128, 80, 128)})
+    if direction == "bwd":
+      assert all(v.schedule.swap_sdp for v in variants)
   bias = (True, False, True)
   for options in ({}, {"causal": True}, {"window_left": 100, "window_right": 0},
                   {"has_segment_ids": True, "softcap": 5.0}):

@@ -647,16 +647,30 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
       e.failure()) {
     return e;
   }
-  if (semaphore.size() > 1) {
+  // After delta: dq_semaphore (deterministic calls), then dbias (bias variants).
+  const size_t want_rets = (deterministic ? 1 : 0) + (library->info.bias ? 1 : 0);
+  if (semaphore.size() != want_rets) {
     return Invalid(attrs, std::to_string(6 + semaphore.size()) +
-                              " results, expected dq, dk, dv, dq_accum, lse_log2, delta and, "
-                              "when deterministic, dq_semaphore");
+                              " results, expected dq, dk, dv, dq_accum, lse_log2, delta, then "
+                              "dq_semaphore when deterministic and dbias for bias variants");
   }
   std::optional<ffi::Result<ffi::AnyBuffer>> sem;
-  if (!semaphore.empty()) {
+  if (deterministic) {
     auto got = semaphore.get<ffi::AnyBuffer>(0);
     if (got.has_error()) return got.error();
     sem = got.value();
+  }
+  std::optional<ffi::Result<ffi::AnyBuffer>> dbias;
+  if (library->info.bias) {
+    auto got = semaphore.get<ffi::AnyBuffer>(want_rets - 1);
+    if (got.has_error()) return got.error();
+    dbias = got.value();
+    if (ffi::Error e = CheckExact(attrs, "dbias", **dbias,
+                                  {shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k},
+                                  ffi::DataType::F32);
+        e.failure()) {
+      return e;
+    }
   }
   int32_t dq_copies = 1;
   if (ffi::Error e = CheckBwdBuffers(attrs, library->info, q, k, v, out, lse, d_out, d_lse, *dq,
@@ -672,6 +686,13 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
       e.failure()) {
     return e;
   }
+  if (ffi::Error e = CheckBias(attrs, library->info, mask_operands,
+                               library->info.deterministic ? 5 : 4, q.element_type(),
+                               shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k,
+                               &args.bias);
+      e.failure()) {
+    return e;
+  }
 
   ScopedStreamDevice device(device_ordinal);
   // Empty problems launch nothing (a TMA descriptor cannot describe a zero-length tensor): no
@@ -681,6 +702,9 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
                                 std::pair{"dv", *dv}}) {
       if (buffer.size_bytes() == 0) continue;
       if (ffi::Error e = Zero(attrs, stream, name, buffer); e.failure()) return e;
+    }
+    if (dbias && (*dbias)->size_bytes() != 0) {
+      if (ffi::Error e = Zero(attrs, stream, "dbias", **dbias); e.failure()) return e;
     }
     return ffi::Error::Success();
   }
@@ -709,6 +733,11 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   args.softmax_scale = softmax_scale;
   args.softcap = softcap;
   args.dq_copies = dq_copies;
+  if (dbias) {
+    // The key tiles skip the query blocks their mask hides: those scores' gradients are 0.
+    if (ffi::Error e = Zero(attrs, stream, "dbias", **dbias); e.failure()) return e;
+    args.bias.dbias = static_cast<float*>((*dbias)->untyped_data());
+  }
   if (int32_t status = library->bwd(&args, stream); status != 0) {
     return LaunchError(Where(attrs), status, q, k);
   }
@@ -1040,14 +1069,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
             .Arg<ffi::AnyBuffer>()    // lse   (batch, num_heads, seqlen_q) float32
             .Arg<ffi::AnyBuffer>()    // d_out (like out)
             .Arg<ffi::AnyBuffer>()    // d_lse (like lse)
-            .RemainingArgs()          // masked variants: JaxflashMask operands
+            .RemainingArgs()          // masked variants: JaxflashMask operands; bias
+                                      // variants: then the bias (b|1, h|1, sq|1, sk)
             .Ret<ffi::AnyBuffer>()    // dq    (like q)
             .Ret<ffi::AnyBuffer>()    // dk    (like k), summed over a GQA group
             .Ret<ffi::AnyBuffer>()    // dv    (like v)
             .Ret<ffi::AnyBuffer>()    // dq_accum (batch, heads, sq_rounded, d) f32
             .Ret<ffi::AnyBuffer>()    // lse_log2 (batch, heads, sq_rounded) f32
             .Ret<ffi::AnyBuffer>()    // delta    (batch, heads, sq_rounded) f32
-            .RemainingRets())         // dq_semaphore int32, deterministic only
+            .RemainingRets())         // dq_semaphore int32, deterministic only; dbias
+                                      // (b, h, sq, sk) f32, bias variants only
         .Attr<bool>("deterministic"),  // dq accumulated in a fixed order
     {ffi::Traits::kCmdBufferCompatible});
 

@@ -8,6 +8,8 @@ the blocks that need the mask) read column seqlen_k - 1: nothing is read out of 
 those scores are masked or never stored.
 """
 
+import dataclasses
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -53,32 +55,53 @@ def add_bias(acc_s_mn: cute.Tensor, coord_mn: cute.Tensor, bias: cute.Tensor, ro
           acc_s_mn[i, j] = acc_s_mn[i, j] + bias[row, col].to(Float32) * scale
 
 
-@cute.jit
-def add_bias_transposed(acc_t_mn: cute.Tensor, coord_mn: cute.Tensor, bias: cute.Tensor,
-                        row_base: Int32, col_base: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                        scale: Float32):
-  """add_bias on S^T (rows keys, columns queries: the backward's swapped S). row_base: the key
-  tile's first key; col_base: the query block's first row. Both indices are clamped (the
-  backward's key tile and query block may both pass the ends)."""
-  num_rows, num_cols = cute.size(acc_t_mn, mode=[0]), cute.size(acc_t_mn, mode=[1])
-  for j in cutlass.range_constexpr(num_cols):
-    query = cutlass.min(col_base + coord_mn[0, j][1], seqlen_q - 1)
-    for i in cutlass.range_constexpr(num_rows):
-      key = cutlass.min(row_base + coord_mn[i, 0][0], seqlen_k - 1)
-      acc_t_mn[i, j] = acc_t_mn[i, j] + bias[query, key].to(Float32) * scale
+@dataclasses.dataclass(frozen=True)
+class TransposedBias:
+  """The bias and dbias of one (batch, query head) as the backward's S^T fragments see them
+  (rows keys, columns queries), for one (query block, key tile) step (a trace-time bundle).
+  bias: (seqlen_q, seqlen_k) in the input dtype; dbias: (seqlen_q, seqlen_k) float32;
+  query_base / key_base: the step's first query and key; tile_m / tile_n: its extents."""
 
+  bias: cute.Tensor
+  dbias: cute.Tensor
+  query_base: Int32
+  key_base: Int32
+  seqlen_q: Int32
+  seqlen_k: Int32
+  tile_m: int
+  tile_n: int
 
-@cute.jit
-def store_dbias_transposed(ds_t_mn: cute.Tensor, coord_mn: cute.Tensor, dbias: cute.Tensor,
-                           row_base: Int32, col_base: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                           scale: Float32):
-  """dbias[query, key] = dS^T[i, j] * scale for the pairs inside (seqlen_q, seqlen_k) (rows
-  keys, columns queries). dbias: one (batch, head)'s (seqlen_q, seqlen_k) float32 view; each
-  element belongs to exactly one thread of one CTA, so every element is written once."""
-  num_rows, num_cols = cute.size(ds_t_mn, mode=[0]), cute.size(ds_t_mn, mode=[1])
-  for j in cutlass.range_constexpr(num_cols):
-    query = col_base + coord_mn[0, j][1]
-    for i in cutlass.range_constexpr(num_rows):
-      key = row_base + coord_mn[i, 0][0]
-      if query < seqlen_q and key < seqlen_k:
-        dbias[query, key] = ds_t_mn[i, j] * scale
+  @cute.jit
+  def load(self, coord_mn: cute.Tensor, i, j) -> Float32:
+    """bias[query, key] of fragment element (i, j) (coord_mn: (key, query) in the tile), both
+    indices clamped into the bias: a query past seqlen_q has P = 0 (its lse2 is +inf), a key
+    past seqlen_k is masked."""
+    query = cutlass.min(self.query_base + coord_mn[0, j][1], self.seqlen_q - 1)
+    key = cutlass.min(self.key_base + coord_mn[i, 0][0], self.seqlen_k - 1)
+    return self.bias[query, key].to(Float32)
+
+  @cute.jit
+  def store_all(self, p_mn: cute.Tensor, dp_mn: cute.Tensor, coord_mn: cute.Tensor,
+                delta_smem: cute.Tensor, stage: Int32):
+    """dS^T = P^T (dP^T - delta) into dp_mn (delta of the column's query, from the stage's
+    delta rows) and into dbias[query, key] for every pair inside (seqlen_q, seqlen_k): each
+    pair belongs to one thread of one step, so each element is written once."""
+    num_rows, num_cols = cute.size(dp_mn, mode=[0]), cute.size(dp_mn, mode=[1])
+    for j in cutlass.range_constexpr(num_cols):
+      delta = delta_smem[coord_mn[0, j][1], stage]
+      for i in cutlass.range_constexpr(num_rows):
+        dp_mn[i, j] = p_mn[i, j] * (dp_mn[i, j] - delta)
+    inside = (self.query_base + self.tile_m <= self.seqlen_q
+              and self.key_base + self.tile_n <= self.seqlen_k)
+    if inside:
+      for j in cutlass.range_constexpr(num_cols):
+        query = self.query_base + coord_mn[0, j][1]
+        for i in cutlass.range_constexpr(num_rows):
+          self.dbias[query, self.key_base + coord_mn[i, 0][0]] = dp_mn[i, j]
+    else:
+      for j in cutlass.range_constexpr(num_cols):
+        query = self.query_base + coord_mn[0, j][1]
+        for i in cutlass.range_constexpr(num_rows):
+          key = self.key_base + coord_mn[i, 0][0]
+          if query < self.seqlen_q and key < self.seqlen_k:
+            self.dbias[query, key] = dp_mn[i, j]

@@ -476,7 +476,10 @@ def bwd_signature(variant: config.KernelVariant) -> dict:
   signature.update(key_ids=masking["row_ids"], query_ids=masking["col_ids"],
                    ranges=masking["ranges"], order=masking["order"], ranks=ranks,
                    window_left=masking["window_left"], window_right=masking["window_right"],
-                   softcap=masking["softcap"])
+                   softcap=masking["softcap"],
+                   bias=bias_tensor(variant, batch, num_heads, seqlen_q, seqlen_k),
+                   dbias=bias_tensor(variant, batch, num_heads, seqlen_q, seqlen_k,
+                                     cutlass.Float32))
   return signature
 
 
@@ -502,7 +505,8 @@ def export_bwd_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel
               sig["delta"], sig["dq_accum"], sig["dq_semaphore"], stream),
       "main": (main, sig["q"], sig["k"], sig["v"], sig["d_out"], sig["lse_log2"], sig["delta"],
                sig["dq_accum"], sig["dk"], sig["dv"], sig["dq_semaphore"], sig["query_ids"],
-               sig["key_ids"], sig["ranges"], sig["order"], sig["ranks"], scale,
+               sig["key_ids"], sig["ranges"], sig["order"], sig["ranks"], sig["bias"],
+               sig["dbias"], scale,
                sig["window_left"], sig["window_right"], sig["softcap"], stream),
       "post": (post, sig["dq_accum"], sig["dq"], sig["dq_semaphore"], scale, stream),
   }
