@@ -90,6 +90,8 @@ class FlashAttentionForwardSm90:
   row keeps that max, and blocks without the mask take each score's tanh just before its exp2
   with no max search (OnlineSoftmax.capped_softmax). Otherwise the running max, after the tanh
   (softmax.soft_cap). Blocks that need the mask take the tanh before it.
+  Bias variants (masked ones, config.KernelVariant.bias) add bias[b, h, i, j] to each score
+  after the tanh and before the mask (kernels/bias.py, _add_bias) and keep the running max.
   Every variant takes the learnable sink at run time (mSink, one float32 logit per query head,
   and has_sink): the epilogue adds the sink's term to each row's denominator
   (OnlineSoftmax.finalize), so out and lse come out with the sink, in no extra pass.
@@ -978,8 +980,7 @@ class _Consumer:
   masking: "_Masking" = None  # masked variants only (also row_ids)
   row_ids: cute.Tensor = None  # segment ids of this thread's query rows in the current tile
   # Bias variants: the tile's batch and head. The bias view is made per block from the kernel
-  # parameter, so no 64-bit pointer stays live across the key loop (one spilled at 240
-  # registers, head_dim 128).
+  # parameter (constant memory), so no 64-bit pointer stays live across the key loop.
   bias_batch: Int32 = None
   bias_head: Int32 = None
 
