@@ -277,3 +277,21 @@ def test_masked_backward_soft_caps_with_the_tanh_derivative(exported, variant):
   dense = exported(_find(head_dim=variant.head_dim, head_dim_v=variant.head_dim_v, causal=True,
                          deterministic=variant.deterministic)).ops(modifiers=True)
   assert "MUFU.TANH" not in dense and "MUFU.LG2" not in dense
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.bias and v.dtype == "bfloat16"],
+                         ids=lambda v: v.key)
+def test_bias_backward_reads_the_bias_and_writes_dbias_once_per_score(exported, variant):
+  """Bias variants, per S^T score of a step (64 keys x tile_m queries per warpgroup / 128
+  threads) at each of the three step loops: one 16-bit bias load into P and one more where the
+  softcap's factor needs t (LDG.E.U16), and one float32 dbias store on each side of the branch
+  on whether the step reaches past seqlen_q or seqlen_k (STG.E); the other masked variants
+  have none."""
+  ops = exported(variant).ops(modifiers=True)
+  per_thread_scores = 64 * variant.schedule.tile_m // 128
+  assert ops.count("LDG.E.U16") == 3 * 2 * per_thread_scores
+  assert ops.count("STG.E") == 3 * 2 * per_thread_scores
+  plain = next(v for v in VARIANTS if v.masked and not v.bias and not v.deterministic
+               and v.dtype == variant.dtype and v.head_dim == variant.head_dim)
+  plain_ops = exported(plain).ops(modifiers=True)
+  assert "LDG.E.U16" not in plain_ops and "STG.E" not in plain_ops

@@ -189,11 +189,12 @@ def test_masked_forward_soft_caps_behind_a_warp_uniform_branch(exported, variant
   """Masked variants take softcap at run time: one MUFU.TANH per score of each step, behind
   branches the call's softcap decides for the whole CTA, at four softmax sites (the first
   block, the three step loops), and on two-warpgroup tiles at a fifth: the loop of blocks
-  without the mask once more, with the fixed row max. The dense variants have none."""
+  without the mask once more, with the fixed row max (not in bias variants: a bias has no
+  bound, so they keep the running max). The dense variants have none."""
   e = exported(variant)
   ops = e.ops(modifiers=True)
   per_thread_scores = variant.schedule.tile_n // 2  # 64 rows x tile_n per warpgroup / 128
-  sites = 5 if variant.schedule.tile_m == 128 else 4
+  sites = 5 if variant.schedule.tile_m == 128 and not variant.bias else 4
   assert ops.count("MUFU.TANH") == sites * per_thread_scores
   # The fixed max rounds P in packed pairs (F2FP): a scalar conversion (F2F) would share the MUFU
   # pipe with the tanh and exp2.
@@ -220,3 +221,20 @@ def test_fixed_capped_max_range_holds_the_softcaps_it_serves(dtype, largest_soft
     assert low - 46 >= normal_low and high + 61 <= finite_high
   else:
     assert low >= normal_low and high <= finite_high
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.bias and v.dtype == "bfloat16"],
+                         ids=lambda v: v.key)
+def test_bias_forward_reads_each_score_s_bias_from_global_memory(exported, variant):
+  """Bias variants load one 16-bit bias value per score of a step (LDG.E.U16; 64 rows x tile_n
+  per warpgroup / 128 threads), at every softmax site (the first block, the three step loops):
+  twice at the three sites of blocks that need the mask (keys inside seqlen_k: one address per
+  row plus immediate offsets; the last key block: key by key), once in the loop of blocks
+  without it; other masked variants load none."""
+  ops = exported(variant).ops(modifiers=True)
+  per_thread_scores = variant.schedule.tile_n // 2
+  assert ops.count("LDG.E.U16") == (3 * 2 + 1) * per_thread_scores
+  plain = next(v for v in VARIANTS if v.masked and not v.bias and v.dtype == variant.dtype
+               and v.schedule == variant.schedule)
+  assert "LDG.E.U16" not in exported(plain).ops(modifiers=True)
+

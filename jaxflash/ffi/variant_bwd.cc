@@ -49,6 +49,9 @@ JF_CHECK_SIGNATURE(JF_POST(_Tensor_mdQ_t));
 JF_CHECK_SIGNATURE(JF_PRE(_Tensor_mSem_t));
 JF_CHECK_SIGNATURE(JF_MAIN(_Tensor_mSem_t));
 #endif
+#if JAXFLASH_BIAS
+static_assert(JAXFLASH_MASKED, "bias variants are masked variants");
+#endif
 
 JF_PRE(_Kernel_Module_t) g_pre = {};
 JF_POST(_Kernel_Module_t) g_post = {};
@@ -87,6 +90,10 @@ int32_t Validate(const JaxflashBwdArgs* a) {
   const JaxflashMask& m = a->mask;
   if (!jaxflash::MaskOperandsMatch(m) || !Aligned(m.row_ids, 16) || !Aligned(m.col_ids, 16) ||
       !Aligned(m.ranges, 16) || !Aligned(m.order, 16) || !Aligned(m.ranks, 16)) {
+    return kInvalid;
+  }
+  if (!jaxflash::BiasOperandsMatch(a->bias, true) || !Aligned(a->bias.bias, 4) ||
+      !Aligned(a->bias.dbias, 4)) {
     return kInvalid;
   }
   return 0;
@@ -165,10 +172,21 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
 #else
 #define JF_RANKS
 #endif
+#if JAXFLASH_BIAS
+    // The bias with stride 0 along its broadcast dims; dbias dense (b, h, sq, sk) float32.
+    const JaxflashBias& bb = a.bias;
+    auto bias = jaxflash::BiasTensor<JF_MAIN(_Tensor_mBias_t)>(bb.bias, b, h, sq, sk, bb.batch,
+                                                               bb.heads, bb.rows);
+    auto dbias = jaxflash::BiasTensor<JF_MAIN(_Tensor_mdBias_t)>(bb.dbias, b, h, sq, sk, b, h,
+                                                                 sq);
+#define JF_BIAS &bias, &dbias,
+#else
+#define JF_BIAS
+#endif
     status = JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &dout, &lse2, &delta, &acc,
                                               &dk, &dvt, JF_SEM &q_ids, &k_ids, &ranges,
-                                              &order, JF_RANKS a.softmax_scale, a.window_left,
-                                              a.window_right, a.softcap, stream);
+                                              &order, JF_RANKS JF_BIAS a.softmax_scale,
+                                              a.window_left, a.window_right, a.softcap, stream);
 #else
     status = JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &dout, &lse2, &delta, &acc,
                                               &dk, &dvt, JF_SEM a.softmax_scale, stream);

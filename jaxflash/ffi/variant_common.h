@@ -12,6 +12,7 @@
 //   -DJAXFLASH_DETERMINISTIC=<0|1>  -DJAXFLASH_TILE_M=<query rows per tile>
 //   -DJAXFLASH_TILE_N=<key rows per block>  -DJAXFLASH_MAX_DQ_COPIES=<1|2>
 //   -DJAXFLASH_MASKED=<0|1>  -DJAXFLASH_TILE_COUNTER=<0|1>  -DJAXFLASH_KV_FP8=<0|1>
+//   -DJAXFLASH_BIAS=<0|1>
 //   -DJAXFLASH_PREFIX_<PART>=<prefix>  -DJAXFLASH_HEADER_<PART>="\"<out_dir>/<file>.h\""
 //     for each exported object: MAIN (every direction), PRE and POST (backward)
 // Link: jaxflash.build.link_variant (docs/build.md). Only the kernel_abi.h functions are
@@ -30,6 +31,7 @@
     !defined(JAXFLASH_DETERMINISTIC) || !defined(JAXFLASH_TILE_M) ||                               \
     !defined(JAXFLASH_TILE_N) || !defined(JAXFLASH_MAX_DQ_COPIES) ||                                \
     !defined(JAXFLASH_MASKED) || !defined(JAXFLASH_TILE_COUNTER) || !defined(JAXFLASH_KV_FP8) ||  \
+    !defined(JAXFLASH_BIAS) ||                                                                     \
     !defined(JAXFLASH_PREFIX_MAIN) || !defined(JAXFLASH_HEADER_MAIN)
 #error "define the JAXFLASH_* macros listed at the top of variant_common.h"
 #endif
@@ -52,7 +54,8 @@ JF_EXPORT const JaxflashVariantInfo* jaxflash_variant_info(void) {
   static const JaxflashVariantInfo info = {
       JAXFLASH_DIRECTION, JAXFLASH_DTYPE,         JAXFLASH_HEAD_DIM, JAXFLASH_HEAD_DIM_V,
       JAXFLASH_CAUSAL,    JAXFLASH_DETERMINISTIC, JAXFLASH_TILE_M,   JAXFLASH_MAX_DQ_COPIES,
-      JAXFLASH_MASKED,    JAXFLASH_TILE_N,        JAXFLASH_TILE_COUNTER, JAXFLASH_KV_FP8};
+      JAXFLASH_MASKED,    JAXFLASH_TILE_N,        JAXFLASH_TILE_COUNTER, JAXFLASH_KV_FP8,
+      JAXFLASH_BIAS};
   return &info;
 }
 
@@ -80,6 +83,36 @@ inline bool MaskOperandsMatch(const JaxflashMask& m) {
   const bool ranks_ok = (m.ranks != nullptr) == (JAXFLASH_MASKED && JAXFLASH_DETERMINISTIC &&
                                                  JAXFLASH_DIRECTION == 1);
   return (JAXFLASH_MASKED ? all : !any) && ranks_ok;
+}
+
+// The bias (and dbias) must be there exactly for bias variants.
+inline bool BiasOperandsMatch(const JaxflashBias& b, bool backward) {
+  if (!JAXFLASH_BIAS) return b.bias == nullptr && b.dbias == nullptr;
+  return b.bias != nullptr && (b.dbias != nullptr) == backward && b.batch >= 1 && b.heads >= 1 &&
+         b.rows >= 1;
+}
+
+// A bias tensor struct (batch, heads, seqlen_q, seqlen_k) of export_to_c (4 dynamic extents, 3
+// dynamic strides) over a dense (b_extent, h_extent, rows, seqlen_k) buffer: a dim of extent 1
+// gets stride 0, so the kernel reads index 0 for every batch, head or row.
+template <typename T>
+T BiasTensor(const void* data, int32_t batch, int32_t heads, int32_t seqlen_q, int32_t seqlen_k,
+             int32_t b_extent, int32_t h_extent, int32_t rows) {
+  static_assert(sizeof(T::dynamic_shapes) == 4 * sizeof(int32_t) &&
+                    sizeof(T::dynamic_strides) == 3 * sizeof(int64_t),
+                "the bias is (batch, heads, seqlen_q, seqlen_k) with 3 dynamic strides in "
+                "jaxflash.kernels.compile.bias_tensor");
+  T t = {};
+  t.data = const_cast<void*>(data);
+  t.dynamic_shapes[0] = batch;
+  t.dynamic_shapes[1] = heads;
+  t.dynamic_shapes[2] = seqlen_q;
+  t.dynamic_shapes[3] = seqlen_k;
+  const int64_t row = seqlen_k, head = row * rows, item = head * h_extent;
+  t.dynamic_strides[0] = b_extent == 1 ? 0 : item;
+  t.dynamic_strides[1] = h_extent == 1 ? 0 : head;
+  t.dynamic_strides[2] = rows == 1 ? 0 : row;
+  return t;
 }
 
 }  // namespace jaxflash

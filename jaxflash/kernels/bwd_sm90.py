@@ -16,6 +16,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash import config
+from jaxflash.kernels import bias as score_bias
 from jaxflash.kernels import bwd_common
 from jaxflash.kernels import mask
 from jaxflash.kernels import sm90_gemm
@@ -64,6 +65,10 @@ class _Masking(mask.MaskOperands):
   query_ids_smem: cute.Tensor  # swap_sdp: (tile_m, num_stages) per Q/dO stage, else None
   p_scale_log2: Float32  # P = exp2(S' * p_scale_log2 - lse2): (softcap or softmax_scale) log2 e
   inv_cap_log2: Float32  # 1 / (softcap * log2 e): t = (log2 P + lse2) * inv_cap_log2
+  # Bias variants: the bias (P = exp2(S' * p_scale_log2 + bias * log2 e - lse2)) and its
+  # gradient, d loss / d score per (batch, head, query, key), float32.
+  bias: Optional[cute.Tensor] = None  # (batch, num_heads, seqlen_q, seqlen_k), broadcast: stride 0
+  dbias: Optional[cute.Tensor] = None  # (batch, num_heads, seqlen_q, seqlen_k) float32
 
 
 def _smem_buffers(variant: config.KernelVariant) -> dict:
@@ -159,6 +164,9 @@ class FlashAttentionBackwardSm90:
     # fp32 S^T, dP^T and P^T fit next to dK and dV only while no dV GEMM is in flight.
     assert self.dq_copies in (1, 2) and (self.dv_after_ds or self.tile_m == 64), schedule
     self.masked = variant.masked
+    # Bias variants (masked, swap_sdp schedules): bias read into P, dbias written per score.
+    self.bias = variant.bias
+    assert not variant.bias or (variant.masked and schedule.swap_sdp), variant.key
     self.variant = variant
     self.rotate_m = variant.deterministic and not variant.causal and not variant.masked
     self.num_mma_threads = _NUM_WG * _WG
@@ -272,6 +280,9 @@ class FlashAttentionBackwardSm90:
       mRanges: cute.Tensor,  # masked: (batch, n blocks, 4) int32 block ranges in launch order
       mOrder: cute.Tensor,  # masked: (batch * n blocks,) int32 CTA order, or None
       mRanks: cute.Tensor,  # masked deterministic: (batch, n blocks, m blocks) int32, or None
+      mBias: Optional[cute.Tensor],  # bias: (batch, num_heads, seqlen_q, seqlen_k) in dtype,
+      # stride 0 along broadcast dims; else None
+      mdBias: Optional[cute.Tensor],  # bias: (batch, num_heads, seqlen_q, seqlen_k) float32
       softmax_scale: Float32,
       window_left: Optional[Int32],  # masked: the band (block_ranges.window_bounds), or None
       window_right: Optional[Int32],
@@ -287,6 +298,11 @@ class FlashAttentionBackwardSm90:
       raise TypeError("lse_log2, delta and dq_accum must be Float32")
     if const_expr(self.deterministic != (mSem is not None)):
       raise TypeError("the dQ semaphore is passed exactly when deterministic")
+    if const_expr(self.bias != (mBias is not None) or self.bias != (mdBias is not None)):
+      raise TypeError("the bias and dbias are passed exactly to bias variants")
+    if const_expr(self.bias and (mBias.element_type != self.dtype
+                                 or mdBias.element_type != Float32)):
+      raise TypeError(f"bias must be {self.dtype} and dbias Float32")
     self._setup_attributes()
     # Kernel-side order puts the tile modes first: (seqlen, dim, heads, batch).
     mQ, mK, mV, mdO, mdK, mdV = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
@@ -328,7 +344,8 @@ class FlashAttentionBackwardSm90:
         softmax_scale,
         self.sQ_layout, self.sK_layout, self.sV_layout, self.sdO_layout, self.sPdS_layout,
         self.tiled_mma_sdp, self.tiled_mma_dk, self.tiled_mma_dv, self.tiled_mma_dq,
-        mQIds, mKIds, mRanges, mOrder, mRanks, window_left, window_right, softcap,
+        mQIds, mKIds, mRanges, mOrder, mRanks, window_left, window_right, softcap, mBias,
+        mdBias,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
   @cute.kernel
@@ -368,6 +385,8 @@ class FlashAttentionBackwardSm90:
       window_left: Optional[Int32],
       window_right: Optional[Int32],
       softcap: Optional[Float32],
+      mBias: Optional[cute.Tensor],  # bias: (batch, num_heads, seqlen_q, seqlen_k), or None
+      mdBias: Optional[cute.Tensor],  # bias: (batch, num_heads, seqlen_q, seqlen_k) float32
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -410,7 +429,7 @@ class FlashAttentionBackwardSm90:
                          window_left=window_left, window_right=window_right,
                          capped=Int32(capped), tanh_scale=tanh_scale, ranks=mRanks,
                          query_ids_smem=query_ids_smem, p_scale_log2=p_scale_log2,
-                         inv_cap_log2=inv_cap_log2)
+                         inv_cap_log2=inv_cap_log2, bias=mBias, dbias=mdBias)
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -930,7 +949,8 @@ class FlashAttentionBackwardSm90:
           self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
                                 frags, acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
                                 pipeline_qdo, qdo_state, scale_log2, m_block, n_block,
-                                seqlen_q, seqlen_k, wg_idx, is_masked, ids, cap)
+                                seqlen_q, seqlen_k, wg_idx, is_masked, ids, cap,
+                                (batch, head_kv * group + g, masking))
           qdo_state.advance()
 
     self.epilogue(mdK, mdV, tma_atom_dk, tma_atom_dv, sK, sV, tiled_mma_dk, tiled_mma_dv,
@@ -954,13 +974,31 @@ class FlashAttentionBackwardSm90:
           acc_dp_mn[i, j] = acc_s_mn[i, j] * (acc_dp_mn[i, j] - delta)
 
   @cute.jit
+  def _ds_transposed_bias(self, acc_s_mn: cute.Tensor, acc_dp_mn: cute.Tensor,
+                          tStS_mn: cute.Tensor, sDelta: cute.Tensor, sLSE2: cute.Tensor,
+                          stage: Int32, cap, bias_view):
+    """_ds_transposed of a bias variant: dS^T = P^T (dP^T - delta) is the gradient of the
+    biased score, written to dbias as it is (bias_view.store), then times the soft-capping
+    factor 1 - t^2 where the call's softcap is on. P was exp2(t * softcap log2 e + bias log2 e
+    - lse2), so t comes back from log2 P with the bias (read again) taken out."""
+    bias_view.store_all(acc_s_mn, acc_dp_mn, tStS_mn, sDelta, stage)
+    if cap[0] != 0:
+      for j in cutlass.range_constexpr(cute.size(acc_dp_mn, mode=[1])):
+        lse2 = sLSE2[tStS_mn[0, j][1], stage]
+        for i in cutlass.range_constexpr(cute.size(acc_dp_mn, mode=[0])):
+          unbiased = lse2 - bias_view.load(tStS_mn, i, j) * LOG2_E
+          acc_dp_mn[i, j] = acc_dp_mn[i, j] * softmax.tanh_derivative(
+              acc_s_mn[i, j], unbiased, cap[2])
+
+  @cute.jit
   def mma_step_swapped(self, tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma,
                        tiled_mma_dv: cute.TiledMma, tiled_mma_dq: cute.TiledMma, frags,
                        acc_dk: cute.Tensor, acc_dv: cute.Tensor, tStS_mn: cute.Tensor,
                        sdS: cute.Tensor, sdQ: cute.Tensor, sLSE2: cute.Tensor,
                        sDelta: cute.Tensor, pipeline_qdo, qdo_state, scale_log2: Float32,
                        m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                       wg_idx: Int32, is_masked: cutlass.Constexpr, ids=None, cap=None):
+                       wg_idx: Int32, is_masked: cutlass.Constexpr, ids=None, cap=None,
+                       where=None):
     """mma_step with swap_sdp (FA-3/FA-4's "SdP swapAB" with register-operand dV / dK).
 
     Each warpgroup computes S^T = K Q^T and dP^T = V dO^T for its 64 keys (rows) x tile_m
@@ -974,6 +1012,8 @@ class FlashAttentionBackwardSm90:
     index: a warpgroup's dQ GEMM of step s has finished before it reaches the dS-full barrier
     of step s + 1, which the other warpgroup passes before it writes the same buffer at step
     s + 2, so the dS-empty barrier goes away. tile_m 80: dQ^T = K^T dS^T instead of dQ = dS K.
+    where: (batch, query head, masking) of the step; bias variants read the bias into P and
+    write dS (before the softcap's factor) to dbias (kernels/bias.py).
     """
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WG
@@ -1007,10 +1047,23 @@ class FlashAttentionBackwardSm90:
     # preprocess output (rows >= seqlen_q hold lse2 = +inf, delta = 0: P = 0 there), read
     # where used: 16 columns per thread, too many to hold both in registers (read into
     # registers before the GEMM wait, as FA-4 does, measured 1-6 % slower).
+    bias_view = None
+    if const_expr(self.bias):
+      batch, head, masking = where
+      bias_view = score_bias.TransposedBias(masking.bias[batch, head, None, None],
+                                            masking.dbias[batch, head, None, None],
+                                            m_block * self.tile_m, n_block * self.tile_n,
+                                            seqlen_q, seqlen_k, self.tile_m, self.tile_n)
     for j in cutlass.range_constexpr(num_cols):
       lse2 = sLSE2[tStS_mn[0, j][1], stage]
-      for i in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
-        acc_s_mn[i, j] = cute.math.exp2(acc_s_mn[i, j] * scale_log2 - lse2, fastmath=True)
+      if const_expr(self.bias):
+        # P = exp2(S' * scale_log2 + bias * log2 e - lse2): the bias in the log2 domain.
+        for i in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
+          biased = bias_view.load(tStS_mn, i, j) * LOG2_E - lse2
+          acc_s_mn[i, j] = cute.math.exp2(acc_s_mn[i, j] * scale_log2 + biased, fastmath=True)
+      else:
+        for i in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
+          acc_s_mn[i, j] = cute.math.exp2(acc_s_mn[i, j] * scale_log2 - lse2, fastmath=True)
     # dV += P^T dO, A from registers.
     t_p = cute.make_rmem_tensor(acc_shape, self.dtype)
     r_p = softmax.operand_a_view(t_p)
@@ -1027,7 +1080,10 @@ class FlashAttentionBackwardSm90:
     # pending.
     warpgroup.wait_group(0 if const_expr(self.dv_after_ds) else 1)
     acc_dp_mn = softmax.make_acc_mn_view(acc_dp)
-    if const_expr(self.masked):
+    if const_expr(self.bias):
+      self._ds_transposed_bias(acc_s_mn, acc_dp_mn, tStS_mn, sDelta, sLSE2, stage, cap,
+                               bias_view)
+    elif const_expr(self.masked):
       if cap[0] != 0:
         self._ds_transposed(acc_s_mn, acc_dp_mn, tStS_mn, sDelta, sLSE2, stage, cap[2], True)
       else:

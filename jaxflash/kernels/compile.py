@@ -128,11 +128,24 @@ def takes_tile_counter(variant: config.KernelVariant) -> bool:
   return variant.direction == "fwd" and getattr(variant.schedule, "dynamic", False)
 
 
+def bias_tensor(variant: config.KernelVariant, batch, num_heads, seqlen_q, seqlen_k,
+                dtype=None):
+  """Fake bias (or, dtype Float32, dbias) of a bias variant: (batch, num_heads, seqlen_q,
+  seqlen_k) with three dynamic 64-bit strides (0 along a broadcast dim: the C glue's
+  BiasTensor fills them) and a unit last stride; None for other variants."""
+  if not variant.bias:
+    return None
+  strides = (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 1)
+  return make_fake_tensor(dtype or DTYPES[variant.dtype], (batch, num_heads, seqlen_q, seqlen_k),
+                          strides, assumed_align=4)
+
+
 def fwd_signature(variant: config.KernelVariant):
-  """Fake (q, k, v, out, lse, sink, q_ids, k_ids, ranges, order, tile_counter) tensors and the
-  (window_left, window_right, softcap) scalars of the forward kernel; shapes dynamic, head dims
-  static. The mask operands and softcap are None for dense variants, the tile counter ((1,)
-  int32) for static schedules; sink (num_heads,) float32 is there for every variant.
+  """Fake (q, k, v, out, lse, sink, q_ids, k_ids, ranges, order, tile_counter, bias) tensors and
+  the (window_left, window_right, softcap) scalars of the forward kernel; shapes dynamic, head
+  dims static. The mask operands and softcap are None for dense variants, the tile counter ((1,)
+  int32) for static schedules, the bias for variants without one (bias_tensor); sink
+  (num_heads,) float32 is there for every variant.
 
   Extents that must be equal share one SymInt. Strides are explicit 64-bit SymInts in mode
   order (batch, seq, heads) for q/k/v/out and (batch, heads) for lse, with a unit last stride:
@@ -155,8 +168,9 @@ def fwd_signature(variant: config.KernelVariant):
              if variant.masked else _NO_MASK)
   counter = (make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
              if takes_tile_counter(variant) else None)
+  bias = bias_tensor(variant, batch, num_heads, seqlen_q, seqlen_k)
   return (q, k, v, out, lse, sink, masking["row_ids"], masking["col_ids"], masking["ranges"],
-          masking["order"], counter, masking["window_left"], masking["window_right"],
+          masking["order"], counter, bias, masking["window_left"], masking["window_right"],
           masking["softcap"])
 
 
@@ -296,11 +310,11 @@ def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
                             cutlass.Int32(0), cutlass.Int32(0), make_fake_stream(),
                             options=options)
   else:
-    q, k, v, out, lse, sink, row_ids, col_ids, ranges, order, counter, left, right, cap = (
+    q, k, v, out, lse, sink, row_ids, col_ids, ranges, order, counter, bias, left, right, cap = (
         fwd_signature(variant))
     compiled = cute.compile(kernel, q, k, v, out, lse, sink, row_ids, col_ids, ranges, order,
-                            counter, cutlass.Float32(1.0), cutlass.Int32(0), left, right, cap,
-                            make_fake_stream(), options=options)
+                            counter, bias, cutlass.Float32(1.0), cutlass.Int32(0), left, right,
+                            cap, make_fake_stream(), options=options)
   compiled.export_to_c(str(out_dir), variant.key, prefix)
   seconds = time.perf_counter() - start
   object_path = out_dir / f"{variant.key}.o"
@@ -335,7 +349,8 @@ def glue_defines(variant: config.KernelVariant, parts: dict) -> tuple[str, ...]:
              f"{schedule.dq_copies if variant.direction == 'bwd' else 1}",
              f"-DJAXFLASH_MASKED={int(variant.masked)}",
              f"-DJAXFLASH_TILE_COUNTER={int(takes_tile_counter(variant))}",
-             f"-DJAXFLASH_KV_FP8={int(variant.kv_dtype is not None)}"]
+             f"-DJAXFLASH_KV_FP8={int(variant.kv_dtype is not None)}",
+             f"-DJAXFLASH_BIAS={int(variant.bias)}"]
   for part, (prefix, header) in parts.items():
     defines += [f"-DJAXFLASH_PREFIX_{part.upper()}={prefix}",
                 f'-DJAXFLASH_HEADER_{part.upper()}="{header}"']
@@ -465,7 +480,10 @@ def bwd_signature(variant: config.KernelVariant) -> dict:
   signature.update(key_ids=masking["row_ids"], query_ids=masking["col_ids"],
                    ranges=masking["ranges"], order=masking["order"], ranks=ranks,
                    window_left=masking["window_left"], window_right=masking["window_right"],
-                   softcap=masking["softcap"])
+                   softcap=masking["softcap"],
+                   bias=bias_tensor(variant, batch, num_heads, seqlen_q, seqlen_k),
+                   dbias=bias_tensor(variant, batch, num_heads, seqlen_q, seqlen_k,
+                                     cutlass.Float32))
   return signature
 
 
@@ -491,7 +509,8 @@ def export_bwd_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel
               sig["delta"], sig["dq_accum"], sig["dq_semaphore"], stream),
       "main": (main, sig["q"], sig["k"], sig["v"], sig["d_out"], sig["lse_log2"], sig["delta"],
                sig["dq_accum"], sig["dk"], sig["dv"], sig["dq_semaphore"], sig["query_ids"],
-               sig["key_ids"], sig["ranges"], sig["order"], sig["ranks"], scale,
+               sig["key_ids"], sig["ranges"], sig["order"], sig["ranks"], sig["bias"],
+               sig["dbias"], scale,
                sig["window_left"], sig["window_right"], sig["softcap"], stream),
       "post": (post, sig["dq_accum"], sig["dq"], sig["dq_semaphore"], scale, stream),
   }

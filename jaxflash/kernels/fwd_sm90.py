@@ -17,6 +17,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from jaxflash import config
+from jaxflash.kernels import bias as score_bias
 from jaxflash.kernels import mask
 from jaxflash.kernels import sm90_gemm
 from jaxflash.kernels import softmax
@@ -89,6 +90,8 @@ class FlashAttentionForwardSm90:
   row keeps that max, and blocks without the mask take each score's tanh just before its exp2
   with no max search (OnlineSoftmax.capped_softmax). Otherwise the running max, after the tanh
   (softmax.soft_cap). Blocks that need the mask take the tanh before it.
+  Bias variants (masked ones, config.KernelVariant.bias) add bias[b, h, i, j] to each score
+  after the tanh and before the mask (kernels/bias.py, _add_bias) and keep the running max.
   Every variant takes the learnable sink at run time (mSink, one float32 logit per query head,
   and has_sink): the epilogue adds the sink's term to each row's denominator
   (OnlineSoftmax.finalize), so out and lse come out with the sink, in no extra pass.
@@ -119,11 +122,15 @@ class FlashAttentionForwardSm90:
     self.lpt = schedule.lpt
     self.rescale_o_before_pv = schedule.rescale_o_before_pv
     self.masked = variant.masked
+    # Bias variants (masked ones) add bias[b, h, i, j] to every score (kernels/bias.py).
+    self.bias = variant.bias
     # Soft-capped calls may keep a fixed row max (softmax.capped_start_max) on two-warpgroup
     # tiles only: its rounding of P (softmax.round_p_pair) spilled the fp16 three-warpgroup tile
     # (head_dim 64, 192 x 128, 128 registers per thread: 28 LDL / STL). Those keep the running
-    # max.
-    self.fixed_capped_max = variant.masked and self.num_mma_warpgroups == 2
+    # max. A bias is unbounded, so capped scores plus a bias have no fixed max: bias variants
+    # keep the running max too.
+    self.fixed_capped_max = (variant.masked and self.num_mma_warpgroups == 2
+                             and not variant.bias)
     # Dense causal: the query tiles end at the last row (_row_shift), so the partial tile is the
     # one with the fewest keys. The FP8 kernel keeps tiles from row 0 (its query descales come
     # in chunks of 64 rows from row 0).
@@ -188,6 +195,8 @@ class FlashAttentionForwardSm90:
       mRanges: cute.Tensor,  # masked: (batch, m blocks, 4) int32 block ranges in launch order
       mOrder: cute.Tensor,  # masked: (batch * m blocks,) int32 tile order, or None
       mTileCounter: Optional[cute.Tensor],  # dynamic schedules: (1,) int32, zero; else None
+      mBias: Optional[cute.Tensor],  # bias: (batch, num_heads, seqlen_q, seqlen_k) in dtype,
+      # stride 0 along broadcast dims; else None
       softmax_scale: Float32,
       has_sink: Int32,  # 1: each row's softmax also runs over mSink[head]; 0: no sink
       window_left: Optional[Int32],  # masked: the band (block_ranges.window_bounds), or None
@@ -205,6 +214,10 @@ class FlashAttentionForwardSm90:
       raise TypeError("the mask operands are passed exactly to masked variants")
     if const_expr(self.dynamic != (mTileCounter is not None)):
       raise TypeError("the tile counter is passed exactly to dynamic schedules")
+    if const_expr(self.bias != (mBias is not None)):
+      raise TypeError("the bias is passed exactly to bias variants")
+    if const_expr(self.bias and mBias.element_type != self.dtype):
+      raise TypeError(f"bias must be {self.dtype}, got {mBias.element_type}")
     self._setup_attributes()
     (tma_q, tma_k, tma_v, tma_o), (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), mLSE, grid = (
         self._tma_operands(mQ, mK, mV, mO, mLSE))
@@ -220,6 +233,7 @@ class FlashAttentionForwardSm90:
         self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout,
         self.tiled_mma_qk, self.tiled_mma_pv,
         mQIds, mKIds, mRanges, mOrder, window_left, window_right, softcap, mO_rows, mTileCounter,
+        mBias,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
   def _tma_operands(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -278,6 +292,7 @@ class FlashAttentionForwardSm90:
       softcap: Optional[Float32],
       mO_rows: Optional[cute.Tensor],  # tiles_from_last_row: (seqlen_q, head_dim_v, heads, batch)
       mTileCounter: Optional[cute.Tensor],  # dynamic: (1,) int32, zero at launch; else None
+      mBias: Optional[cute.Tensor],  # bias: (batch, num_heads, seqlen_q, seqlen_k), or None
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -307,10 +322,15 @@ class FlashAttentionForwardSm90:
         if const_expr(self.fixed_capped_max):
           start_max = softmax.capped_start_max(softcap * softmax.LOG2_E,
                                                *softmax.capped_p_range_log2(self.dtype))
+      # The bias joins the scores in the S registers' units: S * softmax_scale (or softcap *
+      # t when capped) is the score, so the bias enters divided by that scale.
+      bias_scale = None
+      if const_expr(self.bias):
+        bias_scale = Float32(1.0) / softmax_scale
       masking = _Masking(query_ids=mQIds, key_ids=mKIds, ranges=mRanges, order=mOrder,
                          window_left=window_left, window_right=window_right,
                          capped=Int32(capped), tanh_scale=tanh_scale, key_ids_smem=sKIds,
-                         start_max=start_max)
+                         start_max=start_max, bias=mBias, bias_scale=bias_scale)
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -540,6 +560,8 @@ class FlashAttentionForwardSm90:
       if const_expr(not self.dynamic):
         pipeline_q.consumer_wait(q_state)
       tile_c = self._consumer_for_slot(c, q_state)
+      if const_expr(self.bias):
+        tile_c = dataclasses.replace(tile_c, bias_batch=batch, bias_head=head)
       # Key blocks run from n_max-1 down, so the blocks needing the elementwise mask come first.
       if n_max > n_min:
         self.first_block(tile_c, kv_state, m_block, n_max - 1, tiled_rows, seqlen_k)
@@ -649,6 +671,7 @@ class FlashAttentionForwardSm90:
         # running max.
         if m.capped != 0:
           softmax.soft_cap(acc_s, m.tanh_scale)
+        self._add_bias(c, acc_s_mn, m_block, n_block, seqlen_q, seqlen_k, False)
         c.online.online_softmax(acc_s_mn, c.row_scale)
     elif const_expr(self.masked):
       # The tanh before the mask, which writes -inf. Under a fixed max P is rounded for its row
@@ -656,6 +679,8 @@ class FlashAttentionForwardSm90:
       m = c.masking
       if m.capped != 0:
         softmax.soft_cap(acc_s, m.tanh_scale)
+      # The bias after the cap and before the mask (the mask's -inf stays -inf).
+      self._add_bias(c, acc_s_mn, m_block, n_block, seqlen_q, seqlen_k, True)
       mask.apply_band_and_ids(acc_s_mn, c.tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
                               self.tile_m, self.tile_n, m.window_left, m.window_right,
                               c.row_ids, m.key_ids_smem[None, k_state.index])
@@ -674,6 +699,18 @@ class FlashAttentionForwardSm90:
         mask.apply_mask(acc_s_mn, c.tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
                         self.tile_m, self.tile_n, self.causal)
       c.online.online_softmax(acc_s_mn, c.row_scale)
+
+  @cute.jit
+  def _add_bias(self, c, acc_s_mn: cute.Tensor, m_block: Int32, n_block: Int32,
+                seqlen_q: Int32, seqlen_k: Int32, is_masked: cutlass.Constexpr):
+    """Bias variants: S += bias / scale over the block (kernels/bias.py); only blocks that need
+    the mask can hold keys past seqlen_k. The (batch, head) view is made here from the kernel
+    parameter, so no 64-bit pointer stays live across the key loop."""
+    if const_expr(self.bias):
+      bias_tile = c.masking.bias[c.bias_batch, c.bias_head, None, None]
+      score_bias.add_bias(acc_s_mn, c.tScS_mn, bias_tile, m_block * self.tile_m,
+                          n_block * self.tile_n, seqlen_q, seqlen_k, c.masking.bias_scale,
+                          self.tile_n, is_masked)
 
   @cute.jit
   def _release_k(self, c, kv_state, is_masked: cutlass.Constexpr,
@@ -942,6 +979,10 @@ class _Consumer:
   pipeline_v: pipeline.PipelineTmaAsync
   masking: "_Masking" = None  # masked variants only (also row_ids)
   row_ids: cute.Tensor = None  # segment ids of this thread's query rows in the current tile
+  # Bias variants: the tile's batch and head. The bias view is made per block from the kernel
+  # parameter (constant memory), so no 64-bit pointer stays live across the key loop.
+  bias_batch: Int32 = None
+  bias_head: Int32 = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -953,6 +994,8 @@ class _Masking(mask.MaskOperands):
   # start_max and keeps it, and blocks without the mask take OnlineSoftmax.capped_softmax.
   # Otherwise the running max: start_max -inf.
   start_max: Float32
+  bias: Optional[cute.Tensor] = None  # bias variants: (batch, num_heads, seqlen_q, seqlen_k)
+  bias_scale: Optional[Float32] = None  # 1 / the S registers' scale (softmax_scale or softcap)
 
 
 @dataclasses.dataclass(frozen=True)

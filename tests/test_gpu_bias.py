@@ -1,0 +1,210 @@
+"""The CuTe kernels' bias variants on a Hopper GPU against the float64 oracle: the forward
+(public call and the raw custom call into poisoned buffers) and every gradient (dq, dk, dv,
+dbias), for each broadcast shape of the bias, lengths that straddle tiles, seq_q != seq_k,
+causal, softcap, segment ids, sinks, GQA 8:1, and 16-bit biases with bfloat16 inputs.
+
+Run with JAXFLASH_CACHE_DIR pointing at prebuilt kernels (scripts/gpu_check.sh).
+"""
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import block_ranges, config, ffi
+from jaxflash.config import BWD_TARGET, FWD_TARGET, AttentionConfig, KernelVariant
+from tests._bias_oracle import oracle_and_naive
+from tests._cases import make_qkv, make_segments
+from tests._oracle import assert_close_to_oracle
+
+pytestmark = pytest.mark.gpu
+
+BIAS_FWD = [v for v in config.shipped_variants(direction="fwd") if v.bias]
+BIAS_BWD = [v for v in config.shipped_variants(direction="bwd") if v.bias]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+  for variant in BIAS_FWD + BIAS_BWD:
+    ffi.ensure_variant(variant)  # fails with the build command if the cache lacks one
+
+
+# name -> (dtype, head_dim, (batch, seq_q, seq_k, heads, kv_heads), bias shape as a string of
+# dims "bhqk" (a capital: full), bias dtype, options)
+CASES = {
+    "bf16_d128_1x1_s1000": ("bfloat16", 128, (2, 1000, 1000, 4, 4), "11QK", "float32", {}),
+    "bf16_d128_Bx1_s129_causal": ("bfloat16", 128, (3, 129, 129, 4, 2), "B1QK", "bfloat16",
+                                  {"causal": True}),
+    "f16_d128_1xH_q127_k1000_gqa8": ("float16", 128, (2, 127, 1000, 8, 1), "1HQK", "float16",
+                                     {}),
+    "bf16_d64_BxH_q1000_k127_causal": ("bfloat16", 64, (2, 1000, 127, 4, 4), "BHQK", "float32",
+                                       {"causal": True}),
+    "f16_d64_1x1_q1_k129": ("float16", 64, (3, 1, 129, 4, 2), "11QK", "float32", {}),
+    "bf16_d64_BxH_s1_f16bias": ("bfloat16", 64, (2, 1, 1, 4, 4), "BHQK", "float16", {}),
+    "bf16_d128_rows1_s4097_f16bias": ("bfloat16", 128, (1, 300, 4097, 2, 2), "BH1K", "float16",
+                                      {}),
+    "bf16_d64_1xH_softcap_window": ("bfloat16", 64, (2, 500, 700, 8, 1), "1HQK", "bfloat16",
+                                    {"softcap": 2.0, "window_size": (200, 50)}),
+    "f16_d128_segments_sink": ("float16", 128, (2, 700, 700, 4, 2), "B1QK", "float32",
+                               {"segments": True, "sink": True}),
+    "bf16_d128_neg_inf_rows": ("bfloat16", 128, (2, 257, 300, 4, 4), "BHQK", "bfloat16",
+                               {"neg_inf": True, "causal": True}),
+}
+
+
+def _case_inputs(name):
+  dtype, d, (b, seq_q, seq_k, h, h_kv), dims, bias_dtype, options = CASES[name]
+  seed = zlib.crc32(name.encode())
+  q, k, v = make_qkv(seed, b, seq_q, seq_k, h, h_kv, d, dtype=jnp.dtype(dtype))
+  rng = np.random.default_rng(seed + 1)
+  shape = tuple(n if c.isupper() else 1 for c, n in zip(dims, (b, h, seq_q, seq_k)))
+  bias = rng.standard_normal(shape) * 2.0
+  if options.get("neg_inf"):  # a bias that masks: -inf on some keys, on every key of a row
+    bias[..., ::3] = -np.inf
+    bias[:, :, 5, :] = -np.inf
+  bias = jnp.asarray(bias, jnp.dtype(bias_dtype))
+  # Representable in the input dtype: the kernel's d_out is the cotangent cast to it.
+  w_out = jnp.asarray(jnp.asarray(rng.standard_normal(q.shape), q.dtype), jnp.float32)
+  w_lse = jnp.asarray(rng.standard_normal((b, h, seq_q)), jnp.float32)
+  kwargs = {k_: v_ for k_, v_ in options.items() if k_ in ("causal", "softcap", "window_size")}
+  if options.get("segments"):
+    q_ids, kv_ids = make_segments(seed + 2, b, seq_q, seq_k)
+    kwargs.update(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+  if options.get("sink"):
+    kwargs["learnable_sink"] = jnp.asarray(rng.normal(1.0, 2.0, h), jnp.float32)
+  return q, k, v, bias, w_out, w_lse, kwargs
+
+
+def _attend(kwargs):
+  return lambda q, k, v, bias: jaxflash.attention(q, k, v, bias=bias, return_lse=True,
+                                                  implementation="cute", **kwargs)
+
+
+def _oracle_options(kwargs):
+  """bias_attention's options for a case's jaxflash keyword arguments (no window or sink: the
+  cases with them compare with the reference implementation instead)."""
+  out = {k: v for k, v in kwargs.items() if k in ("causal", "softcap")}
+  if "q_segment_ids" in kwargs:
+    out["segment_ids"] = (kwargs["q_segment_ids"], kwargs["kv_segment_ids"])
+  return out
+
+
+def _grads(kwargs, w_out, w_lse):
+  def loss(q, k, v, bias):
+    out, lse = _attend(kwargs)(q, k, v, bias)
+    lse_term = jnp.where(jnp.isfinite(lse), lse * w_lse, 0)
+    return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(lse_term)
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+
+
+def _reference_oracle(q, k, v, bias, w_out, w_lse, kwargs):
+  """(float64, naive in q's dtype) of the jaxflash reference for options the bias oracle lacks
+  (windows, sinks): the reference itself in float64 is the oracle there."""
+  from tests._cases import x64
+
+  def run(arrays, dtype):
+    q, k, v, bias = arrays
+    kw = dict(kwargs)
+    if "learnable_sink" in kw:
+      kw["learnable_sink"] = kw["learnable_sink"].astype(
+          jnp.float64 if dtype == jnp.float64 else jnp.float32)
+    attend = lambda q, k, v, bias: jaxflash.attention(q, k, v, bias=bias, return_lse=True,
+                                                      implementation="reference", **kw)
+    def loss(q, k, v, bias):
+      out, lse = attend(q, k, v, bias)
+      lse_term = jnp.where(jnp.isfinite(lse), lse * w_lse.astype(lse.dtype), 0)
+      return jnp.sum(out * w_out.astype(out.dtype)) + jnp.sum(lse_term)
+    outs = tuple(attend(*arrays)) + tuple(jax.grad(loss, argnums=(0, 1, 2, 3))(*arrays))
+    return tuple(np.asarray(x, np.float64) for x in outs)
+
+  naive = run((q, k, v, bias), q.dtype)
+  with x64():
+    exact = run(tuple(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, bias)),
+                jnp.float64)
+  return exact, naive
+
+
+@pytest.mark.parametrize("name", CASES, ids=CASES.keys())
+def test_forward_and_gradients_match_float64_oracle(name):
+  q, k, v, bias, w_out, w_lse, kwargs = _case_inputs(name)
+  dtype, d = CASES[name][0], CASES[name][1]
+  cfg = AttentionConfig(softmax_scale=d ** -0.5, bias_dims=(True,) * 3,
+                        causal=kwargs.get("causal", False))
+  variant = KernelVariant.for_call("fwd", "sm90a", dtype, d, d, cfg, k.shape[1])
+  attend = jax.jit(_attend(kwargs))
+  assert variant.key in attend.lower(q, k, v, bias).as_text()
+  grads = _grads(kwargs, w_out, w_lse)
+  grad_text = grads.lower(q, k, v, bias).as_text()
+  if "bwd" in config.BIAS_DIRECTIONS:
+    bwd = KernelVariant.for_call("bwd", "sm90a", dtype, d, d, cfg)
+    assert bwd.key in grad_text
+  else:  # the forward kernel with the reference backward
+    assert BWD_TARGET not in grad_text
+  got = tuple(attend(q, k, v, bias)) + tuple(grads(q, k, v, bias))
+  if "window_size" in kwargs or "learnable_sink" in kwargs:
+    exact, naive = _reference_oracle(q, k, v, bias, w_out, w_lse, kwargs)
+  else:
+    exact, naive = oracle_and_naive(q, k, v, bias, w_out, w_lse, **_oracle_options(kwargs))
+  for label, g, e, n in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got, exact, naive):
+    assert_close_to_oracle(g, e, n, name=label)
+  assert got[-1].shape == bias.shape and got[-1].dtype == bias.dtype
+  again = tuple(attend(q, k, v, bias)) + tuple(grads(q, k, v, bias))
+  for label, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got, again):
+    if label in ("out", "lse", "dbias") or "bwd" not in config.BIAS_DIRECTIONS:
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=label)
+
+
+# keep_unused: jit would otherwise drop the unread buffers, and their donation with them.
+@functools.partial(jax.jit, static_argnames=("variant", "cfg"), donate_argnums=(4, 5),
+                   keep_unused=True)
+def _fwd_into(q, k, v, bias, out_buffer, lse_buffer, *, variant, cfg):
+  del out_buffer, lse_buffer  # donated: XLA writes the results into their memory
+  b, seq_q, h, _ = q.shape
+  result = (jax.ShapeDtypeStruct((b, seq_q, h, variant.head_dim_v), q.dtype),
+            jax.ShapeDtypeStruct((b, h, seq_q), jnp.float32))
+  result += tuple(jax.ShapeDtypeStruct(shape, dt)
+                  for _, shape, dt in config.fwd_scratch_shapes(variant))
+  operands = block_ranges.forward_operands(variant, cfg, b, seq_q, k.shape[1], ())
+  return jax.ffi.ffi_call(FWD_TARGET, result)(q, k, v, *operands, bias,
+                                              **ffi.fwd_attributes(variant, cfg))[:2]
+
+
+@pytest.mark.parametrize("variant", BIAS_FWD, ids=[v.key for v in BIAS_FWD])
+@pytest.mark.parametrize("dims", ["11QK", "BHQK", "1H1K"])
+def test_raw_forward_writes_every_element_of_poisoned_buffers(variant, dims):
+  """The custom call of each bias variant into NaN-filled donated buffers (the same memory):
+  every out and lse element is written, and matches the oracle; the bias is read with stride 0
+  along its broadcast dims."""
+  b, seq_q, seq_k, h = 2, 333, 261, 4
+  dtype = jnp.dtype(variant.dtype)
+  q, k, v = make_qkv(zlib.crc32(f"{variant.key}{dims}".encode()), b, seq_q, seq_k, h, 2,
+                     variant.head_dim, dtype=dtype)
+  shape = tuple(n if c.isupper() else 1 for c, n in zip(dims, (b, h, seq_q, seq_k)))
+  bias = jnp.asarray(np.random.default_rng(5).standard_normal(shape), dtype)
+  cfg = AttentionConfig(softmax_scale=variant.head_dim ** -0.5, causal=True,
+                        implementation="cute", bias_dims=(True,) * 3)
+  out_buffer = jnp.full((b, seq_q, h, variant.head_dim_v), jnp.nan, dtype)
+  lse_buffer = jnp.full((b, h, seq_q), jnp.nan, jnp.float32)
+  pointers = (out_buffer.unsafe_buffer_pointer(), lse_buffer.unsafe_buffer_pointer())
+  out, lse = _fwd_into(q, k, v, bias, out_buffer, lse_buffer, variant=variant, cfg=cfg)
+  assert (out.unsafe_buffer_pointer(), lse.unsafe_buffer_pointer()) == pointers, (
+      "XLA did not write into the poisoned buffers: the test would miss unwritten elements")
+  exact, naive = oracle_and_naive(q, k, v, bias, None, None, grads=False, causal=True)
+  assert_close_to_oracle(out, exact[0], naive[0], name="out")
+  assert_close_to_oracle(lse, exact[1], naive[1], name="lse")
+
+
+def test_nan_in_the_bias_gives_nan_where_the_reference_does():
+  """A NaN bias element poisons its own row (out and lse), as in the reference, and no other."""
+  q, k, v = make_qkv(21, 2, 300, 300, 4, 2, 128, dtype=jnp.bfloat16)
+  bias = jnp.zeros((1, 4, 300, 300), jnp.bfloat16).at[0, 1, 7, 250].set(jnp.nan)
+  got = jaxflash.attention(q, k, v, bias=bias, return_lse=True, implementation="cute")
+  want = jaxflash.attention(q, k, v, bias=bias, return_lse=True, implementation="reference")
+  for name, g, w in zip(("out", "lse"), got, want):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=name)
+    assert np.isnan(g).any(), name
