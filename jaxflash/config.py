@@ -365,10 +365,12 @@ SMEM_BYTES = 227 * 1024
 
 
 def _second_q_slot_fits(tile_m: int, tile_n: int, num_stages: int, head_dim: int,
-                        head_dim_v: int) -> bool:
-  """Whether two 16-bit Q slots and the K / V rings fit (1 KiB left for the mbarriers)."""
-  return 2 * (2 * tile_m * head_dim + num_stages * tile_n * (head_dim + head_dim_v)) + 1024 <= (
-      SMEM_BYTES)
+                        head_dim_v: int, bias: bool = False) -> bool:
+  """Whether two 16-bit Q slots and the K / V rings fit (1 KiB left for the mbarriers); bias:
+  with a tile_m x tile_n bias tile per K stage."""
+  bias_tiles = num_stages * tile_m * tile_n if bias else 0
+  return 2 * (2 * tile_m * head_dim + num_stages * tile_n * (head_dim + head_dim_v)
+              + bias_tiles) + 1024 <= SMEM_BYTES
 
 
 def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = False,
@@ -429,9 +431,11 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = Fa
       # Two Q slots (a persistent CTA loads the next tile's Q during the current tile) where a
       # second slot fits: causal and masked tiles, short dense ones and head_dim 96 (+7-25 % at
       # 1k). At head_dim 64 not causal two slots gained nothing at 1k and measured 0.95x at 4k
-      # and 16k, so one slot there.
+      # and 16k, so one slot there. Bias variants at head_dim 128: one slot, as the two K
+      # stages' 32 KiB bias tiles fill the second's place (a K stage without its bias tile would
+      # leave the softmax waiting on each block's bias load; not measured).
       q_stages=2 if (causal or short or head_dim == 96) and (
-          _second_q_slot_fits(tile_m, tile_n, num_stages, head_dim, head_dim_v)) else 1,
+          _second_q_slot_fits(tile_m, tile_n, num_stages, head_dim, head_dim_v, bias)) else 1,
       # O of head_dim_v > 128 is 128+ registers: its rescale runs under the Q K^T GEMM.
       rescale_o_before_pv=head_dim_v > 128)
 
@@ -724,9 +728,10 @@ def bwd_scratch_shapes(variant: KernelVariant, batch: int, seq_q: int, num_heads
   preprocess zeroes dq_semaphore, and dq_accum in the default mode; deterministic variants
   store each dq_accum block's first contribution and the postprocess skips blocks whose
   semaphore counts none. dq_semaphore exists only for deterministic variants. Bias variants
-  end with dbias (batch, num_heads, seq_q, seq_k) float32 (seq_k required): d loss / d score of
-  every (batch, query head, query, key), which the handler zeroes (key tiles skip query blocks
-  that the mask hides) and the kernel writes once per visited score.
+  end with dbias (batch, num_heads, seq_q, bias_row_length(seq_k)) in the input dtype (seq_k
+  required): d loss / d score of every (batch, query head, query, key < seq_k), which the kernel
+  writes once each (the blocks a key tile's mask skips as zeros); the padding columns stay
+  unwritten.
   """
   if variant.direction != "bwd":
     raise ValueError(f"variant.direction: {variant.direction!r}; scratch exists for 'bwd' only")
@@ -744,8 +749,15 @@ def bwd_scratch_shapes(variant: KernelVariant, batch: int, seq_q: int, num_heads
     if seq_k is None:
       raise ValueError(f"seq_k: a bias variant's scratch holds dbias per key; got None "
                        f"({variant.key})")
-    shapes += (("dbias", (batch, num_heads, seq_q, seq_k), "float32"),)
+    shapes += (("dbias", (batch, num_heads, seq_q, bias_row_length(seq_k)), variant.dtype),)
   return shapes
+
+
+def bias_row_length(seq_k: int) -> int:
+  """The last extent of a bias variant's bias operand and dbias scratch: seq_k rounded up to a
+  multiple of 8, so that each row starts 16 bytes after the last (TMA's global strides are
+  multiples of 16 bytes). kernel_abi.h JaxflashBias; the primitive pads the bias to it."""
+  return -(-seq_k // 8) * 8
 
 
 def dq_accum_copies(variant: KernelVariant, seq_q: int) -> int:

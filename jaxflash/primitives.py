@@ -21,8 +21,8 @@ from jax.interpreters import batching, mlir
 from jaxflash import _jax_internal, block_ranges, reference
 from jaxflash.sink import add_learnable_sink, learnable_sink_grad
 from jaxflash.config import (AttentionConfig, BWD_TARGET, FWD_TARGET, KernelVariant,
-                             LSE_CHECKPOINT_NAME, OUT_CHECKPOINT_NAME, bwd_scratch_shapes,
-                             fwd_scratch_shapes, kernel_support)
+                             LSE_CHECKPOINT_NAME, OUT_CHECKPOINT_NAME, bias_row_length,
+                             bwd_scratch_shapes, fwd_scratch_shapes, kernel_support)
 
 log = logging.getLogger("jaxflash")
 
@@ -164,7 +164,7 @@ def _fwd_lower_cuda(ctx, q, k, v, *rest, config):
   """CUDA: the stable FFI custom call when the kernel exists, the reference otherwise.
   Masked variants (windows, segment ids, softcap, bias) get their block ranges here: from
   segment ids as XLA ops in front of the custom call, otherwise as constants (block_ranges.py).
-  The bias follows the mask operands, the sink comes last."""
+  The bias follows the mask operands (_kernel_bias), the sink comes last."""
   if config.implementation != "cute":
     return _fwd_lower_reference(ctx, q, k, v, *rest, config=config)
   segment_ids, sink = _split_sink(rest, config)
@@ -190,7 +190,7 @@ def _fwd_lower_cuda(ctx, q, k, v, *rest, config):
     segment_ids, bias = _split_bias(segment_ids, config)
     operands = block_ranges.forward_operands(variant, config, b, seq_q, seq_k, segment_ids)
     if bias is not None:
-      operands = operands + (bias,)
+      operands = operands + (_kernel_bias(bias),)
     if sink is not None:
       operands = operands + (sink,)
     return jax.ffi.ffi_call(FWD_TARGET, _result_types(ctx))(q, k, v, *operands, **attrs)
@@ -202,15 +202,32 @@ def _result_types(ctx):
   return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_out)
 
 
+def _kernel_bias(bias):
+  """The bias operand of a bias variant's custom call: the primitive's bias with its rows padded
+  to config.bias_row_length (16-byte rows for TMA; a no-op when seq_k is a multiple of 8). The
+  padding is never read."""
+  pad = bias_row_length(bias.shape[-1]) - bias.shape[-1]
+  return jnp.pad(bias, ((0, 0),) * 3 + ((0, pad),)) if pad else bias
+
+
+def _dbias_from_kernel(ds, bias):
+  """The primitive's dbias from a bias variant's dbias scratch (d loss / d score per (batch,
+  head, query, key) in the input dtype, rows padded to bias_row_length): the padding dropped,
+  summed over the bias's broadcast dims in float32 (reference.reduce_bias_grad), in the bias's
+  dtype. A bias of the scores' full shape takes the scratch as it is."""
+  ds = ds[..., :bias.shape[-1]]
+  return reference.reduce_bias_grad(ds, bias.shape).astype(bias.dtype)
+
+
 def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *rest, config):
   """CUDA: the backward custom call when a backward kernel exists, the reference otherwise.
 
   The forward decides implementation='cute'; a backward the kernels lack (a head-dim pair
   without one) falls back to the reference here. Its variant is found (or built) here, and only
   here: a call without a gradient never needs one. Masked variants get their block ranges here,
-  as in the forward (block_ranges.py). Bias variants take the bias after the mask operands and
-  return dbias per score as their last scratch result, which is reduced here over the bias's
-  broadcast dims (reference.reduce_bias_grad) into the primitive's dbias.
+  as in the forward (block_ranges.py). Bias variants take the bias after the mask operands
+  (_kernel_bias) and return dbias per score as their last scratch result, which becomes the
+  primitive's dbias here (_dbias_from_kernel).
   """
   q_aval, k_aval, v_aval = ctx.avals_in[:3]
   variant = _kernel_variant("bwd", q_aval, v_aval, config)
@@ -239,12 +256,11 @@ def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *rest, config):
                                               q_aval.shape[2], k_aval.shape[2],
                                               segment_ids)
     outs = jax.ffi.ffi_call(BWD_TARGET, results)(
-        q, k, v, out, lse, d_out, d_lse, *operands, *(() if bias is None else (bias,)),
-        **attrs)
+        q, k, v, out, lse, d_out, d_lse, *operands,
+        *(() if bias is None else (_kernel_bias(bias),)), **attrs)
     if bias is None:
       return outs
-    dbias = reference.reduce_bias_grad(outs[-1], bias.shape).astype(bias.dtype)
-    return tuple(outs[:3]) + (dbias,) + tuple(outs[3:])
+    return tuple(outs[:3]) + (_dbias_from_kernel(outs[-1], bias),) + tuple(outs[3:])
 
   return mlir.lower_fun(call, multiple_results=True)(ctx, q, k, v, out, lse, d_out, d_lse,
                                                      *rest)

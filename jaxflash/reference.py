@@ -128,9 +128,12 @@ def _bias_blocks(bias, num_blocks: int, block_k: int):
 
 def reduce_bias_grad(ds, bias_shape):
   """The gradient of a bias of shape (b|1, h|1, s_q|1, cols) from the gradient of the scores
-  it was added to, ds (b, h, s_q, cols): summed over the bias's broadcast dims."""
+  it was added to, ds (b, h, s_q, cols): summed over the bias's broadcast dims, in float32 at
+  least (16-bit ds: the kernels' dbias scratch); ds itself where nothing is broadcast."""
   axes = tuple(i for i in range(3) if bias_shape[i] == 1 and ds.shape[i] != 1)
-  return jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
+  if not axes:
+    return ds
+  return jnp.sum(ds, axis=axes, keepdims=True, dtype=jnp.promote_types(ds.dtype, jnp.float32))
 
 
 def _expand_mask(mask):

@@ -132,21 +132,26 @@ def test_vmap_of_grad_with_a_broadcast_bias_matches_a_loop():
       np.testing.assert_allclose(got[i], w, rtol=2e-5, atol=2e-6)
 
 
-def test_cuda_lowering_runs_the_bias_variant_with_the_bias_in_the_query_dtype():
+@pytest.mark.parametrize("seq", [100, 128])
+def test_cuda_lowering_runs_the_bias_variant_with_the_bias_in_the_query_dtype(seq):
   """implementation='cute' on a CPU host lowers for CUDA: the forward custom call of the masked
-  -bias variant takes the mask operands, then the bias (cast to q's dtype in XLA); the backward
-  custom call of the -bias variant takes the bias last and returns dbias per score (float32),
-  which XLA reduces over the bias's broadcast batch."""
-  q, k, v = make_qkv(15, 2, 100, 100, 4, 2, 64, dtype=jnp.bfloat16)
-  bias = _bias(16, (1, 4, 100, 100))
+  -bias variant takes the mask operands, then the bias (cast to q's dtype in XLA, rows padded
+  to a multiple of 8 keys: 100 -> 104, 128 as it is); the backward custom call of the -bias
+  variant takes the bias last and returns dbias per score in q's dtype with the same rows,
+  which XLA reduces over the bias's broadcast batch in float32."""
+  q, k, v = make_qkv(15, 2, seq, seq, 4, 2, 64, dtype=jnp.bfloat16)
+  bias = _bias(16, (1, 4, seq, seq))
+  row = config.bias_row_length(seq)
+  assert row == {100: 104, 128: 128}[seq]
   f = jax.jit(lambda q, k, v, b: jaxflash.attention(q, k, v, bias=b, causal=True,
                                                     implementation="cute"))
   text = f.trace(q, k, v, bias).lower(lowering_platforms=("cuda",)).as_text()
   (call,) = [line for line in text.splitlines() if f"@{FWD_TARGET}(" in line]
   assert "fwd-sm90a-bf16-d64-dv64-masked-bias-m128n128s2" in call
   operands = re.findall(r"tensor<[^>]+>", call.split(" -> ")[0].split(": (")[-1])
-  assert operands[-1] == "tensor<1x4x100x100xbf16>", operands
+  assert operands[-1] == f"tensor<1x4x{seq}x{row}xbf16>", operands
   assert len(operands) == 3 + 4 + 1  # q, k, v, the mask operands, the bias
+  assert ("stablehlo.pad" in text) == (row != seq)
   loss = lambda q, k, v, b: jnp.sum(jaxflash.attention(q, k, v, bias=b, implementation="cute")
                                     .astype(jnp.float32))
   grad = jax.jit(jax.grad(loss, argnums=(0, 3)))
@@ -154,9 +159,11 @@ def test_cuda_lowering_runs_the_bias_variant_with_the_bias_in_the_query_dtype():
   (call,) = [line for line in text.splitlines() if f"@{config.BWD_TARGET}(" in line]
   assert "bwd-sm90a-bf16-d64-dv64-masked-bias-m64n128s2swap" in call
   operands, results = (re.findall(r"tensor<[^>]+>", part) for part in call.split(" -> "))
-  assert operands[-1] == "tensor<1x4x100x100xbf16>", operands
-  # dq, dk, dv, dq_accum, lse_log2, delta, then dbias per score in float32.
-  assert len(results) == 7 and results[-1] == "tensor<2x4x100x100xf32>", results
+  assert operands[-1] == f"tensor<1x4x{seq}x{row}xbf16>", operands
+  # dq, dk, dv, dq_accum, lse_log2, delta, then dbias per score in bf16.
+  assert len(results) == 7 and results[-1] == f"tensor<2x4x{seq}x{row}xbf16>", results
+  # The sum over the broadcast batch accumulates in float32.
+  assert re.search(r"stablehlo.reduce.*tensor<2x4x%dx%dxf32>" % (seq, seq), text, re.S)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -187,3 +194,4 @@ def test_oracle_helper_agrees_with_the_reference_naive_attention():
   want_out, want_lse = reference.naive_attention(q, k, v, cfg)
   np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+

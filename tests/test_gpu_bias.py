@@ -53,6 +53,13 @@ CASES = {
                                {"segments": True, "sink": True}),
     "bf16_d128_neg_inf_rows": ("bfloat16", 128, (2, 257, 300, 4, 4), "BHQK", "bfloat16",
                                {"neg_inf": True, "causal": True}),
+    # The soft-capped backward stores dbias from registers (the dS tile holds the softcap's
+    # factor); keys 333 pad the bias rows to 336.
+    "bf16_d128_BxH_softcap_causal_k333": ("bfloat16", 128, (2, 300, 333, 4, 2), "BHQK",
+                                          "bfloat16", {"softcap": 3.0, "causal": True}),
+    # One bias row per batch (every head and query): the tiles read row 0 of their plane.
+    "f16_d64_Bx1_rows1_segments": ("float16", 64, (2, 200, 203, 4, 4), "B11K", "float16",
+                                   {"segments": True}),
 }
 
 
@@ -198,6 +205,58 @@ def test_raw_forward_writes_every_element_of_poisoned_buffers(variant, dims):
   assert_close_to_oracle(lse, exact[1], naive[1], name="lse")
 
 
+# keep_unused: jit would otherwise drop the unread buffer, and its donation with it.
+@functools.partial(jax.jit, static_argnames=("variant", "cfg"), donate_argnums=(8,),
+                   keep_unused=True)
+def _bwd_into(q, k, v, out, lse, d_out, d_lse, bias, dbias_buffer, *, variant, cfg):
+  """The raw backward custom call of a bias variant, its dbias scratch in dbias_buffer's memory
+  (donated); returns that scratch."""
+  del dbias_buffer  # donated: XLA writes the scratch result into its memory
+  b, seq_q, h, _ = q.shape
+  seq_k, h_kv = k.shape[1], k.shape[2]
+  result = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype))
+  result += tuple(jax.ShapeDtypeStruct(shape, dt) for _, shape, dt in
+                  config.bwd_scratch_shapes(variant, b, seq_q, h, seq_k))
+  operands = block_ranges.backward_operands(variant, cfg, b, seq_q, seq_k, h, h_kv)
+  return jax.ffi.ffi_call(BWD_TARGET, result)(q, k, v, out, lse, d_out, d_lse, *operands, bias,
+                                              **ffi.bwd_attributes(variant, cfg))[-1]
+
+
+@pytest.mark.parametrize("variant", BIAS_BWD, ids=[v.key for v in BIAS_BWD])
+def test_raw_backward_writes_every_dbias_element_of_a_poisoned_buffer(variant):
+  """The backward custom call of each bias variant with its dbias scratch in a NaN-filled
+  donated buffer: under the causal mask the key tiles skip the query blocks above the diagonal,
+  and every element inside seqlen_k is still written (the skipped blocks' zeros come from a
+  producer warp); with a (B, H, S, S) bias the scratch is the bias's gradient, which matches
+  the oracle. 333 keys: rows padded to 336, whose last 3 columns stay unwritten."""
+  b, seq_q, seq_k, h, h_kv = 2, 333, 333, 4, 2
+  dtype = jnp.dtype(variant.dtype)
+  q, k, v = make_qkv(zlib.crc32(variant.key.encode()), b, seq_q, seq_k, h, h_kv,
+                     variant.head_dim, dtype=dtype)
+  rng = np.random.default_rng(7)
+  bias = jnp.asarray(rng.standard_normal((b, h, seq_q, seq_k)), dtype)
+  w_out = jnp.asarray(rng.standard_normal(q.shape), dtype)
+  out, lse = jaxflash.attention(q, k, v, bias=bias, causal=True, return_lse=True,
+                                implementation="cute")
+  cfg = AttentionConfig(softmax_scale=variant.head_dim ** -0.5, causal=True,
+                        implementation="cute", bias_dims=(True,) * 3)
+  row = config.bias_row_length(seq_k)
+  padded = jnp.pad(bias, ((0, 0),) * 3 + ((0, row - seq_k),))
+  dbias_buffer = jnp.full((b, h, seq_q, row), jnp.nan, dtype)
+  pointer = dbias_buffer.unsafe_buffer_pointer()
+  got = _bwd_into(q, k, v, out, lse, w_out, jnp.zeros_like(lse), padded, dbias_buffer,
+                  variant=variant, cfg=cfg)
+  assert got.unsafe_buffer_pointer() == pointer, (
+      "XLA did not write into the poisoned buffer: the test would miss unwritten elements")
+  got = np.asarray(got[..., :seq_k], np.float64)
+  assert np.isfinite(got).all(), f"{int((~np.isfinite(got)).sum())} unwritten dbias elements"
+  above = np.triu(np.ones((seq_q, seq_k), bool), k=1)  # seq_q == seq_k: no key seen there
+  assert (got[:, :, above] == 0).all()
+  exact, naive = oracle_and_naive(q, k, v, bias, w_out, jnp.zeros_like(lse), causal=True)
+  assert_close_to_oracle(got, exact[-1], naive[-1], name="dbias")
+
+
 def test_nan_in_the_bias_gives_nan_where_the_reference_does():
   """A NaN bias element poisons its own row (out and lse), as in the reference, and no other."""
   q, k, v = make_qkv(21, 2, 300, 300, 4, 2, 128, dtype=jnp.bfloat16)
@@ -208,3 +267,22 @@ def test_nan_in_the_bias_gives_nan_where_the_reference_does():
     g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
     np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=name)
     assert np.isnan(g).any(), name
+
+def test_nan_in_one_head_s_bias_stays_out_of_other_kv_heads_gradients():
+  """A NaN in head 2's bias (row 7) stays in the gradients of its kv head (1 of 2): the padding
+  query rows of another head's last tile (300 queries: rows 300-319 of the 80-row tiles) read
+  zeros past the head's bias plane, not the next head's rows, whose NaN would reach the P of
+  those rows and through it dK and dV of kv head 0."""
+  q, k, v = make_qkv(22, 2, 300, 300, 4, 2, 128, dtype=jnp.bfloat16)
+  bias = jnp.zeros((1, 4, 300, 300), jnp.bfloat16).at[0, 2, 7, 250].set(jnp.nan)
+  w_out = jnp.asarray(np.random.default_rng(8).standard_normal(q.shape), jnp.float32)
+
+  def loss(q, k, v, bias):
+    out = jaxflash.attention(q, k, v, bias=bias, implementation="cute")
+    return jnp.sum(out.astype(jnp.float32) * w_out)
+
+  dq, dk, dv, dbias = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+  for name, g in (("dq heads 0-1", dq[:, :, :2]), ("dk kv head 0", dk[:, :, 0]),
+                  ("dv kv head 0", dv[:, :, 0]), ("dbias heads 0-1", dbias[:, :2])):
+    assert np.isfinite(np.asarray(g, np.float32)).all(), name
+  assert np.isnan(np.asarray(dk[:, :, 1], np.float32)).any()

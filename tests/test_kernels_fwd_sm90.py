@@ -223,18 +223,27 @@ def test_fixed_capped_max_range_holds_the_softcaps_it_serves(dtype, largest_soft
     assert low >= normal_low and high <= finite_high
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.bias and v.dtype == "bfloat16"],
-                         ids=lambda v: v.key)
-def test_bias_forward_reads_each_score_s_bias_from_global_memory(exported, variant):
-  """Bias variants load one 16-bit bias value per score of a step (LDG.E.U16; 64 rows x tile_n
-  per warpgroup / 128 threads), at every softmax site (the first block, the three step loops):
-  twice at the three sites of blocks that need the mask (keys inside seqlen_k: one address per
-  row plus immediate offsets; the last key block: key by key), once in the loop of blocks
-  without it; other masked variants load none."""
-  ops = exported(variant).ops(modifiers=True)
-  per_thread_scores = variant.schedule.tile_n // 2
-  assert ops.count("LDG.E.U16") == (3 * 2 + 1) * per_thread_scores
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.bias], ids=lambda v: v.key)
+def test_bias_forward_reads_each_k_stage_s_bias_tile_from_shared_memory(exported, variant):
+  """Bias variants: the producer loads each key block's bias tile (tile_m x tile_n, as two TMA
+  boxes of 64 keys: the 128-byte swizzle) with its K tile, at the two K loads of a tile; every
+  softmax site (the first block, the three step loops) reads a thread's 64 bias values with 8
+  ldmatrix.x4 (LDSM.16.M88.4) and loads no bias from global memory; the K stage carries the
+  bias tile's bytes; smem fits. Other masked variants have none of it."""
+  e = exported(variant)
+  ops = e.ops(modifiers=True)
+  boxes = variant.schedule.tile_n * 2 // 128
+  assert ops.count("UTMALDG.3D") == 2 * boxes
+  assert ops.count("LDSM.16.M88.4") == 4 * variant.schedule.tile_n // 16
+  assert not [op for op in ops if op.startswith("LDG.E.U16") or op.startswith("LDG.E.16")]
+  # The K stage's transaction bytes: K, its key ids and the bias tile.
+  s = variant.schedule
+  k_bytes = s.tile_n * variant.head_dim * 2 + s.tile_n * 4 + s.tile_m * s.tile_n * 2
+  assert re.search(rf"IMAD\.MOV\.U32 R\d+, RZ, RZ, {k_bytes:#x}\b", e.sass["main"]), hex(k_bytes)
+  assert FlashAttentionForwardSm90.smem_bytes(variant) <= sm90_gemm.SMEM_CAPACITY
   plain = next(v for v in VARIANTS if v.masked and not v.bias and v.dtype == variant.dtype
-               and v.schedule == variant.schedule)
-  assert "LDG.E.U16" not in exported(plain).ops(modifiers=True)
+               and (v.head_dim, v.head_dim_v) == (variant.head_dim, variant.head_dim_v)
+               and v.schedule.tile_m == variant.schedule.tile_m)
+  plain_ops = exported(plain).ops(modifiers=True)
+  assert "LDSM.16.M88.4" not in plain_ops and "UTMALDG.3D" not in plain_ops
 

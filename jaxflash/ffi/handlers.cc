@@ -402,9 +402,13 @@ ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
   return ffi::Error::Success();
 }
 
+// The last extent of a bias and dbias buffer: seqlen_k rounded up to a multiple of 8 (kernel_abi.h
+// JaxflashBias; jaxflash.config.bias_row_length).
+int64_t BiasRowLength(int64_t seqlen_k) { return (seqlen_k + 7) / 8 * 8; }
+
 // Bias variants: the operand after the mask operands is the bias (kernel_abi.h JaxflashBias), in
-// q's dtype, (batch or 1, num_heads or 1, seqlen_q or 1, seqlen_k). Sets bias->bias and its
-// extents (NULL for other variants); dbias is the backward's to set.
+// q's dtype, (batch or 1, num_heads or 1, seqlen_q or 1, BiasRowLength(seqlen_k)). Sets
+// bias->bias and its extents (NULL for other variants); dbias is the backward's to set.
 ffi::Error CheckBias(const CallAttrs& a, const JaxflashVariantInfo& info,
                      const ffi::RemainingArgs& extra, size_t index, ffi::DataType dtype,
                      int64_t b, int64_t h, int64_t sq, int64_t sk, JaxflashBias* bias) {
@@ -414,16 +418,19 @@ ffi::Error CheckBias(const CallAttrs& a, const JaxflashVariantInfo& info,
   if (got.has_error()) return got.error();
   const ffi::AnyBuffer& buffer = got.value();
   auto d = buffer.dimensions();
+  const int64_t row_length = BiasRowLength(sk);
   const bool ok = d.size() == 4 && buffer.element_type() == dtype && (d[0] == 1 || d[0] == b) &&
-                  (d[1] == 1 || d[1] == h) && (d[2] == 1 || d[2] == sq) && d[3] == sk;
+                  (d[1] == 1 || d[1] == h) && (d[2] == 1 || d[2] == sq) && d[3] == row_length;
   if (!ok) {
     return Invalid(a, std::string("bias is ") + DtypeName(buffer.element_type()) + " " +
                           Shape(buffer) + ", expected " + DtypeName(dtype) + " (" +
                           std::to_string(b) + " or 1, " + std::to_string(h) + " or 1, " +
-                          std::to_string(sq) + " or 1, " + std::to_string(sk) + ")");
+                          std::to_string(sq) + " or 1, " + std::to_string(row_length) +
+                          ": seqlen_k " + std::to_string(sk) + " rounded up to 8)");
   }
   *bias = JaxflashBias{buffer.untyped_data(), static_cast<int32_t>(d[0]),
-                       static_cast<int32_t>(d[1]), static_cast<int32_t>(d[2]), nullptr};
+                       static_cast<int32_t>(d[1]), static_cast<int32_t>(d[2]),
+                       static_cast<int32_t>(row_length), nullptr};
   return ffi::Error::Success();
 }
 
@@ -666,8 +673,9 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
     if (got.has_error()) return got.error();
     dbias = got.value();
     if (ffi::Error e = CheckExact(attrs, "dbias", **dbias,
-                                  {shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k},
-                                  ffi::DataType::F32);
+                                  {shape.batch, shape.num_heads, shape.seqlen_q,
+                                   BiasRowLength(shape.seqlen_k)},
+                                  q.element_type());
         e.failure()) {
       return e;
     }
@@ -734,9 +742,9 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   args.softcap = softcap;
   args.dq_copies = dq_copies;
   if (dbias) {
-    // The key tiles skip the query blocks their mask hides: those scores' gradients are 0.
-    if (ffi::Error e = Zero(attrs, stream, "dbias", **dbias); e.failure()) return e;
-    args.bias.dbias = static_cast<float*>((*dbias)->untyped_data());
+    // The kernel writes every element inside seqlen_k: dS where a key tile visits a query
+    // block, zeros where its mask skips one.
+    args.bias.dbias = (*dbias)->untyped_data();
   }
   if (int32_t status = library->bwd(&args, stream); status != 0) {
     return LaunchError(Where(attrs), status, q, k);
@@ -1060,8 +1068,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                                       // k (batch, seqlen_k, num_kv_heads, head_dim),
                                       // v (batch, seqlen_k, num_kv_heads, head_dim_v)
             .RemainingArgs()          // masked: JaxflashMask operands; bias variants: the
-                                      // bias (b|1, h|1, sq|1, sk) in q's dtype; then,
-                                      // optional, the sink (num_heads,) float32
+                                      // bias (b|1, h|1, sq|1, sk rounded up to 8) in q's
+                                      // dtype; then, optional, the sink (num_heads,) float32
             .Ret<ffi::AnyBuffer>()    // out (batch, seqlen_q, num_heads, head_dim_v)
             .Ret<ffi::AnyBuffer>()    // lse (batch, num_heads, seqlen_q) float32
             .RemainingRets()),        // dynamic schedules: tile_counter (1,) int32
@@ -1078,7 +1086,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
             .Arg<ffi::AnyBuffer>()    // d_out (like out)
             .Arg<ffi::AnyBuffer>()    // d_lse (like lse)
             .RemainingArgs()          // masked variants: JaxflashMask operands; bias
-                                      // variants: then the bias (b|1, h|1, sq|1, sk)
+                                      // variants: then the bias (b|1, h|1, sq|1, sk rounded
+                                      // up to 8)
             .Ret<ffi::AnyBuffer>()    // dq    (like q)
             .Ret<ffi::AnyBuffer>()    // dk    (like k), summed over a GQA group
             .Ret<ffi::AnyBuffer>()    // dv    (like v)
@@ -1086,7 +1095,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
             .Ret<ffi::AnyBuffer>()    // lse_log2 (batch, heads, sq_rounded) f32
             .Ret<ffi::AnyBuffer>()    // delta    (batch, heads, sq_rounded) f32
             .RemainingRets())         // dq_semaphore int32, deterministic only; dbias
-                                      // (b, h, sq, sk) f32, bias variants only
+                                      // (b, h, sq, sk rounded up to 8) in q's dtype, bias
+                                      // variants only
         .Attr<bool>("deterministic"),  // dq accumulated in a fixed order
     {ffi::Traits::kCmdBufferCompatible});
 

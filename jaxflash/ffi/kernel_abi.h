@@ -7,7 +7,7 @@
 
 #include <stdint.h>
 
-#define JAXFLASH_KERNEL_ABI_VERSION 15
+#define JAXFLASH_KERNEL_ABI_VERSION 16
 
 #ifdef __cplusplus
 extern "C" {
@@ -61,15 +61,19 @@ typedef struct {
 } JaxflashMask;
 
 // The additive bias of a bias variant: bias[b, h, i, j] joins score (i, j) of batch b and query
-// head h after the scale and softcap. bias is (batch, heads, rows, seqlen_k) in q's dtype, dense
-// row-major, where each of batch, heads and rows is either 1 (broadcast: the kernel reads
-// index 0) or the call's batch, num_heads or seqlen_q. Backward: dbias, float32 (batch,
-// num_heads, seqlen_q, seqlen_k) dense, receives d loss / d score of every (b, h, i, j), each
-// element written once (the caller reduces it over the broadcast dims).
+// head h after the scale and softcap. bias is (batch, heads, rows, row_length) in q's dtype,
+// dense row-major, 16-byte aligned, where each of batch, heads and rows is either 1 (broadcast:
+// the kernel reads index 0) or the call's batch, num_heads or seqlen_q, and row_length is
+// seqlen_k rounded up to a multiple of 8 (16-byte rows, as TMA needs; columns past seqlen_k are
+// not read). Backward: dbias, (batch, num_heads, seqlen_q, row_length) in q's dtype, dense,
+// 16-byte aligned, receives d loss / d score of every (b, h, i, j < seqlen_k), each element
+// written once (the caller reduces it over the broadcast dims); its columns past seqlen_k are
+// left as they were.
 typedef struct {
   const void* bias;
   int32_t batch, heads, rows;  // the bias's leading extents (1 or full)
-  float* dbias;                // backward only; NULL in the forward
+  int32_t row_length;          // its last extent: seqlen_k rounded up to a multiple of 8
+  void* dbias;                 // backward only; NULL in the forward
 } JaxflashBias;
 
 // The FP8 descales come per this many query rows or keys (jaxflash.config.FP8_DESCALE_ROWS).

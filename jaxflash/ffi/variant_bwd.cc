@@ -92,10 +92,7 @@ int32_t Validate(const JaxflashBwdArgs* a) {
       !Aligned(m.ranges, 16) || !Aligned(m.order, 16) || !Aligned(m.ranks, 16)) {
     return kInvalid;
   }
-  if (!jaxflash::BiasOperandsMatch(a->bias, true) || !Aligned(a->bias.bias, 4) ||
-      !Aligned(a->bias.dbias, 4)) {
-    return kInvalid;
-  }
+  if (!jaxflash::BiasOperandsMatch(a->bias, true, a->seqlen_k)) return kInvalid;
   return 0;
 }
 
@@ -173,13 +170,12 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
 #define JF_RANKS
 #endif
 #if JAXFLASH_BIAS
-    // The bias with stride 0 along its broadcast dims; dbias dense (b, h, sq, sk) float32.
-    const JaxflashBias& bb = a.bias;
-    auto bias = jaxflash::BiasTensor<JF_MAIN(_Tensor_mBias_t)>(bb.bias, b, h, sq, sk, bb.batch,
-                                                               bb.heads, bb.rows);
-    auto dbias = jaxflash::BiasTensor<JF_MAIN(_Tensor_mdBias_t)>(bb.dbias, b, h, sq, sk, b, h,
-                                                                 sq);
-#define JF_BIAS &bias, &dbias,
+    // The bias as planes of rows with their steps; dbias (b, h, sq, sk) with the bias's row
+    // length.
+    auto bias = jaxflash::BiasPlanes<JF_MAIN(_Tensor_mBias_t)>(a.bias, sk);
+    auto dbias = jaxflash::DbiasTensor<JF_MAIN(_Tensor_mdBias_t)>(a.bias.dbias, b, h, sq, sk,
+                                                                  a.bias.row_length);
+#define JF_BIAS &bias.planes, bias.batch_planes, bias.head_planes, bias.query_step, &dbias,
 #else
 #define JF_BIAS
 #endif

@@ -85,33 +85,64 @@ inline bool MaskOperandsMatch(const JaxflashMask& m) {
   return (JAXFLASH_MASKED ? all : !any) && ranks_ok;
 }
 
-// The bias (and dbias) must be there exactly for bias variants.
-inline bool BiasOperandsMatch(const JaxflashBias& b, bool backward) {
+// The bias (and dbias) must be there exactly for bias variants, 16-byte aligned with 16-byte
+// rows of at least seqlen_k elements (TMA).
+inline bool BiasOperandsMatch(const JaxflashBias& b, bool backward, int32_t seqlen_k) {
   if (!JAXFLASH_BIAS) return b.bias == nullptr && b.dbias == nullptr;
+  const bool aligned = (reinterpret_cast<uintptr_t>(b.bias) & 15) == 0 &&
+                       (reinterpret_cast<uintptr_t>(b.dbias) & 15) == 0;
+  const int64_t planes = static_cast<int64_t>(b.batch) * b.heads;
   return b.bias != nullptr && (b.dbias != nullptr) == backward && b.batch >= 1 && b.heads >= 1 &&
-         b.rows >= 1;
+         b.rows >= 1 && planes <= INT32_MAX && b.row_length >= seqlen_k && b.row_length % 8 == 0 &&
+         aligned;
 }
 
-// A bias tensor struct (batch, heads, seqlen_q, seqlen_k) of export_to_c (4 dynamic extents, 3
-// dynamic strides) over a dense (b_extent, h_extent, rows, seqlen_k) buffer: a dim of extent 1
-// gets stride 0, so the kernel reads index 0 for every batch, head or row.
+// The bias operands of a bias variant's kernel (jaxflash.kernels.compile.bias_signature): the
+// (rows, seqlen_k, planes) view of the buffer, a plane per (batch, head) it does not broadcast
+// and its rows (the queries, or 1) row_length apart, and the steps of batch and head in planes
+// and of query in rows (0 along a broadcast dim; kernels/bias.py BiasPlanes).
 template <typename T>
-T BiasTensor(const void* data, int32_t batch, int32_t heads, int32_t seqlen_q, int32_t seqlen_k,
-             int32_t b_extent, int32_t h_extent, int32_t rows) {
+struct BiasOperands {
+  T planes;
+  int32_t batch_planes, head_planes, query_step;
+};
+
+template <typename T>
+BiasOperands<T> BiasPlanes(const JaxflashBias& b, int32_t seqlen_k) {
+  static_assert(sizeof(T::dynamic_shapes) == 3 * sizeof(int32_t) &&
+                    sizeof(T::dynamic_strides) == 2 * sizeof(int64_t),
+                "the bias is (rows, seqlen_k, planes) with dynamic row and plane strides in "
+                "jaxflash.kernels.compile.bias_signature");
+  BiasOperands<T> out = {};
+  out.planes.data = const_cast<void*>(b.bias);
+  out.planes.dynamic_shapes[0] = b.rows;
+  out.planes.dynamic_shapes[1] = seqlen_k;
+  out.planes.dynamic_shapes[2] = b.batch * b.heads;
+  out.planes.dynamic_strides[0] = b.row_length;
+  out.planes.dynamic_strides[1] = static_cast<int64_t>(b.rows) * b.row_length;
+  out.query_step = b.rows == 1 ? 0 : 1;
+  out.head_planes = b.heads == 1 ? 0 : 1;
+  out.batch_planes = b.batch == 1 ? 0 : b.heads;
+  return out;
+}
+
+// The backward's dbias (batch, heads, seqlen_q, seqlen_k), dense with rows row_length apart.
+template <typename T>
+T DbiasTensor(void* data, int32_t batch, int32_t heads, int32_t seqlen_q, int32_t seqlen_k,
+              int32_t row_length) {
   static_assert(sizeof(T::dynamic_shapes) == 4 * sizeof(int32_t) &&
                     sizeof(T::dynamic_strides) == 3 * sizeof(int64_t),
-                "the bias is (batch, heads, seqlen_q, seqlen_k) with 3 dynamic strides in "
-                "jaxflash.kernels.compile.bias_tensor");
+                "dbias is (batch, heads, seqlen_q, seqlen_k) with 3 dynamic strides in "
+                "jaxflash.kernels.compile.bias_signature");
   T t = {};
-  t.data = const_cast<void*>(data);
+  t.data = data;
   t.dynamic_shapes[0] = batch;
   t.dynamic_shapes[1] = heads;
   t.dynamic_shapes[2] = seqlen_q;
   t.dynamic_shapes[3] = seqlen_k;
-  const int64_t row = seqlen_k, head = row * rows, item = head * h_extent;
-  t.dynamic_strides[0] = b_extent == 1 ? 0 : item;
-  t.dynamic_strides[1] = h_extent == 1 ? 0 : head;
-  t.dynamic_strides[2] = rows == 1 ? 0 : row;
+  t.dynamic_strides[2] = row_length;
+  t.dynamic_strides[1] = t.dynamic_strides[2] * seqlen_q;
+  t.dynamic_strides[0] = t.dynamic_strides[1] * heads;
   return t;
 }
 

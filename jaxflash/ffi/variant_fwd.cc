@@ -78,9 +78,7 @@ int32_t Validate(const JaxflashFwdArgs* args) {
       !Aligned(args->mask.order, 16)) {
     return kInvalid;
   }
-  if (!jaxflash::BiasOperandsMatch(args->bias, false) || !Aligned(args->bias.bias, 4)) {
-    return kInvalid;
-  }
+  if (!jaxflash::BiasOperandsMatch(args->bias, false, args->seqlen_k)) return kInvalid;
   // Dynamic schedules claim their tiles from a zeroed counter; the others take none.
   if ((args->tile_counter != nullptr) != (JAXFLASH_TILE_COUNTER != 0) ||
       !Aligned(args->tile_counter, 4)) {
@@ -128,10 +126,8 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
   TensorRanges ranges = Dense<TensorRanges>(m.ranges, {b, m_blocks}, 4);
   TensorOrder order = Dense<TensorOrder>(m.order, {b * m_blocks});
 #if JAXFLASH_BIAS
-  const JaxflashBias& bb = args->bias;
-  TensorBias bias = jaxflash::BiasTensor<TensorBias>(bb.bias, b, h, sq, sk, bb.batch, bb.heads,
-                                                      bb.rows);
-#define JF_BIAS &bias,
+  auto bias = jaxflash::BiasPlanes<TensorBias>(args->bias, sk);
+#define JF_BIAS &bias.planes, bias.batch_planes, bias.head_planes, bias.query_step,
 #else
 #define JF_BIAS
 #endif

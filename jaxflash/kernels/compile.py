@@ -128,24 +128,40 @@ def takes_tile_counter(variant: config.KernelVariant) -> bool:
   return variant.direction == "fwd" and getattr(variant.schedule, "dynamic", False)
 
 
-def bias_tensor(variant: config.KernelVariant, batch, num_heads, seqlen_q, seqlen_k,
-                dtype=None):
-  """Fake bias (or, dtype Float32, dbias) of a bias variant: (batch, num_heads, seqlen_q,
-  seqlen_k) with three dynamic 64-bit strides (0 along a broadcast dim: the C glue's
-  BiasTensor fills them) and a unit last stride; None for other variants."""
+# A bias variant's bias operands, in argument order (None each for other variants).
+BIAS_ARGUMENTS = ("bias", "bias_batch_planes", "bias_head_planes", "bias_query_step")
+
+
+def bias_signature(variant: config.KernelVariant, batch, num_heads, seqlen_q, seqlen_k) -> dict:
+  """Fake bias operands of a variant, by name (BIAS_ARGUMENTS, and the backward's dbias); None
+  each for variants without a bias. bias: the (rows, seqlen_k, planes) view of the buffer (a
+  plane per (batch, head) it does not broadcast, rows: its queries or 1; kernels/bias.py),
+  whose row stride is the buffer's last extent, a multiple of 8 (16-byte rows for TMA); the
+  plane and row steps are Int32 scalars (the C glue's BiasPlanes fills all four). dbias
+  (backward): (batch, num_heads, seqlen_q, seqlen_k) in the input dtype, dense with rows of
+  that same padded length."""
   if not variant.bias:
-    return None
-  strides = (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 1)
-  return make_fake_tensor(dtype or DTYPES[variant.dtype], (batch, num_heads, seqlen_q, seqlen_k),
-                          strides, assumed_align=4)
+    return dict.fromkeys(BIAS_ARGUMENTS + ("dbias",))
+  dtype = DTYPES[variant.dtype]
+  out = dict(
+      bias=make_fake_tensor(dtype, (cute.sym_int32(), seqlen_k, cute.sym_int32()),
+                            (cute.sym_int64(divisibility=8), 1, cute.sym_int64(divisibility=8)),
+                            assumed_align=_ASSUMED_ALIGN),
+      bias_batch_planes=cutlass.Int32(0), bias_head_planes=cutlass.Int32(0),
+      bias_query_step=cutlass.Int32(1))
+  if variant.direction == "bwd":
+    strides = tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,)
+    out["dbias"] = make_fake_tensor(dtype, (batch, num_heads, seqlen_q, seqlen_k), strides,
+                                    assumed_align=_ASSUMED_ALIGN)
+  return out
 
 
 def fwd_signature(variant: config.KernelVariant):
-  """Fake (q, k, v, out, lse, sink, q_ids, k_ids, ranges, order, tile_counter, bias) tensors and
-  the (window_left, window_right, softcap) scalars of the forward kernel; shapes dynamic, head
-  dims static. The mask operands and softcap are None for dense variants, the tile counter ((1,)
-  int32) for static schedules, the bias for variants without one (bias_tensor); sink
-  (num_heads,) float32 is there for every variant.
+  """Fake (q, k, v, out, lse, sink, q_ids, k_ids, ranges, order, tile_counter, *BIAS_ARGUMENTS)
+  operands and the (window_left, window_right, softcap) scalars of the forward kernel; shapes
+  dynamic, head dims static. The mask operands and softcap are None for dense variants, the
+  tile counter ((1,) int32) for static schedules, the bias operands for variants without one
+  (bias_signature); sink (num_heads,) float32 is there for every variant.
 
   Extents that must be equal share one SymInt. Strides are explicit 64-bit SymInts in mode
   order (batch, seq, heads) for q/k/v/out and (batch, heads) for lse, with a unit last stride:
@@ -168,10 +184,10 @@ def fwd_signature(variant: config.KernelVariant):
              if variant.masked else _NO_MASK)
   counter = (make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
              if takes_tile_counter(variant) else None)
-  bias = bias_tensor(variant, batch, num_heads, seqlen_q, seqlen_k)
+  bias = bias_signature(variant, batch, num_heads, seqlen_q, seqlen_k)
   return (q, k, v, out, lse, sink, masking["row_ids"], masking["col_ids"], masking["ranges"],
-          masking["order"], counter, bias, masking["window_left"], masking["window_right"],
-          masking["softcap"])
+          masking["order"], counter, *(bias[name] for name in BIAS_ARGUMENTS),
+          masking["window_left"], masking["window_right"], masking["softcap"])
 
 
 def fp8_fwd_signature(variant: config.KernelVariant):
@@ -310,11 +326,9 @@ def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
                             cutlass.Int32(0), cutlass.Int32(0), make_fake_stream(),
                             options=options)
   else:
-    q, k, v, out, lse, sink, row_ids, col_ids, ranges, order, counter, bias, left, right, cap = (
-        fwd_signature(variant))
-    compiled = cute.compile(kernel, q, k, v, out, lse, sink, row_ids, col_ids, ranges, order,
-                            counter, bias, cutlass.Float32(1.0), cutlass.Int32(0), left, right,
-                            cap, make_fake_stream(), options=options)
+    *tensors, left, right, cap = fwd_signature(variant)
+    compiled = cute.compile(kernel, *tensors, cutlass.Float32(1.0), cutlass.Int32(0), left,
+                            right, cap, make_fake_stream(), options=options)
   compiled.export_to_c(str(out_dir), variant.key, prefix)
   seconds = time.perf_counter() - start
   object_path = out_dir / f"{variant.key}.o"
@@ -481,9 +495,7 @@ def bwd_signature(variant: config.KernelVariant) -> dict:
                    ranges=masking["ranges"], order=masking["order"], ranks=ranks,
                    window_left=masking["window_left"], window_right=masking["window_right"],
                    softcap=masking["softcap"],
-                   bias=bias_tensor(variant, batch, num_heads, seqlen_q, seqlen_k),
-                   dbias=bias_tensor(variant, batch, num_heads, seqlen_q, seqlen_k,
-                                     cutlass.Float32))
+                   **bias_signature(variant, batch, num_heads, seqlen_q, seqlen_k))
   return signature
 
 
@@ -509,8 +521,8 @@ def export_bwd_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel
               sig["delta"], sig["dq_accum"], sig["dq_semaphore"], stream),
       "main": (main, sig["q"], sig["k"], sig["v"], sig["d_out"], sig["lse_log2"], sig["delta"],
                sig["dq_accum"], sig["dk"], sig["dv"], sig["dq_semaphore"], sig["query_ids"],
-               sig["key_ids"], sig["ranges"], sig["order"], sig["ranks"], sig["bias"],
-               sig["dbias"], scale,
+               sig["key_ids"], sig["ranges"], sig["order"], sig["ranks"],
+               *(sig[name] for name in BIAS_ARGUMENTS + ("dbias",)), scale,
                sig["window_left"], sig["window_right"], sig["softcap"], stream),
       "post": (post, sig["dq_accum"], sig["dq"], sig["dq_semaphore"], scale, stream),
   }

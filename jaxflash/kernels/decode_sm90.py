@@ -77,17 +77,6 @@ def _scale_floats(variant: config.KernelVariant) -> int:
   return s.num_stages * 2 * (s.tile_n // BOX_ROWS) + 1
 
 
-def _byte_offset(layout: cute.ComposedLayout, crd, elem_bytes: int) -> Int32:
-  """Byte offset of coordinate crd in a swizzled shared-memory layout (sm90_gemm.smem_layout)
-  of elem_bytes-byte elements: its swizzle (Swizzle<B, M, S>) acts on byte offsets, so the
-  unswizzled element offset is scaled first. A ring's stages are whole swizzle periods apart,
-  so crd may name any stage."""
-  sw = layout.inner
-  offset = Int32(cute.crd2idx(crd, layout.outer)) * elem_bytes
-  mask = ((1 << sw.num_bits) - 1) << sw.num_base
-  return offset ^ ((offset >> sw.num_shift) & mask)
-
-
 @dsl_user_op
 def _ld_shared_v4(addr: Int32, *, loc=None, ip=None):
   """Four 32-bit words from shared memory at byte address addr (16-byte aligned)."""
@@ -204,6 +193,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     self.rescale_o_before_pv = variant.head_dim_v > 128
     # No side buffer rides the K stages: K is released as soon as its GEMM is done.
     self.masked = False
+    self.bias = False
     self.fixed_capped_max = False  # the running max, soft-capped or not (_softmax)
     self.tiles_from_last_row = False
     self.fp8_cache = variant.kv_dtype is not None
@@ -633,13 +623,14 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       col = (chunk - key * per_key) * _CHUNK
       # (key, head_dim, stage) of K, (head_dim_v, key, stage) of V: head dims contiguous.
       crd = lambda c, stage: (key, c, stage) if const_expr(is_k) else (c, key, stage)
-      words = _ld_shared_v4(src_base + _byte_offset(src_layout, crd(col, src_state.index), 1))
+      words = _ld_shared_v4(
+          src_base + sm90_gemm.swizzled_byte_offset(src_layout, crd(col, src_state.index), 1))
       out = []
       for w in words:
         out += _e4m3x4_to_16bit(w, bf16)
       for half in cutlass.range_constexpr(2):
-        dst = _byte_offset(dst_layout, crd(col + half * _CHUNK // 2, dst_state.index),
-                           out_bytes)
+        dst = sm90_gemm.swizzled_byte_offset(
+            dst_layout, crd(col + half * _CHUNK // 2, dst_state.index), out_bytes)
         _st_shared_v4(dst_base + dst, *out[4 * half:4 * half + 4])
     # The 16-bit stores are generic-proxy; the consumers' WGMMA reads through the async one.
     cute.arch.fence_proxy("async.shared", space="cta")
