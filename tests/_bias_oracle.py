@@ -1,5 +1,6 @@
-"""The additive-bias oracle of the bias tests: attention with every score materialised, and its
-gradients (dq, dk, dv, dbias) by JAX's differentiation of that, in any compute dtype."""
+"""The additive-bias oracles of the bias tests: attention with every score materialised, and its
+gradients (dq, dk, dv, dbias) by JAX's differentiation of that, in any compute dtype; and the
+jaxflash reference as the oracle for the options that one lacks."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxflash
 from tests._cases import x64
 
 
@@ -69,4 +71,35 @@ def oracle_and_naive(q, k, v, bias, w_out, w_lse, grads=True, **options):
   with x64():
     exact = run(jnp.float64, tuple(jnp.asarray(np.asarray(x, np.float64))
                                    for x in (q, k, v, bias)))
+  return exact, naive
+
+
+def reference_oracle_and_naive(q, k, v, bias, w_out, w_lse, kwargs):
+  """(float64, naive in q's dtype) of (out, lse, dq, dk, dv, dbias) from the jaxflash reference,
+  for options bias_attention lacks (windows, sinks; kwargs: jaxflash.attention's): the
+  reference in float64 is the oracle there, and the naive run takes the bias rounded to q's
+  dtype, as oracle_and_naive's does and as the kernels read it. Without that rounding a float32
+  bias stays float32 in the reference, whose scores then carry none of the bias's rounding
+  (f16_d128_segments_sink of test_gpu_bias: out error 2.6e-4 against 7.5e-4 from rounding the
+  bias to float16 alone; tests/test_bias.py)."""
+  def run(arrays, dtype):
+    q, k, v, bias = arrays
+    kw = dict(kwargs)
+    if "learnable_sink" in kw:
+      kw["learnable_sink"] = kw["learnable_sink"].astype(
+          jnp.float64 if dtype == jnp.float64 else jnp.float32)
+    attend = lambda q, k, v, bias: jaxflash.attention(q, k, v, bias=bias, return_lse=True,
+                                                      implementation="reference", **kw)
+
+    def loss(q, k, v, bias):
+      out, lse = attend(q, k, v, bias)
+      lse_term = jnp.where(jnp.isfinite(lse), lse * w_lse.astype(lse.dtype), 0)
+      return jnp.sum(out * w_out.astype(out.dtype)) + jnp.sum(lse_term)
+    outs = tuple(attend(*arrays)) + tuple(jax.grad(loss, argnums=(0, 1, 2, 3))(*arrays))
+    return tuple(np.asarray(x, np.float64) for x in outs)
+
+  naive = run((q, k, v, bias.astype(q.dtype)), q.dtype)
+  with x64():
+    exact = run(tuple(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, bias)),
+                jnp.float64)
   return exact, naive

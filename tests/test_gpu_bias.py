@@ -17,7 +17,7 @@ import pytest
 import jaxflash
 from jaxflash import block_ranges, config, ffi
 from jaxflash.config import BWD_TARGET, FWD_TARGET, AttentionConfig, KernelVariant
-from tests._bias_oracle import oracle_and_naive
+from tests._bias_oracle import oracle_and_naive, reference_oracle_and_naive
 from tests._cases import make_qkv, make_segments
 from tests._oracle import assert_close_to_oracle
 
@@ -63,7 +63,7 @@ CASES = {
 }
 
 
-def _case_inputs(name):
+def case_inputs(name):
   dtype, d, (b, seq_q, seq_k, h, h_kv), dims, bias_dtype, options = CASES[name]
   seed = zlib.crc32(name.encode())
   q, k, v = make_qkv(seed, b, seq_q, seq_k, h, h_kv, d, dtype=jnp.dtype(dtype))
@@ -108,36 +108,9 @@ def _grads(kwargs, w_out, w_lse):
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
 
 
-def _reference_oracle(q, k, v, bias, w_out, w_lse, kwargs):
-  """(float64, naive in q's dtype) of the jaxflash reference for options the bias oracle lacks
-  (windows, sinks): the reference itself in float64 is the oracle there."""
-  from tests._cases import x64
-
-  def run(arrays, dtype):
-    q, k, v, bias = arrays
-    kw = dict(kwargs)
-    if "learnable_sink" in kw:
-      kw["learnable_sink"] = kw["learnable_sink"].astype(
-          jnp.float64 if dtype == jnp.float64 else jnp.float32)
-    attend = lambda q, k, v, bias: jaxflash.attention(q, k, v, bias=bias, return_lse=True,
-                                                      implementation="reference", **kw)
-    def loss(q, k, v, bias):
-      out, lse = attend(q, k, v, bias)
-      lse_term = jnp.where(jnp.isfinite(lse), lse * w_lse.astype(lse.dtype), 0)
-      return jnp.sum(out * w_out.astype(out.dtype)) + jnp.sum(lse_term)
-    outs = tuple(attend(*arrays)) + tuple(jax.grad(loss, argnums=(0, 1, 2, 3))(*arrays))
-    return tuple(np.asarray(x, np.float64) for x in outs)
-
-  naive = run((q, k, v, bias), q.dtype)
-  with x64():
-    exact = run(tuple(jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, bias)),
-                jnp.float64)
-  return exact, naive
-
-
 @pytest.mark.parametrize("name", CASES, ids=CASES.keys())
 def test_forward_and_gradients_match_float64_oracle(name):
-  q, k, v, bias, w_out, w_lse, kwargs = _case_inputs(name)
+  q, k, v, bias, w_out, w_lse, kwargs = case_inputs(name)
   dtype, d = CASES[name][0], CASES[name][1]
   cfg = AttentionConfig(softmax_scale=d ** -0.5, bias_dims=(True,) * 3,
                         causal=kwargs.get("causal", False))
@@ -153,7 +126,7 @@ def test_forward_and_gradients_match_float64_oracle(name):
     assert BWD_TARGET not in grad_text
   got = tuple(attend(q, k, v, bias)) + tuple(grads(q, k, v, bias))
   if "window_size" in kwargs or "learnable_sink" in kwargs:
-    exact, naive = _reference_oracle(q, k, v, bias, w_out, w_lse, kwargs)
+    exact, naive = reference_oracle_and_naive(q, k, v, bias, w_out, w_lse, kwargs)
   else:
     exact, naive = oracle_and_naive(q, k, v, bias, w_out, w_lse, **_oracle_options(kwargs))
   for label, g, e, n in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got, exact, naive):
@@ -267,6 +240,7 @@ def test_nan_in_the_bias_gives_nan_where_the_reference_does():
     g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
     np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=name)
     assert np.isnan(g).any(), name
+
 
 def test_nan_in_one_head_s_bias_stays_out_of_other_kv_heads_gradients():
   """A NaN in head 2's bias (row 7) stays in the gradients of its kv head (1 of 2): the padding
