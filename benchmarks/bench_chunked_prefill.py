@@ -5,9 +5,11 @@ a cache holding `length` keys (the new ones included), GQA 32 / 8 heads, head_di
 each sequence's offset (query i at position length - chunk + i), in each dtype of `--dtypes`.
 The batch keeps 16384 new tokens per call. Columns (TFLOP/s, causal FLOPs: 4 * head_dim * the
 visible (query, key) pairs, per head):
-  chunked / chunked-p64 / chunked-p256: kv_cache_attention on contiguous caches / pools of 64- /
-    256-key pages in a random order, which the routing sends to the chunked-prefill variant
-    (the column reports an error if the traced call names another variant);
+  chunked / chunked-p128 / chunked-p256: kv_cache_attention on contiguous caches / pools of
+    128- / 256-key pages in a random order, which the routing sends to the chunked-prefill
+    variant (the column reports an error if the traced call names another variant);
+  chunked-p64: pools of 64-key pages forced onto the chunked variant (split_kv.use_chunked true
+    while traced; the routing sends pages smaller than a key block to the split-KV kernel);
   split / split-p64: the same calls on the split-KV decode kernel (split_kv.use_chunked false
     while they are traced): what the chunked path replaces;
   attention: jaxflash.attention(causal=True) on the same keys contiguous (seq_k = length:
@@ -58,8 +60,8 @@ class Case(NamedTuple):
 
 CASES = {f"c{c}_{n // 1024}k": Case(c, n) for c in (512, 2048, 4096)
          for n in (8192, 16384, 32768)}
-IMPLS = ("chunked", "chunked-p64", "chunked-p256", "split", "split-p64", "attention",
-         "cudnn-dense")
+IMPLS = ("chunked", "chunked-p64", "chunked-p128", "chunked-p256", "split", "split-p64",
+         "attention", "cudnn-dense")
 
 
 def causal_flops(case: Case) -> float:
@@ -74,14 +76,17 @@ def dense_flops(case: Case) -> float:
   return 4.0 * case.head_dim * case.chunk * case.length * case.heads * case.batch
 
 
-def _on_split(trace):
-  """trace() with kv_cache_attention's routing sending every call to the split-KV kernel."""
-  routing = split_kv.use_chunked
-  split_kv.use_chunked = lambda *args, **kwargs: False
-  try:
-    return trace()
-  finally:
-    split_kv.use_chunked = routing
+def _routed(chunked: bool):
+  """trace -> trace() with kv_cache_attention's routing sending every call to the chunked
+  (True) or the split-KV (False) kernel."""
+  def wrap(trace):
+    routing = split_kv.use_chunked
+    split_kv.use_chunked = lambda *args, **kwargs: chunked
+    try:
+      return trace()
+    finally:
+      split_kv.use_chunked = routing
+  return wrap
 
 
 def _chunked_only(fn, args, dtype, case: Case):
@@ -103,17 +108,19 @@ def calls(case: Case, dtype, impls) -> dict:
   k, v = (jax.random.normal(key, shape, dtype) for key in keys[1:])
   lengths = jnp.full((b,), case.length, jnp.int32)
   pools = {}
-  for page_size in (64, 256):
+  for page_size in (64, 128, 256):
     if any(impl.endswith(f"p{page_size}") for impl in impls):
       (k_pool, table), (v_pool, _) = paged(k, page_size, 2), paged(v, page_size, 2)
       pools[page_size] = (k_pool, v_pool, table)
   causal = causal_flops(case)
   out = {}
-  for prefix, wrap in (("chunked", lambda trace: trace()), ("split", _on_split)):
-    for suffix, page_size in (("", None), ("-p64", 64), ("-p256", 256)):
+  for prefix in ("chunked", "split"):
+    for suffix, page_size in (("", None), ("-p64", 64), ("-p128", 128), ("-p256", 256)):
       impl = prefix + suffix
       if impl not in impls:
         continue
+      wrap = (_routed(False) if prefix == "split" else _routed(True) if page_size == 64
+              else lambda trace: trace())
       if page_size is None:
         args = (q, k, v, lengths, None)
       else:

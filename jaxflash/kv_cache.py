@@ -223,7 +223,8 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
     kv_dtype = fp8_cache.FP8_DTYPE if fp8 else None
     # A given split count asks for the split-KV kernel; only automatic calls may go chunked.
     chunked = num_splits is None and split_kv.use_chunked(
-        b, seq_q, h, k_cache.shape[2], dtype, query.shape[-1], v_cache.shape[-1], kv_dtype)
+        b, seq_q, h, k_cache.shape[2], dtype, query.shape[-1], v_cache.shape[-1], kv_dtype,
+        page_size=None if page_table is None else k_cache.shape[1])
     impl = _resolve_implementation(implementation, dtype, query.shape[-1], v_cache.shape[-1],
                                    num_splits, kv_dtype, chunked)
     out, lse = _forward(config.replace(implementation=impl), num_splits, chunked, query,

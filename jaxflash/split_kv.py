@@ -60,24 +60,30 @@ def choose_num_splits(tiles: int, key_blocks: int, sms: int, max_blocks: int) ->
 
 
 def use_chunked(batch: int, seq_q: int, num_heads: int, num_kv_heads: int, dtype: str,
-                head_dim: int, head_dim_v: int, kv_dtype=None, sms=None) -> bool:
+                head_dim: int, head_dim_v: int, kv_dtype=None, sms=None,
+                page_size=None) -> bool:
   """Whether a kv_cache_attention call runs the chunked-prefill variant (the forward's 128-row
   tiles over all of a row tile's keys) instead of the split-KV decode one.
 
-  It does where a chunked variant covers the dtypes and head dims (config.chunked_support)
-  and each (sequence, kv head) has at least config.CHUNKED_MIN_ROWS packed query rows (seq_q *
-  query heads per kv head: one whole tile), and its tiles fill at least
+  It does where a chunked variant covers the dtypes and head dims (config.chunked_support),
+  the caches are contiguous (page_size None) or their pages hold whole key blocks (page_size a
+  multiple of the schedule's tile_n: one TMA copy per block; smaller pages take 16-key boxes,
+  which ran the chunked variant below the split-KV kernel, docs/kernels.md "Chunked
+  prefill"), each (sequence, kv head) has at least config.CHUNKED_MIN_ROWS packed query rows
+  (seq_q * query heads per kv head: one whole tile), and its tiles fill at least
   config.CHUNKED_MIN_WAVE of the SMs (sms: num_sms() when None, the count of an H100 / H200
   on a host without a GPU, so the choice is the same from static shapes wherever it is made):
   with fewer tiles the decode kernel's splits of the keys keep the other SMs busy.
   """
   if not config.chunked_support(dtype, head_dim, head_dim_v, kv_dtype)[0]:
     return False
+  schedule = config.chunked_schedule(head_dim, head_dim_v)
+  if page_size is not None and page_size % schedule.tile_n:
+    return False
   rows = seq_q * (num_heads // num_kv_heads)
   if rows < config.CHUNKED_MIN_ROWS:
     return False
-  tiles = batch * num_kv_heads * -(-rows // config.chunked_schedule(head_dim,
-                                                                     head_dim_v).tile_m)
+  tiles = batch * num_kv_heads * -(-rows // schedule.tile_m)
   return tiles >= config.CHUNKED_MIN_WAVE * (num_sms() if sms is None else sms)
 
 
@@ -113,7 +119,8 @@ def kernel_forward(cfg: config.AttentionConfig, query, k_cache, v_cache, lengths
   hk, dv = k_cache.shape[2], v_cache.shape[-1]
   kv_dtype = None if k_cache.dtype == query.dtype else str(k_cache.dtype)
   if chunked is None:
-    chunked = use_chunked(b, seq_q, h, hk, str(query.dtype), d, dv, kv_dtype)
+    chunked = use_chunked(b, seq_q, h, hk, str(query.dtype), d, dv, kv_dtype,
+                          page_size=None if page_table is None else k_cache.shape[1])
   if chunked:
     variant = config.chunked_variant(str(query.dtype), d, dv)
     num_splits = 0

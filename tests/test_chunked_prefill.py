@@ -34,6 +34,14 @@ def test_routing_by_rows_and_tiles(shape, expected):
   assert split_kv.use_chunked(b, seq_q, h, hk, "bfloat16", 128, 128, sms=132) == expected
 
 
+@pytest.mark.parametrize("page_size, expected", [
+    (None, True), (16, False), (64, False), (128, True), (256, True), (1024, True)])
+def test_routing_takes_pools_whose_pages_hold_whole_key_blocks(page_size, expected):
+  # Pages smaller than a 128-key block load in 16-key boxes, below the split-KV kernel's speed.
+  assert split_kv.use_chunked(16, 512, 32, 8, "bfloat16", 128, 128, sms=132,
+                              page_size=page_size) == expected
+
+
 def test_routing_keeps_what_no_chunked_variant_covers_on_the_decode_kernel():
   big = (16, 512, 32, 8)
   assert split_kv.use_chunked(*big, "float16", 64, 64, sms=132)

@@ -45,8 +45,8 @@ CASES = {  # name -> (dtype, batch, seq_q, heads, kv heads, d, capacity, lengths
 }
 
 
-@pytest.mark.parametrize("page_size", [None, 16, 64, 256], ids=["contiguous", "p16", "p64",
-                                                               "p256"])
+@pytest.mark.parametrize("page_size", [None, 16, 64, 128, 256],
+                         ids=["contiguous", "p16", "p64", "p128", "p256"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_chunked_kernel_matches_float64_oracle(chunked, case, page_size):
   dtype, b, seq_q, h, h_kv, d, capacity, lengths, options = case
@@ -64,15 +64,16 @@ def test_sinks_with_empty_sequences_and_negative_positions(chunked, page_size):
 
 def test_a_long_chunk_takes_the_chunked_variant_by_the_routing():
   """8 sequences of 512 new tokens, 32 / 8 heads: 1024 tiles of 128 rows, past the routing's
-  threshold; pages of 64 keys, lengths from 512 to the capacity."""
+  threshold; pages of 128 keys (whole key blocks, which the routing asks for), lengths from 512
+  to the capacity."""
   q, k, v = _inputs(14, 8, 512, 32, 8, 128, 128, 1536, "bfloat16")
   lengths = jnp.asarray([512, 513, 640, 700, 1023, 1024, 1300, 1536], jnp.int32)
-  k_pool, table = _pool(k, 64, 15)
-  v_pool, _ = _pool(v, 64, 15)
+  k_pool, table = _pool(k, 128, 15)
+  v_pool, _ = _pool(v, 128, 15)
   hlo = jax.jit(lambda *a: jaxflash.kv_cache_attention(*a[:4], page_table=a[4])).lower(
       q, k_pool, v_pool, lengths, table).as_text()
   assert config.chunked_variant("bfloat16", 128, 128).key in hlo
-  _check(q, k, v, lengths, {}, page_size=64)
+  _check(q, k, v, lengths, {}, page_size=128)
 
 
 # keep_unused: jit would otherwise drop the unread buffers, and their donation with them.

@@ -11,6 +11,7 @@ cuProfilerStop, so `ncu --profile-from-start off` sees exactly the kernels of on
   python devtools/kernel_selftest/profile_call.py modifier HDIM SEQ IMPL [--causal]
                                                           # bench_modifiers.py (softcap, sink)
   python devtools/kernel_selftest/profile_call.py fp8 HDIM SEQ IMPL [--causal]  # bench_fp8.py
+  python devtools/kernel_selftest/profile_call.py chunked CASE IMPL   # bench_chunked_prefill.py
 
 IMPL: a column of that benchmark (jaxflash, fa3, cudnn, xla, paged64, "window+sink", softcap,
 cudnn-fp8, ...).
@@ -26,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_attention  # noqa: E402
+import bench_chunked_prefill  # noqa: E402
 import bench_decode  # noqa: E402
 import bench_fp8  # noqa: E402
 import bench_masked  # noqa: E402
@@ -37,6 +39,12 @@ def decode_call(case: str, impl: str):
   if impl not in calls:
     raise SystemExit(f"bench_decode case {case} has no column {impl}")
   return calls[impl]
+
+
+def chunked_call(case: str, impl: str):
+  calls = bench_chunked_prefill.calls(bench_chunked_prefill.CASES[case], jnp.bfloat16, [impl])
+  fn, call_args, _ = calls[impl]
+  return fn, call_args
 
 
 def fwd_call(head_dim: int, seq: int, impl: str, causal: bool, grad: bool):
@@ -95,6 +103,9 @@ def main():
   d = sub.add_parser("decode")
   d.add_argument("case", choices=list(bench_decode.CASES))
   d.add_argument("impl", choices=bench_decode.IMPLS)
+  c = sub.add_parser("chunked")
+  c.add_argument("case", choices=list(bench_chunked_prefill.CASES))
+  c.add_argument("impl", choices=bench_chunked_prefill.IMPLS)
   f = sub.add_parser("fwd")
   f.add_argument("head_dim", type=int)
   f.add_argument("seq", type=int)
@@ -117,6 +128,8 @@ def main():
   args = p.parse_args()
   if args.kind == "decode":
     fn, call_args = decode_call(args.case, args.impl)
+  elif args.kind == "chunked":
+    fn, call_args = chunked_call(args.case, args.impl)
   elif args.kind == "fwd":
     fn, call_args = fwd_call(args.head_dim, args.seq, args.impl, args.causal, args.grad)
   elif args.kind == "masked":
