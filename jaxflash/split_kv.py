@@ -109,18 +109,15 @@ def unpack(out, lse, seq_q: int):
 
 
 def kernel_forward(cfg: config.AttentionConfig, query, k_cache, v_cache, lengths, page_table,
-                   sink, num_splits, k_descale=None, v_descale=None, chunked=None):
+                   sink, num_splits, k_descale=None, v_descale=None, chunked: bool = False):
   """kv_cache_attention on the decode kernels: (out, lse) as the reference returns them, with
   the sink. The kernel clamps the lengths to [0, capacity]; page_table None means contiguous
   caches; float8_e4m3fn caches come with their descales. chunked: run the chunked-prefill
-  variant (True; num_splits is then ignored) or the split-KV one (False); None: use_chunked
-  decides."""
+  variant (True, as use_chunked chooses it; num_splits is then ignored) or the split-KV one
+  (False)."""
   b, seq_q, h, d = query.shape
   hk, dv = k_cache.shape[2], v_cache.shape[-1]
   kv_dtype = None if k_cache.dtype == query.dtype else str(k_cache.dtype)
-  if chunked is None:
-    chunked = use_chunked(b, seq_q, h, hk, str(query.dtype), d, dv, kv_dtype,
-                          page_size=None if page_table is None else k_cache.shape[1])
   if chunked:
     variant = config.chunked_variant(str(query.dtype), d, dv)
     num_splits = 0
