@@ -196,8 +196,9 @@ def kv_cache_attention(query, k_cache, v_cache, cache_lengths, *, page_table=Non
   one 128-row tile per (sequence, kv head), with enough such tiles to fill most of the GPU's
   SMs, runs the chunked-prefill kernel (the forward's 128-row tiles, two consumer warpgroups,
   keys through the page table; head dims (64, 64), (96, 96), (128, 128) over 16-bit caches,
-  contiguous or in pages of a multiple of 128 keys) when num_splits is None. Other calls (decoding, short chunks, FP8 caches, larger head dims,
-  a given num_splits) run the split-KV decode kernel. Both give the same result up to rounding
+  contiguous or in pages of a multiple of 128 keys) when num_splits is None. Other calls
+  (decoding, short chunks, smaller pages, FP8 caches, larger head dims, a given num_splits) run
+  the split-KV decode kernel. Both give the same result up to rounding
   (docs/kernels.md, "Chunked prefill over KV caches").
 
   Forward only: differentiating raises a TypeError. jit and vmap work; under `jit` with
