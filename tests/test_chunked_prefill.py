@@ -14,6 +14,7 @@ from jax.export import DisabledSafetyCheck
 import jaxflash
 from jaxflash import config, split_kv
 from jaxflash.decode_kernel import decode_attention
+from tests.test_decode_kernel import check_against_reference
 
 CHUNKED = config.chunked_variant("bfloat16", 128, 128)
 
@@ -166,36 +167,11 @@ def test_the_chunked_call_elsewhere_is_the_reference_attention(paged, options):
   partials of 0 splits: kv_cache_attention's reference result over lengths 0, shorter than the
   chunk (queries at negative positions), inside and at the end of the cache, with sinks and
   GQA 4:1 (two 128-row tiles per kv head, the second partial)."""
-  rng = np.random.default_rng(5)
-  b, seq_q, group, hk, d, page_size, pages = 4, 40, 4, 2, 64, 16, 6
-  bf16 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
-  q = bf16(b, seq_q, hk * group, d)
-  k, v = bf16(b, pages * page_size, hk, d), bf16(b, pages * page_size, hk, d)
-  lengths = jnp.asarray([0, 25, 70, 96], jnp.int32)
-  table = None
-  k_in, v_in = k, v
-  if paged:
-    order = rng.permutation(b * pages)
-    table = jnp.asarray(order.reshape(b, pages), jnp.int32)
-    pool = lambda x: jnp.zeros((b * pages, page_size, hk, d), x.dtype).at[order].set(
-        x.reshape(b * pages, page_size, hk, d))
-    k_in, v_in = pool(k), pool(v)
-  kw = dict(variant=config.chunked_variant("bfloat16", d, d), softmax_scale=0.125,
-            seqlen_q=seq_q, window_left=None, window_right=0, softcap=None, num_splits=0)
+  kw = dict(variant=config.chunked_variant("bfloat16", 64, 64), softmax_scale=0.125,
+            seqlen_q=40, window_left=None, window_right=0, softcap=None, num_splits=0)
   kw.update(options)
-  sink = jnp.asarray(rng.standard_normal(hk * group), jnp.float32)
-  packed = jax.jit(lambda *a: decode_attention(*a, **kw))(
-      split_kv.pack_query(q, hk), k_in, v_in, table, lengths, sink.reshape(hk, group))
-  assert packed[0].dtype == jnp.bfloat16 and packed[0].shape == (b, hk, seq_q * group, d)
-  out, lse = split_kv.unpack(*packed, seq_q)
-  f32 = lambda x: x.astype(jnp.float32)
-  want, want_lse = jaxflash.kv_cache_attention(
-      f32(q), f32(k), f32(v), lengths, causal=kw["window_right"] == 0, softmax_scale=0.125,
-      window_size=(kw["window_left"], None if kw["window_right"] == 0 else kw["window_right"]),
-      softcap=kw["softcap"], learnable_sink=sink, return_lse=True, implementation="reference")
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), rtol=1e-2,
-                             atol=1e-2)
-  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=2e-5, atol=2e-5)
+  check_against_reference(np.random.default_rng(5), (4, 40, 4, 2, 64), 16, 6,
+                          jnp.asarray([0, 25, 70, 96], jnp.int32), kw, paged)
 
 
 def test_the_public_call_on_the_chunked_path_under_jit_and_vmap(monkeypatch):

@@ -75,31 +75,37 @@ def test_cuda_lowering_provides_the_variant_on_a_gpu_host(monkeypatch):
 def test_the_call_elsewhere_is_the_reference_attention(paged, options):
   """Off CUDA, decode_p computes the kernels' partials and merge in XLA: kv_cache_attention's
   reference result (lengths 0, 1, 17, a partial page, full), with a sink."""
-  rng = np.random.default_rng(3)
-  b, seq_q, group, hk, d, page_size, pages = 5, 2, 4, 2, 128, 16, 3
+  kw = dict(OPTIONS, window_left=None, seqlen_q=2)
+  kw.update(options)
+  check_against_reference(np.random.default_rng(3), (5, 2, 4, 2, 128), 16, 3,
+                          jnp.asarray([0, 1, 17, 40, 48], jnp.int32), kw, paged)
+
+
+def check_against_reference(rng, shape, page_size, pages, lengths, kw, paged):
+  """decode_attention(**kw) on random bf16 inputs of shape (batch, seq_q, group, kv heads,
+  head_dim) over caches of pages * page_size keys (a permuted pool of those pages when paged)
+  with a learnable sink, unpacked: kv_cache_attention's reference result."""
+  b, seq_q, group, hk, d = shape
   bf16 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
   q = bf16(b, seq_q, hk * group, d)
   k, v = bf16(b, pages * page_size, hk, d), bf16(b, pages * page_size, hk, d)
-  lengths = jnp.asarray([0, 1, 17, 40, 48], jnp.int32)
   table = None
+  k_in, v_in = k, v
   if paged:
     order = rng.permutation(b * pages)
     table = jnp.asarray(order.reshape(b, pages), jnp.int32)
     pool = lambda x: jnp.zeros((b * pages, page_size, hk, d), x.dtype).at[order].set(
         x.reshape(b * pages, page_size, hk, d))
     k_in, v_in = pool(k), pool(v)
-  else:
-    k_in, v_in = k, v
-  kw = dict(OPTIONS, window_left=None, seqlen_q=seq_q)
-  kw.update(options)
   sink = jnp.asarray(rng.standard_normal(hk * group), jnp.float32)
   packed = jax.jit(lambda *a: decode_attention(*a, **kw))(
       split_kv.pack_query(q, hk), k_in, v_in, table, lengths, sink.reshape(hk, group))
-  assert packed[0].dtype == jnp.bfloat16
+  assert packed[0].dtype == jnp.bfloat16 and packed[0].shape == (b, hk, seq_q * group, d)
   out, lse = split_kv.unpack(*packed, seq_q)
   f32 = lambda x: x.astype(jnp.float32)
   want, want_lse = kv_cache_attention(
-      f32(q), f32(k), f32(v), lengths, causal=kw["window_right"] == 0, softmax_scale=0.125,
+      f32(q), f32(k), f32(v), lengths, causal=kw["window_right"] == 0,
+      softmax_scale=kw["softmax_scale"],
       window_size=(kw["window_left"], None if kw["window_right"] == 0 else kw["window_right"]),
       softcap=kw["softcap"], learnable_sink=sink, return_lse=True, implementation="reference")
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), rtol=1e-2,
