@@ -9,7 +9,10 @@ softcap; it separates the masked schedule's cost from the tanh's), "softcap" (--
 forward variant's epilogue), "cudnn" (jax.nn, plain). TFLOP/s count the plain call's flops for
 every column (forward 4 b h s^2 d, halved when causal; forward + backward 3.5x), so columns
 compare as time ratios. Timing: that module's time_ms (warm-up, back-to-back calls, median).
-Needs the kernels in JAXFLASH_CACHE_DIR.
+--gpt-oss: gpt-oss's shape (windows and sinks). --bias: an additive bias at head_dim 128, batch
+4, 16 heads (BIAS_SHAPE), bias (1, H, S, S) and (B, H, S, S) in bf16, jaxflash and cuDNN
+(jax.nn.dot_product_attention(bias=...)) next to each one's plain call; forward + backward
+differentiates the bias too. Needs the kernels in JAXFLASH_CACHE_DIR.
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ GPT_OSS_IMPLS = ("causal", "window+sink", "window", "cudnn causal", "cudnn windo
 # FlashAttention-3's window with the sinks applied outside its kernel (devtools/fa3_binding.py),
 # timed where its library is found.
 GPT_OSS_FA3 = "fa3 window+sink"
+# --bias: batch, heads and head_dim of the bias rows (issue #65's: b4 h16 d128), and the bias
+# shapes ("1H": (1, H, S, S), "BH": (B, H, S, S)).
+BIAS_SHAPE = dict(batch=4, heads=16, head_dim=128)
+BIAS_KINDS = ("1H", "BH")
+BIAS_IMPLS = ("jaxflash", "jaxflash bias", "cudnn", "cudnn bias")
 
 
 def attend_fn(impl: str, causal: bool, implementation: str = "cute", softcap: float = SOFTCAP):
@@ -95,6 +103,60 @@ def gpt_oss_fn(impl: str, implementation: str = "cute"):
   return lambda q, k, v, sink: jaxflash.attention(
       q, k, v, causal=True, learnable_sink=sink if use_sink else None,
       implementation=implementation, **options)
+
+
+def bias_fn(impl: str, causal: bool, implementation: str = "cute"):
+  """attend(q, k, v, bias) for one of BIAS_IMPLS (the plain ones ignore the bias);
+  `implementation` is jaxflash's (the CPU tests pass "reference")."""
+  with_bias = impl.endswith("bias")
+  if impl.startswith("cudnn"):
+    return lambda q, k, v, bias: jax.nn.dot_product_attention(
+        q, k, v, bias if with_bias else None, is_causal=causal, implementation="cudnn")
+  return lambda q, k, v, bias: jaxflash.attention(
+      q, k, v, causal=causal, bias=bias if with_bias else None, implementation=implementation)
+
+
+def bias_fwd_bwd_fn(attend, cotangent):
+  """Gradients of sum(out * cotangent) w.r.t. q, k, v and the bias."""
+  def loss(q, k, v, bias):
+    return jnp.sum((attend(q, k, v, bias) * cotangent).astype(jnp.float32))
+  return jax.grad(loss, argnums=(0, 1, 2, 3))
+
+
+def run_bias(args, rng) -> list:
+  """BIAS_SHAPE at each --seq, each bias kind, forward and forward + backward; TFLOP/s of the
+  plain call's flops, so a column's ratio to another is a time ratio."""
+  b, h, d = BIAS_SHAPE["batch"], BIAS_SHAPE["heads"], BIAS_SHAPE["head_dim"]
+  records = []
+  for s in args.seq:
+    q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16) for _ in range(3))
+    ct = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+    for kind in BIAS_KINDS:
+      bias = jnp.asarray(rng.standard_normal(((1 if kind == "1H" else b), h, s, s)),
+                         jnp.bfloat16)
+      for mode in args.modes:
+        flops = bench_attention.fwd_flops(b, h, s, d, d, args.causal)
+        flops *= 1.0 if mode == "fwd" else 3.5
+        for impl in BIAS_IMPLS:
+          attend = bias_fn(impl, args.causal)
+          fn = jax.jit(attend if mode == "fwd" else bias_fwd_bwd_fn(attend, ct))
+          records.append(timed_record(fn, (q, k, v, bias), flops, shape="bias", seq=s,
+                                      bias=kind, causal=args.causal, mode=mode, impl=impl))
+  print("| seq | bias | mode | " + " | ".join(f"{i} ms" for i in BIAS_IMPLS)
+        + " | bias / plain (jaxflash) | jaxflash bias / cudnn bias (speed-up) |")
+  for s in args.seq:
+    for kind in BIAS_KINDS:
+      for mode in args.modes:
+        row = {r["impl"]: r for r in records if (r["seq"], r["bias"], r["mode"]) == (s, kind,
+                                                                                      mode)}
+        ms = lambda i: row.get(i, {}).get("ms")
+        cells = [f"{ms(i):.3f}" if ms(i) else "-" for i in BIAS_IMPLS]
+        slow = f"{ms('jaxflash bias') / ms('jaxflash'):.2f}" if ms("jaxflash bias") and ms(
+            "jaxflash") else "-"
+        speed = f"{ms('cudnn bias') / ms('jaxflash bias'):.2f}" if ms("jaxflash bias") and ms(
+            "cudnn bias") else "-"
+        print(f"| {s} | {kind} | {mode} | " + " | ".join(cells) + f" | {slow} | {speed} |")
+  return records
 
 
 def kept_pairs(seq: int, window=None) -> int:
@@ -165,6 +227,9 @@ def main(argv=None) -> int:
   p.add_argument("--gpt-oss", action="store_true",
                  help="gpt-oss's shape (GPT_OSS) instead of the head_dim grid; --hdim, --causal "
                       "and --impls do not apply")
+  p.add_argument("--bias", action="store_true",
+                 help="the bias rows (BIAS_SHAPE, BIAS_KINDS) instead of the head_dim grid; "
+                      "--hdim and --impls do not apply")
   bench_attention.add_run_arguments(p)
   args = p.parse_args(argv)
   bench_attention.spin_up(args.spin_up)
@@ -173,6 +238,11 @@ def main(argv=None) -> int:
     records = run_gpt_oss(args, rng)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_modifiers_gpt_oss.json").write_text(json.dumps(records, indent=1))
+    return 0
+  if args.bias:
+    records = run_bias(args, rng)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_modifiers_bias.json").write_text(json.dumps(records, indent=1))
     return 0
   records = []
   for d in args.hdim:

@@ -96,7 +96,12 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
     out_dtype: float8_e4m3fn inputs only: bfloat16 (default) or float16.
     bias: (batch or 1, num_heads or 1, seq_q or 1, seq_k) float32 / bfloat16 / float16, added
       to the scores after the scale and softcap. Differentiable: its gradient is reduced over
-      the dims of size 1.
+      the dims of size 1 and returned in the bias's dtype. The CuTe kernels take it (with any
+      mask, softcap and sink) at head dims 64 and 128 (head_dim_v equal) in float16 / bfloat16,
+      reading it in the query's dtype (a float32 bias is rounded to it, as the scores are);
+      the gradient comes from one float32 value per (batch, head, query, key) written by the
+      backward kernel, so a broadcast bias's backward holds batch x heads x seq_q x seq_k x 4
+      bytes of scratch. A deterministic backward of a bias call runs the reference.
     score_mod: score_mod(score, batch, head, q_idx, kv_idx) -> score, a JAX function of
       scalars (int32 indices, q_idx in [0, seq_q), kv_idx in [0, seq_k), head a query head;
       score the scaled, soft-capped score plus the bias) applied to every score; it may close
@@ -105,9 +110,9 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
     mask_mod: mask_mod(batch, head, q_idx, kv_idx) -> bool, a JAX function of scalars like
       score_mod: a key is seen only where it is True (and causal, window_size and the segment
       ids let it). Python control flow on the arguments raises a ValueError when the call is
-      traced; use jnp.where / lax.select. bias, score_mod and mask_mod run on the blocked
-      reference implementation (memory linear in seq_k); the CuTe kernels do not take them,
-      so implementation="cute" raises.
+      traced; use jnp.where / lax.select. score_mod and mask_mod (with or without a bias) run
+      on the blocked reference implementation (memory linear in seq_k); the CuTe kernels do
+      not take them, so implementation="cute" raises.
     deterministic: make the backward pass bitwise reproducible run to run. Without a causal
       mask at head_dim > 128 the CuTe backward then keeps two fp32 dQ accumulators (scratch of
       2 x batch x num_heads x seq_q x head_dim x 4 bytes instead of one).
@@ -179,6 +184,10 @@ def _attention(query, key, value, kv_lengths, *, causal: bool = False,
     check_learnable_sink(learnable_sink, query.shape[2], accept_float64=dtype == "float64")
   config = config.replace(has_segment_ids=has_segments)
   mods = programmable.check_mods(bias, score_mod, mask_mod, query, key, dtype)
+  if mods is not None and not programmable.functions_only(mods):
+    # A bias alone: an operand of the primitives (kernels or reference), not a ScoreMods.
+    config = config.replace(bias_dims=programmable.bias_dims(bias, query))
+    mods = None
   if mods is not None:
     impl = programmable.resolve_implementation(implementation)
   else:
@@ -204,7 +213,8 @@ def _attention(query, key, value, kv_lengths, *, causal: bool = False,
       out, lse = few_rows.attention_core(few, query, key, value, kv_lengths, learnable_sink)
     else:
       out, lse = primitives.attention_core(config, query, key, value, q_segment_ids,
-                                           kv_segment_ids, learnable_sink)
+                                           kv_segment_ids, learnable_sink,
+                                           bias if config.has_bias else None)
   return (out, lse) if return_lse else out
 
 

@@ -91,10 +91,19 @@ class AttentionConfig:
   # FP8 inputs: out is float16, else bfloat16 (the kernel's choice at run time, from the out
   # buffer's dtype: no variant of its own).
   out_float16: bool = False
+  # An additive bias operand (after the segment ids, before the sink): None without one, else
+  # which of its (batch, heads, seq_q) dims are full (False: size 1, broadcast). Its last dim is
+  # always seq_k. The kernels read broadcast dims with stride 0; the backward reduces dbias
+  # over them in XLA.
+  bias_dims: Optional[tuple[bool, bool, bool]] = None
 
   @property
   def has_window(self) -> bool:
     return self.window_left is not None or self.window_right is not None
+
+  @property
+  def has_bias(self) -> bool:
+    return self.bias_dims is not None
 
   @property
   def window_sides(self) -> tuple[Optional[int], Optional[int]]:
@@ -361,14 +370,17 @@ SMEM_BYTES = 227 * 1024
 
 
 def _second_q_slot_fits(tile_m: int, tile_n: int, num_stages: int, head_dim: int,
-                        head_dim_v: int) -> bool:
-  """Whether two 16-bit Q slots and the K / V rings fit (1 KiB left for the mbarriers)."""
-  return 2 * (2 * tile_m * head_dim + num_stages * tile_n * (head_dim + head_dim_v)) + 1024 <= (
-      SMEM_BYTES)
+                        head_dim_v: int, bias: bool = False) -> bool:
+  """Whether two 16-bit Q slots and the K / V rings fit (1 KiB left for the mbarriers); bias:
+  with a tile_m x tile_n bias tile per K stage."""
+  bias_tiles = num_stages * tile_m * tile_n if bias else 0
+  return 2 * (2 * tile_m * head_dim + num_stages * tile_n * (head_dim + head_dim_v)
+              + bias_tiles) + 1024 <= SMEM_BYTES
 
 
 def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = False,
-                 seq_k: Optional[int] = None, band: Optional[int] = None) -> FwdSchedule:
+                 seq_k: Optional[int] = None, band: Optional[int] = None,
+                 bias: bool = False) -> FwdSchedule:
   """The forward schedule table (H200 measurements in docs/kernels.md, "Forward tiles").
 
   masked: the variant for windows, segment ids and softcap, causal or not (all run-time data);
@@ -380,6 +392,7 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = Fa
   band: the most keys one query sees under the call's window (static; None: a side is
   unbounded): masked calls at NARROW_BAND_HEAD_DIMS up to NARROW_BAND_MAX_KEYS take a schedule
   of their own.
+  bias: a bias variant (masked), whose tile ignores the band.
   """
   short = (not causal and not masked and head_dim in SHORT_DENSE_HEAD_DIMS
            and seq_k is not None and seq_k <= SHORT_DENSE_MAX_KEYS)
@@ -388,8 +401,9 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = Fa
   causal = causal or masked
   if head_dim <= 64:
     # 192 x 128, 3 consumer warpgroups (FA-4's tile): +11 % at 4k over 128 x 128; narrow bands
-    # visit fewer key blocks per row on 128-row tiles.
-    tile_m, tile_n = (128, 128) if narrow else (192, 128)
+    # visit fewer key blocks per row on 128-row tiles. Bias variants: 128 x 128, as the bias
+    # loads spilled the three-warpgroup tile's 160 registers per thread.
+    tile_m, tile_n = (128, 128) if narrow or bias else (192, 128)
   elif head_dim <= 96:
     # 128 x 128: FA-3/FA-4's 192-row tiles pass P through shared memory, ours keeps P in
     # registers; 128 x 160 and 128 x 176 were no faster.
@@ -422,28 +436,33 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = Fa
       # Two Q slots (a persistent CTA loads the next tile's Q during the current tile) where a
       # second slot fits: causal and masked tiles, short dense ones and head_dim 96 (+7-25 % at
       # 1k). At head_dim 64 not causal two slots gained nothing at 1k and measured 0.95x at 4k
-      # and 16k, so one slot there.
+      # and 16k, so one slot there. Bias variants at head_dim 128: one slot, as the two K
+      # stages' 32 KiB bias tiles fill the second's place (a K stage without its bias tile would
+      # leave the softmax waiting on each block's bias load; not measured).
       q_stages=2 if (causal or short or head_dim == 96) and (
-          _second_q_slot_fits(tile_m, tile_n, num_stages, head_dim, head_dim_v)) else 1,
+          _second_q_slot_fits(tile_m, tile_n, num_stages, head_dim, head_dim_v, bias)) else 1,
       # O of head_dim_v > 128 is 128+ registers: its rescale runs under the Q K^T GEMM.
       rescale_o_before_pv=head_dim_v > 128)
 
 
 def bwd_schedule(head_dim: int, head_dim_v: int, causal: bool, deterministic: bool,
-                 masked: bool = False) -> BwdSchedule:
+                 masked: bool = False, bias: bool = False) -> BwdSchedule:
   """The backward schedule table (H200 measurements in docs/kernels.md, "Backward tiles").
 
   masked: the variant for windows and segment ids takes the causal tiles and one dQ accumulator.
+  bias: a bias variant (masked).
   """
   causal = causal or masked
-  if head_dim <= 64:
+  if head_dim <= 64 and not bias:
     # 128 x 128 (FA-4's), two 64-row WGMMA blocks of queries per step, dQ split by rows
     # (FA-4's AtomLayoutMdQ = 2); dV after dS: +0-8 %, dS from the fp32 P.
     return BwdSchedule(tile_m=128, tile_n=128, num_stages=2, swap_sdp=True, do_stages=2,
                        dq_pieces=1, dv_after_ds=True, dq_split_m=True, dq_transposed=False,
                        dq_copies=1)
   if head_dim <= 96:
-    # 64 x 128 swapped: +6-9 % over the unswapped schedule.
+    # 64 x 128 swapped: +6-9 % over the unswapped schedule. Also head_dim 64's bias variants:
+    # the bias loads spilled its 128 x 128 tile (64 fp32 S^T and dP^T values per thread each;
+    # 34 LDL / 20 STL).
     return BwdSchedule(tile_m=64, tile_n=128, num_stages=2, swap_sdp=True, do_stages=2,
                        dq_pieces=1, dv_after_ds=False, dq_split_m=False, dq_transposed=False,
                        dq_copies=1)
@@ -493,11 +512,16 @@ class KernelVariant:
   # Decode only: FP8_DTYPE caches (float32 descales per page or sequence and kv head), the
   # query and out in dtype; None: caches in dtype.
   kv_dtype: Optional[str] = None
+  # An additive bias (batch|1, heads|1, seq_q|1, seq_k) in dtype, read per score (forward and
+  # backward; the backward also writes dbias per score). Bias variants are masked variants:
+  # causal, windows, segment ids and softcap come with them at run time.
+  bias: bool = False
 
   @property
   def key(self) -> str:
     """Readable, unique name: folder in the kernel cache and the FFI `variant` attribute."""
     flags = "".join(f for f, on in (("-causal", self.causal), ("-masked", self.masked),
+                                    ("-bias", self.bias),
                                     ("-det", self.deterministic),
                                     ("-blk", self.block_descales),
                                     (f"-kv{_DTYPE_SHORT.get(self.kv_dtype)}",
@@ -518,16 +542,22 @@ class KernelVariant:
     if dtype == FP8_DTYPE:
       return fp8_fwd_variant(head_dim, config.causal, arch, config.block_descales)
     deterministic = config.deterministic and direction == "bwd"
-    # Soft-capping runs on the masked variants (a run-time value, like the window).
-    masked = config.has_window or config.has_segment_ids or config.softcap is not None
+    # Soft-capping runs on the masked variants (a run-time value, like the window); so does a
+    # bias (one bias variant per dtype and head dims takes every mask at run time).
+    masked = (config.has_window or config.has_segment_ids or config.softcap is not None
+              or config.has_bias)
     causal = config.causal and not masked
     if direction == "fwd":
-      schedule = fwd_schedule(head_dim, head_dim_v, causal, masked, seq_k, config.band)
+      # Bias variants keep one schedule whatever the band.
+      band = None if config.has_bias else config.band
+      schedule = fwd_schedule(head_dim, head_dim_v, causal, masked, seq_k, band,
+                              config.has_bias)
     else:
-      schedule = bwd_schedule(head_dim, head_dim_v, causal, deterministic, masked)
+      schedule = bwd_schedule(head_dim, head_dim_v, causal, deterministic, masked,
+                              config.has_bias)
     return cls(direction=direction, arch=arch, dtype=dtype, head_dim=head_dim,
                head_dim_v=head_dim_v, causal=causal, schedule=schedule,
-               deterministic=deterministic, masked=masked)
+               deterministic=deterministic, masked=masked, bias=config.has_bias)
 
 
 def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
@@ -551,6 +581,30 @@ def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
                    f"kernel; accepted head_dim_v: {accepted}")
   if direction == "decode" and config is not None and config.has_segment_ids:
     return False, "the decode kernels take no segment ids"
+  if config is not None and config.has_bias:
+    return _bias_kernel_support(direction, head_dim, head_dim_v, config)
+  return True, ""
+
+
+# (head_dim, head_dim_v) pairs with bias variants (forward and backward, float16 and bfloat16):
+# the head dims of the models that train with a bias (T5, ALiBi models, AlphaFold-style pair
+# bias: 64 and 128). Each pair adds a forward and a backward variant per dtype; other pairs run
+# the reference (docs/kernels.md, "Bias").
+BIAS_HEAD_DIM_PAIRS = ((64, 64), (128, 128))
+# The backward of a bias call with deterministic=True runs the reference (no deterministic bias
+# variant ships); the bias's own gradient is written once per score in either case.
+BIAS_DIRECTIONS = ("fwd", "bwd")
+
+
+def _bias_kernel_support(direction: str, head_dim: int, head_dim_v: int,
+                         config: AttentionConfig) -> tuple[bool, str]:
+  if direction not in BIAS_DIRECTIONS:
+    return False, f"bias: the {direction} kernels take no bias"
+  if (head_dim, head_dim_v) not in BIAS_HEAD_DIM_PAIRS:
+    return False, (f"bias: (head_dim, head_dim_v) ({head_dim}, {head_dim_v}) has no bias "
+                   f"kernel; accepted: {BIAS_HEAD_DIM_PAIRS}")
+  if direction == "bwd" and config.deterministic:
+    return False, "bias: no deterministic backward kernel takes a bias"
   return True, ""
 
 
@@ -649,6 +703,11 @@ def shipped_variants(arch: str = "sm90a", direction: str = "fwd") -> list[Kernel
                                              seq_k)
             if variant not in out:
               out.append(variant)
+  # Bias variants (masked: every mask at run time), not deterministic.
+  for dtype in KERNEL_DTYPES if direction in BIAS_DIRECTIONS else ():
+    for head_dim, head_dim_v in BIAS_HEAD_DIM_PAIRS:
+      cfg = AttentionConfig(softmax_scale=1.0, bias_dims=(True, True, True))
+      out.append(KernelVariant.for_call(direction, arch, dtype, head_dim, head_dim_v, cfg))
   if direction == "fwd":  # FP8: dense, causal or not; per-head or block descales
     out += [fp8_fwd_variant(d, causal, arch, blocks) for blocks in (False, True)
             for d in FP8_HEAD_DIMS for causal in (False, True)]
@@ -665,15 +724,19 @@ def fwd_scratch_shapes(variant: KernelVariant) -> tuple[tuple[str, tuple[int, ..
   return (("tile_counter", (1,), "int32"),) if dynamic else ()
 
 
-def bwd_scratch_shapes(variant: KernelVariant, batch: int, seq_q: int,
-                       num_heads: int) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+def bwd_scratch_shapes(variant: KernelVariant, batch: int, seq_q: int, num_heads: int,
+                       seq_k: Optional[int] = None) -> tuple[tuple[str, tuple[int, ...], str], ...]:
   """Scratch buffers of one backward call, in custom-call result order after dq, dk, dv.
 
   Returns ((name, shape, dtype), ...). seq_q is rounded up to the schedule's tile_m. The kernels
   never read what they have not written, so XLA may hand over uninitialised memory: the
   preprocess zeroes dq_semaphore, and dq_accum in the default mode; deterministic variants
   store each dq_accum block's first contribution and the postprocess skips blocks whose
-  semaphore counts none. dq_semaphore exists only for deterministic variants.
+  semaphore counts none. dq_semaphore exists only for deterministic variants. Bias variants
+  end with dbias (batch, num_heads, seq_q, bias_row_length(seq_k)) in the input dtype (seq_k
+  required): d loss / d score of every (batch, query head, query, key < seq_k), which the kernel
+  writes once each (the blocks a key tile's mask skips as zeros); the padding columns stay
+  unwritten.
   """
   if variant.direction != "bwd":
     raise ValueError(f"variant.direction: {variant.direction!r}; scratch exists for 'bwd' only")
@@ -687,7 +750,19 @@ def bwd_scratch_shapes(variant: KernelVariant, batch: int, seq_q: int,
             ("delta", rows, "float32"))
   if variant.deterministic:
     shapes += (("dq_semaphore", (batch, num_heads, copies * seq_q_rounded // tile_m), "int32"),)
+  if variant.bias:
+    if seq_k is None:
+      raise ValueError(f"seq_k: a bias variant's scratch holds dbias per key; got None "
+                       f"({variant.key})")
+    shapes += (("dbias", (batch, num_heads, seq_q, bias_row_length(seq_k)), variant.dtype),)
   return shapes
+
+
+def bias_row_length(seq_k: int) -> int:
+  """The last extent of a bias variant's bias operand and dbias scratch: seq_k rounded up to a
+  multiple of 8, so that each row starts 16 bytes after the last (TMA's global strides are
+  multiples of 16 bytes). kernel_abi.h JaxflashBias; the primitive pads the bias to it."""
+  return -(-seq_k // 8) * 8
 
 
 def dq_accum_copies(variant: KernelVariant, seq_q: int) -> int:

@@ -37,7 +37,8 @@ def takes(config: AttentionConfig, dtype: str, query_shape, key_shape, head_dim_
   config: the call's options with implementation resolved; kv_lengths: the keys are masked by
   run-time lengths (the jax.nn drop-in's key_value_seq_lengths) instead of segment ids.
   """
-  if config.implementation != "cute" or dtype not in KERNEL_DTYPES or config.has_segment_ids:
+  if (config.implementation != "cute" or dtype not in KERNEL_DTYPES or config.has_segment_ids
+      or config.has_bias):
     return False
   if kv_lengths and (config.causal or config.has_window):
     return False  # the decode kernel aligns masks to each run-time length, attention to seq_k
@@ -112,8 +113,8 @@ def _core_bwd(config, residuals, cotangents):
   if kv_lengths is not None:  # the backward kernels take the mask as segment ids
     q_ids, kv_ids = length_segment_ids(*q.shape[:2], k.shape[1], kv_lengths)
     config = config.replace(has_segment_ids=True)
-  dq, dk, dv, _, _, d_sink = primitives.attention_core_bwd(
-      config, (q, k, v, q_ids, kv_ids, sink, out, lse), cotangents)
+  dq, dk, dv, _, _, d_sink, _ = primitives.attention_core_bwd(
+      config, (q, k, v, q_ids, kv_ids, sink, out, lse, None), cotangents)
   return dq, dk, dv, None, d_sink
 
 

@@ -181,9 +181,30 @@ def _mean_bwd(heads, implementation, residuals, cotangent):
 _mean_of_values.defvjp(_mean_fwd, _mean_bwd)
 
 
+_BIAS_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _kernel_bias(bias, query, key):
+  """jax.nn's bias as jaxflash.attention takes it, (B|1, N|1, T|1, S) (rank padded to 4 in
+  front, a key dim of 1 broadcast to S), or None where jaxflash cannot take it (another dtype,
+  rank above 4, dims that do not broadcast): such calls run jax.nn's XLA path."""
+  bias = jnp.asarray(bias)
+  if bias.ndim > 4 or np.dtype(bias.dtype).name not in _BIAS_DTYPES:
+    return None
+  batch = query.shape[0] if query.ndim == 4 else 1
+  full = (batch, query.shape[-2], query.shape[-3], key.shape[-3])  # (B, N, T, S)
+  bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+  if any(d not in (1, f) for d, f in zip(bias.shape, full)):
+    return None
+  if bias.shape[3] != full[3]:
+    bias = jnp.broadcast_to(bias, bias.shape[:3] + (full[3],))
+  return bias
+
+
 def _mapped_attention(query, key, value, band: _Band, scale: float, q_lengths, kv_lengths,
-                      implementation, return_residual):
-  """jaxflash on the kept prefix, then jax.nn's values for rows that see no key."""
+                      implementation, return_residual, bias=None):
+  """jaxflash on the kept prefix, then jax.nn's values for rows that see no key. bias: None or
+  _kernel_bias's (B|1, N|1, T|1, S)."""
   batch, seq_q, heads, _ = query.shape
   seq_k, kv_heads = key.shape[1], key.shape[2]
   keep_q, keep_k, causal, window = band.to_jaxflash(seq_q, seq_k)
@@ -191,6 +212,8 @@ def _mapped_attention(query, key, value, band: _Band, scale: float, q_lengths, k
   if keep_q:
     options = dict(causal=causal, softmax_scale=scale, window_size=window,
                    return_lse=return_residual, implementation=implementation)
+    if bias is not None:  # the kept rows and keys of the bias
+      options["bias"] = bias[:, :, :keep_q if bias.shape[2] != 1 else 1, :keep_k]
     q, k, v = query[:, :keep_q], key[:, :keep_k], value[:, :keep_k]
     if q_lengths is None and kv_lengths is not None:  # decoding: lengths reach the kernel
       lengths = kv_lengths
@@ -283,9 +306,13 @@ def dot_product_attention(
   Returns:
     The output, shaped like query; or (output, residual) if return_residual.
 
-  A `bias`, a `mask` or a traced or non-positive `scale` cannot be expressed to jaxflash: with
-  implementation None or "xla" such a call runs jax.nn's own XLA attention (materialised
-  scores, same results); with "cudnn" it raises a ValueError.
+  A float `bias` (float32 / bfloat16 / float16, rank up to 4, broadcastable to (B, N, T, S))
+  runs in jaxflash (the kernels' bias variants, or the reference), differentiable in the bias.
+  A `mask`, a bias jaxflash cannot take, or a traced or non-positive `scale` cannot be
+  expressed to jaxflash: with implementation None or "xla" such a call runs jax.nn's own XLA
+  attention (materialised scores, same results); with "cudnn" it raises a ValueError. (A
+  boolean mask stays on jax.nn: its rows with no visible key average all values, which a
+  -inf bias would turn into zeros.)
   """
   query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
   if query_seq_lengths is not None:
@@ -297,12 +324,15 @@ def dot_product_attention(
   _check_inputs(query, key, value, query_seq_lengths, key_value_seq_lengths)
   local_window_size = _check_window(local_window_size)
   static_scale = _static_scale(scale, query.shape[-1])
-  dense = [name for name, on in (("bias", bias is not None), ("mask", mask is not None),
-                                 ("scale (traced or <= 0)", static_scale is None)) if on]
+  kernel_bias = None if bias is None else _kernel_bias(bias, query, key)
+  dense = [name for name, on in (
+      ("bias (dtype or shape)", bias is not None and kernel_bias is None),
+      ("mask", mask is not None), ("scale (traced or <= 0)", static_scale is None)) if on]
   if dense:
     if implementation == "cudnn":
-      raise ValueError(f"{', '.join(dense)}: the jaxflash kernels take no dense bias/mask and "
-                       f"only a static scale > 0; use is_causal, local_window_size and the "
+      raise ValueError(f"{', '.join(dense)}: the jaxflash kernels take no dense mask, a bias "
+                       f"only in float32 / bfloat16 / float16 broadcastable to (B, N, T, S) "
+                       f"and only a static scale > 0; use is_causal, local_window_size and the "
                        f"*_seq_lengths arguments, or implementation=None/'xla' for "
                        f"materialised scores")
     return jax.nn.dot_product_attention(
@@ -316,7 +346,7 @@ def dot_product_attention(
   band = _Band.from_jax_nn(bool(is_causal), local_window_size)
   result = _mapped_attention(query, key, value, band, static_scale, query_seq_lengths,
                              key_value_seq_lengths, _IMPLEMENTATIONS[implementation],
-                             return_residual)
+                             return_residual, kernel_bias)
   if squeeze:
     result = jax.tree.map(lambda x: x[0], result)
   return result

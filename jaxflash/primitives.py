@@ -21,8 +21,8 @@ from jax.interpreters import batching, mlir
 from jaxflash import _jax_internal, block_ranges, reference
 from jaxflash.sink import add_learnable_sink, learnable_sink_grad
 from jaxflash.config import (AttentionConfig, BWD_TARGET, FWD_TARGET, KernelVariant,
-                             LSE_CHECKPOINT_NAME, OUT_CHECKPOINT_NAME, bwd_scratch_shapes,
-                             fwd_scratch_shapes, kernel_support)
+                             LSE_CHECKPOINT_NAME, OUT_CHECKPOINT_NAME, bias_row_length,
+                             bwd_scratch_shapes, fwd_scratch_shapes, kernel_support)
 
 log = logging.getLogger("jaxflash")
 
@@ -35,8 +35,17 @@ def _split_segments(args, config: AttentionConfig):
 
 
 def _split_sink(args, config: AttentionConfig):
-  """The forward's operands (q, k, v[, q_seg, kv_seg][, sink]) -> (the rest, sink or None)."""
+  """The forward's operands (q, k, v[, q_seg, kv_seg][, bias][, sink]) -> (the rest, sink or
+  None)."""
   if config.has_sink:
+    return args[:-1], args[-1]
+  return args, None
+
+
+def _split_bias(args, config: AttentionConfig):
+  """Operands ending in the bias when config.has_bias (the forward's after _split_sink, the
+  backward's) -> (the rest, bias or None)."""
+  if config.has_bias:
     return args[:-1], args[-1]
   return args, None
 
@@ -54,10 +63,13 @@ def _fwd_abstract(q, k, v, *segment_ids, config):
   return out, lse
 
 
-def _bwd_abstract(q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
-  del segment_ids, config
+def _bwd_abstract(q, k, v, out, lse, d_out, d_lse, *rest, config):
+  """(dq, dk, dv[, dbias]): dbias has the bias's shape and dtype (reduced over its broadcast
+  dims)."""
+  _, bias = _split_bias(rest, config)
   ins = (q, k, v, out, lse, d_out, d_lse)
-  return tuple(_jax_internal.shaped_like(x, x.shape, x.dtype, ins) for x in (q, k, v))
+  grads = (q, k, v) if bias is None else (q, k, v, bias)
+  return tuple(_jax_internal.shaped_like(x, x.shape, x.dtype, ins) for x in grads)
 
 
 def _kernel_variant(direction: str, q, v, config: AttentionConfig, seq_k=None):
@@ -88,7 +100,7 @@ def _fwd_kernel_abstract(q, k, v, *rest, config):
   return (out, lse) + scratch
 
 
-def _bwd_scratch(q, v, config: AttentionConfig) -> tuple:
+def _bwd_scratch(q, k, v, config: AttentionConfig) -> tuple:
   """((shape, dtype), ...) of the kernel's scratch results; () on the reference path.
 
   Decided from config and avals only, so that it is the same on every platform: the abstract
@@ -99,15 +111,16 @@ def _bwd_scratch(q, v, config: AttentionConfig) -> tuple:
     return ()
   b, seq_q, h, _ = q.shape
   return tuple((shape, np.dtype(dtype))
-               for _, shape, dtype in bwd_scratch_shapes(variant, b, seq_q, h))
+               for _, shape, dtype in bwd_scratch_shapes(variant, b, seq_q, h, k.shape[1]))
 
 
-def _bwd_kernel_abstract(q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
-  """(dq, dk, dv, *scratch): XLA allocates the kernel's scratch as extra custom-call results."""
-  grads = _bwd_abstract(q, k, v, out, lse, d_out, d_lse, *segment_ids, config=config)
+def _bwd_kernel_abstract(q, k, v, out, lse, d_out, d_lse, *rest, config):
+  """(dq, dk, dv[, dbias], *scratch): XLA allocates the kernel's scratch as extra custom-call
+  results."""
+  grads = _bwd_abstract(q, k, v, out, lse, d_out, d_lse, *rest, config=config)
   ins = (q, k, v, out, lse, d_out, d_lse)
   scratch = tuple(_jax_internal.shaped_like(q, shape, dtype, ins)
-                  for shape, dtype in _bwd_scratch(q, v, config))
+                  for shape, dtype in _bwd_scratch(q, k, v, config))
   return grads + scratch
 
 
@@ -116,8 +129,10 @@ def _bwd_kernel_abstract(q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
 
 def _fwd_reference(q, k, v, *rest, config):
   rest, sink = _split_sink(rest, config)
+  rest, bias = _split_bias(rest, config)
   _, (q_seg, kv_seg) = _split_segments((q, k, v) + rest, config)
-  out, lse = reference.blocked_forward(q, k, v, config, q_seg, kv_seg)
+  mods = None if bias is None else reference.ScoreMods(bias=bias)
+  out, lse = reference.blocked_forward(q, k, v, config, q_seg, kv_seg, mods=mods)
   if sink is not None:
     out, lse = add_learnable_sink(out, lse, sink)
   # Zero stand-ins for the kernel scratch the abstract eval promised (dropped by the outer
@@ -126,13 +141,15 @@ def _fwd_reference(q, k, v, *rest, config):
                             _fwd_scratch(q, k, v, config))
 
 
-def _bwd_reference(q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
+def _bwd_reference(q, k, v, out, lse, d_out, d_lse, *rest, config):
+  segment_ids, bias = _split_bias(rest, config)
   _, (q_seg, kv_seg) = _split_segments((q,) + segment_ids, config)
-  grads = reference.blocked_backward(q, k, v, out, lse, d_out, d_lse, config, q_seg, kv_seg)
+  grads = reference.blocked_backward(q, k, v, out, lse, d_out, d_lse, config, q_seg, kv_seg,
+                                     bias=bias)
   # Zero stand-ins for the kernel scratch the abstract eval promised; the outer primitive drops
   # them, so XLA removes them again.
   return tuple(grads) + tuple(jnp.zeros(shape, dtype) for shape, dtype in
-                              _bwd_scratch(q, v, config))
+                              _bwd_scratch(q, k, v, config))
 
 
 _fwd_lower_reference = mlir.lower_fun(_fwd_reference, multiple_results=True)
@@ -145,12 +162,15 @@ def _dtype_name(aval) -> str:
 
 def _fwd_lower_cuda(ctx, q, k, v, *rest, config):
   """CUDA: the stable FFI custom call when the kernel exists, the reference otherwise.
-  Masked variants (windows, segment ids, softcap) get their block ranges here: from segment ids
-  as XLA ops in front of the custom call, otherwise as constants (block_ranges.py)."""
+  Masked variants (windows, segment ids, softcap, bias) get their block ranges here: from
+  segment ids as XLA ops in front of the custom call, otherwise as constants (block_ranges.py).
+  The bias follows the mask operands (_kernel_bias), the sink comes last."""
   if config.implementation != "cute":
     return _fwd_lower_reference(ctx, q, k, v, *rest, config=config)
   segment_ids, sink = _split_sink(rest, config)
+  segment_ids, bias = _split_bias(segment_ids, config)
   sink = () if sink is None else (sink,)  # the custom call's last operand
+  bias = () if bias is None else (bias,)
   q_aval, _, v_aval = ctx.avals_in[:3]
   dtype, head_dim, head_dim_v = _dtype_name(q_aval), q_aval.shape[-1], v_aval.shape[-1]
   ok, reason = kernel_support("fwd", dtype, head_dim, head_dim_v, config)
@@ -167,31 +187,52 @@ def _fwd_lower_cuda(ctx, q, k, v, *rest, config):
 
   def call(q, k, v, *rest):
     segment_ids, sink = _split_sink(rest, config)
+    segment_ids, bias = _split_bias(segment_ids, config)
     operands = block_ranges.forward_operands(variant, config, b, seq_q, seq_k, segment_ids)
+    if bias is not None:
+      operands = operands + (_kernel_bias(bias),)
     if sink is not None:
       operands = operands + (sink,)
     return jax.ffi.ffi_call(FWD_TARGET, _result_types(ctx))(q, k, v, *operands, **attrs)
 
-  return mlir.lower_fun(call, multiple_results=True)(ctx, q, k, v, *segment_ids, *sink)
+  return mlir.lower_fun(call, multiple_results=True)(ctx, q, k, v, *segment_ids, *bias, *sink)
 
 
 def _result_types(ctx):
   return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_out)
 
 
-def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
+def _kernel_bias(bias):
+  """The bias operand of a bias variant's custom call: the primitive's bias with its rows padded
+  to config.bias_row_length (16-byte rows for TMA; a no-op when seq_k is a multiple of 8). The
+  padding is never read."""
+  pad = bias_row_length(bias.shape[-1]) - bias.shape[-1]
+  return jnp.pad(bias, ((0, 0),) * 3 + ((0, pad),)) if pad else bias
+
+
+def _dbias_from_kernel(ds, bias):
+  """The primitive's dbias from a bias variant's dbias scratch (d loss / d score per (batch,
+  head, query, key) in the input dtype, rows padded to bias_row_length): the padding dropped,
+  summed over the bias's broadcast dims in float32 (reference.reduce_bias_grad), in the bias's
+  dtype. A bias of the scores' full shape takes the scratch as it is."""
+  ds = ds[..., :bias.shape[-1]]
+  return reference.reduce_bias_grad(ds, bias.shape).astype(bias.dtype)
+
+
+def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *rest, config):
   """CUDA: the backward custom call when a backward kernel exists, the reference otherwise.
 
   The forward decides implementation='cute'; a backward the kernels lack (a head-dim pair
   without one) falls back to the reference here. Its variant is found (or built) here, and only
   here: a call without a gradient never needs one. Masked variants get their block ranges here,
-  as in the forward (block_ranges.py).
+  as in the forward (block_ranges.py). Bias variants take the bias after the mask operands
+  (_kernel_bias) and return dbias per score as their last scratch result, which becomes the
+  primitive's dbias here (_dbias_from_kernel).
   """
-  q_aval, _, v_aval = ctx.avals_in[:3]
+  q_aval, k_aval, v_aval = ctx.avals_in[:3]
   variant = _kernel_variant("bwd", q_aval, v_aval, config)
   if variant is None:
-    return _bwd_lower_reference(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids,
-                                config=config)
+    return _bwd_lower_reference(ctx, q, k, v, out, lse, d_out, d_lse, *rest, config=config)
   from jaxflash import ffi  # imported on first CUDA lowering only: keeps `import jaxflash` light
   if _jax_internal.has_cuda_device():  # cross-lowering on a CPU host needs no library
     try:
@@ -204,17 +245,25 @@ def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *segment_ids, config):
   attrs = ffi.bwd_attributes(variant, config)
   if not variant.masked:
     return jax.ffi.ffi_lowering(BWD_TARGET)(ctx, q, k, v, out, lse, d_out, d_lse, **attrs)
-  (b, seq_q), seq_k = q_aval.shape[:2], ctx.avals_in[1].shape[1]
+  (b, seq_q), seq_k = q_aval.shape[:2], k_aval.shape[1]
+  results = _result_types(ctx)
+  if variant.bias:  # the custom call's results: no dbias of the bias's shape, dbias per score
+    results = results[:3] + results[4:]
 
-  def call(q, k, v, out, lse, d_out, d_lse, *segment_ids):
+  def call(q, k, v, out, lse, d_out, d_lse, *rest):
+    segment_ids, bias = _split_bias(rest, config)
     operands = block_ranges.backward_operands(variant, config, b, seq_q, seq_k,
-                                              q_aval.shape[2], ctx.avals_in[1].shape[2],
+                                              q_aval.shape[2], k_aval.shape[2],
                                               segment_ids)
-    return jax.ffi.ffi_call(BWD_TARGET, _result_types(ctx))(
-        q, k, v, out, lse, d_out, d_lse, *operands, **attrs)
+    outs = jax.ffi.ffi_call(BWD_TARGET, results)(
+        q, k, v, out, lse, d_out, d_lse, *operands,
+        *(() if bias is None else (_kernel_bias(bias),)), **attrs)
+    if bias is None:
+      return outs
+    return tuple(outs[:3]) + (_dbias_from_kernel(outs[-1], bias),) + tuple(outs[3:])
 
   return mlir.lower_fun(call, multiple_results=True)(ctx, q, k, v, out, lse, d_out, d_lse,
-                                                     *segment_ids)
+                                                     *rest)
 
 
 def reject_cute_off_gpu(lower_reference, refusal: str):
@@ -255,6 +304,47 @@ def _batch_rule(prim):
   return rule
 
 
+def _bias_index(config: AttentionConfig, first: int) -> int:
+  """Position of the bias among a primitive's operands: after `first` tensors and the segment
+  ids."""
+  return first + (2 if config.has_segment_ids else 0)
+
+
+def _unbroadcast_bias_batch(args, dims, config: AttentionConfig, index: int):
+  """(args, config) with a bias of batch 1 broadcast to the query's batch, so that folding the
+  mapped axes into batch keeps each folded batch element's own bias rows (exact, at the cost of
+  the broadcast's memory, under vmap only)."""
+  q, q_dim = args[0], dims[0]
+  batch = q.shape[1 if q_dim == 0 else 0]  # q's batch axis without the mapped one
+  bias, bias_dim = args[index], dims[index]
+  axis = 1 if bias_dim == 0 else 0
+  if bias.shape[axis] == batch:
+    return args, config.replace(bias_dims=(True,) + config.bias_dims[1:])
+  shape = list(bias.shape)
+  shape[axis] = batch
+  args = list(args)
+  args[index] = jnp.broadcast_to(bias, tuple(shape))
+  return args, config.replace(bias_dims=(True,) + config.bias_dims[1:])
+
+
+def bwd_batch_rule(prim):
+  """The batching of flash_bwd_p: fold every mapped axis into batch; a bias of batch 1 is
+  broadcast first, and its gradient summed back over that batch."""
+  def rule(args, dims, *, config):
+    if not config.has_bias:
+      return _batch_rule(prim)(args, dims, config=config)
+    index = _bias_index(config, 7)
+    bias_batch = args[index].shape[1 if dims[index] == 0 else 0]
+    args, full = _unbroadcast_bias_batch(args, dims, config, index)
+    size, folded = _fold_batch(args, dims)
+    outs = _unfold(size, prim.bind(*folded, config=full))
+    if bias_batch == 1:
+      outs[3] = jnp.sum(outs[3], axis=1, keepdims=True)
+    return outs, (0,) * len(outs)
+
+  return rule
+
+
 def fwd_batch_rule(prim):
   """The batching of a forward primitive (flash_fwd_p, the FP8 one) whose operands all lead
   with batch but the optional last, the sink: the sink (one logit per head) stays out of the
@@ -262,6 +352,8 @@ def fwd_batch_rule(prim):
   kernel's one logit per head cannot hold: the call then runs without it and the sink rescales
   each row in XLA (sink.add_learnable_sink, exact)."""
   def rule(args, dims, *, config):
+    if config.has_bias:
+      args, config = _unbroadcast_bias_batch(args, dims, config, _bias_index(config, 3))
     if not config.has_sink:
       return _batch_rule(prim)(args, dims, config=config)
     (*args, sink), (*dims, sink_dim) = args, dims
@@ -304,7 +396,7 @@ mlir.register_lowering(_flash_bwd_kernel_p, _bwd_lower_reference)
 mlir.register_lowering(_flash_bwd_kernel_p, _bwd_lower_cuda, platform="cuda")
 
 batching.primitive_batchers[flash_fwd_p] = fwd_batch_rule(flash_fwd_p)
-batching.primitive_batchers[flash_bwd_p] = _batch_rule(flash_bwd_p)
+batching.primitive_batchers[flash_bwd_p] = bwd_batch_rule(flash_bwd_p)
 
 
 # ---- sharding wiring: owned by the sharding helper (jaxflash/sharding.py) ----
@@ -315,16 +407,18 @@ from jax.experimental.custom_partitioning import custom_partitioning  # noqa: E4
 from jaxflash import sharding  # noqa: E402
 
 
-def _partitioned(inner, rule_fn: Callable, partition_fn: Callable, num_results: int):
+def _partitioned(inner, rule_fn: Callable, partition_fn: Callable, num_results):
   """custom_partitioning of `inner` under a rule and partition function of jaxflash.sharding;
-  the first num_results results are kept (the kernels' scratch is dropped)."""
+  the first num_results results are kept (the kernels' scratch is dropped). num_results: a
+  count, or a function of the config that gives it."""
+  count = num_results if callable(num_results) else (lambda config: num_results)
 
   def impl(config, *args):
-    return tuple(inner.bind(*args, config=config))[:num_results]
+    return tuple(inner.bind(*args, config=config))[:count(config)]
 
   def partition(config, mesh, arg_shapes, result_shapes):
     del result_shapes
-    compute = lambda *a: tuple(inner.bind(*a, config=config))[:num_results]
+    compute = lambda *a: tuple(inner.bind(*a, config=config))[:count(config)]
     arg_shardings, result_shardings, per_shard = partition_fn(config, mesh, arg_shapes, compute)
     return mesh, per_shard, result_shardings, arg_shardings
 
@@ -338,7 +432,7 @@ def _partitioned(inner, rule_fn: Callable, partition_fn: Callable, num_results: 
   return partitioned
 
 
-def partitioned_lowering(inner, rule_fn: Callable, partition_fn: Callable, num_results: int):
+def partitioned_lowering(inner, rule_fn: Callable, partition_fn: Callable, num_results):
   """The lowering of an outer primitive: `inner` per shard, through custom_partitioning."""
   partitioned = _partitioned(inner, rule_fn, partition_fn, num_results)
 
@@ -350,8 +444,9 @@ def partitioned_lowering(inner, rule_fn: Callable, partition_fn: Callable, num_r
 
 mlir.register_lowering(flash_fwd_p, partitioned_lowering(
     _flash_fwd_kernel_p, sharding.fwd_sharding_rule, sharding.fwd_partition, 2))  # (out, lse)
-mlir.register_lowering(flash_bwd_p, partitioned_lowering(
-    _flash_bwd_kernel_p, sharding.bwd_sharding_rule, sharding.bwd_partition, 3))  # dq, dk, dv
+mlir.register_lowering(flash_bwd_p, partitioned_lowering(  # dq, dk, dv[, dbias]
+    _flash_bwd_kernel_p, sharding.bwd_sharding_rule, sharding.bwd_partition,
+    lambda config: 3 + config.has_bias))
 _jax_internal.require_devices_during_lowering(flash_fwd_p, flash_bwd_p)
 # ---- end sharding wiring ----
 
@@ -361,45 +456,56 @@ _jax_internal.require_devices_during_lowering(flash_fwd_p, flash_bwd_p)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def attention_core(config: AttentionConfig, q, k, v, q_segment_ids, kv_segment_ids,
-                   sink=None):
+                   sink=None, bias=None):
   """(out, lse) of one attention call; differentiable in q, k, v, the sink (when
-  config.has_sink) and through the lse."""
-  return _bind_fwd(config, q, k, v, q_segment_ids, kv_segment_ids, sink)
+  config.has_sink), the bias (when config.has_bias: (batch|1, heads|1, seq_q|1, seq_k), any
+  float dtype) and through the lse."""
+  return _bind_fwd(config, q, k, v, q_segment_ids, kv_segment_ids, sink, bias)
 
 
 def _segments(config, q_segment_ids, kv_segment_ids):
   return (q_segment_ids, kv_segment_ids) if config.has_segment_ids else ()
 
 
-def _bind_fwd(config, q, k, v, q_segment_ids, kv_segment_ids, sink):
+def _operand_bias(config: AttentionConfig, q, bias) -> tuple:
+  """The primitives' bias operand: () without one; the kernels read it in q's dtype."""
+  if not config.has_bias:
+    return ()
+  return (bias.astype(q.dtype) if config.implementation == "cute" else bias,)
+
+
+def _bind_fwd(config, q, k, v, q_segment_ids, kv_segment_ids, sink, bias=None):
   sink = (sink,) if config.has_sink else ()
   out, lse = flash_fwd_p.bind(q, k, v, *_segments(config, q_segment_ids, kv_segment_ids),
-                              *sink, config=config)
+                              *_operand_bias(config, q, bias), *sink, config=config)
   return out, lse
 
 
-def _core_fwd(config, q, k, v, q_segment_ids, kv_segment_ids, sink=None):
-  out, lse = _bind_fwd(config, q, k, v, q_segment_ids, kv_segment_ids, sink)
+def _core_fwd(config, q, k, v, q_segment_ids, kv_segment_ids, sink=None, bias=None):
+  out, lse = _bind_fwd(config, q, k, v, q_segment_ids, kv_segment_ids, sink, bias)
   # Named so that remat policies (save_only_these_names, ...) can keep or drop the residuals.
   # The named values are also the primal outputs, so a policy that keeps them needs no
   # recomputation for the caller's own use of `out` either.
   out = checkpoint_name(out, OUT_CHECKPOINT_NAME)
   lse = checkpoint_name(lse, LSE_CHECKPOINT_NAME)
-  return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, sink, out, lse)
+  return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, sink, out, lse, bias)
 
 
 def attention_core_bwd(config, residuals, cotangents):
-  """attention_core's backward: (dq, dk, dv, None, None, d_sink) from the residuals (q, k, v,
-  q_segment_ids, kv_segment_ids, sink, out, lse) and the cotangents of (out, lse)."""
+  """attention_core's backward: (dq, dk, dv, None, None, d_sink, d_bias) from the residuals
+  (q, k, v, q_segment_ids, kv_segment_ids, sink, out, lse, bias) and the cotangents of
+  (out, lse). d_bias comes in the bias's dtype, reduced over its broadcast dims."""
   # lse includes the sink, so the backward's probabilities exp(s - lse) are the sink-normalised
   # ones: the kernels need nothing else, and the sink's own gradient is a reduction in XLA.
-  q, k, v, q_segment_ids, kv_segment_ids, sink, out, lse = residuals
+  q, k, v, q_segment_ids, kv_segment_ids, sink, out, lse, bias = residuals
   d_out, d_lse = cotangents
-  dq, dk, dv = flash_bwd_p.bind(q, k, v, out, lse, d_out.astype(out.dtype),
-                                d_lse.astype(lse.dtype),
-                                *_segments(config, q_segment_ids, kv_segment_ids), config=config)
+  grads = flash_bwd_p.bind(q, k, v, out, lse, d_out.astype(out.dtype), d_lse.astype(lse.dtype),
+                           *_segments(config, q_segment_ids, kv_segment_ids),
+                           *_operand_bias(config, q, bias), config=config)
+  dq, dk, dv = grads[:3]
+  d_bias = grads[3].astype(bias.dtype) if config.has_bias else None
   d_sink = learnable_sink_grad(out, lse, d_out, d_lse, sink) if config.has_sink else None
-  return dq, dk, dv, None, None, d_sink
+  return dq, dk, dv, None, None, d_sink, d_bias
 
 
 attention_core.defvjp(_core_fwd, attention_core_bwd)

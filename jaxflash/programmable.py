@@ -1,9 +1,10 @@
 """Programmable attention: an additive bias, score_mod and mask_mod written in JAX.
 
-Checks the arguments and runs such calls on the pure-JAX blocked path (reference.ScoreMods),
-which JAX differentiates itself, so the bias and every float array the functions close over
-get their gradients. The CuTe kernels do not take these arguments. Imports jax, reference,
-checks and sink only.
+Checks the arguments. A call with score_mod or mask_mod runs on the pure-JAX blocked path
+(reference.ScoreMods), which JAX differentiates itself, so the bias and every float array the
+functions close over get their gradients; the CuTe kernels do not take these functions. A call
+with a bias alone runs as any other call (jaxflash.attention: the bias variants of the kernels,
+or the reference with its own backward). Imports jax, reference, checks and sink only.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from jaxflash.sink import add_learnable_sink
 log = logging.getLogger("jaxflash")
 
 BIAS_DTYPES = ("float32", "bfloat16", "float16")
-NOT_IN_KERNELS = ("bias / score_mod / mask_mod run on the reference implementation only (the "
-                  "CuTe kernels do not take them)")
+NOT_IN_KERNELS = ("score_mod / mask_mod run on the reference implementation only (the CuTe "
+                  "kernels do not take them)")
 
 
 def check_mods(bias, score_mod, mask_mod, query, key, dtype: str):
@@ -48,6 +49,18 @@ def check_mods(bias, score_mod, mask_mod, query, key, dtype: str):
   mods = reference.ScoreMods(bias, score_mod, mask_mod)
   _check_traceable(mods, dtype)
   return mods
+
+
+def bias_dims(bias, query) -> tuple[bool, bool, bool]:
+  """Which of a checked bias's (batch, heads, seq_q) dims are full (AttentionConfig.bias_dims):
+  those equal to the query's (a dim of 1 on both sides counts as full)."""
+  b, seq_q, h, _ = query.shape
+  return tuple(got == full for got, full in zip(bias.shape[:3], (b, h, seq_q)))
+
+
+def functions_only(mods) -> bool:
+  """Whether checked mods have score_mod or mask_mod (else a bias at most)."""
+  return mods is not None and (mods.score_mod is not None or mods.mask_mod is not None)
 
 
 def _check_traceable(mods: reference.ScoreMods, dtype: str) -> None:

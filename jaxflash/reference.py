@@ -101,9 +101,7 @@ def _modify(mods: ScoreMods, s, mask, bias_block, start: int, seq_k: int):
   last block's padding) call the functions with kv_idx = seq_k - 1; the mask drops them."""
   b, h_kv, g, seq_q, block = s.shape
   if bias_block is not None:
-    s = s + bias_block.astype(s.dtype).reshape(
-        bias_block.shape[0], -1 if bias_block.shape[1] == 1 else h_kv,
-        1 if bias_block.shape[1] == 1 else g, *bias_block.shape[2:])
+    s = s + _grouped_bias(bias_block, h_kv, g).astype(s.dtype)
   cols = jnp.minimum(start + jnp.arange(block, dtype=jnp.int32), seq_k - 1)
   if mods.score_mod is not None:
     s4 = _map_bhqk(mods.score_mod, s.reshape(b, h_kv * g, seq_q, block), b, h_kv * g, seq_q,
@@ -113,6 +111,29 @@ def _modify(mods: ScoreMods, s, mask, bias_block, start: int, seq_k: int):
     keep = _map_bhqk(mods.mask_mod, None, b, h_kv * g, seq_q, cols)
     mask = mask & keep.reshape(b, h_kv, g, seq_q, block)
   return s, mask
+
+
+def _grouped_bias(bias_block, h_kv: int, g: int):
+  """A bias block (b|1, h|1, s_q|1, cols) viewed against scores (b, h_kv, g, s_q, cols)."""
+  return bias_block.reshape(bias_block.shape[0], -1 if bias_block.shape[1] == 1 else h_kv,
+                            1 if bias_block.shape[1] == 1 else g, *bias_block.shape[2:])
+
+
+def _bias_blocks(bias, num_blocks: int, block_k: int):
+  """(b|1, h|1, s_q|1, s_k) -> (num_blocks, b|1, h|1, s_q|1, block_k): each key block's
+  columns, the scan's leading axis (padding columns are masked by col < seq_k)."""
+  return jnp.moveaxis(_pad_keys(bias, num_blocks, block_k, axis=3).reshape(
+      *bias.shape[:3], num_blocks, block_k), 3, 0)
+
+
+def reduce_bias_grad(ds, bias_shape):
+  """The gradient of a bias of shape (b|1, h|1, s_q|1, cols) from the gradient of the scores
+  it was added to, ds (b, h, s_q, cols): summed over the bias's broadcast dims, in float32 at
+  least (16-bit ds: the kernels' dbias scratch); ds itself where nothing is broadcast."""
+  axes = tuple(i for i in range(3) if bias_shape[i] == 1 and ds.shape[i] != 1)
+  if not axes:
+    return ds
+  return jnp.sum(ds, axis=axes, keepdims=True, dtype=jnp.promote_types(ds.dtype, jnp.float32))
 
 
 def _expand_mask(mask):
@@ -236,8 +257,7 @@ def blocked_forward(query, key, value, config: AttentionConfig, q_segment_ids=No
   segs = _key_blocks(kv_segment_ids, nblocks, bk) if kv_segment_ids is not None else None
   bias = None if mods is None else mods.bias
   if bias is not None:  # (nblocks, b|1, h|1, s_q|1, bk): the bias's columns of each block
-    bias = jnp.moveaxis(_pad_keys(bias, nblocks, bk, axis=3).reshape(
-        *bias.shape[:3], nblocks, bk), 3, 0)
+    bias = _bias_blocks(bias, nblocks, bk)
   xs = (jnp.arange(nblocks) * bk, _key_blocks(key, nblocks, bk),
         _key_blocks(value, nblocks, bk), segs, bias)
 
@@ -290,11 +310,15 @@ def _online_result(carry, query, cdt):
 
 
 def blocked_backward(query, key, value, out, lse, d_out, d_lse, config: AttentionConfig,
-                     q_segment_ids=None, kv_segment_ids=None, block_k: Optional[int] = None):
+                     q_segment_ids=None, kv_segment_ids=None, block_k: Optional[int] = None,
+                     bias=None):
   """FlashAttention-2 style backward: recomputes P from the saved lse, one key block at a time.
 
   d_lse is the cotangent of the lse output (zeros when the caller did not use lse); since
-  d lse / d s = P it enters as a shift of the row term delta. Returns (dq, dk, dv).
+  d lse / d s = P it enters as a shift of the row term delta. Returns (dq, dk, dv), and with a
+  bias (b|1, h|1, s_q|1, s_k) (added after the scale and softcap, as blocked_forward's
+  ScoreMods) also dbias: the gradient of the biased scores, P * (dP - delta), summed over the
+  bias's broadcast dims, in the bias's dtype.
   """
   cdt = _compute_dtype(query.dtype)
   b, seq_q, h, d = query.shape
@@ -310,33 +334,44 @@ def blocked_backward(query, key, value, out, lse, d_out, d_lse, config: Attentio
                      precision=lax.Precision.HIGHEST)
   delta = delta - d_lse.reshape(b, h_kv, g, seq_q).astype(cdt)
   segs = _key_blocks(kv_segment_ids, nblocks, bk) if kv_segment_ids is not None else None
+  bias_blocks = None if bias is None else _bias_blocks(bias, nblocks, bk)
   xs = (jnp.arange(nblocks) * bk, _key_blocks(key, nblocks, bk),
-        _key_blocks(value, nblocks, bk), segs)
+        _key_blocks(value, nblocks, bk), segs, bias_blocks)
 
   def step(dq, x):
-    start, kb, vb, segb = x
+    start, kb, vb, segb, bias_block = x
     s, t = _scores(config, qg, kb, cdt)
+    if bias_block is not None:
+      s = s + _grouped_bias(bias_block, h_kv, g).astype(cdt)
     mask = _block_mask(config, seq_q, seq_k, start, bk, q_segment_ids, segb)
     p = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0) - lse_safe[..., None]), 0)
     dv_b = jnp.einsum("bhgqk,bqhgd->bkhd", p, dog, precision=lax.Precision.HIGHEST)
     dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vb.astype(cdt), precision=lax.Precision.HIGHEST)
     ds = p * (dp - delta[..., None])
+    dbias_b = None
+    if bias_block is not None:
+      dbias_b = reduce_bias_grad(ds.reshape(b, h, seq_q, bk), bias_block.shape)
     if t is not None:
       ds = ds * (1 - t * t)  # d/dx of c*tanh(x/c)
     ds = ds * config.softmax_scale
     dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", ds, kb.astype(cdt), precision=lax.Precision.HIGHEST)
     dk_b = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg, precision=lax.Precision.HIGHEST)
-    return dq, (dk_b, dv_b)
+    return dq, (dk_b, dv_b, dbias_b)
 
   dq0 = _vary_like(jnp.zeros_like(qg), query, key, value, out, lse, d_out, d_lse, q_segment_ids,
-                  kv_segment_ids)
-  dq, (dk, dv) = lax.scan(step, dq0, xs)
+                  kv_segment_ids, bias)
+  dq, (dk, dv, dbias) = lax.scan(step, dq0, xs)
 
   def unblock(x, like):
     x = jnp.moveaxis(x, 0, 1).reshape(b, nblocks * bk, *x.shape[3:])
     return x[:, :seq_k].astype(like.dtype)
 
-  return dq.reshape(b, seq_q, h, d).astype(query.dtype), unblock(dk, key), unblock(dv, value)
+  grads = (dq.reshape(b, seq_q, h, d).astype(query.dtype), unblock(dk, key), unblock(dv, value))
+  if bias is None:
+    return grads
+  # (nblocks, b|1, h|1, s_q|1, bk) -> (b|1, h|1, s_q|1, s_k)
+  dbias = jnp.moveaxis(dbias, 0, 3).reshape(*bias.shape[:3], nblocks * bk)[..., :seq_k]
+  return grads + (dbias.astype(bias.dtype),)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ HEADS, KV_HEADS, Q_PER_KV = "heads", "kv_heads", "q_per_kv"
 HEAD_DIM, HEAD_DIM_V = "head_dim", "head_dim_v"
 # The kernels hold a whole row of keys and a whole head: these factors are never sharded.
 REPLICATED_FACTORS = (SEQ_Q, SEQ_K, HEAD_DIM, HEAD_DIM_V)
+# A bias's broadcast dims (size 1, never sharded): one factor each.
+BIAS_BATCH, BIAS_HEADS, BIAS_ROWS = "bias_batch", "bias_heads", "bias_rows"
 # The FP8 primitive's descales: q_descale (batch, heads, query chunks) and kv_descale (batch,
 # kv heads, key chunks, 4 values); the chunk and value dims are whole.
 Q_CHUNKS, K_CHUNKS, CHUNK_VALUES = "q_chunks", "k_chunks", "chunk_values"
@@ -65,17 +67,39 @@ def _rule(operands: Sequence[str], results: Sequence[str], sizes: Mapping[str, i
   return rule, dict(sizes, need_replication_factors=replicated)
 
 
+def _bias_factors(config: AttentionConfig, heads: str) -> list[str]:
+  """[the bias's factors] ((batch|1, heads|1, seq_q|1, seq_k): a broadcast dim is a factor of
+  its own), or [] without a bias."""
+  if not config.has_bias:
+    return []
+  full_b, full_h, full_q = config.bias_dims
+  return [" ".join((BATCH if full_b else BIAS_BATCH, heads if full_h else BIAS_HEADS,
+                    SEQ_Q if full_q else BIAS_ROWS, SEQ_K))]
+
+
+_BIAS_REPLICATED = (BIAS_BATCH, BIAS_HEADS, BIAS_ROWS)
+
+
+def _replicated(config: AttentionConfig) -> tuple[str, ...]:
+  if not config.has_bias:
+    return REPLICATED_FACTORS
+  return REPLICATED_FACTORS + tuple(
+      f for f, full in zip(_BIAS_REPLICATED, config.bias_dims) if not full)
+
+
 def fwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int,
                       mesh_sizes: Sequence[int] = ()):
-  """(rule string, keyword arguments) of flash_fwd_p: (q, k, v[, q_seg, kv_seg][, sink]) ->
-  (out, lse).
+  """(rule string, keyword arguments) of flash_fwd_p: (q, k, v[, q_seg, kv_seg][, bias]
+  [, sink]) -> (out, lse).
 
   mesh_sizes: the sizes of the mesh axes (decides whether GQA heads use a compound factor).
   """
   q, k, v, out, lse, segments, sizes = _operands(num_heads, num_kv_heads,
                                                  config.has_segment_ids, mesh_sizes)
-  sink = [_head_factors(num_heads, num_kv_heads, mesh_sizes)[0]] if config.has_sink else []
-  return _rule([q, k, v, *segments, *sink], [out, lse], sizes)
+  heads = _head_factors(num_heads, num_kv_heads, mesh_sizes)[0]
+  sink = [heads] if config.has_sink else []
+  bias = _bias_factors(config, heads)
+  return _rule([q, k, v, *segments, *bias, *sink], [out, lse], sizes, _replicated(config))
 
 
 def fp8_fwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int,
@@ -92,10 +116,13 @@ def fp8_fwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads:
 
 def bwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int,
                       mesh_sizes: Sequence[int] = ()):
-  """Rule of flash_bwd_p: (q, k, v, out, lse, d_out, d_lse[, segs]) -> (dq, dk, dv)."""
+  """Rule of flash_bwd_p: (q, k, v, out, lse, d_out, d_lse[, segs][, bias]) -> (dq, dk,
+  dv[, dbias])."""
   q, k, v, out, lse, segments, sizes = _operands(num_heads, num_kv_heads,
                                                  config.has_segment_ids, mesh_sizes)
-  return _rule([q, k, v, out, lse, out, lse, *segments], [q, k, v], sizes)
+  bias = _bias_factors(config, _head_factors(num_heads, num_kv_heads, mesh_sizes)[0])
+  return _rule([q, k, v, out, lse, out, lse, *segments, *bias], [q, k, v, *bias], sizes,
+               _replicated(config))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,6 +182,21 @@ class Plan:
 
   def sink_spec(self) -> PartitionSpec:  # learnable_sink: one logit per query head
     return PartitionSpec(_entry(self.head_axes))
+
+  def bias_spec(self, bias_dims) -> PartitionSpec:  # bias, dbias (batch|1, heads|1, s_q|1, s_k)
+    full_b, full_h, _ = bias_dims
+    return PartitionSpec(_entry(self.batch_axes) if full_b else None,
+                         _entry(self.head_axes) if full_h else None, None, None)
+
+  def reduce_dbias(self, dbias, bias_dims):
+    """dbias of this shard -> the gradient of the bias as sharded by bias_spec: summed over the
+    batch / head shards along which the bias is broadcast."""
+    full_b, full_h, _ = bias_dims
+    axes = (() if full_b else self.batch_axes) + (() if full_h else self.head_axes)
+    if not axes:
+      return dbias
+    acc = jnp.promote_types(dbias.dtype, jnp.float32)
+    return lax.psum(dbias.astype(acc), axes).astype(dbias.dtype)
 
   def q_descale_spec(self) -> PartitionSpec:  # FP8 q_descale (batch, heads, chunks)
     return self.lse_spec()  # lse's layout: (batch, heads, a whole dim)
@@ -237,19 +279,21 @@ def plan_for(mesh, arg_shapes) -> Plan:
                  batch=q.shape[0], num_heads=q.shape[2], num_kv_heads=k.shape[2])
 
 
-def fwd_specs(plan: Plan, has_segment_ids: bool, has_sink: bool = False):
-  """(operand specs, result specs) of flash_fwd_p under `plan`."""
+def fwd_specs(plan: Plan, has_segment_ids: bool, has_sink: bool = False, bias_dims=None):
+  """(operand specs, result specs) of flash_fwd_p under `plan` (bias_dims: the config's)."""
   segs = (plan.segment_spec(),) * 2 if has_segment_ids else ()
   sink = (plan.sink_spec(),) if has_sink else ()
-  args = (plan.q_spec(), plan.kv_spec(), plan.kv_spec()) + segs + sink
+  bias = (plan.bias_spec(bias_dims),) if bias_dims is not None else ()
+  args = (plan.q_spec(), plan.kv_spec(), plan.kv_spec()) + segs + bias + sink
   return args, (plan.q_spec(), plan.lse_spec())
 
 
-def bwd_specs(plan: Plan, has_segment_ids: bool):
+def bwd_specs(plan: Plan, has_segment_ids: bool, bias_dims=None):
   """(operand specs, result specs) of flash_bwd_p under `plan`."""
   segs = (plan.segment_spec(),) * 2 if has_segment_ids else ()
+  bias = (plan.bias_spec(bias_dims),) if bias_dims is not None else ()
   q, kv, lse = plan.q_spec(), plan.kv_spec(), plan.lse_spec()
-  return (q, kv, kv, q, lse, q, lse) + segs, (q, kv, kv)
+  return (q, kv, kv, q, lse, q, lse) + segs + bias, (q, kv, kv) + bias
 
 
 def fwd_partition(config: AttentionConfig, mesh, arg_shapes,
@@ -260,9 +304,10 @@ def fwd_partition(config: AttentionConfig, mesh, arg_shapes,
   primitive there). Returns (operand shardings, result shardings, per-shard function).
   """
   plan = plan_for(mesh, arg_shapes)
-  arg_specs, result_specs = fwd_specs(plan, config.has_segment_ids, config.has_sink)
+  arg_specs, result_specs = fwd_specs(plan, config.has_segment_ids, config.has_sink,
+                                      config.bias_dims)
 
-  def per_shard(q, k, v, *rest):  # rest: segment ids and sink, as the operands
+  def per_shard(q, k, v, *rest):  # rest: segment ids, bias and sink, as the operands
     return tuple(compute(q, plan.select_kv(k), plan.select_kv(v), *rest))
 
   return _named(mesh, arg_specs), _named(mesh, result_specs), per_shard
@@ -287,13 +332,15 @@ def fp8_fwd_partition(config: AttentionConfig, mesh, arg_shapes,
 
 def bwd_partition(config: AttentionConfig, mesh, arg_shapes,
                   compute: Callable) -> tuple[tuple, tuple, Callable]:
-  """custom_partitioning's decision for flash_bwd_p; `compute` returns (dq, dk, dv)."""
+  """custom_partitioning's decision for flash_bwd_p; `compute` returns (dq, dk, dv[, dbias])."""
   plan = plan_for(mesh, arg_shapes)
-  arg_specs, result_specs = bwd_specs(plan, config.has_segment_ids)
+  arg_specs, result_specs = bwd_specs(plan, config.has_segment_ids, config.bias_dims)
 
   def per_shard(q, k, v, *rest):
-    dq, dk, dv = compute(q, plan.select_kv(k), plan.select_kv(v), *rest)
-    return dq, plan.reduce_dkv(dk), plan.reduce_dkv(dv)
+    grads = compute(q, plan.select_kv(k), plan.select_kv(v), *rest)
+    dq, dk, dv = grads[:3]
+    dbias = (plan.reduce_dbias(grads[3], config.bias_dims),) if config.has_bias else ()
+    return (dq, plan.reduce_dkv(dk), plan.reduce_dkv(dv)) + dbias
 
   return _named(mesh, arg_specs), _named(mesh, result_specs), per_shard
 

@@ -493,3 +493,26 @@ def test_generate_benchmark_times_each_cache_kind_on_the_same_model():
   table = generate.markdown(records, kinds, (1, 3)).splitlines()
   assert table[0] == "| batch | jaxflash | xla | cudnn |" and len(table) == 4
   assert table[2].startswith("| 1 | ") and " tok/s (" in table[2]
+
+
+def test_bias_columns_are_the_calls_they_name():
+  """bench_modifiers --bias: the jaxflash columns are attention with and without the bias (the
+  plain one ignores it); forward + backward differentiates the bias too."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jaxflash
+  modifiers = load_script("benchmarks/bench_modifiers.py")
+  rng = np.random.default_rng(2)
+  q, k, v = (jnp.asarray(rng.standard_normal((2, 16, 2, 8)), jnp.float32) for _ in range(3))
+  bias = jnp.asarray(rng.standard_normal((1, 2, 16, 16)), jnp.float32)
+  run = lambda impl: modifiers.bias_fn(impl, True, "reference")(q, k, v, bias)
+  np.testing.assert_array_equal(run("jaxflash"), jaxflash.attention(
+      q, k, v, causal=True, implementation="reference"))
+  np.testing.assert_array_equal(run("jaxflash bias"), jaxflash.attention(
+      q, k, v, causal=True, bias=bias, implementation="reference"))
+  assert not np.array_equal(run("jaxflash bias"), run("jaxflash"))
+  grads = modifiers.bias_fwd_bwd_fn(modifiers.bias_fn("jaxflash bias", True, "reference"), q)(
+      q, k, v, bias)
+  assert len(grads) == 4 and grads[3].shape == bias.shape and np.any(np.asarray(grads[3]) != 0)
+  assert modifiers.BIAS_SHAPE == dict(batch=4, heads=16, head_dim=128)

@@ -17,8 +17,11 @@ BWD = config.shipped_variants("sm90a", "bwd")
 DECODE = config.shipped_variants("sm90a", "decode")
 # Forward variants a call's static shape picks (fwd_schedule's seq_k: short dense calls; band:
 # narrow windows), where they differ from the others.
-SHAPED_FWD = [v for v in FWD if v.dtype != config.FP8_DTYPE and v.schedule != config.fwd_schedule(
-    v.head_dim, v.head_dim_v, v.causal, v.masked)]
+SHAPED_FWD = [v for v in FWD if v.dtype != config.FP8_DTYPE and not v.bias and (
+    v.schedule != config.fwd_schedule(v.head_dim, v.head_dim_v, v.causal, v.masked))]
+# The bias variants (masked ones with the bias operand), one per dtype and BIAS_HEAD_DIM_PAIRS.
+BIAS_FWD = [v for v in FWD if v.bias]
+BIAS_BWD = [v for v in BWD if v.bias]
 DENSE_FWD = [v for v in FWD if not v.masked and v.dtype != config.FP8_DTYPE and v not in SHAPED_FWD]
 DENSE_BWD = [v for v in BWD if not v.masked]
 PAIRS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
@@ -46,12 +49,13 @@ def test_shipped_variants_cover_dtypes_head_dims_masks_and_determinism():
   assert all(v.key.endswith(f"-blk-{v.schedule.key}") == v.block_descales for v in fp8)
   assert not any(v.masked for v in fp8)
   assert all(v.key.startswith("fwd-sm90a-e4m3-") for v in fp8)
-  assert len(FWD) == 2 * len(PAIRS) * 3 + len(SHAPED_FWD) + len(fp8)
-  assert len(BWD) == 2 * len(PAIRS) * 3 * 2
+  assert len(FWD) == 2 * len(PAIRS) * 3 + len(SHAPED_FWD) + len(fp8) + len(BIAS_FWD)
+  assert len(BWD) == 2 * len(PAIRS) * 3 * 2 + len(BIAS_BWD)
   # The budget of the masked-attention and score-modifier work: at most 160 variants.
   assert len(FWD) + len(BWD) <= 160
   for variants, direction in ((FWD, "fwd"), (BWD, "bwd")):
-    variants = [v for v in variants if v.dtype != config.FP8_DTYPE and v not in SHAPED_FWD]
+    variants = [v for v in variants
+                if v.dtype != config.FP8_DTYPE and v not in SHAPED_FWD and not v.bias]
     combos = {(v.dtype, v.head_dim, v.head_dim_v, v.causal, v.masked, v.deterministic)
               for v in variants}
     assert len(combos) == len(variants)
@@ -107,7 +111,7 @@ def test_forward_schedule_table():
   # Masked variants take the causal tiles, claimed in the order of their block ranges (narrow
   # bands: test_narrow_band_masked_calls_at_head_dim_64_take_their_own_forward_variant).
   for v in FWD:
-    if v.masked and v not in SHAPED_FWD:
+    if v.masked and v not in SHAPED_FWD and not v.bias:
       causal = config.fwd_schedule(v.head_dim, v.head_dim_v, True)
       assert v.schedule == dataclasses.replace(causal, lpt=False)
 
@@ -261,9 +265,11 @@ def test_backward_schedule_table():
     assert s.dq_copies == (2 if two else 1), v.key
     limit = {192: 4096, 128: 8192}[v.head_dim_v] if two and v.causal else None
     assert s.two_dq_copies_max_seq_q == limit, v.key
-  # Masked variants take the causal tiles and one dQ accumulator.
+  # Masked variants take the causal tiles and one dQ accumulator; bias variants at head_dim 64
+  # take head_dim 96's 64 x 128 tile (test_bias_variants_are_masked_variants_of_two_head_dims_
+  # per_dtype).
   for v in BWD:
-    if v.masked:
+    if v.masked and not v.bias:
       causal = config.bwd_schedule(v.head_dim, v.head_dim_v, True, False)
       assert v.schedule == causal, v.key
 
@@ -326,7 +332,9 @@ def test_a_direction_without_a_kernel_is_refused(monkeypatch):
   assert config.kernel_support("fwd", "bfloat16", 256, 256) == (True, "")
   ok, text = config.kernel_support("bwd", "bfloat16", 256, 256)
   assert not ok and "head_dim 256 has no bwd kernel" in text
-  assert len(config.shipped_variants("sm90a", "bwd")) == 2 * 3 * 3 * 2
+  # Bias variants need their own pairs' backward kernels, which 256 is not.
+  bias = len(config.KERNEL_DTYPES) * len(config.BIAS_HEAD_DIM_PAIRS)
+  assert len(config.shipped_variants("sm90a", "bwd")) == 2 * 3 * 3 * 2 + bias
 
 
 @pytest.mark.parametrize("head_dim,rows", [(128, 160), (256, 192)])
@@ -398,7 +406,7 @@ def test_the_kernel_abi_takes_the_dq_copies_from_the_library():
   fields = re.search(r"typedef struct \{(.*?)\} JaxflashVariantInfo;", abi, re.S).group(1)
   assert re.findall(r"int32_t (\w+);", fields) == [
       "direction", "dtype", "head_dim", "head_dim_v", "causal", "deterministic", "tile_m",
-      "max_dq_copies", "masked", "tile_n", "tile_counter", "kv_fp8"]
+      "max_dq_copies", "masked", "tile_n", "tile_counter", "kv_fp8", "bias"]
   handlers = (ffi / "handlers.cc").read_text()
   assert "info.tile_m" in handlers and "info.max_dq_copies" in handlers
   assert "info.kv_fp8" in handlers
@@ -503,3 +511,40 @@ def test_narrow_band_masked_calls_at_head_dim_64_take_their_own_forward_variant(
     for deterministic in (False, True):
       assert at(direction="bwd", causal=True, window_left=128, deterministic=deterministic) == (
           at(direction="bwd", window_left=0, deterministic=deterministic))
+
+
+def test_bias_variants_are_masked_variants_of_two_head_dims_per_dtype():
+  """A bias call of any mask runs one masked -bias variant per direction, dtype and pair of
+  BIAS_HEAD_DIM_PAIRS (the narrow-band tile is not built for it); other pairs and the
+  deterministic backward are refused with a reason naming the bias."""
+  assert config.BIAS_HEAD_DIM_PAIRS == ((64, 64), (128, 128))
+  for direction, variants in (("fwd", BIAS_FWD), ("bwd", BIAS_BWD)):
+    if direction not in config.BIAS_DIRECTIONS:
+      assert not variants
+      continue
+    assert [(v.dtype, v.head_dim) for v in variants] == [
+        (dtype, d) for dtype in config.KERNEL_DTYPES for d, _ in config.BIAS_HEAD_DIM_PAIRS]
+    assert all(v.masked and not v.causal and not v.deterministic for v in variants)
+    assert all(f"-masked-bias-{v.schedule.key}" in v.key for v in variants)
+    # 128 x 128 forward tiles at head_dim 64 and 128 (two consumer warpgroups: the bias loads
+    # spilled the 192-row tile); backward: head_dim 96's 64 x 128 swapped tile at 64 (they
+    # spilled the 128 x 128 one), the masked 80 x 128 one at 128.
+    tiles = {(v.head_dim, v.schedule.tile_m, v.schedule.tile_n) for v in variants}
+    assert tiles == ({(64, 128, 128), (128, 128, 128)} if direction == "fwd"
+                     else {(64, 64, 128), (128, 80, 128)})
+    if direction == "bwd":
+      assert all(v.schedule.swap_sdp for v in variants)
+  bias = (True, False, True)
+  for options in ({}, {"causal": True}, {"window_left": 100, "window_right": 0},
+                  {"has_segment_ids": True, "softcap": 5.0}):
+    for d in (64, 128):
+      cfg = _cfg(bias_dims=bias, **options)
+      v = config.KernelVariant.for_call("fwd", "sm90a", "bfloat16", d, d, cfg, 4096)
+      assert v in BIAS_FWD, (options, v.key)
+  assert config.kernel_support("fwd", "bfloat16", 96, 96, _cfg(bias_dims=bias)) == (
+      False, "bias: (head_dim, head_dim_v) (96, 96) has no bias kernel; accepted: "
+             "((64, 64), (128, 128))")
+  assert config.kernel_support("decode", "bfloat16", 64, 64, _cfg(bias_dims=bias))[0] is False
+  ok, reason = config.kernel_support("bwd", "bfloat16", 64, 64,
+                                     _cfg(bias_dims=bias, deterministic=True))
+  assert not ok and reason.startswith("bias: ")

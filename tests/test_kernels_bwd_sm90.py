@@ -277,3 +277,31 @@ def test_masked_backward_soft_caps_with_the_tanh_derivative(exported, variant):
   dense = exported(_find(head_dim=variant.head_dim, head_dim_v=variant.head_dim_v, causal=True,
                          deterministic=variant.deterministic)).ops(modifiers=True)
   assert "MUFU.TANH" not in dense and "MUFU.LG2" not in dense
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.bias], ids=lambda v: v.key)
+def test_bias_backward_stages_the_bias_in_the_ds_buffer_and_stores_dbias_with_tma(exported,
+                                                                                  variant):
+  """Bias variants: the producer loads each step's bias tile (tile_m x 128 keys: two TMA boxes
+  of 64 keys) with Q and dO, into the stage's dS buffer; each of the three step loops reads a
+  thread's bias values with ldmatrix.x4.trans (tile_m / 16 per read: one read for P, one for
+  the softcap's factor) and stores the step's dS tile to dbias with TMA (two boxes); only the
+  soft-capped path stores dbias from registers (one 16-bit store per score); one producer warp
+  writes the skipped blocks' zeros (16-byte stores, two row ranges). No bias load from global
+  memory, no float32 dbias store; the other masked variants have none of it."""
+  ops = exported(variant).ops(modifiers=True)
+  s = variant.schedule
+  boxes = s.tile_n * 2 // 128
+  per_thread_scores = 64 * s.tile_m // 128
+  plain = next(v for v in VARIANTS if v.masked and not v.bias and not v.deterministic
+               and v.dtype == variant.dtype and v.head_dim == variant.head_dim)
+  plain_ops = exported(plain).ops(modifiers=True)
+  assert ops.count("UTMALDG.3D") == boxes
+  assert ops.count("LDSM.16.MT88.4") == 3 * 2 * s.tile_m // 16
+  assert ops.count("UTMASTG.4D") - plain_ops.count("UTMASTG.4D") == 3 * boxes
+  assert ops.count("STG.E.U16") == 3 * per_thread_scores
+  assert ops.count("STG.E.128") == 2
+  assert not [op for op in ops if op.startswith("LDG.E.U16") or op == "STG.E"]
+  for op in ("UTMALDG.3D", "LDSM.16.MT88.4", "STG.E.U16", "STG.E.128"):
+    assert op not in plain_ops, op
+  assert FlashAttentionBackwardSm90.smem_bytes(variant) <= sm90_gemm.SMEM_CAPACITY

@@ -189,11 +189,12 @@ def test_masked_forward_soft_caps_behind_a_warp_uniform_branch(exported, variant
   """Masked variants take softcap at run time: one MUFU.TANH per score of each step, behind
   branches the call's softcap decides for the whole CTA, at four softmax sites (the first
   block, the three step loops), and on two-warpgroup tiles at a fifth: the loop of blocks
-  without the mask once more, with the fixed row max. The dense variants have none."""
+  without the mask once more, with the fixed row max (not in bias variants: a bias has no
+  bound, so they keep the running max). The dense variants have none."""
   e = exported(variant)
   ops = e.ops(modifiers=True)
   per_thread_scores = variant.schedule.tile_n // 2  # 64 rows x tile_n per warpgroup / 128
-  sites = 5 if variant.schedule.tile_m == 128 else 4
+  sites = 5 if variant.schedule.tile_m == 128 and not variant.bias else 4
   assert ops.count("MUFU.TANH") == sites * per_thread_scores
   # The fixed max rounds P in packed pairs (F2FP): a scalar conversion (F2F) would share the MUFU
   # pipe with the tanh and exp2.
@@ -220,3 +221,29 @@ def test_fixed_capped_max_range_holds_the_softcaps_it_serves(dtype, largest_soft
     assert low - 46 >= normal_low and high + 61 <= finite_high
   else:
     assert low >= normal_low and high <= finite_high
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.bias], ids=lambda v: v.key)
+def test_bias_forward_reads_each_k_stage_s_bias_tile_from_shared_memory(exported, variant):
+  """Bias variants: the producer loads each key block's bias tile (tile_m x tile_n, as two TMA
+  boxes of 64 keys: the 128-byte swizzle) with its K tile, at the two K loads of a tile; every
+  softmax site (the first block, the three step loops) reads a thread's 64 bias values with 8
+  ldmatrix.x4 (LDSM.16.M88.4) and loads no bias from global memory; the K stage carries the
+  bias tile's bytes; smem fits. Other masked variants have none of it."""
+  e = exported(variant)
+  ops = e.ops(modifiers=True)
+  boxes = variant.schedule.tile_n * 2 // 128
+  assert ops.count("UTMALDG.3D") == 2 * boxes
+  assert ops.count("LDSM.16.M88.4") == 4 * variant.schedule.tile_n // 16
+  assert not [op for op in ops if op.startswith("LDG.E.U16") or op.startswith("LDG.E.16")]
+  # The K stage's transaction bytes: K, its key ids and the bias tile.
+  s = variant.schedule
+  k_bytes = s.tile_n * variant.head_dim * 2 + s.tile_n * 4 + s.tile_m * s.tile_n * 2
+  assert re.search(rf"IMAD\.MOV\.U32 R\d+, RZ, RZ, {k_bytes:#x}\b", e.sass["main"]), hex(k_bytes)
+  assert FlashAttentionForwardSm90.smem_bytes(variant) <= sm90_gemm.SMEM_CAPACITY
+  plain = next(v for v in VARIANTS if v.masked and not v.bias and v.dtype == variant.dtype
+               and (v.head_dim, v.head_dim_v) == (variant.head_dim, variant.head_dim_v)
+               and v.schedule.tile_m == variant.schedule.tile_m)
+  plain_ops = exported(plain).ops(modifiers=True)
+  assert "LDSM.16.M88.4" not in plain_ops and "UTMALDG.3D" not in plain_ops
+

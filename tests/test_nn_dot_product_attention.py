@@ -340,12 +340,29 @@ def test_value_shape_and_dtype_mismatch():
     dot_product_attention(q, k, k.astype(jnp.bfloat16))
 
 
-@pytest.mark.parametrize("kwargs", [{"bias": jnp.zeros((1, 2, 8, 8))},
+@pytest.mark.parametrize("kwargs", [{"bias": jnp.zeros((1, 2, 8, 8), jnp.int32)},
+                                    {"bias": jnp.zeros((1, 2, 3, 8))},
                                     {"mask": jnp.ones((1, 1, 8, 8), bool)}],
-                         ids=["bias", "mask"])
+                         ids=["bias_int", "bias_rows", "mask"])
 def test_cudnn_refuses_dense_masks(kwargs):
   with pytest.raises(ValueError, match="implementation=None/'xla'"):
     dot_product_attention(*_qkv(dtype=jnp.bfloat16), implementation="cudnn", **kwargs)
+
+
+def test_float_bias_runs_in_jaxflash_with_its_gradient():
+  """A float bias (rank 3 here: (N, T, S), padded to 4 in front) is an operand of jaxflash's
+  attention primitive, not jax.nn's materialised path; out and d bias match jax.nn's."""
+  from jaxflash import primitives
+  q, k, v = _qkv()
+  bias = _normal(5, (q.shape[2], q.shape[1], k.shape[1]), jnp.float32)
+  loss = lambda sdpa: lambda q, b: jnp.sum(sdpa(q, k, v, b, is_causal=True) ** 2)
+  text = str(jax.make_jaxpr(jax.grad(loss(dot_product_attention), argnums=1))(q, bias))
+  assert f"{primitives.flash_fwd_p.name}[" in text and "bias_dims" in text
+  ours = jax.value_and_grad(loss(dot_product_attention), argnums=(0, 1))(q, bias)
+  want = jax.value_and_grad(loss(jax.nn.dot_product_attention), argnums=(0, 1))(q, bias)
+  np.testing.assert_allclose(ours[0], want[0], rtol=1e-5)
+  for got, w in zip(ours[1], want[1]):
+    np.testing.assert_allclose(got, w, rtol=2e-4, atol=2e-5)
 
 
 def test_exported_as_jaxflash_dot_product_attention():

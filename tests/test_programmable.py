@@ -225,7 +225,7 @@ def _branching_mask(b, h, i, j):
     (dict(mask_mod=lambda b, h, i, j: i - j), TypeError, "mask_mod: must return a boolean"),
     (dict(mask_mod=_branching_mask), ValueError, "mask_mod: must be a JAX function of scalars"),
     (dict(mask_mod=lambda b, h, i, j: j <= i, implementation="cute"), ValueError,
-     "implementation='cute': bias / score_mod / mask_mod run on the reference"),
+     "implementation='cute': score_mod / mask_mod run on the reference"),
 ], ids=["bias_rank", "bias_seq_k", "bias_heads", "bias_dtype", "score_mod_not_callable",
         "score_mod_arity", "score_mod_bool", "mask_mod_int", "mask_mod_branch", "cute"])
 def test_bad_modifiers_raise_errors_naming_the_argument(kwargs, error, match):

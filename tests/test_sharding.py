@@ -124,9 +124,15 @@ CASES = {
                              {"explicit": True}),
     "explicit_gqa_kv_not_divisible": (8, 2, P("data", None, "model"), P("data"),
                                       {"explicit": True, "causal": True}),
+    # An additive bias (batch, heads, seq_q, seq_k) sharded like q's batch and heads; one
+    # broadcast over the batch, whose gradient each batch shard adds to (one all-reduce).
+    "bias_batch_heads": (8, 4, P("data", None, "model"), P("data", None, "model"),
+                         {"bias": "BH", "causal": True}),
+    "bias_broadcast_batch": (8, 8, P("data", None, "model"), P("data", None, "model"),
+                             {"bias": "1H"}),
 }
 NO_COLLECTIVES = ("batch", "heads", "batch_heads", "gqa_heads", "gqa_compound_factor",
-                  "segments", "float32", "explicit_batch_heads")
+                  "segments", "float32", "explicit_batch_heads", "bias_batch_heads")
 REPLICATED_KV = ("gqa_kv_not_divisible", "mqa_heads_on_two_axes", "explicit_gqa_kv_not_divisible")
 
 
@@ -165,6 +171,16 @@ def test_replicated_kv_heads_only_sum_dk_dv(results, name):
   assert counts == dict.fromkeys(counts, 0), r["collectives"]
   for shape in r["all_reduce_shapes"]:
     assert shape == r["local_kv_shape"], r
+
+
+def test_a_bias_broadcast_over_sharded_batches_sums_its_gradient_only(results):
+  """A (1, H, S, S) bias under batch sharding: the only collective is dbias's sum over the
+  batch shards, of the bias's local shape (heads split by the model axis)."""
+  r = results["bias_broadcast_batch"]
+  counts = dict(r["collectives"])
+  assert counts.pop("all-reduce") >= 1
+  assert counts == dict.fromkeys(counts, 0), r["collectives"]
+  assert set(r["all_reduce_shapes"]) == {"1,2,32,32"}, r
 
 
 @pytest.mark.parametrize("name", ["head_dim_sharded", "seq_sharded"])
@@ -278,10 +294,14 @@ def _run_case(name, heads, kv_heads, q_spec, kv_spec, options):
   d_lse = jnp.asarray(rng.standard_normal((b, heads, t)), dtype)
   segs = make_segments(9, b, t, t) if options.get("segments") else (None, None)
   causal = options.get("causal", False)
+  kind = options.get("bias")
+  bias = None
+  if kind:  # "BH": (b, heads, t, t); "1H": (1, heads, t, t)
+    bias = jnp.asarray(rng.standard_normal((b if kind[0] == "B" else 1, heads, t, t)), dtype)
 
-  def attend(q, k, v, q_seg, kv_seg):
+  def attend(q, k, v, q_seg, kv_seg, bias=None):
     return jaxflash.attention(q, k, v, causal=causal, q_segment_ids=q_seg,
-                              kv_segment_ids=kv_seg, return_lse=True)
+                              kv_segment_ids=kv_seg, bias=bias, return_lse=True)
 
   if options.get("shard_map_axes"):  # jaxflash inside a shard_map manual over some axes
     spec, body = P("data"), attend
@@ -289,16 +309,19 @@ def _run_case(name, heads, kv_heads, q_spec, kv_spec, options):
                            out_specs=(spec, spec), axis_names=set(options["shard_map_axes"]),
                            check_vma=False)
 
-  def step(q, k, v, d_out, d_lse, q_seg, kv_seg):
-    (out, lse), vjp = jax.vjp(lambda q, k, v: attend(q, k, v, q_seg, kv_seg), q, k, v)
+  def step(q, k, v, d_out, d_lse, q_seg, kv_seg, *bias):
+    (out, lse), vjp = jax.vjp(lambda q, k, v, *bias: attend(q, k, v, q_seg, kv_seg, *bias),
+                              q, k, v, *bias)
     return (out, lse) + vjp((d_out, d_lse))
 
-  args = (q, k, v, d_out, d_lse) + segs
+  args = (q, k, v, d_out, d_lse) + segs + (() if bias is None else (bias,))
   want = jax.jit(step)(*args)
   qs = tuple(q_spec) + (None,) * (4 - len(tuple(q_spec)))
   lse_spec = P(qs[0], qs[2], qs[1])
   specs = (q_spec, kv_spec, kv_spec, q_spec, lse_spec) + ((P(qs[0]),) * 2 if segs[0] is not None
                                                         else (None, None))
+  if bias is not None:
+    specs += (P(qs[0] if kind[0] == "B" else None, qs[2]),)
   placed = tuple(None if a is None else jax.device_put(a, NamedSharding(mesh, s))
                  for a, s in zip(args, specs))
   fn = jax.jit(step)

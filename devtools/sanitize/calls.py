@@ -135,6 +135,31 @@ def masked_bwd_softcap_sink():
     _grad(q, k, v, deterministic=deterministic, **dict(_masks())["softcap_sink_documents"])
 
 
+def bias():
+  """The bias variants' forward and gradient (the bias's too) at head_dim 64 and 128: the bias
+  tiles that ride on the K stages (forward) and into the dS buffers (backward, with the dbias
+  TMA store's wait before each stage's release), the producer warp's zeros where causal key
+  tiles skip query blocks, 333 keys (rows padded to 336, keys past the length out of bounds),
+  a bias broadcast over batch, one over queries (one row per head), softcap (dbias from
+  registers)."""
+  rng = np.random.default_rng(11)
+  for d in (64, 128):
+    q, k, v = _qkv(d + 11, 2, 300, 333, 4, 2, d)
+    for shape, kw in (((1, 4, 300, 333), dict(causal=True)), ((2, 4, 1, 333), {}),
+                      ((2, 4, 300, 333), dict(softcap=5.0, causal=True))):
+      b = jax.device_put(np.asarray(rng.standard_normal(shape), np.float32)).astype(q.dtype)
+
+      def loss(q, k, v, b, kw=kw):
+        out = jaxflash.attention(q, k, v, bias=b, implementation="cute", **kw)
+        return jnp.sum(out.astype(jnp.float32))
+      name = f"bias {shape} " + _describe(q, kw)
+      out = _timed("forward " + name,
+                   lambda: jaxflash.attention(q, k, v, bias=b, implementation="cute", **kw))
+      grads = _timed("grad " + name, lambda: jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, b))
+      for x in (out,) + tuple(grads):
+        assert np.isfinite(np.asarray(x, np.float32)).all(), name
+
+
 def fp8_fwd():
   for d in (64, 128, 256):
     q, k, v = _qkv(d + 7, 1, 300, 300, 4, 2, d)
@@ -186,8 +211,8 @@ def decode():
 
 
 # scripts/gpu_check.sh starts the runs in this order (the longest first).
-FAMILIES = {f.__name__: f for f in (masked_bwd, masked_bwd_softcap_sink, dense_bwd, fp8_fwd,
-                                    masked_fwd, decode, dense_fwd)}
+FAMILIES = {f.__name__: f for f in (masked_bwd, masked_bwd_softcap_sink, dense_bwd, bias,
+                                    fp8_fwd, masked_fwd, decode, dense_fwd)}
 
 
 def main(argv=None) -> int:

@@ -360,7 +360,7 @@ ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
                      JaxflashMask* mask, int32_t* window_left, int32_t* window_right) {
   const bool bwd = a.target == kBwdTarget;
   const size_t want = info.masked ? (bwd && info.deterministic ? 5 : 4) : 0;
-  const size_t fixed = want + (!bwd && info.dtype == kFp8Dtype ? 2 : 0);
+  const size_t fixed = want + (!bwd && info.dtype == kFp8Dtype ? 2 : 0) + (info.bias ? 1 : 0);
   if (extra.size() != fixed && !(!bwd && extra.size() == fixed + 1)) {
     return Invalid(a, std::to_string(extra.size()) + " operands after the tensors, expected " +
                           (info.dtype == kFp8Dtype
@@ -368,6 +368,7 @@ ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
                                : std::to_string(want) + " mask operands for this variant "
                                  "(row_ids, col_ids, ranges, order, and ranks when "
                                  "deterministic)") +
+                          (info.bias ? ", then the bias" : "") +
                           (bwd ? "" : ", then optionally the learnable sink"));
   }
   *mask = JaxflashMask{};
@@ -398,6 +399,38 @@ ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
     pointers[i] = static_cast<const int32_t*>(buffer.untyped_data());
   }
   *mask = JaxflashMask{pointers[0], pointers[1], pointers[2], pointers[3], pointers[4]};
+  return ffi::Error::Success();
+}
+
+// The last extent of a bias and dbias buffer: seqlen_k rounded up to a multiple of 8 (kernel_abi.h
+// JaxflashBias; jaxflash.config.bias_row_length).
+int64_t BiasRowLength(int64_t seqlen_k) { return (seqlen_k + 7) / 8 * 8; }
+
+// Bias variants: the operand after the mask operands is the bias (kernel_abi.h JaxflashBias), in
+// q's dtype, (batch or 1, num_heads or 1, seqlen_q or 1, BiasRowLength(seqlen_k)). Sets
+// bias->bias and its extents (NULL for other variants); dbias is the backward's to set.
+ffi::Error CheckBias(const CallAttrs& a, const JaxflashVariantInfo& info,
+                     const ffi::RemainingArgs& extra, size_t index, ffi::DataType dtype,
+                     int64_t b, int64_t h, int64_t sq, int64_t sk, JaxflashBias* bias) {
+  *bias = JaxflashBias{};
+  if (!info.bias) return ffi::Error::Success();
+  auto got = extra.get<ffi::AnyBuffer>(index);
+  if (got.has_error()) return got.error();
+  const ffi::AnyBuffer& buffer = got.value();
+  auto d = buffer.dimensions();
+  const int64_t row_length = BiasRowLength(sk);
+  const bool ok = d.size() == 4 && buffer.element_type() == dtype && (d[0] == 1 || d[0] == b) &&
+                  (d[1] == 1 || d[1] == h) && (d[2] == 1 || d[2] == sq) && d[3] == row_length;
+  if (!ok) {
+    return Invalid(a, std::string("bias is ") + DtypeName(buffer.element_type()) + " " +
+                          Shape(buffer) + ", expected " + DtypeName(dtype) + " (" +
+                          std::to_string(b) + " or 1, " + std::to_string(h) + " or 1, " +
+                          std::to_string(sq) + " or 1, " + std::to_string(row_length) +
+                          ": seqlen_k " + std::to_string(sk) + " rounded up to 8)");
+  }
+  *bias = JaxflashBias{buffer.untyped_data(), static_cast<int32_t>(d[0]),
+                       static_cast<int32_t>(d[1]), static_cast<int32_t>(d[2]),
+                       static_cast<int32_t>(row_length), nullptr};
   return ffi::Error::Success();
 }
 
@@ -435,7 +468,7 @@ ffi::Error CheckDescale(const CallAttrs& a, const JaxflashVariantInfo& info,
 // learnable sink, float32 (num_heads,). Sets args->sink (NULL without one).
 ffi::Error CheckSink(const CallAttrs& a, const JaxflashVariantInfo& info,
                      const ffi::RemainingArgs& extra, int64_t num_heads, JaxflashFwdArgs* args) {
-  const size_t fixed = info.masked ? 4 : info.dtype == kFp8Dtype ? 2 : 0;
+  const size_t fixed = info.masked ? 4 + (info.bias ? 1 : 0) : info.dtype == kFp8Dtype ? 2 : 0;
   args->sink = nullptr;
   if (extra.size() == fixed) return ffi::Error::Success();
   auto got = extra.get<ffi::AnyBuffer>(fixed);
@@ -504,6 +537,12 @@ ffi::Error AttentionFwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
     return e;
   }
   if (ffi::Error e = CheckDescale(attrs, library->info, mask_operands, &args); e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckBias(attrs, library->info, mask_operands, 4, q.element_type(),
+                               args.batch, args.num_heads, args.seqlen_q, args.seqlen_k,
+                               &args.bias);
+      e.failure()) {
     return e;
   }
   if (ffi::Error e = CheckSink(attrs, library->info, mask_operands, args.num_heads, &args);
@@ -615,16 +654,31 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
       e.failure()) {
     return e;
   }
-  if (semaphore.size() > 1) {
+  // After delta: dq_semaphore (deterministic calls), then dbias (bias variants).
+  const size_t want_rets = (deterministic ? 1 : 0) + (library->info.bias ? 1 : 0);
+  if (semaphore.size() != want_rets) {
     return Invalid(attrs, std::to_string(6 + semaphore.size()) +
-                              " results, expected dq, dk, dv, dq_accum, lse_log2, delta and, "
-                              "when deterministic, dq_semaphore");
+                              " results, expected dq, dk, dv, dq_accum, lse_log2, delta, then "
+                              "dq_semaphore when deterministic and dbias for bias variants");
   }
   std::optional<ffi::Result<ffi::AnyBuffer>> sem;
-  if (!semaphore.empty()) {
+  if (deterministic) {
     auto got = semaphore.get<ffi::AnyBuffer>(0);
     if (got.has_error()) return got.error();
     sem = got.value();
+  }
+  std::optional<ffi::Result<ffi::AnyBuffer>> dbias;
+  if (library->info.bias) {
+    auto got = semaphore.get<ffi::AnyBuffer>(want_rets - 1);
+    if (got.has_error()) return got.error();
+    dbias = got.value();
+    if (ffi::Error e = CheckExact(attrs, "dbias", **dbias,
+                                  {shape.batch, shape.num_heads, shape.seqlen_q,
+                                   BiasRowLength(shape.seqlen_k)},
+                                  q.element_type());
+        e.failure()) {
+      return e;
+    }
   }
   int32_t dq_copies = 1;
   if (ffi::Error e = CheckBwdBuffers(attrs, library->info, q, k, v, out, lse, d_out, d_lse, *dq,
@@ -640,6 +694,13 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
       e.failure()) {
     return e;
   }
+  if (ffi::Error e = CheckBias(attrs, library->info, mask_operands,
+                               library->info.deterministic ? 5 : 4, q.element_type(),
+                               shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k,
+                               &args.bias);
+      e.failure()) {
+    return e;
+  }
 
   ScopedStreamDevice device(device_ordinal);
   // Empty problems launch nothing (a TMA descriptor cannot describe a zero-length tensor): no
@@ -649,6 +710,9 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
                                 std::pair{"dv", *dv}}) {
       if (buffer.size_bytes() == 0) continue;
       if (ffi::Error e = Zero(attrs, stream, name, buffer); e.failure()) return e;
+    }
+    if (dbias && (*dbias)->size_bytes() != 0) {
+      if (ffi::Error e = Zero(attrs, stream, "dbias", **dbias); e.failure()) return e;
     }
     return ffi::Error::Success();
   }
@@ -677,6 +741,11 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   args.softmax_scale = softmax_scale;
   args.softcap = softcap;
   args.dq_copies = dq_copies;
+  if (dbias) {
+    // The kernel writes every element inside seqlen_k: dS where a key tile visits a query
+    // block, zeros where its mask skips one.
+    args.bias.dbias = (*dbias)->untyped_data();
+  }
   if (int32_t status = library->bwd(&args, stream); status != 0) {
     return LaunchError(Where(attrs), status, q, k);
   }
@@ -998,8 +1067,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         jaxflash::BindStreamAndQkv()  // q (batch, seqlen_q, num_heads, head_dim),
                                       // k (batch, seqlen_k, num_kv_heads, head_dim),
                                       // v (batch, seqlen_k, num_kv_heads, head_dim_v)
-            .RemainingArgs()          // masked: JaxflashMask operands; then, optional, the sink
-                                      // (num_heads,) float32
+            .RemainingArgs()          // masked: JaxflashMask operands; bias variants: the
+                                      // bias (b|1, h|1, sq|1, sk rounded up to 8) in q's
+                                      // dtype; then, optional, the sink (num_heads,) float32
             .Ret<ffi::AnyBuffer>()    // out (batch, seqlen_q, num_heads, head_dim_v)
             .Ret<ffi::AnyBuffer>()    // lse (batch, num_heads, seqlen_q) float32
             .RemainingRets()),        // dynamic schedules: tile_counter (1,) int32
@@ -1015,14 +1085,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
             .Arg<ffi::AnyBuffer>()    // lse   (batch, num_heads, seqlen_q) float32
             .Arg<ffi::AnyBuffer>()    // d_out (like out)
             .Arg<ffi::AnyBuffer>()    // d_lse (like lse)
-            .RemainingArgs()          // masked variants: JaxflashMask operands
+            .RemainingArgs()          // masked variants: JaxflashMask operands; bias
+                                      // variants: then the bias (b|1, h|1, sq|1, sk rounded
+                                      // up to 8)
             .Ret<ffi::AnyBuffer>()    // dq    (like q)
             .Ret<ffi::AnyBuffer>()    // dk    (like k), summed over a GQA group
             .Ret<ffi::AnyBuffer>()    // dv    (like v)
             .Ret<ffi::AnyBuffer>()    // dq_accum (batch, heads, sq_rounded, d) f32
             .Ret<ffi::AnyBuffer>()    // lse_log2 (batch, heads, sq_rounded) f32
             .Ret<ffi::AnyBuffer>()    // delta    (batch, heads, sq_rounded) f32
-            .RemainingRets())         // dq_semaphore int32, deterministic only
+            .RemainingRets())         // dq_semaphore int32, deterministic only; dbias
+                                      // (b, h, sq, sk rounded up to 8) in q's dtype, bias
+                                      // variants only
         .Attr<bool>("deterministic"),  // dq accumulated in a fixed order
     {ffi::Traits::kCmdBufferCompatible});
 

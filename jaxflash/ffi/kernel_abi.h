@@ -7,7 +7,7 @@
 
 #include <stdint.h>
 
-#define JAXFLASH_KERNEL_ABI_VERSION 14
+#define JAXFLASH_KERNEL_ABI_VERSION 16
 
 #ifdef __cplusplus
 extern "C" {
@@ -33,6 +33,7 @@ typedef struct {
   int32_t tile_counter;   // forward: 1 when it claims its tiles from JaxflashFwdArgs.tile_counter
   int32_t kv_fp8;         // decode: 1 when k and v are float8_e4m3fn caches with descales
                           // (JaxflashDecodeArgs.k_descale / v_descale), 0 when in q's dtype
+  int32_t bias;           // 1: takes a JaxflashBias (masked variants only)
 } JaxflashVariantInfo;
 
 // The run-time operands of a masked variant (jaxflash/block_ranges.py computes them on the
@@ -58,6 +59,22 @@ typedef struct {
   const int32_t* order;
   const int32_t* ranks;
 } JaxflashMask;
+
+// The additive bias of a bias variant: bias[b, h, i, j] joins score (i, j) of batch b and query
+// head h after the scale and softcap. bias is (batch, heads, rows, row_length) in q's dtype,
+// dense row-major, 16-byte aligned, where each of batch, heads and rows is either 1 (broadcast:
+// the kernel reads index 0) or the call's batch, num_heads or seqlen_q, and row_length is
+// seqlen_k rounded up to a multiple of 8 (16-byte rows, as TMA needs; columns past seqlen_k are
+// not read). Backward: dbias, (batch, num_heads, seqlen_q, row_length) in q's dtype, dense,
+// 16-byte aligned, receives d loss / d score of every (b, h, i, j < seqlen_k), each element
+// written once (the caller reduces it over the broadcast dims); its columns past seqlen_k are
+// left as they were.
+typedef struct {
+  const void* bias;
+  int32_t batch, heads, rows;  // the bias's leading extents (1 or full)
+  int32_t row_length;          // its last extent: seqlen_k rounded up to a multiple of 8
+  void* dbias;                 // backward only; NULL in the forward
+} JaxflashBias;
 
 // The FP8 descales come per this many query rows or keys (jaxflash.config.FP8_DESCALE_ROWS).
 #define JAXFLASH_FP8_DESCALE_ROWS 64
@@ -106,6 +123,7 @@ typedef struct {
   const float* kv_descale;            // FP8 variants; NULL otherwise
   int32_t out_float16;                // FP8 variants: 1 writes out as float16, 0 as bfloat16
   int32_t* tile_counter;              // info.tile_counter variants; NULL otherwise
+  JaxflashBias bias;                  // info.bias variants; bias NULL otherwise
 } JaxflashFwdArgs;
 
 // Backward call (jaxflash/ffi/variant_bwd.cc): preprocess, main kernel, postprocess, in order on
@@ -146,6 +164,7 @@ typedef struct {
   float softcap;                      // > 0: as in the forward (masked variants); 0: off
   int32_t dq_copies;                  // dQ accumulator copies in dq_accum / dq_semaphore
   JaxflashMask mask;                  // masked variants; all NULL otherwise
+  JaxflashBias bias;                  // info.bias variants (bias and dbias); NULL otherwise
 } JaxflashBwdArgs;
 
 // Split-KV decode call (jaxflash/ffi/variant_decode.cc): the query rows of each (batch, kv head)

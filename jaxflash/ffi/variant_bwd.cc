@@ -49,6 +49,9 @@ JF_CHECK_SIGNATURE(JF_POST(_Tensor_mdQ_t));
 JF_CHECK_SIGNATURE(JF_PRE(_Tensor_mSem_t));
 JF_CHECK_SIGNATURE(JF_MAIN(_Tensor_mSem_t));
 #endif
+#if JAXFLASH_BIAS
+static_assert(JAXFLASH_MASKED, "bias variants are masked variants");
+#endif
 
 JF_PRE(_Kernel_Module_t) g_pre = {};
 JF_POST(_Kernel_Module_t) g_post = {};
@@ -89,6 +92,7 @@ int32_t Validate(const JaxflashBwdArgs* a) {
       !Aligned(m.ranges, 16) || !Aligned(m.order, 16) || !Aligned(m.ranks, 16)) {
     return kInvalid;
   }
+  if (!jaxflash::BiasOperandsMatch(a->bias, true, a->seqlen_k)) return kInvalid;
   return 0;
 }
 
@@ -165,10 +169,20 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
 #else
 #define JF_RANKS
 #endif
+#if JAXFLASH_BIAS
+    // The bias as planes of rows with their steps; dbias (b, h, sq, sk) with the bias's row
+    // length.
+    auto bias = jaxflash::BiasPlanes<JF_MAIN(_Tensor_mBias_t)>(a.bias, sk);
+    auto dbias = jaxflash::DbiasTensor<JF_MAIN(_Tensor_mdBias_t)>(a.bias.dbias, b, h, sq, sk,
+                                                                  a.bias.row_length);
+#define JF_BIAS &bias.planes, bias.batch_planes, bias.head_planes, bias.query_step, &dbias,
+#else
+#define JF_BIAS
+#endif
     status = JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &dout, &lse2, &delta, &acc,
                                               &dk, &dvt, JF_SEM &q_ids, &k_ids, &ranges,
-                                              &order, JF_RANKS a.softmax_scale, a.window_left,
-                                              a.window_right, a.softcap, stream);
+                                              &order, JF_RANKS JF_BIAS a.softmax_scale,
+                                              a.window_left, a.window_right, a.softcap, stream);
 #else
     status = JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &dout, &lse2, &delta, &acc,
                                               &dk, &dvt, JF_SEM a.softmax_scale, stream);

@@ -12,6 +12,7 @@
 //   -DJAXFLASH_DETERMINISTIC=<0|1>  -DJAXFLASH_TILE_M=<query rows per tile>
 //   -DJAXFLASH_TILE_N=<key rows per block>  -DJAXFLASH_MAX_DQ_COPIES=<1|2>
 //   -DJAXFLASH_MASKED=<0|1>  -DJAXFLASH_TILE_COUNTER=<0|1>  -DJAXFLASH_KV_FP8=<0|1>
+//   -DJAXFLASH_BIAS=<0|1>
 //   -DJAXFLASH_PREFIX_<PART>=<prefix>  -DJAXFLASH_HEADER_<PART>="\"<out_dir>/<file>.h\""
 //     for each exported object: MAIN (every direction), PRE and POST (backward)
 // Link: jaxflash.build.link_variant (docs/build.md). Only the kernel_abi.h functions are
@@ -30,6 +31,7 @@
     !defined(JAXFLASH_DETERMINISTIC) || !defined(JAXFLASH_TILE_M) ||                               \
     !defined(JAXFLASH_TILE_N) || !defined(JAXFLASH_MAX_DQ_COPIES) ||                                \
     !defined(JAXFLASH_MASKED) || !defined(JAXFLASH_TILE_COUNTER) || !defined(JAXFLASH_KV_FP8) ||  \
+    !defined(JAXFLASH_BIAS) ||                                                                     \
     !defined(JAXFLASH_PREFIX_MAIN) || !defined(JAXFLASH_HEADER_MAIN)
 #error "define the JAXFLASH_* macros listed at the top of variant_common.h"
 #endif
@@ -52,7 +54,8 @@ JF_EXPORT const JaxflashVariantInfo* jaxflash_variant_info(void) {
   static const JaxflashVariantInfo info = {
       JAXFLASH_DIRECTION, JAXFLASH_DTYPE,         JAXFLASH_HEAD_DIM, JAXFLASH_HEAD_DIM_V,
       JAXFLASH_CAUSAL,    JAXFLASH_DETERMINISTIC, JAXFLASH_TILE_M,   JAXFLASH_MAX_DQ_COPIES,
-      JAXFLASH_MASKED,    JAXFLASH_TILE_N,        JAXFLASH_TILE_COUNTER, JAXFLASH_KV_FP8};
+      JAXFLASH_MASKED,    JAXFLASH_TILE_N,        JAXFLASH_TILE_COUNTER, JAXFLASH_KV_FP8,
+      JAXFLASH_BIAS};
   return &info;
 }
 
@@ -80,6 +83,67 @@ inline bool MaskOperandsMatch(const JaxflashMask& m) {
   const bool ranks_ok = (m.ranks != nullptr) == (JAXFLASH_MASKED && JAXFLASH_DETERMINISTIC &&
                                                  JAXFLASH_DIRECTION == 1);
   return (JAXFLASH_MASKED ? all : !any) && ranks_ok;
+}
+
+// The bias (and dbias) must be there exactly for bias variants, 16-byte aligned with 16-byte
+// rows of at least seqlen_k elements (TMA).
+inline bool BiasOperandsMatch(const JaxflashBias& b, bool backward, int32_t seqlen_k) {
+  if (!JAXFLASH_BIAS) return b.bias == nullptr && b.dbias == nullptr;
+  const bool aligned = (reinterpret_cast<uintptr_t>(b.bias) & 15) == 0 &&
+                       (reinterpret_cast<uintptr_t>(b.dbias) & 15) == 0;
+  const int64_t planes = static_cast<int64_t>(b.batch) * b.heads;
+  return b.bias != nullptr && (b.dbias != nullptr) == backward && b.batch >= 1 && b.heads >= 1 &&
+         b.rows >= 1 && planes <= INT32_MAX && b.row_length >= seqlen_k && b.row_length % 8 == 0 &&
+         aligned;
+}
+
+// The bias operands of a bias variant's kernel (jaxflash.kernels.compile.bias_signature): the
+// (rows, seqlen_k, planes) view of the buffer, a plane per (batch, head) it does not broadcast
+// and its rows (the queries, or 1) row_length apart, and the steps of batch and head in planes
+// and of query in rows (0 along a broadcast dim; kernels/bias.py BiasPlanes).
+template <typename T>
+struct BiasOperands {
+  T planes;
+  int32_t batch_planes, head_planes, query_step;
+};
+
+template <typename T>
+BiasOperands<T> BiasPlanes(const JaxflashBias& b, int32_t seqlen_k) {
+  static_assert(sizeof(T::dynamic_shapes) == 3 * sizeof(int32_t) &&
+                    sizeof(T::dynamic_strides) == 2 * sizeof(int64_t),
+                "the bias is (rows, seqlen_k, planes) with dynamic row and plane strides in "
+                "jaxflash.kernels.compile.bias_signature");
+  BiasOperands<T> out = {};
+  out.planes.data = const_cast<void*>(b.bias);
+  out.planes.dynamic_shapes[0] = b.rows;
+  out.planes.dynamic_shapes[1] = seqlen_k;
+  out.planes.dynamic_shapes[2] = b.batch * b.heads;
+  out.planes.dynamic_strides[0] = b.row_length;
+  out.planes.dynamic_strides[1] = static_cast<int64_t>(b.rows) * b.row_length;
+  out.query_step = b.rows == 1 ? 0 : 1;
+  out.head_planes = b.heads == 1 ? 0 : 1;
+  out.batch_planes = b.batch == 1 ? 0 : b.heads;
+  return out;
+}
+
+// The backward's dbias (batch, heads, seqlen_q, seqlen_k), dense with rows row_length apart.
+template <typename T>
+T DbiasTensor(void* data, int32_t batch, int32_t heads, int32_t seqlen_q, int32_t seqlen_k,
+              int32_t row_length) {
+  static_assert(sizeof(T::dynamic_shapes) == 4 * sizeof(int32_t) &&
+                    sizeof(T::dynamic_strides) == 3 * sizeof(int64_t),
+                "dbias is (batch, heads, seqlen_q, seqlen_k) with 3 dynamic strides in "
+                "jaxflash.kernels.compile.bias_signature");
+  T t = {};
+  t.data = data;
+  t.dynamic_shapes[0] = batch;
+  t.dynamic_shapes[1] = heads;
+  t.dynamic_shapes[2] = seqlen_q;
+  t.dynamic_shapes[3] = seqlen_k;
+  t.dynamic_strides[2] = row_length;
+  t.dynamic_strides[1] = t.dynamic_strides[2] * seqlen_q;
+  t.dynamic_strides[0] = t.dynamic_strides[1] * heads;
+  return t;
 }
 
 }  // namespace jaxflash

@@ -35,6 +35,10 @@ using TensorOrder = JF_MAIN(_Tensor_mOrder_t);
 #if JAXFLASH_TILE_COUNTER
 using TensorTileCounter = JF_MAIN(_Tensor_mTileCounter_t);
 #endif
+#if JAXFLASH_BIAS
+using TensorBias = JF_MAIN(_Tensor_mBias_t);
+static_assert(JAXFLASH_MASKED, "bias variants are masked variants");
+#endif
 
 using jaxflash::kSignatureMatches;
 
@@ -74,6 +78,7 @@ int32_t Validate(const JaxflashFwdArgs* args) {
       !Aligned(args->mask.order, 16)) {
     return kInvalid;
   }
+  if (!jaxflash::BiasOperandsMatch(args->bias, false, args->seqlen_k)) return kInvalid;
   // Dynamic schedules claim their tiles from a zeroed counter; the others take none.
   if ((args->tile_counter != nullptr) != (JAXFLASH_TILE_COUNTER != 0) ||
       !Aligned(args->tile_counter, 4)) {
@@ -120,8 +125,14 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
   TensorKIds k_ids = Dense<TensorKIds>(m.col_ids, {b, n_blocks * JAXFLASH_TILE_N});
   TensorRanges ranges = Dense<TensorRanges>(m.ranges, {b, m_blocks}, 4);
   TensorOrder order = Dense<TensorOrder>(m.order, {b * m_blocks});
+#if JAXFLASH_BIAS
+  auto bias = jaxflash::BiasPlanes<TensorBias>(args->bias, sk);
+#define JF_BIAS &bias.planes, bias.batch_planes, bias.head_planes, bias.query_step,
+#else
+#define JF_BIAS
+#endif
   return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &o, &lse, &sink, &q_ids,
-                                          &k_ids, &ranges, &order, JF_TILE_COUNTER
+                                          &k_ids, &ranges, &order, JF_TILE_COUNTER JF_BIAS
                                           args->softmax_scale,
                                           has_sink, args->window_left, args->window_right,
                                           args->softcap, static_cast<cudaStream_t>(stream));

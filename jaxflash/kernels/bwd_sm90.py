@@ -16,6 +16,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash import config
+from jaxflash.kernels import bias as score_bias
 from jaxflash.kernels import bwd_common
 from jaxflash.kernels import mask
 from jaxflash.kernels import sm90_gemm
@@ -43,6 +44,9 @@ _DQ_RELEASE_FULL_BARRIER = 4 + 2 * _NUM_WG
 _DQ_RELEASE_EMPTY_BARRIER = _DQ_RELEASE_FULL_BARRIER + 1
 _DQ_RELEASE_BARRIER_THREADS = 2 * sm90_gemm.WARP_THREADS
 _DQ_WRITER_WARP, _DQ_RELEASE_WARP = 1, 2
+# Bias variants (never deterministic): the warp that writes dbias's zeros where a key block
+# skips query blocks.
+_DBIAS_ZERO_WARP = 2
 # Producer warpgroup keeps 24 registers (TMA only); the two consumers get 240 (FA-3's split).
 _PRODUCER_REGS, _MMA_REGS = 24, 240
 # Deterministic without a mask: key block n walks the query blocks starting at (M - n) mod M
@@ -64,13 +68,35 @@ class _Masking(mask.MaskOperands):
   query_ids_smem: cute.Tensor  # swap_sdp: (tile_m, num_stages) per Q/dO stage, else None
   p_scale_log2: Float32  # P = exp2(S' * p_scale_log2 - lse2): (softcap or softmax_scale) log2 e
   inv_cap_log2: Float32  # 1 / (softcap * log2 e): t = (log2 P + lse2) * inv_cap_log2
+  # Bias variants: the bias (P = exp2(S' * p_scale_log2 + bias * log2 e - lse2)) and dbias.
+  bias: Optional["_BiasOperands"] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _BiasOperands:
+  """A bias variant's bias and dbias (a trace-time bundle). tma / tma_atom: the TMA coordinates
+  of the (rows, seqlen_k, planes) view (kernels/bias.py) and its load atom; planes: where each
+  (batch, head, query) is in it; tiles: the dS ring (tile_m x tile_n per Q/dO stage), into
+  which the producer loads each step's bias tile (smem: the same as a tensor, the TMA
+  destination); dbias: (seqlen_q, seqlen_k, heads, batch) in the input dtype, d loss / d score
+  per (batch, head, query, key); dbias_tma / dbias_atom: its TMA coordinates and store atom."""
+
+  tma: cute.Tensor
+  tma_atom: cute.CopyAtom
+  planes: score_bias.BiasPlanes
+  tiles: score_bias.SharedTiles
+  smem: cute.Tensor
+  dbias: cute.Tensor
+  dbias_tma: cute.Tensor
+  dbias_atom: cute.CopyAtom
 
 
 def _smem_buffers(variant: config.KernelVariant) -> dict:
   """The backward's shared buffers after its mbarriers, in storage order: {name: (element type,
-  count, alignment)}. swap_sdp: no P buffer (P stays in registers), one dS buffer per Q stage,
-  and per Q/dO stage the block's lse2 and delta rows (read by the columns of S^T / dP^T) and,
-  masked, its query segment ids."""
+  count, alignment)}. swap_sdp: no P buffer (P stays in registers), one dS buffer per Q stage
+  (bias variants: the producer loads the stage's bias tile into it, which the step's dS then
+  overwrites), and per Q/dO stage the block's lse2 and delta rows (read by the columns of S^T /
+  dP^T) and, masked, its query segment ids."""
   dtype, s = DTYPES[variant.dtype], variant.schedule
   m, n, stages = s.tile_m, s.tile_n, s.num_stages
   d, dv, align = variant.head_dim, variant.head_dim_v, sm90_gemm.SMEM_ALIGN
@@ -159,6 +185,10 @@ class FlashAttentionBackwardSm90:
     # fp32 S^T, dP^T and P^T fit next to dK and dV only while no dV GEMM is in flight.
     assert self.dq_copies in (1, 2) and (self.dv_after_ds or self.tile_m == 64), schedule
     self.masked = variant.masked
+    # Bias variants (masked, swap_sdp schedules): the bias tile comes with each Q/dO stage into
+    # the stage's dS buffer, dbias leaves from there (kernels/bias.py; mma_step_swapped).
+    self.bias = variant.bias
+    assert not variant.bias or (variant.masked and schedule.swap_sdp), variant.key
     self.variant = variant
     self.rotate_m = variant.deterministic and not variant.causal and not variant.masked
     self.num_mma_threads = _NUM_WG * _WG
@@ -244,6 +274,10 @@ class FlashAttentionBackwardSm90:
       # The block's lse2 and delta rows (and, masked, query ids) ride on the Q/dO stage (one
       # bulk copy each).
       self.tma_bytes_qdo += (3 if self.masked else 2) * self.tile_m * 4
+    if self.bias:
+      # So does the block's bias tile, into the stage's dS buffer (the layout of dS).
+      self.tma_bytes_qdo += cute.size_in_bytes(self.dtype,
+                                               cute.slice_(self.sPdS_layout, (None, None, 0)))
     tiles = dict(sK=(self.sK_layout,), sV=(self.sV_layout,), sQ=(self.sQ_layout,),
                  sdO=(self.sdO_layout,), sdS=(self.sPdS_layout,))
     if not self.swap_sdp:
@@ -272,6 +306,11 @@ class FlashAttentionBackwardSm90:
       mRanges: cute.Tensor,  # masked: (batch, n blocks, 4) int32 block ranges in launch order
       mOrder: cute.Tensor,  # masked: (batch * n blocks,) int32 CTA order, or None
       mRanks: cute.Tensor,  # masked deterministic: (batch, n blocks, m blocks) int32, or None
+      mBias: Optional[cute.Tensor],  # bias: (rows, seqlen_k, planes) in dtype (kernels/bias.py)
+      bias_batch_planes: Optional[Int32],  # bias: its planes per batch (0: broadcast), or None
+      bias_head_planes: Optional[Int32],  # bias: its planes per head (0: broadcast)
+      bias_query_step: Optional[Int32],  # bias: 1, or 0 for one row per (batch, head)
+      mdBias: Optional[cute.Tensor],  # bias: (batch, num_heads, seqlen_q, seqlen_k) in dtype
       softmax_scale: Float32,
       window_left: Optional[Int32],  # masked: the band (block_ranges.window_bounds), or None
       window_right: Optional[Int32],
@@ -287,6 +326,10 @@ class FlashAttentionBackwardSm90:
       raise TypeError("lse_log2, delta and dq_accum must be Float32")
     if const_expr(self.deterministic != (mSem is not None)):
       raise TypeError("the dQ semaphore is passed exactly when deterministic")
+    if const_expr(self.bias != (mBias is not None) or self.bias != (mdBias is not None)):
+      raise TypeError("the bias and dbias are passed exactly to bias variants")
+    if const_expr(self.bias and not (mBias.element_type == mdBias.element_type == self.dtype)):
+      raise TypeError(f"bias and dbias must be {self.dtype}")
     self._setup_attributes()
     # Kernel-side order puts the tile modes first: (seqlen, dim, heads, batch).
     mQ, mK, mV, mdO, mdK, mdV = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
@@ -317,6 +360,17 @@ class FlashAttentionBackwardSm90:
     tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(store_op, mdK, self.sK_layout, k_tile)
     tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store_op, mdV, self.sV_layout, v_tile)
 
+    tma_atom_bias = tma_atom_dbias = mdBias_tma = None
+    if const_expr(self.bias):
+      # The step's bias tile into the dS buffer of its stage, and dS out of it into dbias
+      # (kernel order (seqlen_q, seqlen_k, heads, batch)): keys past seqlen_k load as zeros
+      # (masked), and the stores clip rows past seqlen_q and keys past seqlen_k.
+      ds_slot = cute.slice_(self.sPdS_layout, (None, None, 0))
+      tma_atom_bias, mBias = cpasync.make_tiled_tma_atom(load_op, mBias, ds_slot,
+                                                         (self.tile_m, self.tile_n))
+      mdBias = _select(mdBias, [2, 3, 1, 0])
+      tma_atom_dbias, mdBias_tma = cpasync.make_tiled_tma_atom(store_op, mdBias, ds_slot,
+                                                               (self.tile_m, self.tile_n))
     grid = (cute.ceil_div(cute.size(mK.shape[0]), self.tile_n), cute.size(mK.shape[2]),
             cute.size(mK.shape[3]))
     if const_expr(self.masked):
@@ -328,7 +382,9 @@ class FlashAttentionBackwardSm90:
         softmax_scale,
         self.sQ_layout, self.sK_layout, self.sV_layout, self.sdO_layout, self.sPdS_layout,
         self.tiled_mma_sdp, self.tiled_mma_dk, self.tiled_mma_dv, self.tiled_mma_dq,
-        mQIds, mKIds, mRanges, mOrder, mRanks, window_left, window_right, softcap,
+        mQIds, mKIds, mRanges, mOrder, mRanks, window_left, window_right, softcap, mBias,
+        tma_atom_bias, bias_batch_planes, bias_head_planes, bias_query_step, mdBias, mdBias_tma,
+        tma_atom_dbias,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
   @cute.kernel
@@ -368,11 +424,21 @@ class FlashAttentionBackwardSm90:
       window_left: Optional[Int32],
       window_right: Optional[Int32],
       softcap: Optional[Float32],
+      mBias: Optional[cute.Tensor],  # bias: TMA coordinates of (rows, seqlen_k, planes), or None
+      tma_atom_bias: Optional[cute.CopyAtom],
+      bias_batch_planes: Optional[Int32],  # bias: kernels/bias.py BiasPlanes
+      bias_head_planes: Optional[Int32],
+      bias_query_step: Optional[Int32],
+      mdBias: Optional[cute.Tensor],  # bias: (seqlen_q, seqlen_k, num_heads, batch) in dtype
+      mdBias_tma: Optional[cute.Tensor],  # its TMA coordinates
+      tma_atom_dbias: Optional[cute.CopyAtom],
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    sm90_gemm.prefetch_descriptors(
-        warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dk, tma_atom_dv))
+    atoms = (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_do, tma_atom_dk, tma_atom_dv)
+    if const_expr(self.bias):
+      atoms = atoms + (tma_atom_bias, tma_atom_dbias)
+    sm90_gemm.prefetch_descriptors(warp_idx, atoms)
 
     storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
     # pipeline_qdo carries Q and dO, or Q only when dO has its own ring (head-dim split).
@@ -406,11 +472,19 @@ class FlashAttentionBackwardSm90:
         tanh_scale = softmax_scale / softcap
         p_scale_log2 = softcap * LOG2_E
         inv_cap_log2 = Float32(1.0) / p_scale_log2
+      bias = None
+      if const_expr(self.bias):
+        bias = _BiasOperands(
+            tma=mBias, tma_atom=tma_atom_bias,
+            planes=score_bias.BiasPlanes(bias_batch_planes, bias_head_planes, bias_query_step),
+            tiles=score_bias.SharedTiles(Int32(storage.sdS.data_ptr().toint()), sPdS_layout),
+            smem=smem["sdS"],
+            dbias=mdBias, dbias_tma=mdBias_tma, dbias_atom=tma_atom_dbias)
       masking = _Masking(query_ids=mQIds, key_ids=mKIds, ranges=mRanges, order=mOrder,
                          window_left=window_left, window_right=window_right,
                          capped=Int32(capped), tanh_scale=tanh_scale, ranks=mRanks,
                          query_ids_smem=query_ids_smem, p_scale_log2=p_scale_log2,
-                         inv_cap_log2=inv_cap_log2)
+                         inv_cap_log2=inv_cap_log2, bias=bias)
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -438,6 +512,10 @@ class FlashAttentionBackwardSm90:
         if warp_idx == _DQ_RELEASE_WARP:
           self.release_dq(mdQaccum, mSem, n_block, head_kv, batch, group, m_min, m_max, m_rot,
                           seqlen_q)
+      if const_expr(self.bias):
+        if warp_idx == _DBIAS_ZERO_WARP:
+          self.zero_dbias(masking.bias.dbias, n_block, head_kv, batch, group, m_min, m_max,
+                          seqlen_q, seqlen_k)
     else:
       cute.arch.setmaxregister_increase(_MMA_REGS)
       n_block, head_kv, batch, m_min, m_max, m_rot = self._work_coords(seqlen_q, seqlen_k,
@@ -643,6 +721,8 @@ class FlashAttentionBackwardSm90:
                     masking.query_ids_smem[None, qdo_state.index].iterator,
                     masking.query_ids[None, batch].iterator + m_block * self.tile_m,
                     self.tile_m * 4, barrier)
+          self._load_bias_tile(masking, batch, head, m_block, n_block, qdo_state.index,
+                               barrier)
           qdo_state.advance()
         else:
           # Q runs ahead in its deeper ring; dO waits for the previous block's dV GEMM.
@@ -654,6 +734,36 @@ class FlashAttentionBackwardSm90:
           cute.copy(tma_atom_do, tOgdO[None, m_block], tOsdO[None, do_state.index],
                     tma_bar_ptr=pipeline_do.producer_get_barrier(do_state))
           do_state.advance()
+
+  @cute.jit
+  def _load_bias_tile(self, masking, batch: Int32, head: Int32, m_block: Int32, n_block: Int32,
+                      stage: Int32, barrier):
+    """Bias variants: the (query block, key block) bias tile into the stage's dS buffer, on
+    the Q/dO stage's barrier (its transaction bytes include it)."""
+    if const_expr(self.bias):
+      b = masking.bias
+      plane = b.tma[None, None, b.planes.plane(batch, head)]
+      gBias = cute.local_tile(
+          cute.domain_offset((b.planes.row(m_block * self.tile_m), 0), plane),
+          (self.tile_m, self.tile_n), (0, n_block))
+      tBsB, tBgB = cpasync.tma_partition(b.tma_atom, 0, cute.make_layout(1),
+                                         cute.group_modes(b.smem, 0, 2),
+                                         cute.group_modes(gBias, 0, 2))
+      cute.copy(b.tma_atom, tBgB, tBsB[None, stage], tma_bar_ptr=barrier)
+
+  @cute.jit
+  def zero_dbias(self, dbias: cute.Tensor, n_block: Int32, head_kv: Int32, batch: Int32,
+                 group: Int32, m_min: Int32, m_max: Int32, seqlen_q: Int32, seqlen_k: Int32):
+    """Bias variants, one producer warp: dbias = 0 over the rows of every query head of the
+    group that this key block skips (the query blocks outside [m_min, m_max), whose scores its
+    mask hides), so that each dbias element inside (seqlen_q, seqlen_k) is written once by one
+    CTA: these zeros, or a visited block's dS."""
+    for g in cutlass.range(group, unroll=1):
+      rows = dbias[None, None, head_kv * group + g, batch]
+      for first, last in ((Int32(0), m_min * self.tile_m),
+                          (m_max * self.tile_m, seqlen_q)):  # a trace-time loop
+        score_bias.zero_skipped_rows(rows, first, cutlass.min(last, seqlen_q),
+                                     n_block * self.tile_n, seqlen_k, self.tile_n)
 
   @cute.jit
   def _zeroed_dk_dv(self, thr_dk, thr_dv):
@@ -930,7 +1040,8 @@ class FlashAttentionBackwardSm90:
           self.mma_step_swapped(tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq,
                                 frags, acc_dk, acc_dv, tStS_mn, sdS, sdQ, sLSE2, sDelta,
                                 pipeline_qdo, qdo_state, scale_log2, m_block, n_block,
-                                seqlen_q, seqlen_k, wg_idx, is_masked, ids, cap)
+                                seqlen_q, seqlen_k, wg_idx, is_masked, ids, cap,
+                                (batch, head_kv * group + g, masking))
           qdo_state.advance()
 
     self.epilogue(mdK, mdV, tma_atom_dk, tma_atom_dv, sK, sV, tiled_mma_dk, tiled_mma_dv,
@@ -954,13 +1065,92 @@ class FlashAttentionBackwardSm90:
           acc_dp_mn[i, j] = acc_s_mn[i, j] * (acc_dp_mn[i, j] - delta)
 
   @cute.jit
+  def _for_each_bias(self, bias_tile, tStS_mn: cute.Tensor, sLSE2: cute.Tensor, stage: Int32,
+                     body):
+    """body(i, j, bias, lse2) over this thread's S^T fragment (rows i, columns j), with the
+    score's bias (as Float32, from the step's bias tile: one ldmatrix.trans per 4 columns) and
+    its query's lse2 (from the stage's copy of the preprocess output: rows >= seqlen_q hold
+    +inf, so P = 0 there)."""
+    assert cute.size(tStS_mn, mode=[0]) == 2, "rows r and r + 8 of a warp's 16 keys"
+    for c in cutlass.range_constexpr(cute.size(tStS_mn, mode=[1]) // 4):
+      values = [bias_tile.unpack(r) for r in bias_tile.load(c)]
+      # Fragment block (h, g) -> the register holding it: rows h, columns 2 g + {0, 1}.
+      register = {score_bias.x4_register_block(k, c): k for k in range(4)}
+      for j in cutlass.range_constexpr(4 * c, 4 * c + 4):
+        lse2 = sLSE2[tStS_mn[0, j][1], stage]
+        for i in cutlass.range_constexpr(2):
+          body(i, j, values[register[(i, j // 2)]][j % 2], lse2)
+
+  @cute.jit
+  def _biased_p(self, acc_s_mn: cute.Tensor, tStS_mn: cute.Tensor, sLSE2: cute.Tensor,
+                stage: Int32, scale_log2: Float32, bias_tile):
+    """P^T = exp2(S' * scale_log2 + bias log2 e - lse2) in place: the bias in the log2 domain,
+    one FFMA more than without it."""
+
+    def body(i, j, bias, lse2):
+      acc_s_mn[i, j] = cute.math.exp2(acc_s_mn[i, j] * scale_log2 + (bias * LOG2_E - lse2),
+                                      fastmath=True)
+
+    self._for_each_bias(bias_tile, tStS_mn, sLSE2, stage, body)
+
+  @cute.jit
+  def _ds_transposed_bias(self, acc_s_mn: cute.Tensor, acc_dp_mn: cute.Tensor,
+                          tStS_mn: cute.Tensor, sDelta: cute.Tensor, sLSE2: cute.Tensor,
+                          stage: Int32, cap, bias_tile, dbias: cute.Tensor, m_block: Int32,
+                          n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+    """_ds_transposed of a bias variant: dS^T = P^T (dP^T - delta), the gradient of the biased
+    score, which is dbias; where the call's softcap is on, that is stored here (dbias: the
+    (seqlen_q, seqlen_k) view of the step's (batch, head)), and dS then gets the soft-capping
+    factor 1 - t^2: P was exp2(t * softcap log2 e + bias log2 e - lse2), so t comes back from
+    log2 P with the bias (read again from the tile) taken out. Without softcap the dS tile is
+    dbias's tile (_store_dbias_tile)."""
+    self._ds_transposed(acc_s_mn, acc_dp_mn, tStS_mn, sDelta, sLSE2, stage, None, False)
+    if cap[0] != 0:
+      score_bias.write_dbias_transposed(acc_dp_mn, tStS_mn, dbias, m_block * self.tile_m,
+                                        n_block * self.tile_n, seqlen_q, seqlen_k, self.dtype)
+
+      def body(i, j, bias, lse2):
+        acc_dp_mn[i, j] = acc_dp_mn[i, j] * softmax.tanh_derivative(
+            acc_s_mn[i, j], lse2 - bias * LOG2_E, cap[2])
+
+      self._for_each_bias(bias_tile, tStS_mn, sLSE2, stage, body)
+
+  @cute.jit
+  def _store_dbias_tile(self, bias, cap, batch: Int32, head: Int32, m_block: Int32,
+                        n_block: Int32, ds_stage: Int32):
+    """Bias variants without softcap: the step's dS tile (both warpgroups' halves, past the
+    dS-full barrier) is dbias's (query block, key block) tile, stored from shared memory by one
+    TMA store of the first consumer warp (it waits for the read before the stage's release:
+    _wait_dbias_store)."""
+    if cap[0] == 0:
+      warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+      if warp_idx == _WG // sm90_gemm.WARP_THREADS:
+        gdBias = cute.local_tile(bias.dbias_tma[None, None, head, batch],
+                                 (self.tile_m, self.tile_n), (m_block, n_block))
+        tBsB, tBgB = cpasync.tma_partition(bias.dbias_atom, 0, cute.make_layout(1),
+                                           cute.group_modes(bias.smem, 0, 2),
+                                           cute.group_modes(gdBias, 0, 2))
+        cute.copy(bias.dbias_atom, tBsB[None, ds_stage], tBgB)
+        cute.arch.cp_async_bulk_commit_group()
+
+  @cute.jit
+  def _wait_dbias_store(self):
+    """Bias variants: the first consumer warp waits until its dbias TMA store has read the dS
+    buffer (the producer loads a later step's bias tile there once the stage is released)."""
+    if const_expr(self.bias):
+      warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+      if warp_idx == _WG // sm90_gemm.WARP_THREADS:
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+  @cute.jit
   def mma_step_swapped(self, tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma,
                        tiled_mma_dv: cute.TiledMma, tiled_mma_dq: cute.TiledMma, frags,
                        acc_dk: cute.Tensor, acc_dv: cute.Tensor, tStS_mn: cute.Tensor,
                        sdS: cute.Tensor, sdQ: cute.Tensor, sLSE2: cute.Tensor,
                        sDelta: cute.Tensor, pipeline_qdo, qdo_state, scale_log2: Float32,
                        m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                       wg_idx: Int32, is_masked: cutlass.Constexpr, ids=None, cap=None):
+                       wg_idx: Int32, is_masked: cutlass.Constexpr, ids=None, cap=None,
+                       where=None):
     """mma_step with swap_sdp (FA-3/FA-4's "SdP swapAB" with register-operand dV / dK).
 
     Each warpgroup computes S^T = K Q^T and dP^T = V dO^T for its 64 keys (rows) x tile_m
@@ -974,6 +1164,8 @@ class FlashAttentionBackwardSm90:
     index: a warpgroup's dQ GEMM of step s has finished before it reaches the dS-full barrier
     of step s + 1, which the other warpgroup passes before it writes the same buffer at step
     s + 2, so the dS-empty barrier goes away. tile_m 80: dQ^T = K^T dS^T instead of dQ = dS K.
+    where: (batch, query head, masking) of the step; bias variants read the bias into P and
+    write dS (before the softcap's factor) to dbias (kernels/bias.py).
     """
     tidx, _, _ = cute.arch.thread_idx()
     mma_tidx = tidx - _WG
@@ -1007,10 +1199,21 @@ class FlashAttentionBackwardSm90:
     # preprocess output (rows >= seqlen_q hold lse2 = +inf, delta = 0: P = 0 there), read
     # where used: 16 columns per thread, too many to hold both in registers (read into
     # registers before the GEMM wait, as FA-4 does, measured 1-6 % slower).
-    for j in cutlass.range_constexpr(num_cols):
-      lse2 = sLSE2[tStS_mn[0, j][1], stage]
-      for i in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
-        acc_s_mn[i, j] = cute.math.exp2(acc_s_mn[i, j] * scale_log2 - lse2, fastmath=True)
+    bias_tile = None
+    if const_expr(self.bias):
+      # The step's bias tile sits in its stage's dS buffer; warp w of the consumers holds keys
+      # [16 w, 16 w + 16) of the tile.
+      consumer_warp = (cute.arch.make_warp_uniform(cute.arch.warp_idx())
+                       - _WG // sm90_gemm.WARP_THREADS)
+      bias_tile = score_bias.TransposedBiasTile(
+          where[2].bias.tiles, ds_stage, consumer_warp * 16, where[2].bias.planes.query_step,
+          self.dtype == cutlass.BFloat16)
+      self._biased_p(acc_s_mn, tStS_mn, sLSE2, stage, scale_log2, bias_tile)
+    else:
+      for j in cutlass.range_constexpr(num_cols):
+        lse2 = sLSE2[tStS_mn[0, j][1], stage]
+        for i in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
+          acc_s_mn[i, j] = cute.math.exp2(acc_s_mn[i, j] * scale_log2 - lse2, fastmath=True)
     # dV += P^T dO, A from registers.
     t_p = cute.make_rmem_tensor(acc_shape, self.dtype)
     r_p = softmax.operand_a_view(t_p)
@@ -1027,7 +1230,12 @@ class FlashAttentionBackwardSm90:
     # pending.
     warpgroup.wait_group(0 if const_expr(self.dv_after_ds) else 1)
     acc_dp_mn = softmax.make_acc_mn_view(acc_dp)
-    if const_expr(self.masked):
+    if const_expr(self.bias):
+      batch, head, masking = where
+      self._ds_transposed_bias(acc_s_mn, acc_dp_mn, tStS_mn, sDelta, sLSE2, stage, cap,
+                               bias_tile, masking.bias.dbias[None, None, head, batch], m_block,
+                               n_block, seqlen_q, seqlen_k)
+    elif const_expr(self.masked):
       if cap[0] != 0:
         self._ds_transposed(acc_s_mn, acc_dp_mn, tStS_mn, sDelta, sLSE2, stage, cap[2], True)
       else:
@@ -1047,9 +1255,12 @@ class FlashAttentionBackwardSm90:
     if const_expr(self.dv_after_ds):
       # FA-4's place: issued before the stmatrix, ptxas serialized every WGMMA and spilled.
       self._dv_gemm(tiled_mma_dv, acc_dv, r_p, frags, stage)
-    # Generic-proxy smem writes must be visible to the async proxy (WGMMA) of both warpgroups.
+    # Generic-proxy smem writes must be visible to the async proxy (WGMMA, TMA) of both
+    # warpgroups.
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier(barrier_id=_DS_FULL_BARRIER, number_of_threads=self.num_mma_threads)
+    if const_expr(self.bias):
+      self._store_dbias_tile(where[2].bias, cap, where[0], where[1], m_block, n_block, ds_stage)
 
     if const_expr(self.dq_transposed):
       acc_dq = cute.make_rmem_tensor(
@@ -1069,7 +1280,9 @@ class FlashAttentionBackwardSm90:
     warpgroup.wait_group(1)
     self.stage_dq(acc_dq, sdQ, wg_idx)
     warpgroup.wait_group(0)
-    # The slot's lse2 / delta rows (and masked: query ids) were read with shared loads.
+    self._wait_dbias_store()
+    # The slot's lse2 / delta rows (and masked: query ids; bias: the bias tile) were read with
+    # shared loads.
     sm90_gemm.release_after_lane_loads(pipeline_qdo, qdo_state)
 
   @cute.jit

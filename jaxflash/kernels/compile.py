@@ -128,11 +128,40 @@ def takes_tile_counter(variant: config.KernelVariant) -> bool:
   return variant.direction == "fwd" and getattr(variant.schedule, "dynamic", False)
 
 
+# A bias variant's bias operands, in argument order (None each for other variants).
+BIAS_ARGUMENTS = ("bias", "bias_batch_planes", "bias_head_planes", "bias_query_step")
+
+
+def bias_signature(variant: config.KernelVariant, batch, num_heads, seqlen_q, seqlen_k) -> dict:
+  """Fake bias operands of a variant, by name (BIAS_ARGUMENTS, and the backward's dbias); None
+  each for variants without a bias. bias: the (rows, seqlen_k, planes) view of the buffer (a
+  plane per (batch, head) it does not broadcast, rows: its queries or 1; kernels/bias.py),
+  whose row stride is the buffer's last extent, a multiple of 8 (16-byte rows for TMA); the
+  plane and row steps are Int32 scalars (the C glue's BiasPlanes fills all four). dbias
+  (backward): (batch, num_heads, seqlen_q, seqlen_k) in the input dtype, dense with rows of
+  that same padded length."""
+  if not variant.bias:
+    return dict.fromkeys(BIAS_ARGUMENTS + ("dbias",))
+  dtype = DTYPES[variant.dtype]
+  out = dict(
+      bias=make_fake_tensor(dtype, (cute.sym_int32(), seqlen_k, cute.sym_int32()),
+                            (cute.sym_int64(divisibility=8), 1, cute.sym_int64(divisibility=8)),
+                            assumed_align=_ASSUMED_ALIGN),
+      bias_batch_planes=cutlass.Int32(0), bias_head_planes=cutlass.Int32(0),
+      bias_query_step=cutlass.Int32(1))
+  if variant.direction == "bwd":
+    strides = tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,)
+    out["dbias"] = make_fake_tensor(dtype, (batch, num_heads, seqlen_q, seqlen_k), strides,
+                                    assumed_align=_ASSUMED_ALIGN)
+  return out
+
+
 def fwd_signature(variant: config.KernelVariant):
-  """Fake (q, k, v, out, lse, sink, q_ids, k_ids, ranges, order, tile_counter) tensors and the
-  (window_left, window_right, softcap) scalars of the forward kernel; shapes dynamic, head dims
-  static. The mask operands and softcap are None for dense variants, the tile counter ((1,)
-  int32) for static schedules; sink (num_heads,) float32 is there for every variant.
+  """Fake (q, k, v, out, lse, sink, q_ids, k_ids, ranges, order, tile_counter, *BIAS_ARGUMENTS)
+  operands and the (window_left, window_right, softcap) scalars of the forward kernel; shapes
+  dynamic, head dims static. The mask operands and softcap are None for dense variants, the
+  tile counter ((1,) int32) for static schedules, the bias operands for variants without one
+  (bias_signature); sink (num_heads,) float32 is there for every variant.
 
   Extents that must be equal share one SymInt. Strides are explicit 64-bit SymInts in mode
   order (batch, seq, heads) for q/k/v/out and (batch, heads) for lse, with a unit last stride:
@@ -155,9 +184,10 @@ def fwd_signature(variant: config.KernelVariant):
              if variant.masked else _NO_MASK)
   counter = (make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
              if takes_tile_counter(variant) else None)
+  bias = bias_signature(variant, batch, num_heads, seqlen_q, seqlen_k)
   return (q, k, v, out, lse, sink, masking["row_ids"], masking["col_ids"], masking["ranges"],
-          masking["order"], counter, masking["window_left"], masking["window_right"],
-          masking["softcap"])
+          masking["order"], counter, *(bias[name] for name in BIAS_ARGUMENTS),
+          masking["window_left"], masking["window_right"], masking["softcap"])
 
 
 def fp8_fwd_signature(variant: config.KernelVariant):
@@ -296,11 +326,9 @@ def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
                             cutlass.Int32(0), cutlass.Int32(0), make_fake_stream(),
                             options=options)
   else:
-    q, k, v, out, lse, sink, row_ids, col_ids, ranges, order, counter, left, right, cap = (
-        fwd_signature(variant))
-    compiled = cute.compile(kernel, q, k, v, out, lse, sink, row_ids, col_ids, ranges, order,
-                            counter, cutlass.Float32(1.0), cutlass.Int32(0), left, right, cap,
-                            make_fake_stream(), options=options)
+    *tensors, left, right, cap = fwd_signature(variant)
+    compiled = cute.compile(kernel, *tensors, cutlass.Float32(1.0), cutlass.Int32(0), left,
+                            right, cap, make_fake_stream(), options=options)
   compiled.export_to_c(str(out_dir), variant.key, prefix)
   seconds = time.perf_counter() - start
   object_path = out_dir / f"{variant.key}.o"
@@ -335,7 +363,8 @@ def glue_defines(variant: config.KernelVariant, parts: dict) -> tuple[str, ...]:
              f"{schedule.dq_copies if variant.direction == 'bwd' else 1}",
              f"-DJAXFLASH_MASKED={int(variant.masked)}",
              f"-DJAXFLASH_TILE_COUNTER={int(takes_tile_counter(variant))}",
-             f"-DJAXFLASH_KV_FP8={int(variant.kv_dtype is not None)}"]
+             f"-DJAXFLASH_KV_FP8={int(variant.kv_dtype is not None)}",
+             f"-DJAXFLASH_BIAS={int(variant.bias)}"]
   for part, (prefix, header) in parts.items():
     defines += [f"-DJAXFLASH_PREFIX_{part.upper()}={prefix}",
                 f'-DJAXFLASH_HEADER_{part.upper()}="{header}"']
@@ -465,7 +494,8 @@ def bwd_signature(variant: config.KernelVariant) -> dict:
   signature.update(key_ids=masking["row_ids"], query_ids=masking["col_ids"],
                    ranges=masking["ranges"], order=masking["order"], ranks=ranks,
                    window_left=masking["window_left"], window_right=masking["window_right"],
-                   softcap=masking["softcap"])
+                   softcap=masking["softcap"],
+                   **bias_signature(variant, batch, num_heads, seqlen_q, seqlen_k))
   return signature
 
 
@@ -491,7 +521,8 @@ def export_bwd_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel
               sig["delta"], sig["dq_accum"], sig["dq_semaphore"], stream),
       "main": (main, sig["q"], sig["k"], sig["v"], sig["d_out"], sig["lse_log2"], sig["delta"],
                sig["dq_accum"], sig["dk"], sig["dv"], sig["dq_semaphore"], sig["query_ids"],
-               sig["key_ids"], sig["ranges"], sig["order"], sig["ranks"], scale,
+               sig["key_ids"], sig["ranges"], sig["order"], sig["ranks"],
+               *(sig[name] for name in BIAS_ARGUMENTS + ("dbias",)), scale,
                sig["window_left"], sig["window_right"], sig["softcap"], stream),
       "post": (post, sig["dq_accum"], sig["dq"], sig["dq_semaphore"], scale, stream),
   }

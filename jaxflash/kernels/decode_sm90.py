@@ -100,17 +100,6 @@ def _scale_floats(variant: config.KernelVariant) -> int:
   return s.num_stages * 2 * (s.tile_n // BOX_ROWS) + 1
 
 
-def _byte_offset(layout: cute.ComposedLayout, crd, elem_bytes: int) -> Int32:
-  """Byte offset of coordinate crd in a swizzled shared-memory layout (sm90_gemm.smem_layout)
-  of elem_bytes-byte elements: its swizzle (Swizzle<B, M, S>) acts on byte offsets, so the
-  unswizzled element offset is scaled first. A ring's stages are whole swizzle periods apart,
-  so crd may name any stage."""
-  sw = layout.inner
-  offset = Int32(cute.crd2idx(crd, layout.outer)) * elem_bytes
-  mask = ((1 << sw.num_bits) - 1) << sw.num_base
-  return offset ^ ((offset >> sw.num_shift) & mask)
-
-
 @dsl_user_op
 def _ld_shared_v4(addr: Int32, *, loc=None, ip=None):
   """Four 32-bit words from shared memory at byte address addr (16-byte aligned)."""
@@ -233,6 +222,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     self.rescale_o_before_pv = variant.head_dim_v > 128
     # No side buffer rides the K stages: K is released as soon as its GEMM is done.
     self.masked = False
+    self.bias = False
     self.fixed_capped_max = False  # the running max, soft-capped or not (_softmax)
     self.tiles_from_last_row = False
     self.fp8_cache = variant.kv_dtype is not None
@@ -670,9 +660,10 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     chunks = []
     for g in range(group):  # a Python loop: this method is no kernel function
       key = key0 + g * kps
-      chunks.append((_byte_offset(src_layout, crd(key, col, 0), 1),
-                     _byte_offset(dst_layout, crd(key, col, 0), out_bytes),
-                     _byte_offset(dst_layout, crd(key, col + _CHUNK // 2, 0), out_bytes),
+      chunks.append((sm90_gemm.swizzled_byte_offset(src_layout, crd(key, col, 0), 1),
+                     sm90_gemm.swizzled_byte_offset(dst_layout, crd(key, col, 0), out_bytes),
+                     sm90_gemm.swizzled_byte_offset(dst_layout, crd(key, col + _CHUNK // 2, 0),
+                                                    out_bytes),
                      (self.tile_n - 1 - key) // step_keys))
     steps = (cute.crd2idx(crd(step_keys, 0, 0), src_layout.outer),
              cute.crd2idx(crd(step_keys, 0, 0), dst_layout.outer) * out_bytes,

@@ -17,6 +17,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from jaxflash import config
+from jaxflash.kernels import bias as score_bias
 from jaxflash.kernels import mask
 from jaxflash.kernels import sm90_gemm
 from jaxflash.kernels import softmax
@@ -40,7 +41,8 @@ def _smem_buffers(variant: config.KernelVariant) -> dict:
   """The shared buffers of the 16-bit forward after its mbarriers, in storage order: {name:
   (element type, count, alignment)}. Each Q slot also holds its tile's O (after the last QK^T
   GEMM); masked variants add each K stage's key block ids (one bulk copy with the K tile);
-  dynamic schedules each Q slot's tile index (the producer claims it, the consumers read it)."""
+  dynamic schedules each Q slot's tile index (the producer claims it, the consumers read it);
+  bias variants each K stage's bias tile (tile_m x tile_n, a TMA copy with the K tile)."""
   dtype, s = DTYPES[variant.dtype], variant.schedule
   align = sm90_gemm.SMEM_ALIGN
   buffers = dict(
@@ -51,6 +53,8 @@ def _smem_buffers(variant: config.KernelVariant) -> dict:
     buffers["sKIds"] = (Int32, s.num_stages * s.tile_n, 128)
   if s.dynamic:
     buffers["sTile"] = (Int32, s.q_stages, 16)
+  if variant.bias:
+    buffers["sBias"] = (dtype, s.num_stages * s.tile_m * s.tile_n, align)
   return buffers
 
 
@@ -89,6 +93,11 @@ class FlashAttentionForwardSm90:
   row keeps that max, and blocks without the mask take each score's tanh just before its exp2
   with no max search (OnlineSoftmax.capped_softmax). Otherwise the running max, after the tanh
   (softmax.soft_cap). Blocks that need the mask take the tanh before it.
+  Bias variants (masked ones, config.KernelVariant.bias) add bias[b, h, i, j] to each score
+  after the tanh and before the mask and keep the running max: each K stage also carries the
+  (query tile, key block) tile of the bias, a TMA copy on the stage's barrier, which the
+  consumers read from shared memory with ldmatrix (kernels/bias.py, _add_bias); they release
+  the stage after the softmax.
   Every variant takes the learnable sink at run time (mSink, one float32 logit per query head,
   and has_sink): the epilogue adds the sink's term to each row's denominator
   (OnlineSoftmax.finalize), so out and lse come out with the sink, in no extra pass.
@@ -119,11 +128,15 @@ class FlashAttentionForwardSm90:
     self.lpt = schedule.lpt
     self.rescale_o_before_pv = schedule.rescale_o_before_pv
     self.masked = variant.masked
+    # Bias variants (masked ones) add bias[b, h, i, j] to every score (kernels/bias.py).
+    self.bias = variant.bias
     # Soft-capped calls may keep a fixed row max (softmax.capped_start_max) on two-warpgroup
     # tiles only: its rounding of P (softmax.round_p_pair) spilled the fp16 three-warpgroup tile
     # (head_dim 64, 192 x 128, 128 registers per thread: 28 LDL / STL). Those keep the running
-    # max.
-    self.fixed_capped_max = variant.masked and self.num_mma_warpgroups == 2
+    # max. A bias is unbounded, so capped scores plus a bias have no fixed max: bias variants
+    # keep the running max too.
+    self.fixed_capped_max = (variant.masked and self.num_mma_warpgroups == 2
+                             and not variant.bias)
     # Dense causal: the query tiles end at the last row (_row_shift), so the partial tile is the
     # one with the fewest keys. The FP8 kernel keeps tiles from row 0 (its query descales come
     # in chunks of 64 rows from row 0).
@@ -168,11 +181,19 @@ class FlashAttentionForwardSm90:
     self.tma_bytes_v = cute.size_in_bytes(self.dtype, cute.slice_(self.sV_layout, (None, None, 0)))
     if self.masked:
       self.tma_bytes_k += self.tile_n * 4  # the key block's ids ride on the K stage
+    tiles = dict(sQ=(self.sQ_layout, self.sO_layout), sK=(self.sK_layout,), sV=(self.sV_layout,))
+    if self.bias:
+      # The bias tile of the K stage's key block: queries x keys, keys contiguous (the bias's
+      # rows), TMA-swizzled as K is.
+      self.sBias_layout = sm90_gemm.smem_layout(self.dtype, self.tile_m, self.tile_n,
+                                                self.num_stages)
+      self.tma_bytes_k += cute.size_in_bytes(self.dtype,
+                                             cute.slice_(self.sBias_layout, (None, None, 0)))
+      tiles["sBias"] = (self.sBias_layout,)
     # O reuses Q's buffer once every QK^T GEMM is done (an epilogue barrier orders that).
     self.shared_storage = sm90_gemm.shared_storage(
         dict(mbar_q=self.q_stages, mbar_k=self.num_stages, mbar_v=self.num_stages),
-        _smem_buffers(self.variant),
-        dict(sQ=(self.sQ_layout, self.sO_layout), sK=(self.sK_layout,), sV=(self.sV_layout,)))
+        _smem_buffers(self.variant), tiles)
 
   @cute.jit
   def __call__(
@@ -188,6 +209,10 @@ class FlashAttentionForwardSm90:
       mRanges: cute.Tensor,  # masked: (batch, m blocks, 4) int32 block ranges in launch order
       mOrder: cute.Tensor,  # masked: (batch * m blocks,) int32 tile order, or None
       mTileCounter: Optional[cute.Tensor],  # dynamic schedules: (1,) int32, zero; else None
+      mBias: Optional[cute.Tensor],  # bias: (rows, seqlen_k, planes) in dtype (kernels/bias.py)
+      bias_batch_planes: Optional[Int32],  # bias: its planes per batch (0: broadcast), or None
+      bias_head_planes: Optional[Int32],  # bias: its planes per head (0: broadcast)
+      bias_query_step: Optional[Int32],  # bias: 1, or 0 for one row per (batch, head)
       softmax_scale: Float32,
       has_sink: Int32,  # 1: each row's softmax also runs over mSink[head]; 0: no sink
       window_left: Optional[Int32],  # masked: the band (block_ranges.window_bounds), or None
@@ -205,12 +230,22 @@ class FlashAttentionForwardSm90:
       raise TypeError("the mask operands are passed exactly to masked variants")
     if const_expr(self.dynamic != (mTileCounter is not None)):
       raise TypeError("the tile counter is passed exactly to dynamic schedules")
+    if const_expr(self.bias != (mBias is not None)):
+      raise TypeError("the bias is passed exactly to bias variants")
+    if const_expr(self.bias and mBias.element_type != self.dtype):
+      raise TypeError(f"bias must be {self.dtype}, got {mBias.element_type}")
     self._setup_attributes()
     (tma_q, tma_k, tma_v, tma_o), (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), mLSE, grid = (
         self._tma_operands(mQ, mK, mV, mO, mLSE))
     if const_expr(self.masked):
       mQIds, mKIds = [_select(t, [1, 0]) for t in (mQIds, mKIds)]  # (positions, batch)
       mRanges = _select(mRanges, [2, 1, 0])  # (4, m blocks, batch)
+    tma_atom_bias = None
+    if const_expr(self.bias):
+      # Keys past seqlen_k come in as zeros (out of bounds), and the mask hides them.
+      tma_atom_bias, mBias = cpasync.make_tiled_tma_atom(
+          cpasync.CopyBulkTensorTileG2SOp(), mBias,
+          cute.slice_(self.sBias_layout, (None, None, 0)), (self.tile_m, self.tile_n))
     # O in kernel order for the stores a TMA store cannot make (a tile starting above row 0).
     mO_rows = _select(mO, [1, 3, 2, 0]) if const_expr(self.tiles_from_last_row) else None
     self.kernel(
@@ -220,6 +255,8 @@ class FlashAttentionForwardSm90:
         self.sQ_layout, self.sK_layout, self.sV_layout, self.sO_layout,
         self.tiled_mma_qk, self.tiled_mma_pv,
         mQIds, mKIds, mRanges, mOrder, window_left, window_right, softcap, mO_rows, mTileCounter,
+        mBias, tma_atom_bias, self.sBias_layout if const_expr(self.bias) else None,
+        bias_batch_planes, bias_head_planes, bias_query_step,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
   def _tma_operands(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -278,10 +315,19 @@ class FlashAttentionForwardSm90:
       softcap: Optional[Float32],
       mO_rows: Optional[cute.Tensor],  # tiles_from_last_row: (seqlen_q, head_dim_v, heads, batch)
       mTileCounter: Optional[cute.Tensor],  # dynamic: (1,) int32, zero at launch; else None
+      mBias: Optional[cute.Tensor],  # bias: TMA coordinates of (rows, seqlen_k, planes), or None
+      tma_atom_bias: Optional[cute.CopyAtom],
+      sBias_layout: Optional[cute.ComposedLayout],
+      bias_batch_planes: Optional[Int32],  # bias: kernels/bias.py BiasPlanes
+      bias_head_planes: Optional[Int32],
+      bias_query_step: Optional[Int32],
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-    sm90_gemm.prefetch_descriptors(warp_idx, (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o))
+    atoms = (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o)
+    if const_expr(self.bias):
+      atoms = atoms + (tma_atom_bias,)
+    sm90_gemm.prefetch_descriptors(warp_idx, atoms)
 
     storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
     pipeline_q, pipeline_k, pipeline_v = self._make_pipelines(storage)
@@ -307,10 +353,20 @@ class FlashAttentionForwardSm90:
         if const_expr(self.fixed_capped_max):
           start_max = softmax.capped_start_max(softcap * softmax.LOG2_E,
                                                *softmax.capped_p_range_log2(self.dtype))
+      # The bias joins the scores in the S registers' units: S * softmax_scale (or softcap *
+      # t when capped) is the score, so the bias enters divided by that scale.
+      bias = None
+      if const_expr(self.bias):
+        bias = _BiasOperands(
+            tma=mBias, tma_atom=tma_atom_bias,
+            planes=score_bias.BiasPlanes(bias_batch_planes, bias_head_planes, bias_query_step),
+            smem=storage.sBias.get_tensor(sBias_layout.outer, swizzle=sBias_layout.inner),
+            tiles=score_bias.SharedTiles(Int32(storage.sBias.data_ptr().toint()), sBias_layout),
+            scale=Float32(1.0) / softmax_scale)
       masking = _Masking(query_ids=mQIds, key_ids=mKIds, ranges=mRanges, order=mOrder,
                          window_left=window_left, window_right=window_right,
                          capped=Int32(capped), tanh_scale=tanh_scale, key_ids_smem=sKIds,
-                         start_max=start_max)
+                         start_max=start_max, bias=bias)
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -394,12 +450,14 @@ class FlashAttentionForwardSm90:
           tma_atom_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
       tVsV, tVgV = cpasync.tma_partition(
           tma_atom_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+      bias_tiles = self._bias_tiles(masking, m_block, head, batch)
 
       if n_max > n_min:
         pipeline_k.producer_acquire(kv_state)
         cute.copy(tma_atom_k, tKgK[None, n_max - 1], tKsK[None, kv_state.index],
                   tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
         self._load_key_block_data(masking, pipeline_k, kv_state, n_max - 1, head_kv, batch)
+        self._load_bias_block(masking, bias_tiles, pipeline_k, kv_state, n_max - 1)
       # Q is loaded even when no key block is visible: the consumers always wait for it, so no
       # TMA write into sQ can still be in flight when the epilogue reuses sQ for O.
       if const_expr(self.dynamic):
@@ -417,6 +475,7 @@ class FlashAttentionForwardSm90:
                   tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
         self._load_key_block_data(masking, pipeline_k, kv_state, n_block - 1, head_kv,
                                   batch)
+        self._load_bias_block(masking, bias_tiles, pipeline_k, kv_state, n_block - 1)
         pipeline_v.producer_acquire(v_state)
         cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, v_state.index],
                   tma_bar_ptr=pipeline_v.producer_get_barrier(v_state))
@@ -489,6 +548,27 @@ class FlashAttentionForwardSm90:
         sm90_gemm.bulk_copy_g2s(masking.key_ids_smem[None, kv_state.index].iterator,
                                 masking.key_ids[None, batch].iterator + n_block * self.tile_n,
                                 self.tile_n * 4, pipeline_k.producer_get_barrier(kv_state))
+
+  def _bias_tiles(self, masking, m_block: Int32, head: Int32, batch: Int32):
+    """Bias variants: (shared, global) TMA partitions of the tile's bias blocks (the rows of its
+    queries in its (batch, head)'s plane, kernels/bias.py BiasPlanes); None otherwise."""
+    if const_expr(not self.bias):
+      return None
+    b = masking.bias
+    plane = b.tma[None, None, b.planes.plane(batch, head)]
+    gBias = cute.local_tile(cute.domain_offset((b.planes.row(m_block * self.tile_m), 0), plane),
+                            (self.tile_m, self.tile_n), (0, None))
+    return cpasync.tma_partition(b.tma_atom, 0, cute.make_layout(1),
+                                 cute.group_modes(b.smem, 0, 2), cute.group_modes(gBias, 0, 2))
+
+  @cute.jit
+  def _load_bias_block(self, masking, bias_tiles, pipeline_k, kv_state, n_block: Int32):
+    """Bias variants: the bias tile of key block n_block into K stage kv_state, on the stage's
+    barrier (its transaction bytes include it)."""
+    if const_expr(self.bias):
+      tBsB, tBgB = bias_tiles
+      cute.copy(masking.bias.tma_atom, tBgB[None, n_block], tBsB[None, kv_state.index],
+                tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
 
   @cute.jit
   def mma(self, mO: cute.Tensor, mLSE: cute.Tensor, mSink: cute.Tensor, has_sink: Int32,
@@ -649,6 +729,7 @@ class FlashAttentionForwardSm90:
         # running max.
         if m.capped != 0:
           softmax.soft_cap(acc_s, m.tanh_scale)
+        self._add_bias(c, acc_s_mn, k_state)
         c.online.online_softmax(acc_s_mn, c.row_scale)
     elif const_expr(self.masked):
       # The tanh before the mask, which writes -inf. Under a fixed max P is rounded for its row
@@ -656,6 +737,8 @@ class FlashAttentionForwardSm90:
       m = c.masking
       if m.capped != 0:
         softmax.soft_cap(acc_s, m.tanh_scale)
+      # The bias after the cap and before the mask (the mask's -inf stays -inf).
+      self._add_bias(c, acc_s_mn, k_state)
       mask.apply_band_and_ids(acc_s_mn, c.tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
                               self.tile_m, self.tile_n, m.window_left, m.window_right,
                               c.row_ids, m.key_ids_smem[None, k_state.index])
@@ -676,11 +759,25 @@ class FlashAttentionForwardSm90:
       c.online.online_softmax(acc_s_mn, c.row_scale)
 
   @cute.jit
+  def _add_bias(self, c, acc_s_mn: cute.Tensor, k_state):
+    """Bias variants: S += bias / scale over the block, from the bias tile of K stage k_state
+    (kernels/bias.py add_bias_tile; keys past seqlen_k read zeros there, which the mask turns
+    to -inf, and so do query rows past seqlen_q, which are never stored)."""
+    if const_expr(self.bias):
+      b = c.masking.bias
+      # The consumer warp's first row: 16 rows per warp, warpgroup after warpgroup.
+      warp = (cute.arch.make_warp_uniform(cute.arch.warp_idx())
+              - _WARPGROUP_THREADS // _WARP_THREADS)
+      score_bias.add_bias_tile(acc_s_mn, b.tiles, k_state.index, warp * 16, b.planes.query_step,
+                               b.scale, self.dtype == cutlass.BFloat16)
+
+  @cute.jit
   def _release_k(self, c, kv_state, is_masked: cutlass.Constexpr,
                  after_softmax: cutlass.Constexpr):
     """Releases the K stage once its GEMM is done, or, where a masked variant's softmax still
     reads the stage's key ids, after the softmax (then the producer cannot overwrite them)."""
-    if const_expr(after_softmax == (self.masked and is_masked)):
+    # Bias variants read the stage's bias tile in the softmax of every block.
+    if const_expr(after_softmax == ((self.masked and is_masked) or self.bias)):
       if const_expr(after_softmax):
         sm90_gemm.release_after_lane_loads(c.pipeline_k, kv_state)
       else:
@@ -953,6 +1050,23 @@ class _Masking(mask.MaskOperands):
   # start_max and keeps it, and blocks without the mask take OnlineSoftmax.capped_softmax.
   # Otherwise the running max: start_max -inf.
   start_max: Float32
+  bias: Optional["_BiasOperands"] = None  # bias variants only
+
+
+@dataclasses.dataclass(frozen=True)
+class _BiasOperands:
+  """A bias variant's bias (a trace-time bundle): the TMA coordinates of its (rows, seqlen_k,
+  planes) view and the atom, where each (batch, head, query) is in it, each K stage's tile
+  in shared memory (tile_m x tile_n per stage: the TMA destination, and the address and layout
+  the consumers' ldmatrix reads) and the factor that brings the bias into the S registers'
+  units (1 / softmax_scale, or 1 / softcap when capped: S * scale is the score)."""
+
+  tma: cute.Tensor
+  tma_atom: cute.CopyAtom
+  planes: score_bias.BiasPlanes
+  smem: cute.Tensor
+  tiles: score_bias.SharedTiles
+  scale: Float32
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,6 +111,18 @@ def smem_layout(dtype, rows: int, cols: int, stages=None, major_size=None, col_m
   return cute.tile_to_shape(atom, (rows, cols, stages), order + (2,))
 
 
+def swizzled_byte_offset(layout: cute.ComposedLayout, crd, elem_bytes: int) -> Int32:
+  """Byte offset of coordinate crd in a swizzled shared-memory layout (smem_layout) of
+  elem_bytes-byte elements: its swizzle (Swizzle<B, M, S>) acts on byte offsets, so the
+  unswizzled element offset is scaled first. A ring's stages are whole swizzle periods apart,
+  so crd may name any stage. For addresses of hand-written shared loads and stores (ldmatrix,
+  ld.shared.v4)."""
+  sw = layout.inner
+  offset = Int32(cute.crd2idx(crd, layout.outer)) * elem_bytes
+  mask = ((1 << sw.num_bits) - 1) << sw.num_base
+  return offset ^ ((offset >> sw.num_shift) & mask)
+
+
 def transpose_view(t: cute.Tensor) -> cute.Tensor:
   """Swaps the first two modes of a shared tensor (same bytes): A^T for WGMMA operands."""
   shape = (t.shape[1], t.shape[0], *t.shape[2:])
