@@ -75,8 +75,10 @@ def generate(model, params, prompt, num_tokens: int, *, temperature: float = 0.0
       token, cache = carry
       token, logits, cache = next_token(params, token[:, None], cache, key)
       return (token, cache), (token, logits)
-    _, (tokens, logits) = jax.lax.scan(step, (token, cache), keys)
-    return tokens, logits  # (steps, batch), (steps, batch, vocab)
+    (_, cache), (tokens, logits) = jax.lax.scan(step, (token, cache), keys)
+    # The caches are returned so that their donated buffers hold the loop's carry (a donated
+    # input with no output of its shape would be copied into the loop instead).
+    return tokens, logits, cache  # (steps, batch), (steps, batch, vocab), caches
 
   keys = jax.random.split(jax.random.PRNGKey(seed), num_tokens)
   token, logits, cache = jax.jit(next_token, donate_argnums=2)(
@@ -87,7 +89,7 @@ def generate(model, params, prompt, num_tokens: int, *, temperature: float = 0.0
     run_cache = cache if run == timed_runs - 1 else jax.tree.map(jnp.copy, cache)
     jax.block_until_ready((token, run_cache))
     start = time.perf_counter()
-    tokens, step_logits = loop(params, token, run_cache, keys[1:])
+    tokens, step_logits, _ = loop(params, token, run_cache, keys[1:])
     jax.block_until_ready(tokens)
     samples.append(time.perf_counter() - start)
   seconds = float(np.median(samples))
