@@ -170,7 +170,9 @@ def test_raw_forward_writes_every_element_of_poisoned_buffers(variant, dims):
   out_buffer = jnp.full((b, seq_q, h, variant.head_dim_v), jnp.nan, dtype)
   lse_buffer = jnp.full((b, h, seq_q), jnp.nan, jnp.float32)
   pointers = (out_buffer.unsafe_buffer_pointer(), lse_buffer.unsafe_buffer_pointer())
-  out, lse = _fwd_into(q, k, v, bias, out_buffer, lse_buffer, variant=variant, cfg=cfg)
+  row = config.bias_row_length(seq_k)  # the ABI's row: seqlen_k rounded up to 16 bytes
+  padded = jnp.pad(bias, ((0, 0),) * 3 + ((0, row - seq_k),))
+  out, lse = _fwd_into(q, k, v, padded, out_buffer, lse_buffer, variant=variant, cfg=cfg)
   assert (out.unsafe_buffer_pointer(), lse.unsafe_buffer_pointer()) == pointers, (
       "XLA did not write into the poisoned buffers: the test would miss unwritten elements")
   exact, naive = oracle_and_naive(q, k, v, bias, None, None, grads=False, causal=True)
