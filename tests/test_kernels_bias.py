@@ -64,6 +64,21 @@ def _bias(rows: int, cols: int) -> np.ndarray:
   return np.arange(rows)[:, None] * 10000 + np.arange(cols)[None, :]
 
 
+def _assert_ldmatrix_lands_on_fragments(bias, coords, reads, address, transposed, element):
+  """ldmatrix.x4 number c (of reads) of each warp w at address(lane, c, 16 w): each register
+  lands on the fragment block x4_register_block names, holding element(*its coordinates)."""
+  for warp in range(_THREADS // 32):
+    for c in range(reads):
+      regs = _ldmatrix_x4(bias, [address(lane, c, 16 * warp) for lane in range(32)],
+                          transposed=transposed)
+      for lane in range(32):
+        frag = coords[32 * warp + lane]
+        for i in range(4):
+          h, g = score_bias.x4_register_block(i, c)
+          for p in range(2):
+            assert regs[lane][i][p] == element(*frag[h][2 * g + p]), (warp, lane, c, i, p)
+
+
 @pytest.mark.parametrize("query_step", [1, 0])
 def test_forward_ldmatrix_hands_each_thread_its_scores_bias(query_step):
   """add_bias_tile: ldmatrix.x4 number c of warp w reads the rows of the bias tile that
@@ -72,19 +87,10 @@ def test_forward_ldmatrix_hands_each_thread_its_scores_bias(query_step):
   accumulator (128 queries x 128 keys) of warp w's first row 16 w."""
   tile_m, tile_n = 128, 128
   bias = _bias(tile_m, tile_n)
-  coords = _fragment_coords(tile_m, tile_n)
-  for warp in range(_THREADS // 32):
-    for c in range(tile_n // 16):
-      addresses = [score_bias.x4_forward_row(lane, c, 16 * warp, query_step)
-                   for lane in range(32)]
-      regs = _ldmatrix_x4(bias, addresses, transposed=False)
-      for lane in range(32):
-        frag = coords[32 * warp + lane]
-        for i in range(4):
-          h, g = score_bias.x4_register_block(i, c)
-          for p in range(2):
-            query, key = frag[h][2 * g + p]
-            assert regs[lane][i][p] == bias[query * query_step, key], (warp, lane, c, i, p)
+  _assert_ldmatrix_lands_on_fragments(
+      bias, _fragment_coords(tile_m, tile_n), tile_n // 16,
+      lambda lane, c, row0: score_bias.x4_forward_row(lane, c, row0, query_step),
+      False, lambda query, key: bias[query * query_step, key])
 
 
 @pytest.mark.parametrize("tile_m", [64, 80])
@@ -95,19 +101,10 @@ def test_backward_ldmatrix_trans_hands_each_thread_its_scores_bias(tile_m, query
   the S^T fragment (keys x queries) block x4_register_block names, warp w's first key 16 w."""
   tile_n = 128
   bias = _bias(tile_m, tile_n)
-  coords = _fragment_coords(tile_n, tile_m)
-  for warp in range(_THREADS // 32):
-    for c in range(tile_m // 16):
-      addresses = [score_bias.x4_transposed_row(lane, c, 16 * warp, query_step)
-                   for lane in range(32)]
-      regs = _ldmatrix_x4(bias, addresses, transposed=True)
-      for lane in range(32):
-        frag = coords[32 * warp + lane]
-        for i in range(4):
-          h, g = score_bias.x4_register_block(i, c)
-          for p in range(2):
-            key, query = frag[h][2 * g + p]
-            assert regs[lane][i][p] == bias[query * query_step, key], (warp, lane, c, i, p)
+  _assert_ldmatrix_lands_on_fragments(
+      bias, _fragment_coords(tile_n, tile_m), tile_m // 16,
+      lambda lane, c, row0: score_bias.x4_transposed_row(lane, c, row0, query_step),
+      True, lambda key, query: bias[query * query_step, key])
 
 
 def test_bias_planes_of_each_broadcast_shape():
