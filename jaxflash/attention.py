@@ -99,9 +99,10 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
       the dims of size 1 and returned in the bias's dtype. The CuTe kernels take it (with any
       mask, softcap and sink) at head dims 64 and 128 (head_dim_v equal) in float16 / bfloat16,
       reading it in the query's dtype (a float32 bias is rounded to it, as the scores are);
-      the gradient comes from one float32 value per (batch, head, query, key) written by the
-      backward kernel, so a broadcast bias's backward holds batch x heads x seq_q x seq_k x 4
-      bytes of scratch. A deterministic backward of a bias call runs the reference.
+      the gradient comes from one value in the query's dtype per (batch, head, query, key)
+      written by the backward kernel (summed over broadcast dims in float32), so a bias call's
+      backward holds batch x heads x seq_q x seq_k x 2 bytes of scratch (seq_k rounded up to a
+      multiple of 8). A deterministic backward of a bias call runs the reference.
     score_mod: score_mod(score, batch, head, q_idx, kv_idx) -> score, a JAX function of
       scalars (int32 indices, q_idx in [0, seq_q), kv_idx in [0, seq_k), head a query head;
       score the scaled, soft-capped score plus the bias) applied to every score; it may close
