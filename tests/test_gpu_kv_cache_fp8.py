@@ -71,7 +71,7 @@ def _dequantized(bits, descale, capacity):
   return x.reshape(b, pages * size, h_kv, d)[:, :capacity]
 
 
-def _check(q, k, v, lengths, options, page_size, sink=None, seed=5):
+def _check(q, k, v, lengths, options, page_size, sink=None, seed=5, num_splits=None):
   """The kernel's (out, lse) against both oracles (module docstring)."""
   capacity = k.shape[1]
   k_bits, k_scale = _quantize(k, lengths, page_size)
@@ -81,7 +81,7 @@ def _check(q, k, v, lengths, options, page_size, sink=None, seed=5):
   lengths = jnp.asarray(lengths, jnp.int32)
   out, lse = jax.jit(lambda *a: jaxflash.kv_cache_attention(
       *a, page_table=table, k_descale=kd, v_descale=vd, learnable_sink=sink, return_lse=True,
-      implementation="cute", **options))(q, kc, vc, lengths)
+      num_splits=num_splits, implementation="cute", **options))(q, kc, vc, lengths)
   assert out.dtype == q.dtype
   k_deq, v_deq = (_dequantized(*x, capacity) for x in ((k_bits, k_scale), (v_bits, v_scale)))
   # Rows past the lengths dequantize to NaN: the oracles read only the valid ones.
@@ -137,12 +137,14 @@ def test_fp8_cache_kernel_matches_float64_oracles(case, page_size):
 
 
 def test_fp8_cache_kernel_with_sinks_and_auto_mode():
-  """Sinks join each row's denominator; implementation=None takes the kernel (the result is
-  bitwise the explicit kernel's) under jit."""
+  """Sinks join each row's denominator, with the automatic split count and with one split
+  (whose tiles write out and lse themselves, v reference included: no merge); implementation=
+  None takes the kernel (the result is bitwise the explicit kernel's) under jit."""
   q, k, v = _inputs(2, 4, 1, 8, 2, 128, 600, "bfloat16")
   sink = jnp.asarray(np.linspace(-1.0, 2.0, 8), jnp.float32)
   lengths = (0, 1, 300, 600)
   _check(q, k, v, lengths, {}, 64, sink=sink)
+  _check(q, k, v, lengths, {}, 64, sink=sink, num_splits=1)
   k_bits, k_scale = _quantize(k, lengths, 64)
   v_bits, v_scale = _quantize(v, lengths, 64)
   kc, kd, table = _layout(k_bits, k_scale, 64, 5)

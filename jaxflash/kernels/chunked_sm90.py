@@ -218,39 +218,5 @@ class FlashAttentionChunkedSm90(FlashAttentionDecodeSm90):
                                     pipeline_k, pipeline_v, softmax_scale, Int32(capped),
                                     tanh_scale, work, m_block, seqlen_q, window_left,
                                     window_right, mQ.shape[0])
-      self.epilogue_chunked(mO, mLSE, mSink, thr_mma_pv, c.acc_o, c.online, m_block, head_kv,
-                            batch, mQ.shape[0], seqlen_q)
-
-  @cute.jit
-  def epilogue_chunked(self, mO: cute.Tensor, mLSE: cute.Tensor, mSink: cute.Tensor,
-                       thr_mma_pv, acc_o: cute.Tensor, online, m_block: Int32, head_kv: Int32,
-                       batch: Int32, rows: Int32, seqlen_q: Int32):
-    """Normalises O (each packed row's query head's sink, if any, joins its denominator) and
-    stores it in q's dtype and the lse (rows < rows) from registers: the tile's O is a few
-    percent of the bytes its keys cost, and packed rows past the last token must not be
-    written, which a TMA store of the whole tile would."""
-    acc_o_mn = softmax.make_acc_mn_view(acc_o)
-    num_rows = cute.size(acc_o_mn, mode=[0])
-    row_inv = cute.make_rmem_tensor(num_rows, Float32)
-    lse = cute.make_rmem_tensor(num_rows, Float32)
-    tOcO_mn = softmax.make_acc_mn_view(
-        thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
-    group = rows // seqlen_q
-    # Row i * group + j: query head head_kv * group + j, whose sink is mSink[head_kv, j].
-    sink_log2 = cute.make_rmem_tensor(num_rows, Float32)
-    for i in cutlass.range_constexpr(num_rows):
-      sink_log2[i] = -Float32.inf
-      if mSink.shape[1] > 0:
-        row = cutlass.min(m_block * self.tile_m + tOcO_mn[i, 0][0], rows - 1)
-        sink_log2[i] = mSink[head_kv, row % group] * softmax.LOG2_E
-    online.finalize(row_inv, lse, sink_log2)
-    softmax.scale_rows(acc_o_mn, row_inv)
-    r_o = softmax.make_acc_mn_view(self._output_fragment(acc_o))
-    for i in cutlass.range_constexpr(num_rows):
-      row = m_block * self.tile_m + tOcO_mn[i, 0][0]
-      if row < rows:
-        # One lane of each quad (the one holding column 0) writes the row's lse.
-        if tOcO_mn[0, 0][1] == 0:
-          mLSE[batch, head_kv, row] = lse[i]
-        for j in cutlass.range_constexpr(cute.size(r_o, mode=[1])):
-          mO[batch, head_kv, row, tOcO_mn[i, j][1]] = r_o[i, j]
+      self.epilogue_final(mO, mLSE, mSink, thr_mma_pv, c.acc_o, c.online, m_block, head_kv,
+                          batch, mQ.shape[0], seqlen_q)

@@ -163,7 +163,10 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
   follow the valid lengths); it writes its rows' partial output (normalised over its keys) and
   lse in float32 (a split with no key writes 0 and lse -inf); a second kernel of the same call
   (DecodeCombine) merges each row's splits through their lse, with the learnable sink, into
-  the output in the query dtype and its lse.
+  the output in the query dtype and its lse. With one split (num_splits, a run-time extent:
+  large batches, short caches) each CTA sees all of its rows' keys and writes the output and
+  lse itself (epilogue_final, as the chunked tiles do): the merge kernel is not launched and
+  the float32 partials are neither written nor read.
 
   Keys are read through a page table: logical key p of sequence b is row p % page_size of page
   page_table[b, p / page_size] of the pool (a contiguous cache is a pool of `batch` pages of
@@ -340,11 +343,13 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     self.kernel(
         tma_q, tma_k, tma_v, tma_kt, tma_vt, tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_kt,
         tma_atom_vt, mPageTable, mLengths,
-        mOPart, mLSEPart, mKDescale, mVDescale, softmax_scale, seqlen_q, window_left,
-        window_right, softcap, self.sQ_layout, self.sK_layout, self.sV_layout,
+        mSink, mOPart, mLSEPart, mO, mLSE, mKDescale, mVDescale, softmax_scale, seqlen_q,
+        window_left, window_right, softcap, self.sQ_layout, self.sK_layout, self.sV_layout,
         self.sK_load_layout, self.sV_load_layout, self.tiled_mma_qk, self.tiled_mma_pv,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
-    DecodeCombine(self.dtype, self.head_dim_v)(mOPart, mLSEPart, mSink, mO, mLSE, stream)
+    # One split writes out and lse itself (epilogue_final): nothing to merge.
+    if mOPart.shape[1] > 1:
+      DecodeCombine(self.dtype, self.head_dim_v)(mOPart, mLSEPart, mSink, mO, mLSE, stream)
 
   @cute.kernel
   def kernel(
@@ -361,8 +366,11 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       tma_atom_vt: cute.CopyAtom,
       mPageTable: cute.Tensor,
       mLengths: cute.Tensor,
+      mSink: cute.Tensor,
       mOPart: cute.Tensor,
       mLSEPart: cute.Tensor,
+      mO: cute.Tensor,
+      mLSE: cute.Tensor,
       mKDescale: cute.Tensor,
       mVDescale: cute.Tensor,
       softmax_scale: Float32,
@@ -432,7 +440,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       scales = None
       if const_expr(self.fp8_cache):
         scales = self._scale_tensor(storage)
-      self.mma_decode(mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_q,
+      self.mma_decode(mOPart, mLSEPart, mSink, mO, mLSE, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_q,
                       pipeline_k, pipeline_v, softmax_scale, Int32(capped), tanh_scale, work,
                       m_block, split, head_kv, batch, seqlen_q, window_left, window_right,
                       mQ.shape[0], scales)
@@ -785,14 +793,16 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
                       copy.s_box[None, c, b, state.index], tma_bar_ptr=barrier)
 
   @cute.jit
-  def mma_decode(self, mOPart: cute.Tensor, mLSEPart: cute.Tensor, sQ: cute.Tensor,
+  def mma_decode(self, mOPart: cute.Tensor, mLSEPart: cute.Tensor, mSink: cute.Tensor,
+                 mO: cute.Tensor, mLSE: cute.Tensor, sQ: cute.Tensor,
                  sK: cute.Tensor, sV: cute.Tensor, tiled_mma_qk: cute.TiledMma,
                  tiled_mma_pv: cute.TiledMma, pipeline_q, pipeline_k, pipeline_v,
                  softmax_scale: Float32, capped: Int32, tanh_scale: Float32, work,
                  m_block: Int32, split: Int32, head_kv: Int32, batch: Int32, seqlen_q: Int32,
                  window_left: Int32, window_right: Int32, rows: Int32, scales=None):
-    """Consumer warpgroup: the tile's key blocks (run_tile), then the partial out and lse.
-    scales: FP8 caches' descale buffer (convert_kv)."""
+    """Consumer warpgroup: the tile's key blocks (run_tile), then the partial out and lse, or
+    with one split the final out and lse (no merge follows). scales: FP8 caches' descale
+    buffer (convert_kv)."""
     c, thr_mma_pv = self.run_tile(sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_q,
                                   pipeline_k, pipeline_v, softmax_scale, capped, tanh_scale,
                                   work, m_block, seqlen_q, window_left, window_right, rows,
@@ -803,8 +813,12 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       out_scale = Float32(1.0)
       if work.n_end > work.n_start:
         out_scale = scales[0, self.num_stages]
-    self.epilogue_decode(mOPart, mLSEPart, thr_mma_pv, c.acc_o, c.online, m_block, split,
-                         head_kv, batch, rows, out_scale)
+    if mOPart.shape[1] == 1:
+      self.epilogue_final(mO, mLSE, mSink, thr_mma_pv, c.acc_o, c.online, m_block, head_kv,
+                          batch, rows, seqlen_q, out_scale)
+    else:
+      self.epilogue_decode(mOPart, mLSEPart, thr_mma_pv, c.acc_o, c.online, m_block, split,
+                           head_kv, batch, rows, out_scale)
 
   @cute.jit
   def run_tile(self, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
@@ -989,6 +1003,47 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
         for j in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
           mOPart[batch, split, head_kv, row, tOcO_mn[i, j][1]] = acc_o_mn[i, j] * row_inv[i]
 
+
+  @cute.jit
+  def epilogue_final(self, mO: cute.Tensor, mLSE: cute.Tensor, mSink: cute.Tensor,
+                     thr_mma_pv, acc_o: cute.Tensor, online, m_block: Int32, head_kv: Int32,
+                     batch: Int32, rows: Int32, seqlen_q: Int32, out_scale=None):
+    """A tile that saw all of its row's keys (one split, or a chunked tile): normalises O
+    (each packed row's query head's sink, if any, joins its denominator; times out_scale if
+    given: FP8 caches' v reference) and stores it in q's dtype and the lse (rows < rows) from
+    registers, the merge's work done here: the tile's O is a few percent of the bytes its keys
+    cost, and packed rows past the last token must not be written, which a TMA store of the
+    whole tile would."""
+    acc_o_mn = softmax.make_acc_mn_view(acc_o)
+    num_rows = cute.size(acc_o_mn, mode=[0])
+    row_inv = cute.make_rmem_tensor(num_rows, Float32)
+    lse = cute.make_rmem_tensor(num_rows, Float32)
+    tOcO_mn = softmax.make_acc_mn_view(
+        thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+    group = rows // seqlen_q
+    # Row i * group + j: query head head_kv * group + j, whose sink is mSink[head_kv, j].
+    sink_log2 = cute.make_rmem_tensor(num_rows, Float32)
+    for i in cutlass.range_constexpr(num_rows):
+      sink_log2[i] = -Float32.inf
+      if mSink.shape[1] > 0:
+        row = cutlass.min(m_block * self.tile_m + tOcO_mn[i, 0][0], rows - 1)
+        sink_log2[i] = mSink[head_kv, row % group] * softmax.LOG2_E
+    online.finalize(row_inv, lse, sink_log2)
+    if const_expr(out_scale is not None):
+      for i in cutlass.range_constexpr(num_rows):
+        row_inv[i] = row_inv[i] * out_scale
+    softmax.scale_rows(acc_o_mn, row_inv)
+    r_o = cute.make_rmem_tensor(acc_o.layout.shape, self.dtype)
+    r_o.store(acc_o.load().to(self.dtype))
+    r_o_mn = softmax.make_acc_mn_view(r_o)
+    for i in cutlass.range_constexpr(num_rows):
+      row = m_block * self.tile_m + tOcO_mn[i, 0][0]
+      if row < rows:
+        # One lane of each quad (the one holding column 0) writes the row's lse.
+        if tOcO_mn[0, 0][1] == 0:
+          mLSE[batch, head_kv, row] = lse[i]
+        for j in cutlass.range_constexpr(cute.size(r_o_mn, mode=[1])):
+          mO[batch, head_kv, row, tOcO_mn[i, j][1]] = r_o_mn[i, j]
 
 @dataclasses.dataclass(frozen=True)
 class _Work:
