@@ -63,7 +63,6 @@ class FlashAttentionChunkedSm90(FlashAttentionDecodeSm90):
   def __init__(self, variant: config.KernelVariant):
     super().__init__(variant)
     assert variant.schedule.chunked and variant.kv_dtype is None, variant.key
-    self.out_dtype = self.dtype
     self.num_producer_regs, self.num_mma_regs = _PRODUCER_REGS, _CONSUMER_REGS
     self.pingpong = True
 
