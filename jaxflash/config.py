@@ -9,6 +9,7 @@ measurements behind each table row are in docs/kernels.md.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from pathlib import Path
 from typing import Optional, Union
@@ -96,6 +97,14 @@ class AttentionConfig:
   # always seq_k. The kernels read broadcast dims with stride 0; the backward reduces dbias
   # over them in XLA.
   bias_dims: Optional[tuple[bool, bool, bool]] = None
+  # score_mod / mask_mod compiled into the kernels: the canonical JSON of their IR
+  # (jaxflash/mod_ir.py, ModSpec), or None. Their closed-over arrays are operands after the bias
+  # and before the sink, one per entry of the spec's "arrays".
+  mods: Optional[str] = None
+
+  @property
+  def has_mods(self) -> bool:
+    return self.mods is not None
 
   @property
   def has_window(self) -> bool:
@@ -516,12 +525,18 @@ class KernelVariant:
   # backward; the backward also writes dbias per score). Bias variants are masked variants:
   # causal, windows, segment ids and softcap come with them at run time.
   bias: bool = False
+  # score_mod / mask_mod: the canonical JSON of their IR (mod_ir.ModSpec), emitted into the
+  # score step (kernels/mod_codegen.py); None: none. Mods variants are masked variants built on
+  # demand (never shipped), keyed by mods_digest.
+  mods: Optional[str] = None
 
   @property
   def key(self) -> str:
     """Readable, unique name: folder in the kernel cache and the FFI `variant` attribute."""
     flags = "".join(f for f, on in (("-causal", self.causal), ("-masked", self.masked),
                                     ("-bias", self.bias),
+                                    (f"-mods{mods_digest(self.mods or '')}",
+                                     self.mods is not None),
                                     ("-det", self.deterministic),
                                     ("-blk", self.block_descales),
                                     (f"-kv{_DTYPE_SHORT.get(self.kv_dtype)}",
@@ -544,20 +559,21 @@ class KernelVariant:
     deterministic = config.deterministic and direction == "bwd"
     # Soft-capping runs on the masked variants (a run-time value, like the window); so does a
     # bias (one bias variant per dtype and head dims takes every mask at run time).
+    # score_mod / mask_mod too, on the bias variants' tiles (per-score work in the score step).
     masked = (config.has_window or config.has_segment_ids or config.softcap is not None
-              or config.has_bias)
+              or config.has_bias or config.has_mods)
     causal = config.causal and not masked
+    per_score = config.has_bias or config.has_mods
     if direction == "fwd":
-      # Bias variants keep one schedule whatever the band.
-      band = None if config.has_bias else config.band
-      schedule = fwd_schedule(head_dim, head_dim_v, causal, masked, seq_k, band,
-                              config.has_bias)
+      # Bias and mods variants keep one schedule whatever the band.
+      band = None if per_score else config.band
+      schedule = fwd_schedule(head_dim, head_dim_v, causal, masked, seq_k, band, per_score)
     else:
-      schedule = bwd_schedule(head_dim, head_dim_v, causal, deterministic, masked,
-                              config.has_bias)
+      schedule = bwd_schedule(head_dim, head_dim_v, causal, deterministic, masked, per_score)
     return cls(direction=direction, arch=arch, dtype=dtype, head_dim=head_dim,
                head_dim_v=head_dim_v, causal=causal, schedule=schedule,
-               deterministic=deterministic, masked=masked, bias=config.has_bias)
+               deterministic=deterministic, masked=masked, bias=config.has_bias,
+               mods=config.mods)
 
 
 def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
@@ -581,6 +597,8 @@ def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
                    f"kernel; accepted head_dim_v: {accepted}")
   if direction == "decode" and config is not None and config.has_segment_ids:
     return False, "the decode kernels take no segment ids"
+  if config is not None and config.has_mods:
+    return _mods_kernel_support(direction, head_dim, head_dim_v, config)
   if config is not None and config.has_bias:
     return _bias_kernel_support(direction, head_dim, head_dim_v, config)
   return True, ""
@@ -605,6 +623,30 @@ def _bias_kernel_support(direction: str, head_dim: int, head_dim_v: int,
                    f"kernel; accepted: {BIAS_HEAD_DIM_PAIRS}")
   if direction == "bwd" and config.deterministic:
     return False, "bias: no deterministic backward kernel takes a bias"
+  return True, ""
+
+
+# The most arrays a score_mod / mask_mod may close over in the kernels (their operand slots).
+MOD_MAX_ARRAYS = 4
+# Directions whose kernels take score_mod / mask_mod. The backward of such a call runs the
+# reference (jax differentiates score_mod and mask_mod there).
+MODS_DIRECTIONS = ("fwd",)
+
+
+def mods_digest(mods: str) -> str:
+  """The variant-key digest of a mods spec's canonical JSON (mod_ir.ModSpec.digest)."""
+  return hashlib.sha256(mods.encode()).hexdigest()[:16]
+
+
+def _mods_kernel_support(direction: str, head_dim: int, head_dim_v: int,
+                         config: AttentionConfig) -> tuple[bool, str]:
+  if direction not in MODS_DIRECTIONS:
+    return False, f"score_mod / mask_mod: the {direction} kernels take neither"
+  if (head_dim, head_dim_v) not in BIAS_HEAD_DIM_PAIRS:
+    return False, (f"score_mod / mask_mod: (head_dim, head_dim_v) ({head_dim}, {head_dim_v}) "
+                   f"has no kernel; accepted: {BIAS_HEAD_DIM_PAIRS}")
+  if config.has_bias:
+    return False, "score_mod / mask_mod: no kernel takes them with a bias"
   return True, ""
 
 

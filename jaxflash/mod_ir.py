@@ -15,7 +15,6 @@ array ("clip") or yields the fill value when any index is outside it ("fill").
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from typing import Any, Callable, Optional
 
@@ -23,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxflash import config
 
 IR_VERSION = 1
 SCORE_INPUTS = ("score", "batch", "head", "q_idx", "kv_idx")
@@ -105,7 +106,7 @@ class ModSpec:
 
   @property
   def digest(self) -> str:
-    return hashlib.sha256(self.canonical().encode()).hexdigest()[:16]
+    return config.mods_digest(self.canonical())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +148,13 @@ class _Builder:
     for k, a in enumerate(self.arrays):
       if a is value:
         return ("arr", k)
+    if 0 in tuple(value.shape):
+      raise UnsupportedModError(f"{fn_name}: closes over an empty array (shape "
+                                f"{tuple(value.shape)}); the kernels read at least one element")
+    if len(self.arrays) == config.MOD_MAX_ARRAYS:
+      raise UnsupportedModError(f"score_mod and mask_mod: close over more than "
+                                f"{config.MOD_MAX_ARRAYS} arrays; the kernels take at most "
+                                f"{config.MOD_MAX_ARRAYS} (concatenate tables into one)")
     self.arrays.append(value)
     return ("arr", len(self.arrays) - 1)
 

@@ -20,6 +20,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
 from jaxflash import config
+from jaxflash.kernels import mod_codegen
 from jaxflash.kernels.bwd_postprocess import FlashAttentionBackwardPostprocess
 from jaxflash.kernels.bwd_preprocess import FlashAttentionBackwardPreprocess
 from jaxflash.kernels.bwd_sm90 import FlashAttentionBackwardSm90
@@ -156,12 +157,29 @@ def bias_signature(variant: config.KernelVariant, batch, num_heads, seqlen_q, se
   return out
 
 
+def mod_array_tensors(variant: config.KernelVariant) -> tuple:
+  """Fake closed-over arrays of a mods variant (config.MOD_MAX_ARRAYS slots, None past the
+  last): each of its own element type and rank (rank 0 as (1,)), every extent dynamic, dense
+  row-major with dynamic 64-bit strides and a unit last stride."""
+  arrays = mod_codegen.parse(variant.mods)["arrays"] if variant.mods else ()
+  tensors = []
+  for dtype, rank in arrays:
+    element = mod_codegen.storage_type(dtype)
+    rank = max(rank, 1)
+    tensors.append(make_fake_tensor(
+        element, tuple(cute.sym_int32() for _ in range(rank)),
+        tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
+        assumed_align=max(element.width // 8, 1)))
+  return tuple(tensors) + (None,) * (config.MOD_MAX_ARRAYS - len(tensors))
+
+
 def fwd_signature(variant: config.KernelVariant):
-  """Fake (q, k, v, out, lse, sink, q_ids, k_ids, ranges, order, tile_counter, *BIAS_ARGUMENTS)
-  operands and the (window_left, window_right, softcap) scalars of the forward kernel; shapes
-  dynamic, head dims static. The mask operands and softcap are None for dense variants, the
-  tile counter ((1,) int32) for static schedules, the bias operands for variants without one
-  (bias_signature); sink (num_heads,) float32 is there for every variant.
+  """Fake (q, k, v, out, lse, sink, q_ids, k_ids, ranges, order, tile_counter, *BIAS_ARGUMENTS,
+  mod arrays) operands and the (window_left, window_right, softcap) scalars of the forward
+  kernel; shapes dynamic, head dims static. The mask operands and softcap are None for dense
+  variants, the tile counter ((1,) int32) for static schedules, the bias operands for variants
+  without one (bias_signature); sink (num_heads,) float32 is there for every variant. The mod
+  arrays are a tuple (mod_array_tensors, config.MOD_MAX_ARRAYS slots, None past the last).
 
   Extents that must be equal share one SymInt. Strides are explicit 64-bit SymInts in mode
   order (batch, seq, heads) for q/k/v/out and (batch, heads) for lse, with a unit last stride:
@@ -187,7 +205,8 @@ def fwd_signature(variant: config.KernelVariant):
   bias = bias_signature(variant, batch, num_heads, seqlen_q, seqlen_k)
   return (q, k, v, out, lse, sink, masking["row_ids"], masking["col_ids"], masking["ranges"],
           masking["order"], counter, *(bias[name] for name in BIAS_ARGUMENTS),
-          masking["window_left"], masking["window_right"], masking["softcap"])
+          mod_array_tensors(variant), masking["window_left"], masking["window_right"],
+          masking["softcap"])
 
 
 def fp8_fwd_signature(variant: config.KernelVariant):
@@ -301,15 +320,18 @@ def build_decode_kernel(variant: config.KernelVariant) -> FlashAttentionDecodeSm
   return kernel_class(_checked(variant, kernel_class))
 
 
-def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
+def export_variant(variant: config.KernelVariant, out_dir, kernel=None) -> ExportedKernel:
   """Compiles one variant for its arch and writes `<key>.h` and `<key>.o` into out_dir.
+  kernel: a forward kernel object to compile in place of build_kernel(variant) (tests compare
+  a variant's SASS against the kernel with one attribute changed).
 
   A backward variant writes `<key>-{pre,main,post}.{h,o}` (see export_bwd_variant).
   """
   if variant.direction == "bwd":
     return export_bwd_variant(variant, out_dir)
   decode = variant.direction == "decode"
-  kernel = build_decode_kernel(variant) if decode else build_kernel(variant)
+  if kernel is None:
+    kernel = build_decode_kernel(variant) if decode else build_kernel(variant)
   load_dsl_runtime()
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -326,9 +348,9 @@ def export_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel:
                             cutlass.Int32(0), cutlass.Int32(0), make_fake_stream(),
                             options=options)
   else:
-    *tensors, left, right, cap = fwd_signature(variant)
-    compiled = cute.compile(kernel, *tensors, cutlass.Float32(1.0), cutlass.Int32(0), left,
-                            right, cap, make_fake_stream(), options=options)
+    *tensors, mods, left, right, cap = fwd_signature(variant)
+    compiled = cute.compile(kernel, *tensors, *mods, cutlass.Float32(1.0), cutlass.Int32(0),
+                            left, right, cap, make_fake_stream(), options=options)
   compiled.export_to_c(str(out_dir), variant.key, prefix)
   seconds = time.perf_counter() - start
   object_path = out_dir / f"{variant.key}.o"

@@ -226,6 +226,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     # No side buffer rides the K stages: K is released as soon as its GEMM is done.
     self.masked = False
     self.bias = False
+    self.mods = None
     self.fixed_capped_max = False  # the running max, soft-capped or not (_softmax)
     self.tiles_from_last_row = False
     self.fp8_cache = variant.kv_dtype is not None

@@ -19,6 +19,7 @@ from cutlass.utils import LayoutEnum
 from jaxflash import config
 from jaxflash.kernels import bias as score_bias
 from jaxflash.kernels import mask
+from jaxflash.kernels import mod_codegen
 from jaxflash.kernels import sm90_gemm
 from jaxflash.kernels import softmax
 from jaxflash.kernels import tile_scheduler
@@ -130,13 +131,19 @@ class FlashAttentionForwardSm90:
     self.masked = variant.masked
     # Bias variants (masked ones) add bias[b, h, i, j] to every score (kernels/bias.py).
     self.bias = variant.bias
+    # Mods variants (masked ones, never with a bias) run score_mod / mask_mod on every score
+    # after the soft cap and before the band and segment-id mask (kernels/mod_codegen.py); the
+    # parsed IR, or None.
+    self.mods = mod_codegen.parse(variant.mods) if variant.mods else None
+    assert not variant.mods or (variant.masked and not variant.bias), variant.key
     # Soft-capped calls may keep a fixed row max (softmax.capped_start_max) on two-warpgroup
     # tiles only: its rounding of P (softmax.round_p_pair) spilled the fp16 three-warpgroup tile
     # (head_dim 64, 192 x 128, 128 registers per thread: 28 LDL / STL). Those keep the running
     # max. A bias is unbounded, so capped scores plus a bias have no fixed max: bias variants
     # keep the running max too.
+    # score_mod changes the range of the scores too.
     self.fixed_capped_max = (variant.masked and self.num_mma_warpgroups == 2
-                             and not variant.bias)
+                             and not variant.bias and not variant.mods)
     # Dense causal: the query tiles end at the last row (_row_shift), so the partial tile is the
     # one with the fewest keys. The FP8 kernel keeps tiles from row 0 (its query descales come
     # in chunks of 64 rows from row 0).
@@ -213,6 +220,10 @@ class FlashAttentionForwardSm90:
       bias_batch_planes: Optional[Int32],  # bias: its planes per batch (0: broadcast), or None
       bias_head_planes: Optional[Int32],  # bias: its planes per head (0: broadcast)
       bias_query_step: Optional[Int32],  # bias: 1, or 0 for one row per (batch, head)
+      mMod0: Optional[cute.Tensor],  # mods: the closed-over arrays in operand order (their own
+      mMod1: Optional[cute.Tensor],  # dtypes and ranks, rank 0 as (1,)), None past the last
+      mMod2: Optional[cute.Tensor],
+      mMod3: Optional[cute.Tensor],
       softmax_scale: Float32,
       has_sink: Int32,  # 1: each row's softmax also runs over mSink[head]; 0: no sink
       window_left: Optional[Int32],  # masked: the band (block_ranges.window_bounds), or None
@@ -234,6 +245,15 @@ class FlashAttentionForwardSm90:
       raise TypeError("the bias is passed exactly to bias variants")
     if const_expr(self.bias and mBias.element_type != self.dtype):
       raise TypeError(f"bias must be {self.dtype}, got {mBias.element_type}")
+    mMods = tuple(t for t in (mMod0, mMod1, mMod2, mMod3) if const_expr(t is not None))
+    want = self.mods["arrays"] if const_expr(self.mods is not None) else ()
+    if const_expr(len(mMods) != len(want)):
+      raise TypeError(f"the mods' arrays: {len(want)} expected, got {len(mMods)}")
+    for t, (dtype, rank) in zip(mMods, want):  # a trace-time loop
+      if const_expr(t.element_type != mod_codegen.storage_type(dtype)
+                    or cute.rank(t) != max(rank, 1)):
+        raise TypeError(f"a mods array of {dtype} rank {rank} got {t.element_type} rank "
+                        f"{cute.rank(t)}")
     self._setup_attributes()
     (tma_q, tma_k, tma_v, tma_o), (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o), mLSE, grid = (
         self._tma_operands(mQ, mK, mV, mO, mLSE))
@@ -256,7 +276,7 @@ class FlashAttentionForwardSm90:
         self.tiled_mma_qk, self.tiled_mma_pv,
         mQIds, mKIds, mRanges, mOrder, window_left, window_right, softcap, mO_rows, mTileCounter,
         mBias, tma_atom_bias, self.sBias_layout if const_expr(self.bias) else None,
-        bias_batch_planes, bias_head_planes, bias_query_step,
+        bias_batch_planes, bias_head_planes, bias_query_step, mMods,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
   def _tma_operands(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -321,6 +341,7 @@ class FlashAttentionForwardSm90:
       bias_batch_planes: Optional[Int32],  # bias: kernels/bias.py BiasPlanes
       bias_head_planes: Optional[Int32],
       bias_query_step: Optional[Int32],
+      mMods: tuple,  # mods: the closed-over arrays; else ()
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -363,10 +384,17 @@ class FlashAttentionForwardSm90:
             smem=storage.sBias.get_tensor(sBias_layout.outer, swizzle=sBias_layout.inner),
             tiles=score_bias.SharedTiles(Int32(storage.sBias.data_ptr().toint()), sBias_layout),
             scale=Float32(1.0) / softmax_scale)
+      # score_mod sees the score: S * softmax_scale in, its result / softmax_scale out.
+      mod_scale = None
+      mod_inv_scale = None
+      if const_expr(self.mods is not None):
+        mod_scale = softmax_scale
+        mod_inv_scale = Float32(1.0) / softmax_scale
       masking = _Masking(query_ids=mQIds, key_ids=mKIds, ranges=mRanges, order=mOrder,
                          window_left=window_left, window_right=window_right,
                          capped=Int32(capped), tanh_scale=tanh_scale, key_ids_smem=sKIds,
-                         start_max=start_max, bias=bias)
+                         start_max=start_max, bias=bias, mod_arrays=mMods,
+                         mod_scale=mod_scale, mod_inv_scale=mod_inv_scale)
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -620,6 +648,8 @@ class FlashAttentionForwardSm90:
       if const_expr(not self.dynamic):
         pipeline_q.consumer_wait(q_state)
       tile_c = self._consumer_for_slot(c, q_state)
+      if const_expr(self.mods is not None):
+        tile_c = dataclasses.replace(tile_c, mod_batch=batch, mod_head=head)
       # Key blocks run from n_max-1 down, so the blocks needing the elementwise mask come first.
       if n_max > n_min:
         self.first_block(tile_c, kv_state, m_block, n_max - 1, tiled_rows, seqlen_k)
@@ -730,6 +760,7 @@ class FlashAttentionForwardSm90:
         if m.capped != 0:
           softmax.soft_cap(acc_s, m.tanh_scale)
         self._add_bias(c, acc_s_mn, k_state)
+        self._apply_mods(c, acc_s_mn, m_block, n_block, seqlen_q, seqlen_k)
         c.online.online_softmax(acc_s_mn, c.row_scale)
     elif const_expr(self.masked):
       # The tanh before the mask, which writes -inf. Under a fixed max P is rounded for its row
@@ -739,6 +770,9 @@ class FlashAttentionForwardSm90:
         softmax.soft_cap(acc_s, m.tanh_scale)
       # The bias after the cap and before the mask (the mask's -inf stays -inf).
       self._add_bias(c, acc_s_mn, k_state)
+      # score_mod and mask_mod after the bias; the band and ids' -inf after score_mod (a masked
+      # score's value never matters, and mask_mod's -inf commutes with theirs).
+      self._apply_mods(c, acc_s_mn, m_block, n_block, seqlen_q, seqlen_k)
       mask.apply_band_and_ids(acc_s_mn, c.tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
                               self.tile_m, self.tile_n, m.window_left, m.window_right,
                               c.row_ids, m.key_ids_smem[None, k_state.index])
@@ -770,6 +804,17 @@ class FlashAttentionForwardSm90:
               - _WARPGROUP_THREADS // _WARP_THREADS)
       score_bias.add_bias_tile(acc_s_mn, b.tiles, k_state.index, warp * 16, b.planes.query_step,
                                b.scale, self.dtype == cutlass.BFloat16)
+
+  @cute.jit
+  def _apply_mods(self, c, acc_s_mn: cute.Tensor, m_block: Int32, n_block: Int32,
+                  seqlen_q: Int32, seqlen_k: Int32):
+    """Mods variants: score_mod and mask_mod on every score of the block (the tile's batch and
+    query head; kernels/mod_codegen.py)."""
+    if const_expr(self.mods is not None):
+      m = c.masking
+      mod_codegen.apply_mods(self.mods, acc_s_mn, c.tScS_mn, m.mod_arrays,
+                             m_block * self.tile_m, n_block * self.tile_n, seqlen_q, seqlen_k,
+                             c.mod_batch, c.mod_head, m.mod_scale, m.mod_inv_scale)
 
   @cute.jit
   def _release_k(self, c, kv_state, is_masked: cutlass.Constexpr,
@@ -1039,6 +1084,8 @@ class _Consumer:
   pipeline_v: pipeline.PipelineTmaAsync
   masking: "_Masking" = None  # masked variants only (also row_ids)
   row_ids: cute.Tensor = None  # segment ids of this thread's query rows in the current tile
+  mod_batch: Int32 = None  # mods variants: the current tile's batch and query head
+  mod_head: Int32 = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1051,6 +1098,9 @@ class _Masking(mask.MaskOperands):
   # Otherwise the running max: start_max -inf.
   start_max: Float32
   bias: Optional["_BiasOperands"] = None  # bias variants only
+  mod_arrays: tuple = ()  # mods variants: the closed-over arrays
+  mod_scale: Optional[Float32] = None  # mods variants: the S registers' scale (softmax_scale)
+  mod_inv_scale: Optional[Float32] = None  # mods variants: 1 / mod_scale
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,95 @@
+"""The forward kernel with score_mod / mask_mod compiled in (kernels/mod_codegen.py), for sm_90a
+on a GPU-less host: each recipe's variant builds without local-memory spills, and an identity
+score_mod emits no code. Needs nvidia-cutlass-dsl (marker `cutlass`)."""
+
+import jax.numpy as jnp
+import pytest
+
+cutlass = pytest.importorskip("cutlass")
+
+from jaxflash import build, config, mod_ir  # noqa: E402
+from jaxflash.kernels import compile as kernel_compile  # noqa: E402
+from jaxflash.kernels.fwd_sm90 import FlashAttentionForwardSm90  # noqa: E402
+from tests import _mod_recipes as recipes  # noqa: E402
+from tests import _sass  # noqa: E402
+
+pytestmark = pytest.mark.cutlass
+
+HEADS = 8
+RECIPES = {
+    "identity": lambda: (recipes.identity, None),
+    "alibi": lambda: (recipes.alibi(jnp.asarray(recipes.alibi_slopes(HEADS))), None),
+    "t5": lambda: (recipes.t5(jnp.zeros((32, HEADS), jnp.float32)), None),
+    "document": lambda: (None, recipes.document(jnp.zeros((2, 256), jnp.int32))),
+    "alibi_causal_mask": lambda: (recipes.alibi(jnp.asarray(recipes.alibi_slopes(HEADS))),
+                                  recipes.causal),
+}
+
+
+def mods_variant(name: str, head_dim: int = 128, dtype: str = "bfloat16"):
+  spec = mod_ir.trace_mods(*RECIPES[name]()).spec
+  cfg = config.AttentionConfig(softmax_scale=0.125, mods=spec.canonical())
+  return config.KernelVariant.for_call("fwd", "sm90a", dtype, head_dim, head_dim, cfg), spec
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+  return _sass.exporter(tmp_path_factory)
+
+
+def test_mods_variant_key_and_schedule():
+  variant, spec = mods_variant("alibi")
+  assert variant.masked and variant.mods == spec.canonical()
+  assert variant.key.endswith(f"-masked-mods{spec.digest}-{variant.schedule.key}")
+  # The bias variants' tiles.
+  bias = config.KernelVariant.for_call(
+      "fwd", "sm90a", "bfloat16", 128, 128,
+      config.AttentionConfig(softmax_scale=0.125, bias_dims=(True, True, True)))
+  assert variant.schedule == bias.schedule
+  assert all(v.mods is None for d in config.DIRECTIONS
+             for v in config.shipped_variants("sm90a", d))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_mods_variant_compiles_without_spills(exported, name, head_dim, tmp_path):
+  variant, _ = mods_variant(name, head_dim)
+  e = exported(variant)
+  ops = e.ops()
+  _sass.assert_no_spills(ops, variant.key)
+  _sass.assert_wgmma_not_serialized(e.sass["main"])
+  (tmp_path / "k.cubin").write_bytes(e.exp.cubin)
+  resources = build.cubin_resources(tmp_path / "k.cubin")
+  assert resources["local_memory_instructions"] == 0
+  assert all(k["local_bytes"] == 0 for k in resources["kernels"]), resources
+  print(f"{variant.key}: {len(ops)} instructions, registers "
+        f"{[k['registers'] for k in resources['kernels']]}")
+  if name in ("alibi", "t5", "document"):
+    assert "LDG" in ops  # the closed-over arrays are read per score
+
+
+def test_identity_score_mod_emits_nothing(exported, tmp_path):
+  """The identity's variant is the plain masked kernel without the fixed capped max (which
+  every mods variant leaves off): the same instruction count."""
+  variant, _ = mods_variant("identity")
+  plain = config.KernelVariant.for_call(
+      "fwd", "sm90a", "bfloat16", 128, 128,
+      config.AttentionConfig(softmax_scale=0.125, window_left=4096))
+  assert plain.schedule == variant.schedule
+  kernel = FlashAttentionForwardSm90(plain)
+  kernel.fixed_capped_max = False
+  plain_sass = kernel_compile.disassemble(
+      kernel_compile.export_variant(plain, tmp_path, kernel=kernel).cubin, tmp_path)
+  assert len(exported(variant).ops()) == len(_sass.opcodes(plain_sass))
+
+
+def test_alibi_adds_few_instructions(exported):
+  """ALiBi's score step against the identity's: a bounded number of instructions per score
+  (each thread holds 64 scores of a 128 x 128 tile; the masked and unmasked block paths and
+  the first block each carry a copy)."""
+  identity = len(exported(mods_variant("identity")[0]).ops())
+  alibi = len(exported(mods_variant("alibi")[0]).ops())
+  extra_per_score = (alibi - identity) / 64
+  print(f"ALiBi: {alibi - identity} instructions over the identity ({extra_per_score:.1f} per "
+        f"score of a thread)")
+  assert 0 < extra_per_score < 40
