@@ -86,7 +86,7 @@ def test_variant_build_writes_library_cubin_and_manifest(built, cache):
   stored = json.loads((folder / VARIANT_MANIFEST).read_text())
   assert stored["key"] == variant.key
   assert stored["spec"] == build.variant_spec(variant)
-  assert stored["abi_version"] == build.abi_version() == 16
+  assert stored["abi_version"] == build.abi_version() == 17
   assert stored["cutlass_version"] == build.cutlass_version()
   import jaxflash
   assert stored["jaxflash_version"] == jaxflash.__version__

@@ -62,6 +62,12 @@ const char* DtypeName(ffi::DataType dtype) {
     case ffi::DataType::F32: return "float32";
     case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
     case ffi::DataType::S32: return "int32";
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
     default: return "an unsupported dtype";
   }
 }
@@ -360,7 +366,8 @@ ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
                      JaxflashMask* mask, int32_t* window_left, int32_t* window_right) {
   const bool bwd = a.target == kBwdTarget;
   const size_t want = info.masked ? (bwd && info.deterministic ? 5 : 4) : 0;
-  const size_t fixed = want + (!bwd && info.dtype == kFp8Dtype ? 2 : 0) + (info.bias ? 1 : 0);
+  const size_t fixed = want + (!bwd && info.dtype == kFp8Dtype ? 2 : 0) + (info.bias ? 1 : 0) +
+                       static_cast<size_t>(info.mod_arrays);
   if (extra.size() != fixed && !(!bwd && extra.size() == fixed + 1)) {
     return Invalid(a, std::to_string(extra.size()) + " operands after the tensors, expected " +
                           (info.dtype == kFp8Dtype
@@ -369,6 +376,9 @@ ffi::Error CheckMask(const CallAttrs& a, const JaxflashVariantInfo& info,
                                  "(row_ids, col_ids, ranges, order, and ranks when "
                                  "deterministic)") +
                           (info.bias ? ", then the bias" : "") +
+                          (info.mod_arrays ? ", then " + std::to_string(info.mod_arrays) +
+                                                 " score_mod / mask_mod arrays"
+                                           : std::string()) +
                           (bwd ? "" : ", then optionally the learnable sink"));
   }
   *mask = JaxflashMask{};
@@ -434,6 +444,39 @@ ffi::Error CheckBias(const CallAttrs& a, const JaxflashVariantInfo& info,
   return ffi::Error::Success();
 }
 
+// score_mod / mask_mod variants: the info.mod_arrays operands from `index` on are the arrays
+// the functions close over (kernel_abi.h JaxflashModArrays), each of the dtype and rank the
+// variant was compiled for, every extent in [1, INT32_MAX]. Fills `mods` (all NULL for other
+// variants).
+ffi::Error CheckModArrays(const CallAttrs& a, const JaxflashVariantInfo& info,
+                          const ffi::RemainingArgs& extra, size_t index, JaxflashModArrays* mods) {
+  *mods = JaxflashModArrays{};
+  static const ffi::DataType kTypes[] = {
+      ffi::DataType::PRED, ffi::DataType::S8, ffi::DataType::S16, ffi::DataType::S32,
+      ffi::DataType::U8, ffi::DataType::U16, ffi::DataType::U32, ffi::DataType::F16,
+      ffi::DataType::BF16, ffi::DataType::F32};
+  for (int32_t k = 0; k < info.mod_arrays && k < JAXFLASH_MAX_MOD_ARRAYS; ++k) {
+    auto got = extra.get<ffi::AnyBuffer>(index + k);
+    if (got.has_error()) return got.error();
+    const ffi::AnyBuffer& buffer = got.value();
+    auto d = buffer.dimensions();
+    const int32_t code = info.mod_dtypes[k], rank = info.mod_ranks[k];
+    bool ok = code >= 0 && code < 10 && buffer.element_type() == kTypes[code] &&
+              static_cast<int32_t>(d.size()) == rank && rank <= JAXFLASH_MAX_MOD_RANK;
+    for (size_t i = 0; ok && i < d.size(); ++i) ok = d[i] >= 1 && d[i] <= INT32_MAX;
+    if (!ok) {
+      return Invalid(a, "score_mod / mask_mod array " + std::to_string(k) + " is " +
+                            DtypeName(buffer.element_type()) + " " + Shape(buffer) +
+                            ", the variant reads " +
+                            (code >= 0 && code < 10 ? DtypeName(kTypes[code]) : "?") +
+                            " of rank " + std::to_string(rank) + " with every extent >= 1");
+    }
+    mods->data[k] = buffer.untyped_data();
+    for (size_t i = 0; i < d.size(); ++i) mods->extents[k][i] = static_cast<int32_t>(d[i]);
+  }
+  return ffi::Error::Success();
+}
+
 // FP8 variants: the two operands after the tensors are the descales (kernel_abi.h), float32
 // q_descale (batch, num_heads, q chunks) and kv_descale (batch, num_kv_heads, k chunks, 4).
 // Sets args->q_descale and args->kv_descale (NULL for other variants).
@@ -468,7 +511,8 @@ ffi::Error CheckDescale(const CallAttrs& a, const JaxflashVariantInfo& info,
 // learnable sink, float32 (num_heads,). Sets args->sink (NULL without one).
 ffi::Error CheckSink(const CallAttrs& a, const JaxflashVariantInfo& info,
                      const ffi::RemainingArgs& extra, int64_t num_heads, JaxflashFwdArgs* args) {
-  const size_t fixed = info.masked ? 4 + (info.bias ? 1 : 0) : info.dtype == kFp8Dtype ? 2 : 0;
+  const size_t fixed = info.masked ? 4 + (info.bias ? 1 : 0) + info.mod_arrays
+                                   : info.dtype == kFp8Dtype ? 2 : 0;
   args->sink = nullptr;
   if (extra.size() == fixed) return ffi::Error::Success();
   auto got = extra.get<ffi::AnyBuffer>(fixed);
@@ -542,6 +586,11 @@ ffi::Error AttentionFwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   if (ffi::Error e = CheckBias(attrs, library->info, mask_operands, 4, q.element_type(),
                                args.batch, args.num_heads, args.seqlen_q, args.seqlen_k,
                                &args.bias);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = CheckModArrays(attrs, library->info, mask_operands,
+                                    4 + (library->info.bias ? 1 : 0), &args.mods);
       e.failure()) {
     return e;
   }
@@ -1069,7 +1118,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                                       // v (batch, seqlen_k, num_kv_heads, head_dim_v)
             .RemainingArgs()          // masked: JaxflashMask operands; bias variants: the
                                       // bias (b|1, h|1, sq|1, sk rounded up to 8) in q's
-                                      // dtype; then, optional, the sink (num_heads,) float32
+                                      // dtype; mods variants: their arrays
+                                      // (JaxflashModArrays); then, optional, the sink
+                                      // (num_heads,) float32
             .Ret<ffi::AnyBuffer>()    // out (batch, seqlen_q, num_heads, head_dim_v)
             .Ret<ffi::AnyBuffer>()    // lse (batch, num_heads, seqlen_q) float32
             .RemainingRets()),        // dynamic schedules: tile_counter (1,) int32

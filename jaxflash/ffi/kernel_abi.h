@@ -7,11 +7,23 @@
 
 #include <stdint.h>
 
-#define JAXFLASH_KERNEL_ABI_VERSION 16
+#define JAXFLASH_KERNEL_ABI_VERSION 17
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+// score_mod / mask_mod variants read up to this many closed-over arrays (jaxflash.config
+// MOD_MAX_ARRAYS), each of rank up to JAXFLASH_MAX_MOD_RANK (mod_ir.MAX_RANK).
+#define JAXFLASH_MAX_MOD_ARRAYS 4
+#define JAXFLASH_MAX_MOD_RANK 4
+// The dtype codes of those arrays (jaxflash.kernels.compile.MOD_DTYPE_CODES); bool arrays are
+// one byte per element.
+enum {
+  JAXFLASH_MOD_BOOL = 0, JAXFLASH_MOD_INT8 = 1, JAXFLASH_MOD_INT16 = 2, JAXFLASH_MOD_INT32 = 3,
+  JAXFLASH_MOD_UINT8 = 4, JAXFLASH_MOD_UINT16 = 5, JAXFLASH_MOD_UINT32 = 6,
+  JAXFLASH_MOD_FLOAT16 = 7, JAXFLASH_MOD_BFLOAT16 = 8, JAXFLASH_MOD_FLOAT32 = 9
+};
 
 // What a variant library was built for. The handler checks each call's attributes and buffers
 // against it; the variant key is only a name.
@@ -34,6 +46,10 @@ typedef struct {
   int32_t kv_fp8;         // decode: 1 when k and v are float8_e4m3fn caches with descales
                           // (JaxflashDecodeArgs.k_descale / v_descale), 0 when in q's dtype
   int32_t bias;           // 1: takes a JaxflashBias (masked variants only)
+  int32_t mod_arrays;     // score_mod / mask_mod variants (masked): the arrays of a
+                          // JaxflashModArrays they read; 0 otherwise
+  int32_t mod_dtypes[JAXFLASH_MAX_MOD_ARRAYS];  // each array's JAXFLASH_MOD_* dtype code
+  int32_t mod_ranks[JAXFLASH_MAX_MOD_ARRAYS];   // each array's rank (0 to JAXFLASH_MAX_MOD_RANK)
 } JaxflashVariantInfo;
 
 // The run-time operands of a masked variant (jaxflash/block_ranges.py computes them on the
@@ -75,6 +91,14 @@ typedef struct {
   int32_t row_length;          // its last extent: seqlen_k rounded up to a multiple of 8
   void* dbias;                 // backward only; NULL in the forward
 } JaxflashBias;
+
+// The arrays a score_mod / mask_mod variant reads (info.mod_arrays of them, in operand order,
+// each of the dtype and rank its info lists), dense row-major; extents[k][0..rank) are array
+// k's extents, each >= 1 (a rank-0 array is one element). Entries past info.mod_arrays are NULL.
+typedef struct {
+  const void* data[JAXFLASH_MAX_MOD_ARRAYS];
+  int32_t extents[JAXFLASH_MAX_MOD_ARRAYS][JAXFLASH_MAX_MOD_RANK];
+} JaxflashModArrays;
 
 // The FP8 descales come per this many query rows or keys (jaxflash.config.FP8_DESCALE_ROWS).
 #define JAXFLASH_FP8_DESCALE_ROWS 64
@@ -124,6 +148,7 @@ typedef struct {
   int32_t out_float16;                // FP8 variants: 1 writes out as float16, 0 as bfloat16
   int32_t* tile_counter;              // info.tile_counter variants; NULL otherwise
   JaxflashBias bias;                  // info.bias variants; bias NULL otherwise
+  JaxflashModArrays mods;             // info.mod_arrays variants; all NULL otherwise
 } JaxflashFwdArgs;
 
 // Backward call (jaxflash/ffi/variant_bwd.cc): preprocess, main kernel, postprocess, in order on

@@ -13,6 +13,8 @@
 //   -DJAXFLASH_TILE_N=<key rows per block>  -DJAXFLASH_MAX_DQ_COPIES=<1|2>
 //   -DJAXFLASH_MASKED=<0|1>  -DJAXFLASH_TILE_COUNTER=<0|1>  -DJAXFLASH_KV_FP8=<0|1>
 //   -DJAXFLASH_BIAS=<0|1>
+//   -DJAXFLASH_MOD_ARRAYS=<n> -DJAXFLASH_MOD_DTYPES={<code> x4} -DJAXFLASH_MOD_RANKS={<rank> x4}
+//     (score_mod / mask_mod variants: the closed-over arrays; n = 0 and zeros otherwise)
 //   -DJAXFLASH_PREFIX_<PART>=<prefix>  -DJAXFLASH_HEADER_<PART>="\"<out_dir>/<file>.h\""
 //     for each exported object: MAIN (every direction), PRE and POST (backward)
 // Link: jaxflash.build.link_variant (docs/build.md). Only the kernel_abi.h functions are
@@ -31,7 +33,8 @@
     !defined(JAXFLASH_DETERMINISTIC) || !defined(JAXFLASH_TILE_M) ||                               \
     !defined(JAXFLASH_TILE_N) || !defined(JAXFLASH_MAX_DQ_COPIES) ||                                \
     !defined(JAXFLASH_MASKED) || !defined(JAXFLASH_TILE_COUNTER) || !defined(JAXFLASH_KV_FP8) ||  \
-    !defined(JAXFLASH_BIAS) ||                                                                     \
+    !defined(JAXFLASH_BIAS) || !defined(JAXFLASH_MOD_ARRAYS) ||                                    \
+    !defined(JAXFLASH_MOD_DTYPES) || !defined(JAXFLASH_MOD_RANKS) ||                               \
     !defined(JAXFLASH_PREFIX_MAIN) || !defined(JAXFLASH_HEADER_MAIN)
 #error "define the JAXFLASH_* macros listed at the top of variant_common.h"
 #endif
@@ -55,7 +58,7 @@ JF_EXPORT const JaxflashVariantInfo* jaxflash_variant_info(void) {
       JAXFLASH_DIRECTION, JAXFLASH_DTYPE,         JAXFLASH_HEAD_DIM, JAXFLASH_HEAD_DIM_V,
       JAXFLASH_CAUSAL,    JAXFLASH_DETERMINISTIC, JAXFLASH_TILE_M,   JAXFLASH_MAX_DQ_COPIES,
       JAXFLASH_MASKED,    JAXFLASH_TILE_N,        JAXFLASH_TILE_COUNTER, JAXFLASH_KV_FP8,
-      JAXFLASH_BIAS};
+      JAXFLASH_BIAS,      JAXFLASH_MOD_ARRAYS,    JAXFLASH_MOD_DTYPES, JAXFLASH_MOD_RANKS};
   return &info;
 }
 
@@ -95,6 +98,33 @@ inline bool BiasOperandsMatch(const JaxflashBias& b, bool backward, int32_t seql
   return b.bias != nullptr && (b.dbias != nullptr) == backward && b.batch >= 1 && b.heads >= 1 &&
          b.rows >= 1 && planes <= INT32_MAX && b.row_length >= seqlen_k && b.row_length % 8 == 0 &&
          aligned;
+}
+
+// The mods arrays must be there exactly for the variant's info.mod_arrays slots.
+inline bool ModArraysMatch(const JaxflashModArrays& m) {
+  for (int k = 0; k < JAXFLASH_MAX_MOD_ARRAYS; ++k) {
+    if ((m.data[k] != nullptr) != (k < JAXFLASH_MOD_ARRAYS)) return false;
+  }
+  return true;
+}
+
+// An exported tensor struct of a closed-over array (jaxflash.kernels.compile.mod_array_tensors:
+// N >= 1 dynamic extents, N - 1 dynamic strides, dense row-major) from its extents; a rank-0
+// array is the (1,) tensor.
+template <typename T>
+T ModArrayTensor(const void* data, const int32_t* extents, int32_t rank) {
+  constexpr size_t N = sizeof(T::dynamic_shapes) / sizeof(int32_t);
+  T t = {};
+  t.data = const_cast<void*>(data);
+  for (size_t i = 0; i < N; ++i) t.dynamic_shapes[i] = rank == 0 ? 1 : extents[i];
+  if constexpr (N > 1) {
+    int64_t stride = 1;
+    for (size_t i = N - 1; i-- > 0;) {
+      stride *= t.dynamic_shapes[i + 1];
+      t.dynamic_strides[i] = stride;
+    }
+  }
+  return t;
 }
 
 // The bias operands of a bias variant's kernel (jaxflash.kernels.compile.bias_signature): the

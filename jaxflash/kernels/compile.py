@@ -363,6 +363,9 @@ def export_variant(variant: config.KernelVariant, out_dir, kernel=None) -> Expor
 
 
 _DIRECTION_CODE = {"fwd": 0, "bwd": 1, "decode": 2}
+# kernel_abi.h's JAXFLASH_MOD_* codes of the closed-over arrays' dtypes.
+MOD_DTYPE_CODES = {"bool": 0, "int8": 1, "int16": 2, "int32": 3, "uint8": 4, "uint16": 5,
+                   "uint32": 6, "float16": 7, "bfloat16": 8, "float32": 9}
 _DTYPE_CODE = {"float16": 0, "bfloat16": 1, config.FP8_DTYPE: 2}
 
 
@@ -387,6 +390,13 @@ def glue_defines(variant: config.KernelVariant, parts: dict) -> tuple[str, ...]:
              f"-DJAXFLASH_TILE_COUNTER={int(takes_tile_counter(variant))}",
              f"-DJAXFLASH_KV_FP8={int(variant.kv_dtype is not None)}",
              f"-DJAXFLASH_BIAS={int(variant.bias)}"]
+  arrays = mod_codegen.parse(variant.mods)["arrays"] if variant.mods else ()
+  pad = (0,) * (config.MOD_MAX_ARRAYS - len(arrays))
+  defines += [f"-DJAXFLASH_MOD_ARRAYS={len(arrays)}",
+              "-DJAXFLASH_MOD_DTYPES={" + ",".join(
+                  str(c) for c in (*(MOD_DTYPE_CODES[d] for d, _ in arrays), *pad)) + "}",
+              "-DJAXFLASH_MOD_RANKS={" + ",".join(
+                  str(c) for c in (*(r for _, r in arrays), *pad)) + "}"]
   for part, (prefix, header) in parts.items():
     defines += [f"-DJAXFLASH_PREFIX_{part.upper()}={prefix}",
                 f'-DJAXFLASH_HEADER_{part.upper()}="{header}"']
