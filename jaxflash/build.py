@@ -600,6 +600,12 @@ def write_wheel(variants: Sequence[KernelVariant], cache: Path, out_dir: Path) -
 
 
 def _select(args) -> list[KernelVariant]:
+  if args.spec:
+    # A variant that is never shipped (score_mod / mask_mod ones): its spec as a JSON file.
+    try:
+      return [config.variant_from_spec(read_json(args.spec) or {})]
+    except ValueError as e:
+      raise SystemExit(f"jaxflash.build: --spec {args.spec}: {e}") from e
   shipped = [v for direction in config.DIRECTIONS
              for v in config.shipped_variants(args.arch, direction=direction)]
   if not args.variants:
@@ -620,6 +626,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   which = parser.add_mutually_exclusive_group()
   which.add_argument("--variants", nargs="+", metavar="KEY", help="variant keys to build")
   which.add_argument("--all", action="store_true", help="every shipped variant (the default)")
+  which.add_argument("--spec", type=Path, metavar="JSON",
+                     help="the variant whose spec (dataclasses.asdict of a KernelVariant) this "
+                          "file holds: one that is not shipped, e.g. a score_mod / mask_mod "
+                          "variant")
   parser.add_argument("--cache-dir", type=Path, default=None,
                       help="default: $JAXFLASH_CACHE_DIR or ~/.cache/jaxflash/<version>")
   parser.add_argument("--jobs", type=int, default=1, help="parallel build processes")

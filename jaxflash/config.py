@@ -576,6 +576,19 @@ class KernelVariant:
                mods=config.mods)
 
 
+def variant_from_spec(spec: dict) -> KernelVariant:
+  """The KernelVariant of a spec as dataclasses.asdict writes it (a build request, a
+  manifest's "spec"); ValueError names a spec that is not one."""
+  schedules = {"fwd": FwdSchedule, "bwd": BwdSchedule, "decode": DecodeSchedule}
+  try:
+    fields = dict(spec)
+    schedule = schedules[fields["direction"]](**fields.pop("schedule"))
+    return KernelVariant(schedule=schedule, **fields)
+  except (KeyError, TypeError) as e:
+    raise ValueError(f"spec: not a kernel variant spec ({type(e).__name__}: {e}); keys seen: "
+                     f"{sorted(spec)}") from e
+
+
 def kernel_support(direction: str, dtype: str, head_dim: int, head_dim_v: int,
                    config: Optional[AttentionConfig] = None) -> tuple[bool, str]:
   """Whether a CuTe kernel runs this call: the one answer, for users (the reason is shown in

@@ -9,7 +9,9 @@ of primitives, sharding or Flax.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
+import json
 import logging
 import os
 import subprocess
@@ -238,8 +240,19 @@ def _build_on_demand(variant: KernelVariant) -> Path:
   lock makes concurrent processes build a variant once. Returns the cache folder.
   """
   cache = cache_dir()
-  cmd = [sys.executable, "-m", "jaxflash.build", "--arch", variant.arch, "--variants",
-         variant.key, "--cache-dir", str(cache)]
+  cmd = [sys.executable, "-m", "jaxflash.build", "--arch", variant.arch, "--cache-dir",
+         str(cache)]
+  if variant.mods is None:
+    cmd += ["--variants", variant.key]
+  else:
+    # A score_mod / mask_mod variant is built from its spec (its IR is in it), not by key.
+    specs = cache / ".specs"
+    specs.mkdir(parents=True, exist_ok=True)
+    spec = specs / f"{variant.key}.json"
+    tmp = spec.with_name(f".{spec.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(variant), sort_keys=True))
+    os.replace(tmp, spec)
+    cmd += ["--spec", str(spec)]
   sys.stderr.write(f"jaxflash: building kernel variant {variant.key} into {cache} (first use "
                    f"on this host) ... ")
   sys.stderr.flush()
