@@ -6,7 +6,8 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from jaxflash import checks, few_rows, fp8, implementation, primitives, programmable
+from jaxflash import (checks, few_rows, fp8, implementation, mods_core, primitives,
+                      programmable)
 from jaxflash.sink import add_learnable_sink, check_learnable_sink
 from jaxflash.config import AttentionConfig, KernelVariant, kernel_support
 
@@ -111,9 +112,14 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
     mask_mod: mask_mod(batch, head, q_idx, kv_idx) -> bool, a JAX function of scalars like
       score_mod: a key is seen only where it is True (and causal, window_size and the segment
       ids let it). Python control flow on the arguments raises a ValueError when the call is
-      traced; use jnp.where / lax.select. score_mod and mask_mod (with or without a bias) run
-      on the blocked reference implementation (memory linear in seq_k); the CuTe kernels do
-      not take them, so implementation="cute" raises.
+      traced; use jnp.where / lax.select. Without a bias, the forward CuTe kernel runs them
+      (head dims 64 and 128, float16 / bfloat16): they are traced to a jaxpr, translated into
+      the kernel's score step and compiled once per function (cached on disk by the jaxpr's
+      hash; docs/kernels.md lists the supported primitives); their closed-over arrays (up to
+      4, rank up to 4) are operands, replicated across shards, and a call whose functions
+      read `batch` or `head` keeps that dim unsharded. Their backward, and every call the
+      kernels cannot take (another primitive, a bias as well: implementation="cute" raises
+      naming the reason), run the blocked reference implementation (memory linear in seq_k).
     deterministic: make the backward pass bitwise reproducible run to run. Without a causal
       mask at head_dim > 128 the CuTe backward then keeps two fp32 dQ accumulators (scratch of
       2 x batch x num_heads x seq_q x head_dim x 4 bytes instead of one).
@@ -189,8 +195,16 @@ def _attention(query, key, value, kv_lengths, *, causal: bool = False,
     # A bias alone: an operand of the primitives (kernels or reference), not a ScoreMods.
     config = config.replace(bias_dims=programmable.bias_dims(bias, query))
     mods = None
+  arrays = ()
   if mods is not None:
-    impl = programmable.resolve_implementation(implementation)
+    kernel_config, arrays, reason = programmable.kernel_config(config, mods, implementation)
+    if kernel_config is None:
+      impl = programmable.reference_instead(implementation, reason)
+    else:
+      impl = _resolve_implementation(implementation, dtype, query.shape[-1], value.shape[-1],
+                                     kernel_config, key.shape[1])
+      if impl == "cute":
+        config = kernel_config
   else:
     impl = _resolve_implementation(implementation, dtype, query.shape[-1], value.shape[-1],
                                    config, key.shape[1])
@@ -206,7 +220,10 @@ def _attention(query, key, value, kv_lengths, *, causal: bool = False,
     config = config.replace(has_sink=learnable_sink is not None)
     # Masked by lengths, the decode kernel takes the lengths instead of the segment ids.
     few = config.replace(has_segment_ids=False) if kv_lengths is not None else config
-    if mods is not None:
+    if config.has_mods:
+      out, lse = mods_core.attention_core(config, query, key, value, q_segment_ids,
+                                          kv_segment_ids, learnable_sink, arrays)
+    elif mods is not None:
       out, lse = programmable.attention(config, mods, query, key, value, q_segment_ids,
                                         kv_segment_ids, learnable_sink)
     elif few_rows.takes(few, dtype, query.shape, key.shape, value.shape[-1],

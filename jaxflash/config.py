@@ -9,7 +9,9 @@ measurements behind each table row are in docs/kernels.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Optional, Union
@@ -644,6 +646,37 @@ MOD_MAX_ARRAYS = 4
 # Directions whose kernels take score_mod / mask_mod. The backward of such a call runs the
 # reference (jax differentiates score_mod and mask_mod there).
 MODS_DIRECTIONS = ("fwd",)
+
+
+@functools.lru_cache(maxsize=256)
+def mods_arrays(mods: Optional[str]) -> tuple:
+  """((dtype, rank), ...) of the arrays a mods spec (AttentionConfig.mods) reads; () for None."""
+  if mods is None:
+    return ()
+  return tuple(tuple(a) for a in json.loads(mods)["arrays"])
+
+
+@functools.lru_cache(maxsize=256)
+def mods_inputs(mods: Optional[str]) -> frozenset:
+  """The inputs ("score", "batch", "head", "q_idx", "kv_idx") a mods spec's IRs read: a call
+  whose functions read "batch" or "head" runs whole along that dim (sharding, vmap), since the
+  kernels see the indices of their own operands."""
+  found = set()
+
+  def walk(x):
+    if isinstance(x, list):
+      if len(x) == 2 and x[0] == "in" and isinstance(x[1], str):
+        found.add(x[1])
+      for item in x:
+        walk(item)
+    elif isinstance(x, dict):
+      for item in x.values():
+        walk(item)
+
+  if mods is not None:
+    data = json.loads(mods)
+    walk([data["score"], data["dscore"], data["mask"]])
+  return frozenset(found)
 
 
 def mods_digest(mods: str) -> str:

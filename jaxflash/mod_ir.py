@@ -15,6 +15,7 @@ array ("clip") or yields the fill value when any index is outside it ("fill").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any, Callable, Optional
 
@@ -26,6 +27,8 @@ from jax import lax
 from jaxflash import config
 
 IR_VERSION = 1
+# The highest rank of a closed-over array the kernels read (kernel_abi.h JAXFLASH_MAX_MOD_RANK).
+MAX_RANK = 4
 SCORE_INPUTS = ("score", "batch", "head", "q_idx", "kv_idx")
 MASK_INPUTS = ("batch", "head", "q_idx", "kv_idx")
 # Scalar dtypes the IR carries (the kernels compute in these; float64 / int64 are not).
@@ -109,6 +112,25 @@ class ModSpec:
     return config.mods_digest(self.canonical())
 
 
+@functools.lru_cache(maxsize=256)
+def parse_spec(text: str) -> ModSpec:
+  """The ModSpec of a canonical JSON (AttentionConfig.mods), cached."""
+  return ModSpec.from_json(json.loads(text))
+
+
+def functions(spec: ModSpec, arrays) -> tuple:
+  """(score_mod, mask_mod) evaluating the spec's IRs over `arrays` (None where absent): the
+  functions the reference runs for a kernel call, differentiable in the arrays."""
+  score_mod = mask_mod = None
+  if spec.score is not None:
+    score_mod = lambda s, b, h, q, k: evaluate(
+        spec.score, dict(zip(SCORE_INPUTS, (s.astype(jnp.float32), b, h, q, k))), arrays)
+  if spec.mask is not None:
+    mask_mod = lambda b, h, q, k: evaluate(spec.mask, dict(zip(MASK_INPUTS, (b, h, q, k))),
+                                           arrays)
+  return score_mod, mask_mod
+
+
 @dataclasses.dataclass(frozen=True)
 class TracedMods:
   """spec plus the closed-over arrays themselves (jax arrays or tracers), in operand order."""
@@ -138,14 +160,19 @@ class _Builder:
   """Flattens jaxprs into ModIRs; shares one array-operand list across the traces."""
 
   def __init__(self):
-    self.arrays: list = []
+    self.arrays: list = []  # the operands (a rank-0 value as shape (1,))
+    self.originals: list = []  # the values as closed over, for deduplication by identity
 
   def array_ref(self, value, fn_name: str):
     dtype = np.dtype(value.dtype).name
     if dtype not in DTYPES:
       raise UnsupportedModError(f"{fn_name}: closes over an array of dtype {dtype} (shape "
                                 f"{tuple(value.shape)}); the kernels accept {', '.join(DTYPES)}")
-    for k, a in enumerate(self.arrays):
+    if len(value.shape) > MAX_RANK:
+      raise UnsupportedModError(f"{fn_name}: closes over an array of rank {len(value.shape)} "
+                                f"(shape {tuple(value.shape)}); the kernels read ranks up to "
+                                f"{MAX_RANK}")
+    for k, a in enumerate(self.originals):
       if a is value:
         return ("arr", k)
     if 0 in tuple(value.shape):
@@ -155,7 +182,8 @@ class _Builder:
       raise UnsupportedModError(f"score_mod and mask_mod: close over more than "
                                 f"{config.MOD_MAX_ARRAYS} arrays; the kernels take at most "
                                 f"{config.MOD_MAX_ARRAYS} (concatenate tables into one)")
-    self.arrays.append(value)
+    self.originals.append(value)
+    self.arrays.append(jnp.reshape(value, (1,)) if len(value.shape) == 0 else value)
     return ("arr", len(self.arrays) - 1)
 
   def trace(self, fn_name, fn, names, avals, out_dtype) -> ModIR:
@@ -200,10 +228,11 @@ class _Trace:
     return self.eqns[ref[1]][3]
 
   def const(self, value):
-    """A closed-over value: an array operand; a rank-0 one is read once (a scalar)."""
+    """A closed-over value: an array operand; a rank-0 one is the operand of shape (1,), read
+    once (a scalar)."""
     ref = self.builder.array_ref(value, self.fn_name)
     if len(value.shape) == 0:
-      return self.emit("read", (ref,), (("mode", "clip"), ("fill", None)),
+      return self.emit("read", (ref, ("lit", 0, "int32")), (("mode", "clip"), ("fill", None)),
                        np.dtype(value.dtype).name)
     return ref
 

@@ -18,11 +18,12 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.interpreters import batching, mlir
 
-from jaxflash import _jax_internal, block_ranges, reference
+from jaxflash import _jax_internal, block_ranges, mod_ir, reference
 from jaxflash.sink import add_learnable_sink, learnable_sink_grad
 from jaxflash.config import (AttentionConfig, BWD_TARGET, FWD_TARGET, KernelVariant,
                              LSE_CHECKPOINT_NAME, OUT_CHECKPOINT_NAME, bias_row_length,
-                             bwd_scratch_shapes, fwd_scratch_shapes, kernel_support)
+                             bwd_scratch_shapes, fwd_scratch_shapes, kernel_support, mods_arrays,
+                             mods_inputs)
 
 log = logging.getLogger("jaxflash")
 
@@ -40,6 +41,31 @@ def _split_sink(args, config: AttentionConfig):
   if config.has_sink:
     return args[:-1], args[-1]
   return args, None
+
+
+def mod_array_count(config: AttentionConfig) -> int:
+  """How many closed-over arrays of score_mod / mask_mod a call's operands carry."""
+  return len(mods_arrays(config.mods))
+
+
+def _split_mods(args, config: AttentionConfig):
+  """The forward's operands after _split_sink, ending in the score_mod / mask_mod arrays when
+  config.has_mods -> (the rest, arrays)."""
+  n = mod_array_count(config)
+  if n:
+    return args[:-n], tuple(args[-n:])
+  return args, ()
+
+
+def _reference_mods(config: AttentionConfig, bias, arrays):
+  """reference.ScoreMods of a call's bias and score_mod / mask_mod IR (over `arrays`), or
+  None."""
+  score_mod = mask_mod = None
+  if config.has_mods:
+    score_mod, mask_mod = mod_ir.functions(mod_ir.parse_spec(config.mods), arrays)
+  if bias is None and score_mod is None and mask_mod is None:
+    return None
+  return reference.ScoreMods(bias, score_mod, mask_mod)
 
 
 def _split_bias(args, config: AttentionConfig):
@@ -129,9 +155,10 @@ def _bwd_kernel_abstract(q, k, v, out, lse, d_out, d_lse, *rest, config):
 
 def _fwd_reference(q, k, v, *rest, config):
   rest, sink = _split_sink(rest, config)
+  rest, arrays = _split_mods(rest, config)
   rest, bias = _split_bias(rest, config)
   _, (q_seg, kv_seg) = _split_segments((q, k, v) + rest, config)
-  mods = None if bias is None else reference.ScoreMods(bias=bias)
+  mods = _reference_mods(config, bias, arrays)
   out, lse = reference.blocked_forward(q, k, v, config, q_seg, kv_seg, mods=mods)
   if sink is not None:
     out, lse = add_learnable_sink(out, lse, sink)
@@ -162,12 +189,14 @@ def _dtype_name(aval) -> str:
 
 def _fwd_lower_cuda(ctx, q, k, v, *rest, config):
   """CUDA: the stable FFI custom call when the kernel exists, the reference otherwise.
-  Masked variants (windows, segment ids, softcap, bias) get their block ranges here: from
-  segment ids as XLA ops in front of the custom call, otherwise as constants (block_ranges.py).
-  The bias follows the mask operands (_kernel_bias), the sink comes last."""
+  Masked variants (windows, segment ids, softcap, bias, score_mod / mask_mod) get their block
+  ranges here: from segment ids as XLA ops in front of the custom call, otherwise as constants
+  (block_ranges.py). The bias follows the mask operands (_kernel_bias), then the score_mod /
+  mask_mod arrays; the sink comes last."""
   if config.implementation != "cute":
     return _fwd_lower_reference(ctx, q, k, v, *rest, config=config)
   segment_ids, sink = _split_sink(rest, config)
+  segment_ids, arrays = _split_mods(segment_ids, config)
   segment_ids, bias = _split_bias(segment_ids, config)
   sink = () if sink is None else (sink,)  # the custom call's last operand
   bias = () if bias is None else (bias,)
@@ -187,15 +216,18 @@ def _fwd_lower_cuda(ctx, q, k, v, *rest, config):
 
   def call(q, k, v, *rest):
     segment_ids, sink = _split_sink(rest, config)
+    segment_ids, arrays = _split_mods(segment_ids, config)
     segment_ids, bias = _split_bias(segment_ids, config)
     operands = block_ranges.forward_operands(variant, config, b, seq_q, seq_k, segment_ids)
     if bias is not None:
       operands = operands + (_kernel_bias(bias),)
+    operands = operands + arrays
     if sink is not None:
       operands = operands + (sink,)
     return jax.ffi.ffi_call(FWD_TARGET, _result_types(ctx))(q, k, v, *operands, **attrs)
 
-  return mlir.lower_fun(call, multiple_results=True)(ctx, q, k, v, *segment_ids, *bias, *sink)
+  return mlir.lower_fun(call, multiple_results=True)(ctx, q, k, v, *segment_ids, *bias,
+                                                     *arrays, *sink)
 
 
 def _result_types(ctx):
@@ -350,26 +382,67 @@ def fwd_batch_rule(prim):
   with batch but the optional last, the sink: the sink (one logit per head) stays out of the
   batch fold. A sink that is itself mapped differs per folded batch element, which the
   kernel's one logit per head cannot hold: the call then runs without it and the sink rescales
-  each row in XLA (sink.add_learnable_sink, exact)."""
+  each row in XLA (sink.add_learnable_sink, exact). The arrays score_mod / mask_mod close over
+  are shared by every batch element (replicated operands): they stay out of the fold and must
+  not be mapped."""
   def rule(args, dims, *, config):
-    if config.has_bias:
-      args, config = _unbroadcast_bias_batch(args, dims, config, _bias_index(config, 3))
-    if not config.has_sink:
-      return _batch_rule(prim)(args, dims, config=config)
-    (*args, sink), (*dims, sink_dim) = args, dims
-    if all(d is None for d in dims):  # only the sink is mapped
-      size = sink.shape[sink_dim]
-      args = [jnp.broadcast_to(a, (size,) + a.shape) for a in args]
-      dims = [0] * len(args)
-    size, folded = _fold_batch(args, dims)
-    if sink_dim is None:
-      outs = prim.bind(*folded, sink, config=config)
-      return _unfold(size, outs), (0, 0)
-    out, lse = _unfold(size, prim.bind(*folded, config=config.replace(has_sink=False)))
-    sink = jnp.moveaxis(sink, sink_dim, 0)  # (size, heads)
-    out, lse = jax.vmap(add_learnable_sink)(out, lse, sink)
-    return (out, lse), (0, 0)
+    n = mod_array_count(config)
+    if not n:
+      return _fwd_batch(prim, args, dims, config)
+    index = _bias_index(config, 3) + (1 if config.has_bias else 0)  # the first array
+    arrays, array_dims = args[index:index + n], dims[index:index + n]
+    if any(d is not None for d in array_dims):
+      raise ValueError("score_mod / mask_mod: an array they close over varies along a vmapped "
+                       "axis; the kernels take one copy for every batch element. Index it by "
+                       "the `batch` argument instead, or use implementation='reference'")
+    inner = _WithArrays(prim, arrays, index)
+    args, dims = args[:index] + args[index + n:], dims[:index] + dims[index + n:]
+    if "batch" in mods_inputs(config.mods):
+      # Folding would renumber the batch that the functions read: one call per mapped index.
+      return _map_calls(inner, args, dims, config)
+    return _fwd_batch(inner, args, dims, config)
   return rule
+
+
+def _map_calls(prim, args, dims, config):
+  """The batched call as a sequence of unbatched ones (lax.map over the mapped axis)."""
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  moved = tuple(jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
+                for a, d in zip(args, dims))
+  outs = jax.lax.map(lambda xs: tuple(prim.bind(*xs, config=config)), moved)
+  return list(outs), (0,) * len(outs)
+
+
+class _WithArrays:
+  """Binds `prim` with fixed operands (the score_mod / mask_mod arrays) inserted at `index`."""
+
+  def __init__(self, prim, arrays, index: int):
+    self.prim, self.arrays, self.index = prim, tuple(arrays), index
+
+  def bind(self, *args, config):
+    return self.prim.bind(*args[:self.index], *self.arrays, *args[self.index:], config=config)
+
+
+def _fwd_batch(prim, args, dims, config):
+  """fwd_batch_rule's fold of (q, k, v[, segments][, bias][, sink]); prim.bind adds any mods
+  arrays."""
+  if config.has_bias:
+    args, config = _unbroadcast_bias_batch(args, dims, config, _bias_index(config, 3))
+  if not config.has_sink:
+    return _batch_rule(prim)(args, dims, config=config)
+  (*args, sink), (*dims, sink_dim) = args, dims
+  if all(d is None for d in dims):  # only the sink is mapped
+    size = sink.shape[sink_dim]
+    args = [jnp.broadcast_to(a, (size,) + a.shape) for a in args]
+    dims = [0] * len(args)
+  size, folded = _fold_batch(args, dims)
+  if sink_dim is None:
+    outs = prim.bind(*folded, sink, config=config)
+    return _unfold(size, outs), (0, 0)
+  out, lse = _unfold(size, prim.bind(*folded, config=config.replace(has_sink=False)))
+  sink = jnp.moveaxis(sink, sink_dim, 0)  # (size, heads)
+  out, lse = jax.vmap(add_learnable_sink)(out, lse, sink)
+  return (out, lse), (0, 0)
 
 
 # ---------------------------------------------------------------------------------------------

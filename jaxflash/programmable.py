@@ -1,10 +1,11 @@
 """Programmable attention: an additive bias, score_mod and mask_mod written in JAX.
 
-Checks the arguments. A call with score_mod or mask_mod runs on the pure-JAX blocked path
-(reference.ScoreMods), which JAX differentiates itself, so the bias and every float array the
-functions close over get their gradients; the CuTe kernels do not take these functions. A call
-with a bias alone runs as any other call (jaxflash.attention: the bias variants of the kernels,
-or the reference with its own backward). Imports jax, reference, checks and sink only.
+Checks the arguments and decides where score_mod / mask_mod run. The kernels take them when
+mod_ir can translate them (kernel_config; the forward kernel then runs them, mods_core.py); the
+pure-JAX blocked path (reference.ScoreMods) runs any of them, and JAX differentiates it, so the
+bias and every float array the functions close over get their gradients. A call with a bias
+alone runs as any other call (jaxflash.attention: the bias variants of the kernels, or the
+reference with its own backward). Imports jax, mod_ir, reference, checks and sink only.
 """
 
 from __future__ import annotations
@@ -15,15 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import checks, reference
+from jaxflash import _jax_internal, checks, mod_ir, reference, user_warning
 from jaxflash.config import AttentionConfig
 from jaxflash.sink import add_learnable_sink
 
 log = logging.getLogger("jaxflash")
 
 BIAS_DTYPES = ("float32", "bfloat16", "float16")
-NOT_IN_KERNELS = ("score_mod / mask_mod run on the reference implementation only (the CuTe "
-                  "kernels do not take them)")
 
 
 def check_mods(bias, score_mod, mask_mod, query, key, dtype: str):
@@ -96,13 +95,29 @@ _ARG_NAMES = {"score_mod": ("score", "batch", "head", "q_idx", "kv_idx"),
               "mask_mod": ("batch", "head", "q_idx", "kv_idx")}
 
 
-def resolve_implementation(requested) -> str:
-  """'reference': the only implementation of these calls. 'cute' raises."""
+def kernel_config(config: AttentionConfig, mods: reference.ScoreMods, requested):
+  """(config with .mods set, the closed-over arrays, "") for a call whose score_mod / mask_mod
+  the kernels can run, else (None, (), why not). requested: the call's implementation."""
+  if requested == "reference":
+    return None, (), "implementation='reference'"
+  if mods.bias is not None:
+    return None, (), "score_mod / mask_mod: no kernel takes them together with a bias"
+  try:
+    traced = mod_ir.trace_mods(mods.score_mod, mods.mask_mod)
+  except mod_ir.UnsupportedModError as e:
+    return None, (), str(e)
+  return config.replace(mods=traced.spec.canonical()), traced.arrays, ""
+
+
+def reference_instead(requested, reason: str) -> str:
+  """'reference' for a call kernel_config refused: implementation='cute' raises with the reason;
+  auto says why where the kernels would otherwise run (a Hopper GPU)."""
   if requested == "cute":
-    raise ValueError(f"implementation='cute': {NOT_IN_KERNELS}; use implementation=None (auto) "
-                     f"or 'reference'")
-  if requested is None:
-    log.info("jaxflash: using the reference implementation: %s", NOT_IN_KERNELS)
+    raise ValueError(f"implementation='cute': {reason}; use implementation=None (auto) or "
+                     f"'reference'")
+  if requested is None and _jax_internal.has_hopper_device():
+    user_warning.warn(f"jaxflash: score_mod / mask_mod run on the reference implementation: "
+                      f"{reason}")
   return "reference"
 
 

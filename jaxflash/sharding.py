@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxflash.config import AttentionConfig
+from jaxflash.config import AttentionConfig, mods_arrays, mods_inputs
 
 # Shardy factor names. Query heads and kv heads are separate factors; when every head
 # sharding the mesh allows keeps whole kv heads, the query-head dim is written as the compound
@@ -63,7 +63,8 @@ def _rule(operands: Sequence[str], results: Sequence[str], sizes: Mapping[str, i
   # Shardy's verifier wants special factors in order of first appearance in the rule.
   order = [f for f in rule.replace("(", " ").replace(")", " ").replace(",", " ").split()
            if f != "->"]
-  replicated = tuple(sorted(replicated, key=order.index))
+  replicated = tuple(sorted((f for f in dict.fromkeys(replicated) if f in order),
+                           key=order.index))
   return rule, dict(sizes, need_replication_factors=replicated)
 
 
@@ -81,10 +82,26 @@ _BIAS_REPLICATED = (BIAS_BATCH, BIAS_HEADS, BIAS_ROWS)
 
 
 def _replicated(config: AttentionConfig) -> tuple[str, ...]:
-  if not config.has_bias:
-    return REPLICATED_FACTORS
-  return REPLICATED_FACTORS + tuple(
-      f for f, full in zip(_BIAS_REPLICATED, config.bias_dims) if not full)
+  """The factors a call never shards (_rule drops those its rule lacks)."""
+  out = REPLICATED_FACTORS
+  if config.has_bias:
+    out += tuple(f for f, full in zip(_BIAS_REPLICATED, config.bias_dims) if not full)
+  if config.has_mods:
+    # The arrays are whole on every shard; the kernels see the batch and head indices of their
+    # shard, so functions that read them keep those dims whole.
+    out += tuple(f for factors in _mods_factors(config) for f in factors.split())
+    reads = mods_inputs(config.mods)
+    if "batch" in reads:
+      out += (BATCH,)
+    if "head" in reads:
+      out += (HEADS, KV_HEADS, Q_PER_KV)
+  return out
+
+
+def _mods_factors(config: AttentionConfig) -> list[str]:
+  """[each score_mod / mask_mod array's factors] (one of its own per dim: never sharded)."""
+  return [" ".join(f"mod{k}_{i}" for i in range(rank))
+          for k, (_, rank) in enumerate(mods_arrays(config.mods))]
 
 
 def fwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int,
@@ -99,7 +116,9 @@ def fwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int
   heads = _head_factors(num_heads, num_kv_heads, mesh_sizes)[0]
   sink = [heads] if config.has_sink else []
   bias = _bias_factors(config, heads)
-  return _rule([q, k, v, *segments, *bias, *sink], [out, lse], sizes, _replicated(config))
+  mods = _mods_factors(config)
+  return _rule([q, k, v, *segments, *bias, *mods, *sink], [out, lse], sizes,
+               _replicated(config))
 
 
 def fp8_fwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int,
@@ -270,21 +289,32 @@ def _axes_of(shape_with_sharding, ndim: int):
   return spec_axes(spec, ndim)
 
 
-def plan_for(mesh, arg_shapes) -> Plan:
+def plan_for(mesh, arg_shapes, whole: tuple[int, ...] = ()) -> Plan:
   """The Plan for one call from its first three operands (q, k, v) as custom_partitioning
   passes them: ShapeDtypeStructs whose .sharding is a NamedSharding (or None / a sharding
-  without a mesh, read as replicated)."""
+  without a mesh, read as replicated). whole: dims of q, k, v (0 batch, 2 heads) that stay
+  unsharded whatever the operands' shardings."""
   q, k, v = arg_shapes[:3]
-  return resolve(dict(mesh.shape), _axes_of(q, 4), _axes_of(k, 4), _axes_of(v, 4),
-                 batch=q.shape[0], num_heads=q.shape[2], num_kv_heads=k.shape[2])
+  axes = [[() if d in whole else a for d, a in enumerate(_axes_of(x, 4))] for x in (q, k, v)]
+  return resolve(dict(mesh.shape), *axes, batch=q.shape[0], num_heads=q.shape[2],
+                 num_kv_heads=k.shape[2])
 
 
-def fwd_specs(plan: Plan, has_segment_ids: bool, has_sink: bool = False, bias_dims=None):
-  """(operand specs, result specs) of flash_fwd_p under `plan` (bias_dims: the config's)."""
+def _whole_dims(config: AttentionConfig) -> tuple[int, ...]:
+  """The dims (0 batch, 2 heads) a call keeps whole: those score_mod / mask_mod read."""
+  reads = mods_inputs(config.mods)
+  return tuple(d for d, name in ((0, "batch"), (2, "head")) if name in reads)
+
+
+def fwd_specs(plan: Plan, has_segment_ids: bool, has_sink: bool = False, bias_dims=None,
+              mods=None):
+  """(operand specs, result specs) of flash_fwd_p under `plan` (bias_dims, mods: the
+  config's; score_mod / mask_mod arrays are replicated)."""
   segs = (plan.segment_spec(),) * 2 if has_segment_ids else ()
   sink = (plan.sink_spec(),) if has_sink else ()
   bias = (plan.bias_spec(bias_dims),) if bias_dims is not None else ()
-  args = (plan.q_spec(), plan.kv_spec(), plan.kv_spec()) + segs + bias + sink
+  arrays = tuple(PartitionSpec(*(None,) * rank) for _, rank in mods_arrays(mods))
+  args = (plan.q_spec(), plan.kv_spec(), plan.kv_spec()) + segs + bias + arrays + sink
   return args, (plan.q_spec(), plan.lse_spec())
 
 
@@ -303,11 +333,11 @@ def fwd_partition(config: AttentionConfig, mesh, arg_shapes,
   `compute(*local_args) -> (out, lse)` runs one shard (primitives.py binds the inner
   primitive there). Returns (operand shardings, result shardings, per-shard function).
   """
-  plan = plan_for(mesh, arg_shapes)
+  plan = plan_for(mesh, arg_shapes, _whole_dims(config))
   arg_specs, result_specs = fwd_specs(plan, config.has_segment_ids, config.has_sink,
-                                      config.bias_dims)
+                                      config.bias_dims, config.mods)
 
-  def per_shard(q, k, v, *rest):  # rest: segment ids, bias and sink, as the operands
+  def per_shard(q, k, v, *rest):  # rest: segment ids, bias, mods arrays, sink, as operands
     return tuple(compute(q, plan.select_kv(k), plan.select_kv(v), *rest))
 
   return _named(mesh, arg_specs), _named(mesh, result_specs), per_shard

@@ -22,18 +22,20 @@ _MARK = "JAXFLASH_RESULTS "
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def worker_results(tmp_path_factory, module: str) -> dict:
+def worker_results(tmp_path_factory, module: str, default_xla: bool = False) -> dict:
   """run_worker(module), once per test session (also across pytest-xdist workers)."""
   from tests import _session
   folder = _session.shared_folder(tmp_path_factory, "multidevice")
-  return _session.computed_once(folder, module, lambda _: run_worker(module))
+  return _session.computed_once(folder, module, lambda _: run_worker(module,
+                                                                     default_xla=default_xla))
 
 
-def run_worker(module: str, timeout: float = 900) -> dict:
-  """Runs `python -m module` with 8 fake CPU devices; returns the JSON it printed."""
+def run_worker(module: str, timeout: float = 900, default_xla: bool = False) -> dict:
+  """Runs `python -m module` with 8 fake CPU devices; returns the JSON it printed.
+  default_xla: without the suite's XLA flags (conftest.py), XLA's default optimisation."""
   env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      f" --xla_force_host_platform_device_count={NUM_DEVICES}").strip()
+  flags = "" if default_xla else env.get("XLA_FLAGS", "")
+  env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={NUM_DEVICES}".strip()
   env["JAX_PLATFORMS"] = "cpu"  # fake devices are CPU devices, also on a GPU host
   proc = subprocess.run([sys.executable, "-m", module], cwd=_ROOT, env=env, timeout=timeout,
                         capture_output=True, text=True)

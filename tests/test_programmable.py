@@ -3,6 +3,7 @@
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -224,10 +225,15 @@ def _branching_mask(b, h, i, j):
     (dict(score_mod=lambda s, b, h, i, j: i > j), TypeError, "score_mod: must return a float"),
     (dict(mask_mod=lambda b, h, i, j: i - j), TypeError, "mask_mod: must return a boolean"),
     (dict(mask_mod=_branching_mask), ValueError, "mask_mod: must be a JAX function of scalars"),
-    (dict(mask_mod=lambda b, h, i, j: j <= i, implementation="cute"), ValueError,
-     "implementation='cute': score_mod / mask_mod run on the reference"),
+    (dict(mask_mod=lambda b, h, i, j: lax.cond(i > j, lambda: True, lambda: j == 0),
+          implementation="cute"), ValueError,
+     "implementation='cute': mask_mod: unsupported primitive cond"),
+    (dict(score_mod=lambda s, b, h, i, j: s, bias=jnp.zeros((1, 1, 1, S)),
+          implementation="cute"), ValueError,
+     "implementation='cute': score_mod / mask_mod: no kernel takes them together with a bias"),
 ], ids=["bias_rank", "bias_seq_k", "bias_heads", "bias_dtype", "score_mod_not_callable",
-        "score_mod_arity", "score_mod_bool", "mask_mod_int", "mask_mod_branch", "cute"])
+        "score_mod_arity", "score_mod_bool", "mask_mod_int", "mask_mod_branch",
+        "cute_unsupported_primitive", "cute_with_bias"])
 def test_bad_modifiers_raise_errors_naming_the_argument(kwargs, error, match):
   q, k, v = _inputs(11)
   with pytest.raises(error, match=match):
