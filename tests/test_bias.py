@@ -171,7 +171,8 @@ def test_cuda_lowering_runs_the_bias_variant_with_the_bias_in_the_query_dtype(se
      r"implementation='cute': bias: \(head_dim, head_dim_v\) \(96, 96\) has no bias kernel; "
      r"accepted: \(\(64, 64\), \(128, 128\)\)"),
     (dict(head_dim=64, mask_mod=lambda b, h, i, j: j <= i), ValueError,
-     "implementation='cute': score_mod / mask_mod run on the reference"),
+     "implementation='cute': score_mod / mask_mod: no kernel takes them together with a "
+     "bias"),
     (dict(head_dim=64, bias_shape=(2, 4, 100, 99)), ValueError, "bias: shape"),
     (dict(head_dim=64, bias_dtype=jnp.int32), TypeError, "bias: dtype int32 not supported"),
 ], ids=["head_dim", "with_mask_mod", "seq_k", "dtype"])

@@ -406,7 +406,9 @@ def test_the_kernel_abi_takes_the_dq_copies_from_the_library():
   fields = re.search(r"typedef struct \{(.*?)\} JaxflashVariantInfo;", abi, re.S).group(1)
   assert re.findall(r"int32_t (\w+);", fields) == [
       "direction", "dtype", "head_dim", "head_dim_v", "causal", "deterministic", "tile_m",
-      "max_dq_copies", "masked", "tile_n", "tile_counter", "kv_fp8", "bias"]
+      "max_dq_copies", "masked", "tile_n", "tile_counter", "kv_fp8", "bias", "mod_arrays"]
+  assert re.findall(r"int32_t (\w+)\[JAXFLASH_MAX_MOD_ARRAYS\];", fields) == ["mod_dtypes",
+                                                                             "mod_ranks"]
   handlers = (ffi / "handlers.cc").read_text()
   assert "info.tile_m" in handlers and "info.max_dq_copies" in handlers
   assert "info.kv_fp8" in handlers

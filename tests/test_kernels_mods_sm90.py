@@ -2,6 +2,8 @@
 on a GPU-less host: each recipe's variant builds without local-memory spills, and an identity
 score_mod emits no code. Needs nvidia-cutlass-dsl (marker `cutlass`)."""
 
+import ctypes
+
 import jax.numpy as jnp
 import pytest
 
@@ -93,3 +95,29 @@ def test_alibi_adds_few_instructions(exported):
   print(f"ALiBi: {alibi - identity} instructions over the identity ({extra_per_score:.1f} per "
         f"score of a thread)")
   assert 0 < extra_per_score < 40
+
+
+class _ModsInfo(ctypes.Structure):
+  """kernel_abi.h's JaxflashVariantInfo, through its mods fields."""
+  _fields_ = [(name, ctypes.c_int32) for name in (
+      "direction", "dtype", "head_dim", "head_dim_v", "causal", "deterministic", "tile_m",
+      "max_dq_copies", "masked", "tile_n", "tile_counter", "kv_fp8", "bias", "mod_arrays")] + [
+          ("mod_dtypes", ctypes.c_int32 * 4), ("mod_ranks", ctypes.c_int32 * 4)]
+
+
+def test_linked_library_describes_its_arrays(exported, tmp_path):
+  """The variant library's info lists the closed-over arrays' dtype codes and ranks, which the
+  handler checks each call's operands against (T5: a float32 (buckets, heads) table; the
+  document mask: int32 (batch, seq) ids)."""
+  spec = mod_ir.trace_mods(RECIPES["t5"]()[0], RECIPES["document"]()[1]).spec
+  cfg = config.AttentionConfig(softmax_scale=0.125, mods=spec.canonical())
+  variant = config.KernelVariant.for_call("fwd", "sm90a", "bfloat16", 64, 64, cfg)
+  lib_path = tmp_path / "lib.so"
+  build.link_variant(exported(variant).exp, variant, lib_path)
+  lib = ctypes.CDLL(str(lib_path))
+  lib.jaxflash_variant_info.restype = ctypes.POINTER(_ModsInfo)
+  info = lib.jaxflash_variant_info().contents
+  codes = kernel_compile.MOD_DTYPE_CODES
+  assert (info.masked, info.bias, info.mod_arrays) == (1, 0, 2)
+  assert list(info.mod_dtypes) == [codes["float32"], codes["int32"], 0, 0]
+  assert list(info.mod_ranks) == [2, 2, 0, 0]
