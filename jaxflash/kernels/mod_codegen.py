@@ -314,14 +314,19 @@ def apply_mods(program: dict, acc_s_mn: cute.Tensor, coord_mn: cute.Tensor,
   scores are never stored or are masked)."""
   score_ir, mask_ir = program["score"], program["mask"]
   num_rows, num_cols = cute.size(acc_s_mn, mode=[0]), cute.size(acc_s_mn, mode=[1])
-  for i in range(num_rows):  # trace-time loops: every element's code is emitted
-    q_idx = cutlass.min(row_base + coord_mn[i, 0][0], seqlen_q - 1)
-    for j in range(num_cols):
-      kv_idx = cutlass.min(col_base + coord_mn[0, j][1], seqlen_k - 1)
-      index = {"batch": batch, "head": head, "q_idx": q_idx, "kv_idx": kv_idx}
-      if not is_identity(score_ir):
-        index["score"] = acc_s_mn[i, j] * scale
+  rows = [cutlass.min(row_base + coord_mn[i, 0][0], seqlen_q - 1) for i in range(num_rows)]
+  cols = [cutlass.min(col_base + coord_mn[0, j][1], seqlen_k - 1) for j in range(num_cols)]
+  # score_mod over the block, then mask_mod over it: one function's values live at a time.
+  # Trace-time loops: every element's code is emitted.
+  if not is_identity(score_ir):
+    for i in range(num_rows):
+      for j in range(num_cols):
+        index = {"batch": batch, "head": head, "q_idx": rows[i], "kv_idx": cols[j],
+                 "score": acc_s_mn[i, j] * scale}
         acc_s_mn[i, j] = emit(score_ir, index, arrays) * inv_scale
-      if not is_all_true(mask_ir):
+  if not is_all_true(mask_ir):
+    for i in range(num_rows):
+      for j in range(num_cols):
+        index = {"batch": batch, "head": head, "q_idx": rows[i], "kv_idx": cols[j]}
         keep = emit(mask_ir, index, arrays)
         acc_s_mn[i, j] = _select(keep, acc_s_mn[i, j], -Float32.inf)
