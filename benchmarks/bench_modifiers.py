@@ -12,7 +12,11 @@ compare as time ratios. Timing: that module's time_ms (warm-up, back-to-back cal
 --gpt-oss: gpt-oss's shape (windows and sinks). --bias: an additive bias at head_dim 128, batch
 4, 16 heads (BIAS_SHAPE), bias (1, H, S, S) and (B, H, S, S) in bf16, jaxflash and cuDNN
 (jax.nn.dot_product_attention(bias=...)) next to each one's plain call; forward + backward
-differentiates the bias too. Needs the kernels in JAXFLASH_CACHE_DIR.
+differentiates the bias too. --mods: score_mod / mask_mod at BIAS_SHAPE (MODS_IMPLS): the
+plain call, an identity score_mod, ALiBi, T5 buckets, causal and a sliding window as mask_mods
+next to the built-in causal mask and window, cuDNN plain and with ALiBi as a (1, H, S, S) bias;
+forward + backward differentiates q, k and v. Needs the kernels in JAXFLASH_CACHE_DIR (the mods
+variants build on first use where nvidia-cutlass-dsl is installed).
 """
 
 from __future__ import annotations
@@ -47,6 +51,12 @@ GPT_OSS_FA3 = "fa3 window+sink"
 BIAS_SHAPE = dict(batch=4, heads=16, head_dim=128)
 BIAS_KINDS = ("1H", "BH")
 BIAS_IMPLS = ("jaxflash", "jaxflash bias", "cudnn", "cudnn bias")
+# --mods: the columns (issue #65's targets: identity >= 0.97x plain, ALiBi and T5 >= 0.85x,
+# causal and window as mask_mods >= 0.95x the built-in ones), and the window's left size.
+MODS_IMPLS = ("jaxflash", "identity", "alibi", "t5", "causal", "causal mask_mod", "window",
+              "window mask_mod", "cudnn", "cudnn alibi bias")
+MODS_WINDOW = 1024
+T5_BUCKETS = 32
 
 
 def attend_fn(impl: str, causal: bool, implementation: str = "cute", softcap: float = SOFTCAP):
@@ -114,6 +124,80 @@ def bias_fn(impl: str, causal: bool, implementation: str = "cute"):
         q, k, v, bias if with_bias else None, is_causal=causal, implementation="cudnn")
   return lambda q, k, v, bias: jaxflash.attention(
       q, k, v, causal=causal, bias=bias if with_bias else None, implementation=implementation)
+
+
+def t5_bucket(rel, num_buckets: int = T5_BUCKETS, max_distance: int = 128):
+  """T5's bidirectional relative-position bucket of rel = kv_idx - q_idx."""
+  half = num_buckets // 2
+  exact = half // 2
+  a = jnp.abs(rel)
+  large = exact + (jnp.log(a.astype(jnp.float32) / exact) / np.log(max_distance / exact)
+                   * (half - exact)).astype(jnp.int32)
+  return jnp.where(rel > 0, half, 0) + jnp.where(a < exact, a, jnp.minimum(large, half - 1))
+
+
+def mods_fn(impl: str, slopes, table, implementation: str = "cute"):
+  """attend(q, k, v) for one of MODS_IMPLS; slopes (heads,) and table (T5_BUCKETS, heads)
+  float32 are what ALiBi and T5 close over; `implementation` is jaxflash's (the CPU tests pass
+  "reference")."""
+  window = (MODS_WINDOW, 0)
+  if impl.startswith("cudnn"):
+    def cudnn(q, k, v):
+      bias = None
+      if impl == "cudnn alibi bias":
+        pos = jnp.arange(q.shape[1])
+        bias = (slopes[:, None, None] * (pos[None, :] - pos[:, None])[None]).astype(q.dtype)[None]
+      return jax.nn.dot_product_attention(q, k, v, bias, implementation="cudnn")
+    return cudnn
+  options = {
+      "jaxflash": {},
+      "identity": dict(score_mod=lambda s, b, h, i, j: s),
+      "alibi": dict(score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i).astype(jnp.float32)),
+      "t5": dict(score_mod=lambda s, b, h, i, j: s + table[t5_bucket(j - i), h]),
+      "causal": dict(causal=True),
+      "causal mask_mod": dict(mask_mod=lambda b, h, i, j: j <= i),
+      "window": dict(causal=True, window_size=window),
+      "window mask_mod": dict(mask_mod=lambda b, h, i, j: (j <= i) & (i - j <= MODS_WINDOW)),
+  }[impl]
+  return lambda q, k, v: jaxflash.attention(q, k, v, implementation=implementation, **options)
+
+
+def run_mods(args, rng) -> list:
+  """BIAS_SHAPE at each --seq, forward and forward + backward, every MODS_IMPLS column. TFLOP/s
+  count the plain call's flops (halved for the causal and window columns' mask only in the
+  ratio columns: each masked column is compared with its built-in twin)."""
+  b, h, d = BIAS_SHAPE["batch"], BIAS_SHAPE["heads"], BIAS_SHAPE["head_dim"]
+  slopes = jnp.asarray(2.0 ** (-8.0 * np.arange(1, h + 1) / h), jnp.float32)
+  table = jnp.asarray(rng.standard_normal((T5_BUCKETS, h)), jnp.float32)
+  records = []
+  for s in args.seq:
+    q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16) for _ in range(3))
+    ct = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+    for mode in args.modes:
+      flops = bench_attention.fwd_flops(b, h, s, d, d, False) * (1.0 if mode == "fwd" else 3.5)
+      for impl in MODS_IMPLS:
+        attend = mods_fn(impl, slopes, table)
+        if mode == "fwd":
+          fn = jax.jit(attend)
+        else:
+          loss = lambda q, k, v, attend=attend: jnp.sum((attend(q, k, v) * ct).astype(
+              jnp.float32))
+          fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        records.append(timed_record(fn, (q, k, v), flops, shape="mods", seq=s, mode=mode,
+                                    impl=impl))
+  pairs = (("identity", "jaxflash"), ("alibi", "jaxflash"), ("t5", "jaxflash"),
+           ("causal mask_mod", "causal"), ("window mask_mod", "window"),
+           ("alibi", "cudnn alibi bias"))
+  print("| seq | mode | " + " | ".join(f"{i} ms" for i in MODS_IMPLS) + " | "
+        + " | ".join(f"{a} / {b_} (speed)" for a, b_ in pairs) + " |")
+  for s in args.seq:
+    for mode in args.modes:
+      row = {r["impl"]: r for r in records if (r["seq"], r["mode"]) == (s, mode)}
+      ms = lambda i: row.get(i, {}).get("ms")
+      cells = [f"{ms(i):.3f}" if ms(i) else "-" for i in MODS_IMPLS]
+      ratios = [f"{ms(b_) / ms(a):.2f}" if ms(a) and ms(b_) else "-" for a, b_ in pairs]
+      print(f"| {s} | {mode} | " + " | ".join(cells + ratios) + " |")
+  return records
 
 
 def bias_fwd_bwd_fn(attend, cotangent):
@@ -230,6 +314,9 @@ def main(argv=None) -> int:
   p.add_argument("--bias", action="store_true",
                  help="the bias rows (BIAS_SHAPE, BIAS_KINDS) instead of the head_dim grid; "
                       "--hdim and --impls do not apply")
+  p.add_argument("--mods", action="store_true",
+                 help="the score_mod / mask_mod rows (BIAS_SHAPE, MODS_IMPLS) instead of the "
+                      "head_dim grid; --hdim, --causal and --impls do not apply")
   bench_attention.add_run_arguments(p)
   args = p.parse_args(argv)
   bench_attention.spin_up(args.spin_up)
@@ -243,6 +330,11 @@ def main(argv=None) -> int:
     records = run_bias(args, rng)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_modifiers_bias.json").write_text(json.dumps(records, indent=1))
+    return 0
+  if args.mods:
+    records = run_mods(args, rng)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_modifiers_mods.json").write_text(json.dumps(records, indent=1))
     return 0
   records = []
   for d in args.hdim:

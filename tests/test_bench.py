@@ -516,3 +516,26 @@ def test_bias_columns_are_the_calls_they_name():
       q, k, v, bias)
   assert len(grads) == 4 and grads[3].shape == bias.shape and np.any(np.asarray(grads[3]) != 0)
   assert modifiers.BIAS_SHAPE == dict(batch=4, heads=16, head_dim=128)
+
+
+def test_mods_columns_are_the_calls_they_name():
+  """bench_modifiers --mods: each mask_mod column equals its built-in twin, the identity the
+  plain call, ALiBi the materialised bias that cuDNN's column takes (on the reference)."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jaxflash
+  modifiers = load_script("benchmarks/bench_modifiers.py")
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 40, 2, 8)), jnp.float32) for _ in range(3))
+  slopes = jnp.asarray([0.5, 0.25], jnp.float32)
+  table = jnp.asarray(rng.standard_normal((modifiers.T5_BUCKETS, 2)), jnp.float32)
+  run = lambda impl: np.asarray(modifiers.mods_fn(impl, slopes, table, "reference")(q, k, v))
+  np.testing.assert_allclose(run("identity"), run("jaxflash"), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(run("causal mask_mod"), run("causal"), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(run("window mask_mod"), run("window"), rtol=1e-6, atol=1e-6)
+  pos = jnp.arange(40)
+  bias = (slopes[:, None, None] * (pos[None, :] - pos[:, None])[None])[None]
+  np.testing.assert_allclose(run("alibi"), np.asarray(jaxflash.attention(
+      q, k, v, bias=bias, implementation="reference")), rtol=1e-5, atol=1e-5)
+  assert not np.allclose(run("t5"), run("jaxflash"))
