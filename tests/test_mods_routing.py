@@ -208,3 +208,18 @@ def _worker():
 
 if __name__ == "__main__":
   _worker()
+
+
+def test_a_host_without_the_dsl_says_how_to_install_it(monkeypatch, tmp_path):
+  """A mods variant is never shipped: where nvidia-cutlass-dsl is missing, the reason the
+  kernel is unavailable (raised by implementation='cute' on a GPU, warned by auto) says how to
+  install it."""
+  from jaxflash import build, ffi
+  monkeypatch.setenv("JAXFLASH_CACHE_DIR", str(tmp_path))
+  monkeypatch.setattr(build, "cutlass_version", lambda: None)
+  spec = mod_ir.trace_mods(recipes.alibi(jnp.ones((H,), jnp.float32)), None).spec
+  cfg = AttentionConfig(softmax_scale=0.125, mods=spec.canonical())
+  variant = config.KernelVariant.for_call("fwd", "sm90a", "bfloat16", 64, 64, cfg)
+  ok, reason = ffi.variant_available(variant)
+  assert not ok
+  assert "pip install" in reason and "nvidia-cutlass-dsl" in reason and variant.key in reason
