@@ -457,21 +457,23 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = Fa
 
 
 def bwd_schedule(head_dim: int, head_dim_v: int, causal: bool, deterministic: bool,
-                 masked: bool = False, bias: bool = False) -> BwdSchedule:
+                 masked: bool = False, bias: bool = False, mods: bool = False) -> BwdSchedule:
   """The backward schedule table (H200 measurements in docs/kernels.md, "Backward tiles").
 
   masked: the variant for windows and segment ids takes the causal tiles and one dQ accumulator.
-  bias: a bias variant (masked).
+  bias: a bias variant (masked). mods: a score_mod / mask_mod variant (masked).
   """
   causal = causal or masked
-  if head_dim <= 64 and not bias:
+  if head_dim <= 64 and not bias and not mods:
     # 128 x 128 (FA-4's), two 64-row WGMMA blocks of queries per step, dQ split by rows
     # (FA-4's AtomLayoutMdQ = 2); dV after dS: +0-8 %, dS from the fp32 P.
     return BwdSchedule(tile_m=128, tile_n=128, num_stages=2, swap_sdp=True, do_stages=2,
                        dq_pieces=1, dv_after_ds=True, dq_split_m=True, dq_transposed=False,
                        dq_copies=1)
-  if head_dim <= 96:
-    # 64 x 128 swapped: +6-9 % over the unswapped schedule. Also head_dim 64's bias variants:
+  if head_dim <= 96 or (mods and head_dim <= 128):
+    # 64 x 128 swapped: +6-9 % over the unswapped schedule. Also the mods variants at head_dim
+    # 128: on the 80 x 128 tile the document mask spilled 110 LDL / STL, T5 buckets 144; here
+    # none (ALiBi with a document mask: 64). Also head_dim 64's bias variants:
     # the bias loads spilled its 128 x 128 tile (64 fp32 S^T and dP^T values per thread each;
     # 34 LDL / 20 STL).
     return BwdSchedule(tile_m=64, tile_n=128, num_stages=2, swap_sdp=True, do_stages=2,
@@ -571,7 +573,8 @@ class KernelVariant:
       band = None if per_score else config.band
       schedule = fwd_schedule(head_dim, head_dim_v, causal, masked, seq_k, band, per_score)
     else:
-      schedule = bwd_schedule(head_dim, head_dim_v, causal, deterministic, masked, per_score)
+      schedule = bwd_schedule(head_dim, head_dim_v, causal, deterministic, masked,
+                              config.has_bias, config.has_mods)
     return cls(direction=direction, arch=arch, dtype=dtype, head_dim=head_dim,
                head_dim_v=head_dim_v, causal=causal, schedule=schedule,
                deterministic=deterministic, masked=masked, bias=config.has_bias,
@@ -643,9 +646,24 @@ def _bias_kernel_support(direction: str, head_dim: int, head_dim_v: int,
 
 # The most arrays a score_mod / mask_mod may close over in the kernels (their operand slots).
 MOD_MAX_ARRAYS = 4
-# Directions whose kernels take score_mod / mask_mod. The backward of such a call runs the
-# reference (jax differentiates score_mod and mask_mod there).
-MODS_DIRECTIONS = ("fwd",)
+# Directions whose kernels take score_mod / mask_mod. The backward kernel takes them where
+# score_mod's derivative by the score is a constant (mods_derivative) and the call has no
+# softcap and is not deterministic; otherwise the backward runs the reference (JAX
+# differentiates score_mod and mask_mod there).
+MODS_DIRECTIONS = ("fwd", "bwd")
+
+
+@functools.lru_cache(maxsize=256)
+def mods_derivative(mods: str) -> Optional[float]:
+  """score_mod's derivative by the score where its IR is a literal (ALiBi, T5 buckets, an added
+  bias: 1.0; no score_mod: 1.0), else None."""
+  dscore = json.loads(mods)["dscore"]
+  if dscore is None:
+    return 1.0
+  output = dscore["output"]
+  if output[0] != "lit":
+    return None
+  return float.fromhex(output[1]) if isinstance(output[1], str) else float(output[1])
 
 
 @functools.lru_cache(maxsize=256)
@@ -693,6 +711,14 @@ def _mods_kernel_support(direction: str, head_dim: int, head_dim_v: int,
                    f"has no kernel; accepted: {BIAS_HEAD_DIM_PAIRS}")
   if config.has_bias:
     return False, "score_mod / mask_mod: no kernel takes them with a bias"
+  if direction == "bwd":
+    if mods_derivative(config.mods) is None:
+      return False, ("score_mod / mask_mod: the backward kernels take a score_mod whose "
+                     "derivative by the score is a constant only")
+    if config.softcap is not None:
+      return False, "score_mod / mask_mod: no backward kernel takes them with a softcap"
+    if config.deterministic:
+      return False, "score_mod / mask_mod: no deterministic backward kernel takes them"
   return True, ""
 
 

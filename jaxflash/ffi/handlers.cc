@@ -750,6 +750,13 @@ ffi::Error AttentionBwd(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
       e.failure()) {
     return e;
   }
+  if (ffi::Error e = CheckModArrays(attrs, library->info, mask_operands,
+                                    (library->info.deterministic ? 5 : 4) +
+                                        (library->info.bias ? 1 : 0),
+                                    &args.mods);
+      e.failure()) {
+    return e;
+  }
 
   ScopedStreamDevice device(device_ordinal);
   // Empty problems launch nothing (a TMA descriptor cannot describe a zero-length tensor): no

@@ -190,6 +190,7 @@ typedef struct {
   int32_t dq_copies;                  // dQ accumulator copies in dq_accum / dq_semaphore
   JaxflashMask mask;                  // masked variants; all NULL otherwise
   JaxflashBias bias;                  // info.bias variants (bias and dbias); NULL otherwise
+  JaxflashModArrays mods;             // info.mod_arrays variants; all NULL otherwise
 } JaxflashBwdArgs;
 
 // Split-KV decode call (jaxflash/ffi/variant_decode.cc): the query rows of each (batch, kv head)

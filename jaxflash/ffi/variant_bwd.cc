@@ -93,6 +93,11 @@ int32_t Validate(const JaxflashBwdArgs* a) {
     return kInvalid;
   }
   if (!jaxflash::BiasOperandsMatch(a->bias, true, a->seqlen_k)) return kInvalid;
+  // The closed-over arrays of a score_mod / mask_mod variant, exactly its own.
+  if (!jaxflash::ModArraysMatch(a->mods)) return kInvalid;
+  for (int i = 0; i < JAXFLASH_MOD_ARRAYS; ++i) {
+    if (!Aligned(a->mods.data[i], 4)) return kInvalid;
+  }
   return 0;
 }
 
@@ -179,9 +184,10 @@ JF_EXPORT int32_t jaxflash_variant_bwd(const JaxflashBwdArgs* args, void* stream
 #else
 #define JF_BIAS
 #endif
+    JF_MOD_DECLS(a.mods)
     status = JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &dout, &lse2, &delta, &acc,
                                               &dk, &dvt, JF_SEM &q_ids, &k_ids, &ranges,
-                                              &order, JF_RANKS JF_BIAS a.softmax_scale,
+                                              &order, JF_RANKS JF_BIAS JF_MODS a.softmax_scale,
                                               a.window_left, a.window_right, a.softcap, stream);
 #else
     status = JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &dout, &lse2, &delta, &acc,

@@ -178,4 +178,44 @@ T DbiasTensor(void* data, int32_t batch, int32_t heads, int32_t seqlen_q, int32_
 
 }  // namespace jaxflash
 
+// The score_mod / mask_mod arrays' tensor structs and wrapper arguments: JF_MOD_DECLS(mm)
+// declares mod0.. (JAXFLASH_MOD_ARRAYS of them) from a JaxflashModArrays mm, JF_MODS passes
+// them (the exported signature has no argument where a slot is None).
+#define JF_MOD_DECL(k, mm) \
+  auto mod##k = jaxflash::ModArrayTensor<JF_MAIN(_Tensor_mMod##k##_t)>((mm).data[k], \
+                                                                      (mm).extents[k], kModRanks[k]);
+#if JAXFLASH_MOD_ARRAYS > 0
+#define JF_MOD_DECL0(mm) JF_MOD_DECL(0, mm)
+#define JF_MOD_ARG0 &mod0,
+#else
+#define JF_MOD_DECL0(mm)
+#define JF_MOD_ARG0
+#endif
+#if JAXFLASH_MOD_ARRAYS > 1
+#define JF_MOD_DECL1(mm) JF_MOD_DECL(1, mm)
+#define JF_MOD_ARG1 &mod1,
+#else
+#define JF_MOD_DECL1(mm)
+#define JF_MOD_ARG1
+#endif
+#if JAXFLASH_MOD_ARRAYS > 2
+#define JF_MOD_DECL2(mm) JF_MOD_DECL(2, mm)
+#define JF_MOD_ARG2 &mod2,
+#else
+#define JF_MOD_DECL2(mm)
+#define JF_MOD_ARG2
+#endif
+#if JAXFLASH_MOD_ARRAYS > 3
+#define JF_MOD_DECL3(mm) JF_MOD_DECL(3, mm)
+#define JF_MOD_ARG3 &mod3,
+#else
+#define JF_MOD_DECL3(mm)
+#define JF_MOD_ARG3
+#endif
+#define JF_MOD_DECLS(mm)                                                              \
+  static const int32_t kModRanks[JAXFLASH_MAX_MOD_ARRAYS] = JAXFLASH_MOD_RANKS;       \
+  (void)kModRanks;                                                                    \
+  JF_MOD_DECL0(mm) JF_MOD_DECL1(mm) JF_MOD_DECL2(mm) JF_MOD_DECL3(mm)
+#define JF_MODS JF_MOD_ARG0 JF_MOD_ARG1 JF_MOD_ARG2 JF_MOD_ARG3
+
 #endif  // JAXFLASH_FFI_VARIANT_COMMON_H_

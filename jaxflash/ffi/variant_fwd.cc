@@ -43,19 +43,6 @@ static_assert(JAXFLASH_MASKED, "bias variants are masked variants");
 #if JAXFLASH_MOD_ARRAYS
 static_assert(JAXFLASH_MASKED, "score_mod / mask_mod variants are masked variants");
 #endif
-#if JAXFLASH_MOD_ARRAYS > 0
-using TensorMod0 = JF_MAIN(_Tensor_mMod0_t);
-#endif
-#if JAXFLASH_MOD_ARRAYS > 1
-using TensorMod1 = JF_MAIN(_Tensor_mMod1_t);
-#endif
-#if JAXFLASH_MOD_ARRAYS > 2
-using TensorMod2 = JF_MAIN(_Tensor_mMod2_t);
-#endif
-#if JAXFLASH_MOD_ARRAYS > 3
-using TensorMod3 = JF_MAIN(_Tensor_mMod3_t);
-#endif
-
 using jaxflash::kSignatureMatches;
 
 static_assert(kSignatureMatches<TensorQ> && kSignatureMatches<TensorK> &&
@@ -153,40 +140,10 @@ JF_EXPORT int32_t jaxflash_variant_fwd(const JaxflashFwdArgs* args, void* stream
 #else
 #define JF_BIAS
 #endif
-  static const int32_t kModRanks[JAXFLASH_MAX_MOD_ARRAYS] = JAXFLASH_MOD_RANKS;
-  const JaxflashModArrays& mm = args->mods;
-  (void)kModRanks;
-  (void)mm;
-#define JF_MOD(i)                                                                     \
-  TensorMod##i mod##i =                                                               \
-      jaxflash::ModArrayTensor<TensorMod##i>(mm.data[i], mm.extents[i], kModRanks[i]);
-#if JAXFLASH_MOD_ARRAYS > 0
-  JF_MOD(0)
-#define JF_MODS0 &mod0,
-#else
-#define JF_MODS0
-#endif
-#if JAXFLASH_MOD_ARRAYS > 1
-  JF_MOD(1)
-#define JF_MODS1 &mod1,
-#else
-#define JF_MODS1
-#endif
-#if JAXFLASH_MOD_ARRAYS > 2
-  JF_MOD(2)
-#define JF_MODS2 &mod2,
-#else
-#define JF_MODS2
-#endif
-#if JAXFLASH_MOD_ARRAYS > 3
-  JF_MOD(3)
-#define JF_MODS3 &mod3,
-#else
-#define JF_MODS3
-#endif
+  JF_MOD_DECLS(args->mods)
   return JF_WRAPPER(JAXFLASH_PREFIX_MAIN)(&g_main, &q, &k, &v, &o, &lse, &sink, &q_ids,
                                           &k_ids, &ranges, &order, JF_TILE_COUNTER JF_BIAS
-                                          JF_MODS0 JF_MODS1 JF_MODS2 JF_MODS3
+                                          JF_MODS
                                           args->softmax_scale,
                                           has_sink, args->window_left, args->window_right,
                                           args->softcap, static_cast<cudaStream_t>(stream));

@@ -17,6 +17,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash import config
 from jaxflash.kernels import bias as score_bias
+from jaxflash.kernels import mod_codegen
 from jaxflash.kernels import bwd_common
 from jaxflash.kernels import mask
 from jaxflash.kernels import sm90_gemm
@@ -26,6 +27,7 @@ _select = sm90_gemm.select_modes
 DTYPES = sm90_gemm.DTYPES
 
 LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
 _WG = sm90_gemm.WARPGROUP_THREADS
 _NUM_WG = bwd_common.NUM_MMA_WARPGROUPS
 # Named barriers (0 is __syncthreads). The dS tile is shared by both consumer warpgroups: it must
@@ -70,6 +72,10 @@ class _Masking(mask.MaskOperands):
   inv_cap_log2: Float32  # 1 / (softcap * log2 e): t = (log2 P + lse2) * inv_cap_log2
   # Bias variants: the bias (P = exp2(S' * p_scale_log2 + bias * log2 e - lse2)) and dbias.
   bias: Optional["_BiasOperands"] = None
+  # Mods variants: the closed-over arrays and the S registers' scale and its inverse.
+  mod_arrays: tuple = ()
+  mod_scale: Optional[Float32] = None
+  mod_inv_scale: Optional[Float32] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +195,14 @@ class FlashAttentionBackwardSm90:
     # the stage's dS buffer, dbias leaves from there (kernels/bias.py; mma_step_swapped).
     self.bias = variant.bias
     assert not variant.bias or (variant.masked and schedule.swap_sdp), variant.key
+    # Mods variants (masked, swap_sdp schedules, score_mod's derivative a constant c): S^T gets
+    # score_mod and mask_mod before P (kernels/mod_codegen.py), dS^T the factor c.
+    self.mods = mod_codegen.parse(variant.mods) if variant.mods else None
+    self.mods_ds_factor = None
+    if variant.mods:
+      self.mods_ds_factor = mod_codegen.constant_derivative(self.mods)
+      assert variant.masked and schedule.swap_sdp and not variant.bias, variant.key
+      assert self.mods_ds_factor is not None, f"{variant.key}: score_mod's derivative varies"
     self.variant = variant
     self.rotate_m = variant.deterministic and not variant.causal and not variant.masked
     self.num_mma_threads = _NUM_WG * _WG
@@ -311,6 +325,10 @@ class FlashAttentionBackwardSm90:
       bias_head_planes: Optional[Int32],  # bias: its planes per head (0: broadcast)
       bias_query_step: Optional[Int32],  # bias: 1, or 0 for one row per (batch, head)
       mdBias: Optional[cute.Tensor],  # bias: (batch, num_heads, seqlen_q, seqlen_k) in dtype
+      mMod0: Optional[cute.Tensor],  # mods: the closed-over arrays in operand order (their own
+      mMod1: Optional[cute.Tensor],  # dtypes and ranks, rank 0 as (1,)), None past the last
+      mMod2: Optional[cute.Tensor],
+      mMod3: Optional[cute.Tensor],
       softmax_scale: Float32,
       window_left: Optional[Int32],  # masked: the band (block_ranges.window_bounds), or None
       window_right: Optional[Int32],
@@ -330,6 +348,10 @@ class FlashAttentionBackwardSm90:
       raise TypeError("the bias and dbias are passed exactly to bias variants")
     if const_expr(self.bias and not (mBias.element_type == mdBias.element_type == self.dtype)):
       raise TypeError(f"bias and dbias must be {self.dtype}")
+    mMods = tuple(t for t in (mMod0, mMod1, mMod2, mMod3) if const_expr(t is not None))
+    want = self.mods["arrays"] if const_expr(self.mods is not None) else ()
+    if const_expr(len(mMods) != len(want)):
+      raise TypeError(f"the mods' arrays: {len(want)} expected, got {len(mMods)}")
     self._setup_attributes()
     # Kernel-side order puts the tile modes first: (seqlen, dim, heads, batch).
     mQ, mK, mV, mdO, mdK, mdV = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mdO, mdK, mdV)]
@@ -384,7 +406,7 @@ class FlashAttentionBackwardSm90:
         self.tiled_mma_sdp, self.tiled_mma_dk, self.tiled_mma_dv, self.tiled_mma_dq,
         mQIds, mKIds, mRanges, mOrder, mRanks, window_left, window_right, softcap, mBias,
         tma_atom_bias, bias_batch_planes, bias_head_planes, bias_query_step, mdBias, mdBias_tma,
-        tma_atom_dbias,
+        tma_atom_dbias, mMods,
     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
   @cute.kernel
@@ -432,6 +454,7 @@ class FlashAttentionBackwardSm90:
       mdBias: Optional[cute.Tensor],  # bias: (seqlen_q, seqlen_k, num_heads, batch) in dtype
       mdBias_tma: Optional[cute.Tensor],  # its TMA coordinates
       tma_atom_dbias: Optional[cute.CopyAtom],
+      mMods: tuple,  # mods: the closed-over arrays; else ()
   ):
     tidx, _, _ = cute.arch.thread_idx()
     warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -472,6 +495,12 @@ class FlashAttentionBackwardSm90:
         tanh_scale = softmax_scale / softcap
         p_scale_log2 = softcap * LOG2_E
         inv_cap_log2 = Float32(1.0) / p_scale_log2
+      # score_mod sees the score: S' * (p_scale_log2 ln 2) in, its result divided by that out.
+      mod_scale = None
+      mod_inv_scale = None
+      if const_expr(self.mods is not None):
+        mod_scale = p_scale_log2 * LN_2
+        mod_inv_scale = Float32(1.0) / mod_scale
       bias = None
       if const_expr(self.bias):
         bias = _BiasOperands(
@@ -484,7 +513,8 @@ class FlashAttentionBackwardSm90:
                          window_left=window_left, window_right=window_right,
                          capped=Int32(capped), tanh_scale=tanh_scale, ranks=mRanks,
                          query_ids_smem=query_ids_smem, p_scale_log2=p_scale_log2,
-                         inv_cap_log2=inv_cap_log2, bias=bias)
+                         inv_cap_log2=inv_cap_log2, bias=bias, mod_arrays=mMods,
+                         mod_scale=mod_scale, mod_inv_scale=mod_inv_scale)
     # Barrier inits (deferred in _make_pipelines) must be visible before anyone waits on them.
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
@@ -1184,6 +1214,13 @@ class FlashAttentionBackwardSm90:
 
     # P^T = exp2(S^T * scale * log2(e) - lse * log2(e)), lse of the column's query.
     acc_s_mn = self._capped_scores(acc_s, cap)
+    if const_expr(self.mods is not None):
+      # score_mod and mask_mod as in the forward, in every block, before the masks.
+      batch, head, masking = where
+      mod_codegen.apply_mods(self.mods, acc_s_mn, tStS_mn, masking.mod_arrays,
+                             n_block * self.tile_n, m_block * self.tile_m, seqlen_q, seqlen_k,
+                             batch, head, masking.mod_scale, masking.mod_inv_scale,
+                             transposed=True)
     if const_expr(is_masked):
       if const_expr(self.masked):
         # ids: (this thread's key ids, the stages' query ids, window_left, window_right).
@@ -1242,6 +1279,10 @@ class FlashAttentionBackwardSm90:
         self._ds_transposed(acc_s_mn, acc_dp_mn, tStS_mn, sDelta, sLSE2, stage, None, False)
     else:
       self._ds_transposed(acc_s_mn, acc_dp_mn, tStS_mn, sDelta, sLSE2, stage, None, False)
+    if const_expr(self.mods is not None and self.mods_ds_factor != 1.0):
+      # d score_mod / d score, a constant: the chain rule's factor on dS.
+      for i in cutlass.range_constexpr(cute.size(acc_dp_mn)):
+        acc_dp_mn[i] = acc_dp_mn[i] * Float32(self.mods_ds_factor)
     if const_expr(late_p):
       softmax.convert_p(acc_s, r_p)
     t_ds = cute.make_rmem_tensor(acc_shape, self.dtype)

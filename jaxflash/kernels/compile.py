@@ -554,7 +554,8 @@ def export_bwd_variant(variant: config.KernelVariant, out_dir) -> ExportedKernel
       "main": (main, sig["q"], sig["k"], sig["v"], sig["d_out"], sig["lse_log2"], sig["delta"],
                sig["dq_accum"], sig["dk"], sig["dv"], sig["dq_semaphore"], sig["query_ids"],
                sig["key_ids"], sig["ranges"], sig["order"], sig["ranks"],
-               *(sig[name] for name in BIAS_ARGUMENTS + ("dbias",)), scale,
+               *(sig[name] for name in BIAS_ARGUMENTS + ("dbias",)),
+               *mod_array_tensors(variant), scale,
                sig["window_left"], sig["window_right"], sig["softcap"], stream),
       "post": (post, sig["dq_accum"], sig["dq"], sig["dq_semaphore"], scale, stream),
   }

@@ -302,10 +302,13 @@ def _integer_pow(x, y: int, dtype: str):
   return _fit(Float32(1.0) / result, dtype) if y < 0 else result
 
 
-def apply_mods(program: dict, acc_s_mn: cute.Tensor, coord_mn: cute.Tensor,
-               arrays, row_base: Int32, col_base: Int32, seqlen_q: Int32, seqlen_k: Int32,
-               batch: Int32, head: Int32, scale: Float32, inv_scale: Float32):
-  """score_mod and mask_mod on one S block in place (S rows queries, columns keys).
+def apply_mods(program: dict, acc_s_mn: cute.Tensor, coord_mn: cute.Tensor, arrays,
+               row_base: Int32, col_base: Int32, seqlen_q: Int32, seqlen_k: Int32,
+               batch: Int32, head: Int32, scale: Float32, inv_scale: Float32,
+               transposed: bool = False):
+  """score_mod and mask_mod on one S block in place: S rows queries and columns keys, or with
+  `transposed` (the backward's S^T) rows keys and columns queries; row_base / col_base are the
+  block's first row and column in those terms.
 
   acc_s_mn holds scores in the S registers' units: score = S * scale (scale: the softmax scale,
   or softcap when capped), so score_mod sees scale * S and its result enters divided by scale;
@@ -314,19 +317,36 @@ def apply_mods(program: dict, acc_s_mn: cute.Tensor, coord_mn: cute.Tensor,
   scores are never stored or are masked)."""
   score_ir, mask_ir = program["score"], program["mask"]
   num_rows, num_cols = cute.size(acc_s_mn, mode=[0]), cute.size(acc_s_mn, mode=[1])
-  rows = [cutlass.min(row_base + coord_mn[i, 0][0], seqlen_q - 1) for i in range(num_rows)]
-  cols = [cutlass.min(col_base + coord_mn[0, j][1], seqlen_k - 1) for j in range(num_cols)]
+  row_limit, col_limit = (seqlen_k, seqlen_q) if transposed else (seqlen_q, seqlen_k)
+  rows = [cutlass.min(row_base + coord_mn[i, 0][0], row_limit - 1) for i in range(num_rows)]
+  cols = [cutlass.min(col_base + coord_mn[0, j][1], col_limit - 1) for j in range(num_cols)]
+
+  def index(i, j):
+    q_idx, kv_idx = (cols[j], rows[i]) if transposed else (rows[i], cols[j])
+    return {"batch": batch, "head": head, "q_idx": q_idx, "kv_idx": kv_idx}
+
   # score_mod over the block, then mask_mod over it: one function's values live at a time.
   # Trace-time loops: every element's code is emitted.
   if not is_identity(score_ir):
     for i in range(num_rows):
       for j in range(num_cols):
-        index = {"batch": batch, "head": head, "q_idx": rows[i], "kv_idx": cols[j],
-                 "score": acc_s_mn[i, j] * scale}
-        acc_s_mn[i, j] = emit(score_ir, index, arrays) * inv_scale
+        inputs = dict(index(i, j), score=acc_s_mn[i, j] * scale)
+        acc_s_mn[i, j] = emit(score_ir, inputs, arrays) * inv_scale
   if not is_all_true(mask_ir):
     for i in range(num_rows):
       for j in range(num_cols):
-        index = {"batch": batch, "head": head, "q_idx": rows[i], "kv_idx": cols[j]}
-        keep = emit(mask_ir, index, arrays)
+        keep = emit(mask_ir, index(i, j), arrays)
         acc_s_mn[i, j] = _select(keep, acc_s_mn[i, j], -Float32.inf)
+
+
+def constant_derivative(program: dict):
+  """score_mod's derivative by the score when the IR makes it a constant (ALiBi, T5 buckets,
+  any added bias: 1.0), else None; 1.0 without a score_mod."""
+  dscore = program["dscore"]
+  if dscore is None:
+    return 1.0
+  output = dscore[2]
+  if output[0] != "lit":
+    return None
+  value = output[1]
+  return float.fromhex(value) if isinstance(value, str) else float(value)
