@@ -200,7 +200,7 @@ class _Builder:
     ref = out[0]
     if t.dtype(ref) != out_dtype:
       ref = t.emit("convert", (ref,), (("new_dtype", out_dtype),), out_dtype)
-    return _prune(ModIR(tuple(names), tuple(t.eqns), ref))
+    return _prune(_fold(ModIR(tuple(names), tuple(t.eqns), ref)))
 
 
 class _Trace:
@@ -370,6 +370,29 @@ def _inner_jaxpr(name, params):
   if hasattr(j, "jaxpr"):  # a ClosedJaxpr
     return j.jaxpr, j.consts
   return j, ()
+
+
+def _fold(ir: ModIR) -> ModIR:
+  """Equations of literals only become literals, evaluated here as XLA folds them when it
+  compiles the reference (e.g. jnp.log(16.0), or jax.grad's 2.0 * 1.0)."""
+  known = {}
+  eqns = []
+  fix = lambda r: known.get(r[1], r) if r[0] == "v" else r
+  for i, (op, refs, params, dtype) in enumerate(ir.eqns):
+    refs = tuple(fix(r) for r in refs)
+    if op != "read" and refs and all(r[0] == "lit" for r in refs):
+      value = np.asarray(_apply(op, [literal_value(r) for r in refs], dict(params), dtype))
+      known[i] = _literal_ref(value.reshape(()).item(), dtype)
+    eqns.append((op, refs, params, dtype))
+  return ModIR(ir.inputs, tuple(eqns), fix(ir.output))
+
+
+def _literal_ref(value, dtype: str):
+  if dtype == "bool":
+    return ("lit", bool(value), dtype)
+  if dtype.startswith(("int", "uint")):
+    return ("lit", int(value), dtype)
+  return ("lit", float(value).hex(), dtype)
 
 
 def _prune(ir: ModIR) -> ModIR:

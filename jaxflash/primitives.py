@@ -91,7 +91,8 @@ def _fwd_abstract(q, k, v, *segment_ids, config):
 
 def _bwd_abstract(q, k, v, out, lse, d_out, d_lse, *rest, config):
   """(dq, dk, dv[, dbias]): dbias has the bias's shape and dtype (reduced over its broadcast
-  dims)."""
+  dims). The score_mod / mask_mod arrays (config.mods) get no gradient here (mods_core)."""
+  rest, _ = _split_mods(rest, config)
   _, bias = _split_bias(rest, config)
   ins = (q, k, v, out, lse, d_out, d_lse)
   grads = (q, k, v) if bias is None else (q, k, v, bias)
@@ -169,6 +170,8 @@ def _fwd_reference(q, k, v, *rest, config):
 
 
 def _bwd_reference(q, k, v, out, lse, d_out, d_lse, *rest, config):
+  # mods_core binds the backward with score_mod / mask_mod only where the kernel takes them.
+  assert not config.has_mods, "flash_bwd_p with score_mod / mask_mod lowers for CUDA only"
   segment_ids, bias = _split_bias(rest, config)
   _, (q_seg, kv_seg) = _split_segments((q,) + segment_ids, config)
   grads = reference.blocked_backward(q, k, v, out, lse, d_out, d_lse, config, q_seg, kv_seg,
@@ -259,7 +262,8 @@ def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *rest, config):
   here: a call without a gradient never needs one. Masked variants get their block ranges here,
   as in the forward (block_ranges.py). Bias variants take the bias after the mask operands
   (_kernel_bias) and return dbias per score as their last scratch result, which becomes the
-  primitive's dbias here (_dbias_from_kernel).
+  primitive's dbias here (_dbias_from_kernel). Mods variants take the score_mod / mask_mod
+  arrays after the mask operands.
   """
   q_aval, k_aval, v_aval = ctx.avals_in[:3]
   variant = _kernel_variant("bwd", q_aval, v_aval, config)
@@ -283,13 +287,14 @@ def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *rest, config):
     results = results[:3] + results[4:]
 
   def call(q, k, v, out, lse, d_out, d_lse, *rest):
+    rest, arrays = _split_mods(rest, config)
     segment_ids, bias = _split_bias(rest, config)
     operands = block_ranges.backward_operands(variant, config, b, seq_q, seq_k,
                                               q_aval.shape[2], k_aval.shape[2],
                                               segment_ids)
     outs = jax.ffi.ffi_call(BWD_TARGET, results)(
         q, k, v, out, lse, d_out, d_lse, *operands,
-        *(() if bias is None else (_kernel_bias(bias),)), **attrs)
+        *(() if bias is None else (_kernel_bias(bias),)), *arrays, **attrs)
     if bias is None:
       return outs
     return tuple(outs[:3]) + (_dbias_from_kernel(outs[-1], bias),) + tuple(outs[3:])
@@ -363,6 +368,16 @@ def bwd_batch_rule(prim):
   """The batching of flash_bwd_p: fold every mapped axis into batch; a bias of batch 1 is
   broadcast first, and its gradient summed back over that batch."""
   def rule(args, dims, *, config):
+    n = mod_array_count(config)
+    if n:  # the arrays end the operands (no bias with them)
+      if any(d is not None for d in dims[-n:]):
+        raise ValueError("score_mod / mask_mod: an array they close over varies along a "
+                         "vmapped axis; use implementation='reference'")
+      inner = _WithArrays(prim, args[-n:], len(args) - n)
+      args, dims = args[:-n], dims[:-n]
+      if "batch" in mods_inputs(config.mods):
+        return _map_calls(inner, args, dims, config)
+      return _batch_rule(inner)(args, dims, config=config)
     if not config.has_bias:
       return _batch_rule(prim)(args, dims, config=config)
     index = _bias_index(config, 7)

@@ -135,12 +135,13 @@ def fp8_fwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads:
 
 def bwd_sharding_rule(config: AttentionConfig, num_heads: int, num_kv_heads: int,
                       mesh_sizes: Sequence[int] = ()):
-  """Rule of flash_bwd_p: (q, k, v, out, lse, d_out, d_lse[, segs][, bias]) -> (dq, dk,
-  dv[, dbias])."""
+  """Rule of flash_bwd_p: (q, k, v, out, lse, d_out, d_lse[, segs][, bias][, mods arrays]) ->
+  (dq, dk, dv[, dbias])."""
   q, k, v, out, lse, segments, sizes = _operands(num_heads, num_kv_heads,
                                                  config.has_segment_ids, mesh_sizes)
   bias = _bias_factors(config, _head_factors(num_heads, num_kv_heads, mesh_sizes)[0])
-  return _rule([q, k, v, out, lse, out, lse, *segments, *bias], [q, k, v, *bias], sizes,
+  mods = _mods_factors(config)
+  return _rule([q, k, v, out, lse, out, lse, *segments, *bias, *mods], [q, k, v, *bias], sizes,
                _replicated(config))
 
 
@@ -318,12 +319,14 @@ def fwd_specs(plan: Plan, has_segment_ids: bool, has_sink: bool = False, bias_di
   return args, (plan.q_spec(), plan.lse_spec())
 
 
-def bwd_specs(plan: Plan, has_segment_ids: bool, bias_dims=None):
-  """(operand specs, result specs) of flash_bwd_p under `plan`."""
+def bwd_specs(plan: Plan, has_segment_ids: bool, bias_dims=None, mods=None):
+  """(operand specs, result specs) of flash_bwd_p under `plan` (score_mod / mask_mod arrays
+  replicated)."""
   segs = (plan.segment_spec(),) * 2 if has_segment_ids else ()
   bias = (plan.bias_spec(bias_dims),) if bias_dims is not None else ()
+  arrays = tuple(PartitionSpec(*(None,) * rank) for _, rank in mods_arrays(mods))
   q, kv, lse = plan.q_spec(), plan.kv_spec(), plan.lse_spec()
-  return (q, kv, kv, q, lse, q, lse) + segs + bias, (q, kv, kv) + bias
+  return (q, kv, kv, q, lse, q, lse) + segs + bias + arrays, (q, kv, kv) + bias
 
 
 def fwd_partition(config: AttentionConfig, mesh, arg_shapes,
@@ -363,8 +366,9 @@ def fp8_fwd_partition(config: AttentionConfig, mesh, arg_shapes,
 def bwd_partition(config: AttentionConfig, mesh, arg_shapes,
                   compute: Callable) -> tuple[tuple, tuple, Callable]:
   """custom_partitioning's decision for flash_bwd_p; `compute` returns (dq, dk, dv[, dbias])."""
-  plan = plan_for(mesh, arg_shapes)
-  arg_specs, result_specs = bwd_specs(plan, config.has_segment_ids, config.bias_dims)
+  plan = plan_for(mesh, arg_shapes, _whole_dims(config))
+  arg_specs, result_specs = bwd_specs(plan, config.has_segment_ids, config.bias_dims,
+                                      config.mods)
 
   def per_shard(q, k, v, *rest):
     grads = compute(q, plan.select_kv(k), plan.select_kv(v), *rest)

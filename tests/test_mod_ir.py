@@ -210,3 +210,12 @@ def test_ir_is_pruned_to_the_output():
   assert spec.dscore.eqns == () and spec.dscore.output[0] == "lit"
   assert mod_ir.trace_mods(recipes.identity, None).spec.score == mod_ir.ModIR(
       mod_ir.SCORE_INPUTS, (), ("in", "score"))
+
+
+def test_equations_of_literals_fold():
+  """jax.grad of a scaled score gives `mul 2.0 1.0`: folded to the constant 2.0 (the backward
+  kernel takes constant derivatives); T5's log(max_distance / exact) is a constant too."""
+  spec = mod_ir.trace_mods(lambda s, b, h, q, k: 2.0 * s, None).spec
+  assert spec.dscore.eqns == () and spec.dscore.output == ("lit", (2.0).hex(), "float32")
+  t5 = mod_ir.trace_mods(recipes.t5(jnp.ones((32, H), jnp.float32)), None).spec.score
+  assert [e[0] for e in t5.eqns].count("log") == 1  # only the per-score log remains

@@ -35,12 +35,12 @@ def _recipes(b=B, s=S, h=H):
   }
 
 
-def test_cuda_lowering_runs_the_mods_variant_with_its_arrays():
-  """implementation='cute' on a CPU host lowers for CUDA: one forward custom call of the
-  masked -mods<digest> variant with the mask operands, then the closed-over arrays; the
-  gradient runs the reference (no backward custom call)."""
+def test_cuda_lowering_runs_the_mods_variants_with_their_arrays():
+  """implementation='cute' on a CPU host lowers for CUDA: the forward custom call of the
+  masked -mods<digest> variant takes the mask operands, then the closed-over arrays; so does
+  the backward's (ALiBi's derivative by the score is 1)."""
   q, k, v = make_qkv(1, B, S, S, H, H_KV, D, dtype=jnp.bfloat16)
-  make, docs = _recipes()["document"]
+  _, docs = _recipes()["document"]
   _, slopes = _recipes()["alibi"]
   score_mod, mask_mod = recipes.alibi(slopes), recipes.document(docs)
   digest = mod_ir.trace_mods(score_mod, mask_mod).spec.digest
@@ -52,6 +52,40 @@ def test_cuda_lowering_runs_the_mods_variant_with_its_arrays():
   operands = re.findall(r"tensor<[^>]+>", call.split(" -> ")[0].split(": (")[-1])
   assert len(operands) == 3 + 4 + 2, operands  # q, k, v, the mask operands, the arrays
   assert operands[-2:] == ["tensor<4xf32>", f"tensor<{B}x{S}xi32>"], operands
+  loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))
+  text = jax.jit(jax.value_and_grad(loss)).trace(q, k, v).lower(
+      lowering_platforms=("cuda",)).as_text()
+  (call,) = [line for line in text.splitlines() if f"@{BWD_TARGET}(" in line]
+  assert f"bwd-sm90a-bf16-d64-dv64-masked-mods{digest}-m64n128s2swap" in call
+  operands = re.findall(r"tensor<[^>]+>", call.split(" -> ")[0].split(": (")[-1])
+  assert len(operands) == 7 + 4 + 2, operands
+  assert operands[-2:] == ["tensor<4xf32>", f"tensor<{B}x{S}xi32>"], operands
+
+
+@pytest.mark.parametrize("name", ["alibi", "document"])
+def test_vmap_of_the_kernel_backward_lowers(name):
+  """vmap of a gradient through both kernels: ALiBi folds the mapped axis into the batch, the
+  document mask (it reads the batch) maps one call per index (lax.map)."""
+  make, array = _recipes()[name]
+  q, k, v = make_qkv(3, B, S, S, H, H_KV, D, dtype=jnp.bfloat16)
+  score_mod, mask_mod = make(array)
+  loss = lambda q, k, v: jnp.sum(jaxflash.attention(
+      q, k, v, score_mod=score_mod, mask_mod=mask_mod, implementation="cute").astype(
+          jnp.float32))
+  stack = lambda x: jnp.stack([x, x])
+  f = jax.jit(jax.vmap(jax.grad(loss)))
+  text = f.trace(stack(q), stack(k), stack(v)).lower(lowering_platforms=("cuda",)).as_text()
+  (call,) = [line for line in text.splitlines() if f"@{BWD_TARGET}(" in line]
+  batch = B if name == "document" else 2 * B
+  assert f"tensor<{batch}x{S}x{H}x{D}xbf16>" in call, call[:300]
+
+
+def test_a_score_mod_with_a_varying_derivative_keeps_the_reference_backward():
+  """softcap as a score_mod: its derivative depends on the score, which the backward kernel
+  does not take: the forward kernel, the reference backward."""
+  q, k, v = make_qkv(1, B, S, S, H, H_KV, D, dtype=jnp.bfloat16)
+  attend = lambda q, k, v: jaxflash.attention(q, k, v, score_mod=recipes.softcap(20.0),
+                                              implementation="cute")
   loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))
   text = jax.jit(jax.value_and_grad(loss)).trace(q, k, v).lower(
       lowering_platforms=("cuda",)).as_text()
