@@ -117,9 +117,12 @@ def attention(query, key, value, *, causal: bool = False, softmax_scale: Optiona
       the kernel's score step and compiled once per function (cached on disk by the jaxpr's
       hash; docs/kernels.md lists the supported primitives); their closed-over arrays (up to
       4, rank up to 4) are operands, replicated across shards, and a call whose functions
-      read `batch` or `head` keeps that dim unsharded. Their backward, and every call the
-      kernels cannot take (another primitive, a bias as well: implementation="cute" raises
-      naming the reason), run the blocked reference implementation (memory linear in seq_k).
+      read `batch` or `head` keeps that dim unsharded. The backward kernel takes them where
+      score_mod's derivative by the score is a constant (ALiBi, T5 buckets, any mask_mod) and
+      there is no softcap and deterministic=False. The closed-over float arrays' gradients,
+      other backward passes and every call the kernels cannot take (another primitive, a bias
+      as well: implementation="cute" raises naming the reason) run the blocked reference
+      implementation (memory linear in seq_k).
     deterministic: make the backward pass bitwise reproducible run to run. Without a causal
       mask at head_dim > 128 the CuTe backward then keeps two fp32 dQ accumulators (scratch of
       2 x batch x num_heads x seq_q x head_dim x 4 bytes instead of one).
