@@ -4,6 +4,7 @@ need visible in the SASS. Running that code needs a GPU (tests/test_gpu_mods.py)
 
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -106,7 +107,8 @@ def test_every_op_compiles(tmp_path):
   _compile_sass(traced, "dscore", tmp_path / "d")
 
 
-@pytest.mark.parametrize("name", ["alibi", "t5", "document", "prefix_lm", "chunked", "fill"])
+@pytest.mark.parametrize("name", ["alibi", "t5", "document", "prefix_lm", "chunked", "fill",
+                                  "constant_mask", "constant_select"])
 def test_recipes_compile(name, tmp_path):
   table = jnp.ones((32, 8), jnp.float32)
   fns = {
@@ -116,6 +118,9 @@ def test_recipes_compile(name, tmp_path):
       "prefix_lm": (None, recipes.prefix_lm(jnp.zeros((2,), jnp.int32))),
       "chunked": (None, recipes.chunked(128)),
       "fill": (lambda s, b, h, q, k: s + table.at[q, k].get(mode="fill", fill_value=-1.0), None),
+      # Literal predicates: a mask_mod that folds to False, a select on a literal.
+      "constant_mask": (None, lambda b, h, q, k: jnp.zeros((), jnp.bool_)),
+      "constant_select": (lambda s, b, h, q, k: jax.lax.select(True, s, s * 2.0), None),
   }
   traced = mod_ir.trace_mods(*fns[name])
   which = "score" if fns[name][0] is not None else "mask"
