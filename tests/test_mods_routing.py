@@ -257,3 +257,22 @@ def test_a_host_without_the_dsl_says_how_to_install_it(monkeypatch, tmp_path):
   ok, reason = ffi.variant_available(variant)
   assert not ok
   assert "pip install" in reason and "nvidia-cutlass-dsl" in reason and variant.key in reason
+
+
+def test_the_build_takes_a_mods_variant_by_its_spec(tmp_path, capsys):
+  """A mods variant is never shipped: the on-demand build names it by its spec file
+  (`python -m jaxflash.build --spec`), which round-trips the variant, IR included."""
+  import dataclasses
+  import json
+
+  from jaxflash import build
+  spec = mod_ir.trace_mods(recipes.alibi(jnp.ones((H,), jnp.float32)), recipes.causal).spec
+  cfg = AttentionConfig(softmax_scale=0.125, mods=spec.canonical())
+  variant = config.KernelVariant.for_call("bwd", "sm90a", "float16", 128, 128, cfg)
+  path = tmp_path / "spec.json"
+  path.write_text(json.dumps(dataclasses.asdict(variant)))
+  assert config.variant_from_spec(json.loads(path.read_text())) == variant
+  assert build.main(["--spec", str(path), "--list", "--cache-dir", str(tmp_path)]) == 0
+  assert f"{variant.key}  missing" in capsys.readouterr().out
+  with pytest.raises(ValueError, match="spec: not a kernel variant spec"):
+    config.variant_from_spec({"direction": "fwd"})
