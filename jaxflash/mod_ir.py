@@ -381,7 +381,8 @@ def _fold(ir: ModIR) -> ModIR:
   for i, (op, refs, params, dtype) in enumerate(ir.eqns):
     refs = tuple(fix(r) for r in refs)
     if op != "read" and refs and all(r[0] == "lit" for r in refs):
-      value = np.asarray(_apply(op, [literal_value(r) for r in refs], dict(params), dtype))
+      with jax.ensure_compile_time_eval():  # concrete values also under an outer jit trace
+        value = np.asarray(_apply(op, [literal_value(r) for r in refs], dict(params), dtype))
       known[i] = _literal_ref(value.reshape(()).item(), dtype)
     eqns.append((op, refs, params, dtype))
   return ModIR(ir.inputs, tuple(eqns), fix(ir.output))

@@ -219,3 +219,15 @@ def test_equations_of_literals_fold():
   assert spec.dscore.eqns == () and spec.dscore.output == ("lit", (2.0).hex(), "float32")
   t5 = mod_ir.trace_mods(recipes.t5(jnp.ones((32, H), jnp.float32)), None).spec.score
   assert [e[0] for e in t5.eqns].count("log") == 1  # only the per-score log remains
+
+
+def test_folding_works_under_an_outer_jit_trace():
+  """trace_mods runs inside jaxflash.attention, often under jit: folded literals stay
+  concrete there."""
+  def inside(x):
+    spec = mod_ir.trace_mods(lambda s, b, h, q, k: 3.0 * s * x, None).spec
+    assert spec.dscore.output[0] == "v"  # depends on the closed-over x: not a constant
+    folded = mod_ir.trace_mods(lambda s, b, h, q, k: 2.0 * s, None).spec
+    assert folded.dscore.output == ("lit", (2.0).hex(), "float32")
+    return x
+  jax.jit(inside)(jnp.float32(1.0))
