@@ -9,8 +9,9 @@ lowering computes these ranges on the device with the XLA ops below. A call with
 closed form at trace time, the backward's longest_first and launch_ranks run on those NumPy
 arrays, and the program takes the results as constants, with no preparation kernels.
 Contiguous segments (packed documents, trailing padding) get tight ranges; other ids stay
-correct through the elementwise mask over the hull of their keys. Imports jax, numpy and
-config only.
+correct through the elementwise mask over the hull of their keys. A mask_mod's block mask
+(jaxflash/block_mask.py) narrows the ranges further. Imports jax, numpy, block_mask and config
+only.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from jaxflash import block_mask as block_masks
 from jaxflash.config import WINDOW_UNBOUNDED as UNBOUNDED
 from jaxflash.config import L2_BYTES_FOR_REUSE, AttentionConfig, KernelVariant
 
@@ -255,16 +257,27 @@ def last_first(batch: int, tiles: int) -> np.ndarray:
 
 
 def forward_operands(variant: KernelVariant, config: AttentionConfig, batch: int, seq_q: int,
-                     seq_k: int, segment_ids=()):
+                     seq_k: int, segment_ids=(), block_mask=None):
   """The masked forward's operands, in custom-call order (kernel_abi.h JaxflashMask): query
   ids, key ids (padded to tiles / blocks), block ranges of the query tiles in launch order,
   the launch order (last_first: a constant, so the ranges in launch order are the ranges
-  reversed along the tiles)."""
+  reversed along the tiles). block_mask: a mask_mod's block_mask.BlockMask, whose ranges
+  narrow those of the segment ids and the band (a call with a mask_mod must pass it: blocks
+  in the full range skip the elementwise mask, mask_mod's included)."""
   s = variant.schedule
   tiling = forward_tiling(s.tile_m, s.tile_n, seq_q, seq_k, window_bounds(config))
   q_ids, kv_ids, ranges = _ranges_and_ids(segment_ids, tiling, batch, seq_q, seq_k, s.tile_m,
                                           s.tile_n)
+  if block_mask is not None:
+    ranges = _narrowed(ranges, block_mask, tiling, batch, transpose=False)
   return q_ids, kv_ids, ranges[:, ::-1], last_first(batch, ranges.shape[1])
+
+
+def _narrowed(ranges, block_mask, tiling: Tiling, batch: int, transpose: bool):
+  """ranges (NumPy constants or device arrays, batch or 1 rows) intersected with the block
+  mask's ranges for the same tiling, on the device."""
+  return block_masks.intersect_ranges(
+      jnp.asarray(ranges), block_masks.tile_ranges(block_mask, tiling, batch, transpose))
 
 
 def _section_blocks(heads: int, dims: int, block: int) -> int:
@@ -274,17 +287,21 @@ def _section_blocks(heads: int, dims: int, block: int) -> int:
 
 
 def backward_operands(variant: KernelVariant, config: AttentionConfig, batch: int, seq_q: int,
-                      seq_k: int, num_heads: int, num_kv_heads: int, segment_ids=()):
+                      seq_k: int, num_heads: int, num_kv_heads: int, segment_ids=(),
+                      block_mask=None):
   """The masked backward's operands, in custom-call order: key ids, query ids (padded to key
   tiles / query blocks), block ranges of the key tiles in launch order, the CTA launch order
   (longest first), and for deterministic variants the ranks of each contribution in that
   order. A section holds the query blocks of the heads whose key tiles run together: one kv
   head's query heads (the kernel runs one kv head at a time), or every head for deterministic
-  variants (the kv heads of an entry run together; bwd_sm90 _launch_entry)."""
+  variants (the kv heads of an entry run together; bwd_sm90 _launch_entry). block_mask: as
+  forward_operands'."""
   s = variant.schedule
   tiling = backward_tiling(s.tile_m, s.tile_n, seq_q, seq_k, window_bounds(config))
   kv_ids, q_ids, ranges = _ranges_and_ids(segment_ids[::-1], tiling, batch, seq_k, seq_q,
                                           s.tile_n, s.tile_m)
+  if block_mask is not None:
+    ranges = _narrowed(ranges, block_mask, tiling, batch, transpose=True)
   heads = num_heads if variant.deterministic else num_heads // num_kv_heads
   order = longest_first(ranges, _section_blocks(heads, variant.head_dim + variant.head_dim_v,
                                                 s.tile_m))
