@@ -18,7 +18,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.interpreters import batching, mlir
 
-from jaxflash import _jax_internal, block_ranges, mod_ir, reference
+from jaxflash import _jax_internal, block_mask, block_ranges, mod_ir, reference
 from jaxflash.sink import add_learnable_sink, learnable_sink_grad
 from jaxflash.config import (AttentionConfig, BWD_TARGET, FWD_TARGET, KernelVariant,
                              LSE_CHECKPOINT_NAME, OUT_CHECKPOINT_NAME, bias_row_length,
@@ -66,6 +66,19 @@ def _reference_mods(config: AttentionConfig, bias, arrays):
   if bias is None and score_mod is None and mask_mod is None:
     return None
   return reference.ScoreMods(bias, score_mod, mask_mod)
+
+
+def _block_mask(config: AttentionConfig, arrays, batch: int, heads: int, seq_q: int,
+                seq_k: int):
+  """The block mask of the call's mask_mod over its arrays (block_mask.py), or None without
+  one. The kernels' block ranges narrow to it: its empty blocks are never visited, and its full
+  ones run without mask_mod (the mods variants apply mask_mod outside the full range only)."""
+  if not config.has_mods or min(batch, heads, seq_q, seq_k) < 1:
+    return None
+  _, mask_mod = mod_ir.functions(mod_ir.parse_spec(config.mods), arrays)
+  if mask_mod is None:
+    return None
+  return block_mask.create_block_mask(mask_mod, batch, heads, seq_q, seq_k)
 
 
 def _split_bias(args, config: AttentionConfig):
@@ -221,7 +234,9 @@ def _fwd_lower_cuda(ctx, q, k, v, *rest, config):
     segment_ids, sink = _split_sink(rest, config)
     segment_ids, arrays = _split_mods(segment_ids, config)
     segment_ids, bias = _split_bias(segment_ids, config)
-    operands = block_ranges.forward_operands(variant, config, b, seq_q, seq_k, segment_ids)
+    operands = block_ranges.forward_operands(
+        variant, config, b, seq_q, seq_k, segment_ids,
+        _block_mask(config, arrays, b, q_aval.shape[2], seq_q, seq_k))
     if bias is not None:
       operands = operands + (_kernel_bias(bias),)
     operands = operands + arrays
@@ -289,9 +304,9 @@ def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *rest, config):
   def call(q, k, v, out, lse, d_out, d_lse, *rest):
     rest, arrays = _split_mods(rest, config)
     segment_ids, bias = _split_bias(rest, config)
-    operands = block_ranges.backward_operands(variant, config, b, seq_q, seq_k,
-                                              q_aval.shape[2], k_aval.shape[2],
-                                              segment_ids)
+    operands = block_ranges.backward_operands(
+        variant, config, b, seq_q, seq_k, q_aval.shape[2], k_aval.shape[2], segment_ids,
+        _block_mask(config, arrays, b, q_aval.shape[2], seq_q, seq_k))
     outs = jax.ffi.ffi_call(BWD_TARGET, results)(
         q, k, v, out, lse, d_out, d_lse, *operands,
         *(() if bias is None else (_kernel_bias(bias),)), *arrays, **attrs)

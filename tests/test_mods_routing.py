@@ -276,3 +276,40 @@ def test_the_build_takes_a_mods_variant_by_its_spec(tmp_path, capsys):
   assert f"{variant.key}  missing" in capsys.readouterr().out
   with pytest.raises(ValueError, match="spec: not a kernel variant spec"):
     config.variant_from_spec({"direction": "fwd"})
+
+
+def test_the_lowerings_narrow_the_block_ranges_to_the_mask_mods_block_mask(monkeypatch):
+  """The forward and backward CUDA lowerings pass block_ranges the block mask of the call's
+  mask_mod over its arrays (so empty blocks are skipped and full ones run without mask_mod),
+  and none for a score_mod alone."""
+  from jaxflash import block_mask, block_ranges, primitives
+  q, k, v = make_qkv(1, B, S, S, H, H_KV, D, dtype=jnp.bfloat16)
+  _, docs = _recipes()["document"]
+  _, slopes = _recipes()["alibi"]
+  seen = []
+  for name in ("forward_operands", "backward_operands"):
+    original = getattr(block_ranges, name)
+    def capture(*args, original=original, name=name, **kwargs):
+      seen.append((name, args[-1]))
+      return original(*args, **kwargs)
+    monkeypatch.setattr(block_ranges, name, capture)
+  for score_mod, mask_mod in ((recipes.alibi(slopes), recipes.document(docs)),
+                              (recipes.alibi(slopes), None)):
+    seen.clear()
+    attend = lambda q, k, v: jaxflash.attention(q, k, v, score_mod=score_mod,
+                                                mask_mod=mask_mod, implementation="cute")
+    loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))
+    jax.jit(jax.grad(loss)).trace(q, k, v).lower(lowering_platforms=("cuda",))
+    assert [name for name, _ in seen] == ["forward_operands", "backward_operands"]
+    for _, mask in seen:
+      assert (mask is None) == (mask_mod is None)
+      if mask is not None:
+        assert mask.visit.shape == (B, 1, -(-S // block_mask.BLOCK), -(-S // block_mask.BLOCK))
+  # Its values: create_block_mask of the mask_mod the IR evaluates.
+  traced = mod_ir.trace_mods(None, recipes.document(docs))
+  cfg = AttentionConfig(softmax_scale=1.0, mods=traced.spec.canonical())
+  got = primitives._block_mask(cfg, traced.arrays, B, H, S, S)
+  want = block_mask.create_block_mask(recipes.document(docs), B, H, S, S)
+  np.testing.assert_array_equal(got.visit, want.visit)
+  np.testing.assert_array_equal(got.full, want.full)
+  assert primitives._block_mask(cfg, traced.arrays, B, H, 0, S) is None

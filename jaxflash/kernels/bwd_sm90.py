@@ -1215,12 +1215,13 @@ class FlashAttentionBackwardSm90:
     # P^T = exp2(S^T * scale * log2(e) - lse * log2(e)), lse of the column's query.
     acc_s_mn = self._capped_scores(acc_s, cap)
     if const_expr(self.mods is not None):
-      # score_mod and mask_mod as in the forward, in every block, before the masks.
+      # score_mod as in the forward, in every block, before the masks; mask_mod outside the
+      # full range (the block mask keeps every pair of a block inside it).
       batch, head, masking = where
       mod_codegen.apply_mods(self.mods, acc_s_mn, tStS_mn, masking.mod_arrays,
                              n_block * self.tile_n, m_block * self.tile_m, seqlen_q, seqlen_k,
                              batch, head, masking.mod_scale, masking.mod_inv_scale,
-                             transposed=True)
+                             transposed=True, with_mask=is_masked)
     if const_expr(is_masked):
       if const_expr(self.masked):
         # ids: (this thread's key ids, the stages' query ids, window_left, window_right).

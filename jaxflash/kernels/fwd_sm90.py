@@ -760,7 +760,8 @@ class FlashAttentionForwardSm90:
         if m.capped != 0:
           softmax.soft_cap(acc_s, m.tanh_scale)
         self._add_bias(c, acc_s_mn, k_state)
-        self._apply_mods(c, acc_s_mn, m_block, n_block, seqlen_q, seqlen_k)
+        # A block in the full range: mask_mod keeps all of it (block_mask.py), score_mod only.
+        self._apply_mods(c, acc_s_mn, m_block, n_block, seqlen_q, seqlen_k, False)
         c.online.online_softmax(acc_s_mn, c.row_scale)
     elif const_expr(self.masked):
       # The tanh before the mask, which writes -inf. Under a fixed max P is rounded for its row
@@ -772,7 +773,7 @@ class FlashAttentionForwardSm90:
       self._add_bias(c, acc_s_mn, k_state)
       # score_mod and mask_mod after the bias; the band and ids' -inf after score_mod (a masked
       # score's value never matters, and mask_mod's -inf commutes with theirs).
-      self._apply_mods(c, acc_s_mn, m_block, n_block, seqlen_q, seqlen_k)
+      self._apply_mods(c, acc_s_mn, m_block, n_block, seqlen_q, seqlen_k, True)
       mask.apply_band_and_ids(acc_s_mn, c.tScS_mn, m_block, n_block, seqlen_q, seqlen_k,
                               self.tile_m, self.tile_n, m.window_left, m.window_right,
                               c.row_ids, m.key_ids_smem[None, k_state.index])
@@ -807,14 +808,15 @@ class FlashAttentionForwardSm90:
 
   @cute.jit
   def _apply_mods(self, c, acc_s_mn: cute.Tensor, m_block: Int32, n_block: Int32,
-                  seqlen_q: Int32, seqlen_k: Int32):
-    """Mods variants: score_mod and mask_mod on every score of the block (the tile's batch and
-    query head; kernels/mod_codegen.py)."""
+                  seqlen_q: Int32, seqlen_k: Int32, with_mask: cutlass.Constexpr):
+    """Mods variants: score_mod, and mask_mod with with_mask (blocks outside the full range),
+    on every score of the block (the tile's batch and query head; kernels/mod_codegen.py)."""
     if const_expr(self.mods is not None):
       m = c.masking
       mod_codegen.apply_mods(self.mods, acc_s_mn, c.tScS_mn, m.mod_arrays,
                              m_block * self.tile_m, n_block * self.tile_n, seqlen_q, seqlen_k,
-                             c.mod_batch, c.mod_head, m.mod_scale, m.mod_inv_scale)
+                             c.mod_batch, c.mod_head, m.mod_scale, m.mod_inv_scale,
+                             with_mask=with_mask)
 
   @cute.jit
   def _release_k(self, c, kv_state, is_masked: cutlass.Constexpr,

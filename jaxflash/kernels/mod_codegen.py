@@ -305,7 +305,7 @@ def _integer_pow(x, y: int, dtype: str):
 def apply_mods(program: dict, acc_s_mn: cute.Tensor, coord_mn: cute.Tensor, arrays,
                row_base: Int32, col_base: Int32, seqlen_q: Int32, seqlen_k: Int32,
                batch: Int32, head: Int32, scale: Float32, inv_scale: Float32,
-               transposed: bool = False):
+               transposed: bool = False, with_mask: bool = True):
   """score_mod and mask_mod on one S block in place: S rows queries and columns keys, or with
   `transposed` (the backward's S^T) rows keys and columns queries; row_base / col_base are the
   block's first row and column in those terms.
@@ -314,7 +314,9 @@ def apply_mods(program: dict, acc_s_mn: cute.Tensor, coord_mn: cute.Tensor, arra
   or softcap when capped), so score_mod sees scale * S and its result enters divided by scale;
   mask_mod sets -inf. program: parse()'s dict (trace-time). Query rows past seqlen_q and keys
   past seqlen_k call the functions with the last position (the reference's convention; their
-  scores are never stored or are masked)."""
+  scores are never stored or are masked). with_mask False: score_mod only, for blocks whose
+  every pair mask_mod keeps (the full range of block ranges narrowed by the call's block mask,
+  jaxflash/block_mask.py)."""
   score_ir, mask_ir = program["score"], program["mask"]
   num_rows, num_cols = cute.size(acc_s_mn, mode=[0]), cute.size(acc_s_mn, mode=[1])
   row_limit, col_limit = (seqlen_k, seqlen_q) if transposed else (seqlen_q, seqlen_k)
@@ -332,7 +334,7 @@ def apply_mods(program: dict, acc_s_mn: cute.Tensor, coord_mn: cute.Tensor, arra
       for j in range(num_cols):
         inputs = dict(index(i, j), score=acc_s_mn[i, j] * scale)
         acc_s_mn[i, j] = emit(score_ir, inputs, arrays) * inv_scale
-  if not is_all_true(mask_ir):
+  if with_mask and not is_all_true(mask_ir):
     for i in range(num_rows):
       for j in range(num_cols):
         keep = emit(mask_ir, index(i, j), arrays)
