@@ -37,7 +37,7 @@ DTYPES = ("bool", "int8", "int16", "int32", "uint8", "uint16", "uint32", "float1
 
 # jax primitive -> IR op, for ops that map one to one (operands in the same order).
 _UNARY = ("neg", "abs", "sign", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
-          "sqrt", "rsqrt", "floor", "ceil", "not", "square", "is_finite")
+          "sqrt", "rsqrt", "floor", "ceil", "not", "square", "one_minus_square", "is_finite")
 _BINARY = ("add", "sub", "mul", "div", "rem", "max", "min", "eq", "ne", "lt", "le", "gt", "ge",
            "and", "or", "xor", "shift_left", "shift_right_arithmetic", "shift_right_logical")
 _DIRECT = frozenset(_UNARY + _BINARY + ("select_n", "clamp"))
@@ -464,6 +464,9 @@ _LAX = {"neg": lax.neg, "abs": lax.abs, "sign": lax.sign, "exp": lax.exp, "exp2"
 def _apply(op, args, params, dtype):
   if op in _LAX:
     return _LAX[op](*args)
+  if op == "one_minus_square":  # jax.grad of tanh: (1 + x) (1 - x), as JAX computes it
+    one = lax.full_like(args[0], 1)
+    return lax.mul(lax.add(one, args[0]), lax.sub(one, args[0]))
   if op == "select_n":
     return lax.select_n(*args)
   if op == "round":

@@ -68,7 +68,7 @@ def _reference_mods(config: AttentionConfig, bias, arrays):
   return reference.ScoreMods(bias, score_mod, mask_mod)
 
 
-def _block_mask(config: AttentionConfig, arrays, batch: int, heads: int, seq_q: int,
+def mods_block_mask(config: AttentionConfig, arrays, batch: int, heads: int, seq_q: int,
                 seq_k: int):
   """The block mask of the call's mask_mod over its arrays (block_mask.py), or None without
   one. The kernels' block ranges narrow to it: its empty blocks are never visited, and its full
@@ -236,7 +236,7 @@ def _fwd_lower_cuda(ctx, q, k, v, *rest, config):
     segment_ids, bias = _split_bias(segment_ids, config)
     operands = block_ranges.forward_operands(
         variant, config, b, seq_q, seq_k, segment_ids,
-        _block_mask(config, arrays, b, q_aval.shape[2], seq_q, seq_k))
+        mods_block_mask(config, arrays, b, q_aval.shape[2], seq_q, seq_k))
     if bias is not None:
       operands = operands + (_kernel_bias(bias),)
     operands = operands + arrays
@@ -306,7 +306,7 @@ def _bwd_lower_cuda(ctx, q, k, v, out, lse, d_out, d_lse, *rest, config):
     segment_ids, bias = _split_bias(rest, config)
     operands = block_ranges.backward_operands(
         variant, config, b, seq_q, seq_k, q_aval.shape[2], k_aval.shape[2], segment_ids,
-        _block_mask(config, arrays, b, q_aval.shape[2], seq_q, seq_k))
+        mods_block_mask(config, arrays, b, q_aval.shape[2], seq_q, seq_k))
     outs = jax.ffi.ffi_call(BWD_TARGET, results)(
         q, k, v, out, lse, d_out, d_lse, *operands,
         *(() if bias is None else (_kernel_bias(bias),)), *arrays, **attrs)

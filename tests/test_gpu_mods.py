@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import block_ranges, config, ffi, mod_ir
+from jaxflash import block_ranges, config, ffi, mod_ir, primitives
 from jaxflash.config import BWD_TARGET, FWD_TARGET, AttentionConfig, KernelVariant
 from tests import _mod_recipes as recipes
 from tests._cases import make_qkv, x64
@@ -195,7 +195,10 @@ def _fwd_into(q, k, v, out_buffer, lse_buffer, *arrays, variant, cfg):
             jax.ShapeDtypeStruct((b, h, seq_q), jnp.float32))
   result += tuple(jax.ShapeDtypeStruct(shape, dt)
                   for _, shape, dt in config.fwd_scratch_shapes(variant))
-  operands = block_ranges.forward_operands(variant, cfg, b, seq_q, k.shape[1], ())
+  # The block mask of mask_mod, as the lowering passes it: the full range skips mask_mod.
+  operands = block_ranges.forward_operands(
+      variant, cfg, b, seq_q, k.shape[1], (),
+      primitives.mods_block_mask(cfg, arrays, b, h, seq_q, k.shape[1]))
   return jax.ffi.ffi_call(FWD_TARGET, result)(q, k, v, *operands, *arrays,
                                               **ffi.fwd_attributes(variant, cfg))[:2]
 

@@ -231,3 +231,12 @@ def test_folding_works_under_an_outer_jit_trace():
     assert folded.dscore.output == ("lit", (2.0).hex(), "float32")
     return x
   jax.jit(inside)(jnp.float32(1.0))
+
+
+def test_one_minus_square_evaluates_as_jax_computes_it():
+  """jax.grad of tanh emits one_minus_square (JAX 0.11): (1 + x) (1 - x) in the IR's dtype."""
+  x = jnp.asarray([0.0, 0.5, -0.75, 1.0, 3.0], jnp.float32)
+  np.testing.assert_array_equal(mod_ir._apply("one_minus_square", [x], {}, "float32"),
+                                (1 + x) * (1 - x))
+  half = x.astype(jnp.bfloat16)
+  assert mod_ir._apply("one_minus_square", [half], {}, "bfloat16").dtype == jnp.bfloat16

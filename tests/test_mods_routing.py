@@ -308,8 +308,8 @@ def test_the_lowerings_narrow_the_block_ranges_to_the_mask_mods_block_mask(monke
   # Its values: create_block_mask of the mask_mod the IR evaluates.
   traced = mod_ir.trace_mods(None, recipes.document(docs))
   cfg = AttentionConfig(softmax_scale=1.0, mods=traced.spec.canonical())
-  got = primitives._block_mask(cfg, traced.arrays, B, H, S, S)
+  got = primitives.mods_block_mask(cfg, traced.arrays, B, H, S, S)
   want = block_mask.create_block_mask(recipes.document(docs), B, H, S, S)
   np.testing.assert_array_equal(got.visit, want.visit)
   np.testing.assert_array_equal(got.full, want.full)
-  assert primitives._block_mask(cfg, traced.arrays, B, H, 0, S) is None
+  assert primitives.mods_block_mask(cfg, traced.arrays, B, H, 0, S) is None

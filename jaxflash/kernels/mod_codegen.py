@@ -251,6 +251,8 @@ def _op(op, args, arg_dtypes, params, dtype):
                 else Uint32(0xFFFFFFFF))
   if op == "square":
     return _fit(x * x, dtype)
+  if op == "one_minus_square":  # jax.grad of tanh: (1 + x) (1 - x), as JAX computes it
+    return _fit((Float32(1.0) + x) * (Float32(1.0) - x), dtype)
   if op == "is_finite":
     return Float32(cute.math.absf(x)) < Float32(math.inf)
   if op == "integer_pow":
