@@ -391,7 +391,7 @@ def _second_q_slot_fits(tile_m: int, tile_n: int, num_stages: int, head_dim: int
 
 def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = False,
                  seq_k: Optional[int] = None, band: Optional[int] = None,
-                 bias: bool = False) -> FwdSchedule:
+                 bias: bool = False, mods: bool = False) -> FwdSchedule:
   """The forward schedule table (H200 measurements in docs/kernels.md, "Forward tiles").
 
   masked: the variant for windows, segment ids and softcap, causal or not (all run-time data);
@@ -404,6 +404,8 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = Fa
   unbounded): masked calls at NARROW_BAND_HEAD_DIMS up to NARROW_BAND_MAX_KEYS take a schedule
   of their own.
   bias: a bias variant (masked), whose tile ignores the band.
+  mods: a score_mod / mask_mod variant (masked): the bias variants' tile, whatever the band,
+  with the Q slots of a masked variant (no bias tiles in shared memory).
   """
   short = (not causal and not masked and head_dim in SHORT_DENSE_HEAD_DIMS
            and seq_k is not None and seq_k <= SHORT_DENSE_MAX_KEYS)
@@ -413,8 +415,9 @@ def fwd_schedule(head_dim: int, head_dim_v: int, causal: bool, masked: bool = Fa
   if head_dim <= 64:
     # 192 x 128, 3 consumer warpgroups (FA-4's tile): +11 % at 4k over 128 x 128; narrow bands
     # visit fewer key blocks per row on 128-row tiles. Bias variants: 128 x 128, as the bias
-    # loads spilled the three-warpgroup tile's 160 registers per thread.
-    tile_m, tile_n = (128, 128) if narrow or bias else (192, 128)
+    # loads spilled the three-warpgroup tile's 160 registers per thread; mods variants take the
+    # same tile (their per-score code was compiled on 128 x 128 only).
+    tile_m, tile_n = (128, 128) if narrow or bias or mods else (192, 128)
   elif head_dim <= 96:
     # 128 x 128: FA-3/FA-4's 192-row tiles pass P through shared memory, ours keeps P in
     # registers; 128 x 160 and 128 x 176 were no faster.
@@ -571,7 +574,8 @@ class KernelVariant:
     if direction == "fwd":
       # Bias and mods variants keep one schedule whatever the band.
       band = None if per_score else config.band
-      schedule = fwd_schedule(head_dim, head_dim_v, causal, masked, seq_k, band, per_score)
+      schedule = fwd_schedule(head_dim, head_dim_v, causal, masked, seq_k, band,
+                              config.has_bias, config.has_mods)
     else:
       schedule = bwd_schedule(head_dim, head_dim_v, causal, deterministic, masked,
                               config.has_bias, config.has_mods)

@@ -64,11 +64,18 @@ def test_mods_variant_key_and_schedule():
   variant, spec = mods_variant("alibi")
   assert variant.masked and variant.mods == spec.canonical()
   assert variant.key.endswith(f"-masked-mods{spec.digest}-{variant.schedule.key}")
-  # The bias variants' tiles.
+  # The bias variants' tiles, with the Q slots of the masked variants: no bias tiles take the
+  # second slot's shared memory.
   bias = config.KernelVariant.for_call(
       "fwd", "sm90a", "bfloat16", 128, 128,
       config.AttentionConfig(softmax_scale=0.125, bias_dims=(True, True, True)))
-  assert variant.schedule == bias.schedule
+  masked = config.KernelVariant.for_call(
+      "fwd", "sm90a", "bfloat16", 128, 128,
+      config.AttentionConfig(softmax_scale=0.125, window_left=4096))
+  assert (variant.schedule.tile_m, variant.schedule.tile_n) == (bias.schedule.tile_m,
+                                                                bias.schedule.tile_n)
+  assert variant.schedule == masked.schedule
+  assert (variant.schedule.q_stages, bias.schedule.q_stages) == (2, 1)
   assert all(v.mods is None for d in config.DIRECTIONS
              for v in config.shipped_variants("sm90a", d))
 
