@@ -53,10 +53,11 @@ BIAS_KINDS = ("1H", "BH")
 BIAS_IMPLS = ("jaxflash", "jaxflash bias", "cudnn", "cudnn bias")
 # --mods: the columns (issue #65's targets: identity >= 0.97x plain, ALiBi and T5 >= 0.85x,
 # causal and window as mask_mods >= 0.95x the built-in ones), and the window's left size.
-MODS_IMPLS = ("jaxflash", "identity", "alibi", "t5", "causal", "causal mask_mod", "window",
-              "window mask_mod", "cudnn", "cudnn alibi bias")
+MODS_IMPLS = ("jaxflash", "identity", "alibi", "t5", "t5 by distance", "causal",
+              "causal mask_mod", "window", "window mask_mod", "cudnn", "cudnn alibi bias")
 MODS_WINDOW = 1024
 T5_BUCKETS = 32
+T5_MAX_DISTANCE = 128
 
 
 def attend_fn(impl: str, causal: bool, implementation: str = "cute", softcap: float = SOFTCAP):
@@ -126,7 +127,7 @@ def bias_fn(impl: str, causal: bool, implementation: str = "cute"):
       q, k, v, causal=causal, bias=bias if with_bias else None, implementation=implementation)
 
 
-def t5_bucket(rel, num_buckets: int = T5_BUCKETS, max_distance: int = 128):
+def t5_bucket(rel, num_buckets: int = T5_BUCKETS, max_distance: int = T5_MAX_DISTANCE):
   """T5's bidirectional relative-position bucket of rel = kv_idx - q_idx."""
   half = num_buckets // 2
   exact = half // 2
@@ -134,6 +135,14 @@ def t5_bucket(rel, num_buckets: int = T5_BUCKETS, max_distance: int = 128):
   large = exact + (jnp.log(a.astype(jnp.float32) / exact) / np.log(max_distance / exact)
                    * (half - exact)).astype(jnp.int32)
   return jnp.where(rel > 0, half, 0) + jnp.where(a < exact, a, jnp.minimum(large, half - 1))
+
+
+def t5_distance_table(table, max_distance: int = T5_MAX_DISTANCE):
+  """(heads, 2 max_distance + 1): table's entry for each kv_idx - q_idx in [-max_distance,
+  max_distance], beyond which T5's buckets are constant ("t5 by distance" reads it per score
+  instead of taking the bucket's log)."""
+  rel = jnp.arange(-max_distance, max_distance + 1, dtype=jnp.int32)
+  return table[t5_bucket(rel, max_distance=max_distance)].T
 
 
 def mods_fn(impl: str, slopes, table, implementation: str = "cute"):
@@ -154,11 +163,20 @@ def mods_fn(impl: str, slopes, table, implementation: str = "cute"):
       "identity": dict(score_mod=lambda s, b, h, i, j: s),
       "alibi": dict(score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i).astype(jnp.float32)),
       "t5": dict(score_mod=lambda s, b, h, i, j: s + table[t5_bucket(j - i), h]),
+      "t5 by distance": {},
       "causal": dict(causal=True),
       "causal mask_mod": dict(mask_mod=lambda b, h, i, j: j <= i),
       "window": dict(causal=True, window_size=window),
       "window mask_mod": dict(mask_mod=lambda b, h, i, j: (j <= i) & (i - j <= MODS_WINDOW)),
   }[impl]
+  if impl == "t5 by distance":
+    def by_distance(q, k, v):  # the table's gather is part of every call
+      distance = t5_distance_table(table)
+      m = T5_MAX_DISTANCE
+      return jaxflash.attention(
+          q, k, v, implementation=implementation,
+          score_mod=lambda s, b, h, i, j: s + distance[h, jnp.clip(j - i, -m, m) + m])
+    return by_distance
   return lambda q, k, v: jaxflash.attention(q, k, v, implementation=implementation, **options)
 
 
@@ -186,6 +204,7 @@ def run_mods(args, rng) -> list:
         records.append(timed_record(fn, (q, k, v), flops, shape="mods", seq=s, mode=mode,
                                     impl=impl))
   pairs = (("identity", "jaxflash"), ("alibi", "jaxflash"), ("t5", "jaxflash"),
+           ("t5 by distance", "jaxflash"),
            ("causal mask_mod", "causal"), ("window mask_mod", "window"),
            ("alibi", "cudnn alibi bias"))
   print("| seq | mode | " + " | ".join(f"{i} ms" for i in MODS_IMPLS) + " | "

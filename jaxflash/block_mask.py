@@ -146,13 +146,11 @@ def tile_ranges(block_mask: BlockMask, tiling: Tiling, batch: int, transpose: bo
   seen = visit.any(axis=-1)
   start = jnp.where(seen, jnp.min(jnp.where(visit, blk, blocks), axis=-1), 0)
   end = jnp.where(seen, jnp.max(jnp.where(visit, blk, -1), axis=-1) + 1, 0)
-  # The longest run of full blocks: run[k] = full blocks ending at k; ties take the first.
-  def run_step(run, f):
-    run = jnp.where(f, run + 1, 0)
-    return run, run
-  _, runs = jax.lax.scan(run_step, jnp.zeros((b, tiles), jnp.int32),
-                         jnp.moveaxis(full, -1, 0).astype(bool))
-  runs = jnp.moveaxis(runs, 0, -1)  # (b, tiles, blocks)
+  # The longest run of full blocks: runs[k] = full blocks ending at k (k minus the last block
+  # at or before k that is not full; a cumulative max, one XLA op rather than a loop over
+  # blocks); ties take the first.
+  last_partial = jax.lax.cummax(jnp.where(full, -1, blk), axis=full.ndim - 1)
+  runs = blk - last_partial  # (b, tiles, blocks)
   longest = runs.max(axis=-1)
   full_hi = jnp.argmax(runs, axis=-1).astype(jnp.int32) + 1
   full_lo = full_hi - longest

@@ -62,6 +62,19 @@ def functions_only(mods) -> bool:
   return mods is not None and (mods.score_mod is not None or mods.mask_mod is not None)
 
 
+def returns_its_score(mods) -> bool:
+  """Whether checked mods are a score_mod that returns its score unchanged (no eqns), with no
+  mask_mod and no bias: the plain call, which jaxflash.attention then runs (kernels and
+  reference alike) instead of a mods variant."""
+  if mods is None or mods.bias is not None or mods.mask_mod is not None or mods.score_mod is None:
+    return False
+  try:
+    score = mod_ir.trace_mods(mods.score_mod, None).spec.score
+  except mod_ir.UnsupportedModError:
+    return False
+  return not score.eqns and tuple(score.output) == ("in", "score")
+
+
 def _check_traceable(mods: reference.ScoreMods, dtype: str) -> None:
   """Traces score_mod / mask_mod once on scalars: each must return one scalar (a float score,
   a boolean mask) and be expressible as a jaxpr."""

@@ -36,6 +36,23 @@ def t5(table, num_buckets: int = 32, max_distance: int = 128):
   return score_mod
 
 
+def t5_distance_table(table, num_buckets: int = 32, max_distance: int = 128):
+  """(heads, 2 max_distance + 1): table[bucket, h] for each kv_idx - q_idx in [-max_distance,
+  max_distance] (T5's buckets are constant beyond), computed once per call in XLA, so the
+  kernel's score_mod reads one entry per score instead of taking a log; jax.grad reaches
+  `table` through this gather."""
+  rel = jnp.arange(-max_distance, max_distance + 1, dtype=jnp.int32)
+  return jnp.asarray(table)[t5_bucket(rel, num_buckets, max_distance)].T
+
+
+def t5_by_distance(distance_table, max_distance: int = 128):
+  """T5 buckets as a read of t5_distance_table's (heads, 2 max_distance + 1) array."""
+  def score_mod(score, b, h, q_idx, kv_idx):
+    rel = jnp.clip(kv_idx - q_idx, -max_distance, max_distance) + max_distance
+    return score + distance_table[h, rel].astype(score.dtype)
+  return score_mod
+
+
 def softcap(cap: float):
   def score_mod(score, b, h, q_idx, kv_idx):
     return cap * jnp.tanh(score / cap)

@@ -539,3 +539,4 @@ def test_mods_columns_are_the_calls_they_name():
   np.testing.assert_allclose(run("alibi"), np.asarray(jaxflash.attention(
       q, k, v, bias=bias, implementation="reference")), rtol=1e-5, atol=1e-5)
   assert not np.allclose(run("t5"), run("jaxflash"))
+  np.testing.assert_allclose(run("t5 by distance"), run("t5"), rtol=1e-6, atol=1e-6)

@@ -100,6 +100,10 @@ def _check_ranges(ranges, pairs, row_tile, col_tile, exact_hull):
       assert all(start <= c < end for c in visible), (b, t, ranges[b, t], visible)
       if exact_hull:
         assert (start, end) == ((visible[0], visible[-1] + 1) if len(visible) else (0, 0))
+        whole = [tile[:, :, c * col_tile:(c + 1) * col_tile].all() for c in range(len(seen))]
+        longest = max((len(r) for r in "".join("1" if w else "0" for w in whole).split("0")),
+                      default=0)
+        assert full_hi - full_lo == longest, (b, t, ranges[b, t], whole)
       for c in range(full_lo, full_hi):
         assert tile[:, :, c * col_tile:(c + 1) * col_tile].all(), (b, t, c)
 

@@ -92,6 +92,23 @@ def test_a_score_mod_with_a_varying_derivative_keeps_the_reference_backward():
   assert f"@{FWD_TARGET}(" in text and f"@{BWD_TARGET}(" not in text
 
 
+def test_a_score_mod_that_returns_its_score_runs_the_plain_call():
+  """The identity score_mod lowers to the plain call's custom calls (no mods variant, no mask
+  operands), forward and backward; a score_mod that changes the score does not."""
+  q, k, v = make_qkv(1, B, S, S, H, H_KV, D, dtype=jnp.bfloat16)
+
+  def lowered(**options):
+    loss = lambda q, k, v: jnp.sum(jaxflash.attention(
+        q, k, v, causal=True, implementation="cute", **options).astype(jnp.float32))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+  plain = lowered()
+  assert lowered(score_mod=recipes.identity) == plain
+  assert lowered(score_mod=lambda s, b, h, i, j: s) == plain
+  assert "-mods" in lowered(score_mod=lambda s, b, h, i, j: s * 1.5)
+
+
 def test_auto_on_cpu_and_unsupported_functions_take_the_reference():
   q, k, v = make_qkv(2, B, 40, 40, H, H_KV, D, dtype=jnp.bfloat16)
   odd = lambda s, b, h, i, j: s + jax.lax.erf(s)
