@@ -160,6 +160,27 @@ def bias():
         assert np.isfinite(np.asarray(x, np.float32)).all(), name
 
 
+def mods():
+  """score_mod / mask_mod variants, forward and gradient, on tests/test_gpu_mods.py's cases
+  (their variants must be in the kernel cache: `python devtools/prebuild_mods.py`): reads of
+  closed-over arrays at computed indices (ALiBi with a document mask over 400 keys and a sink,
+  T5 buckets by clipped distance), a mask_mod's block ranges (documents, rows that see no
+  key, 200 keys under 300 queries)."""
+  from tests import test_gpu_mods
+  for name in ("alibi_document_bf16_d128_sink", "t5_distance_bf16_d128_s1000",
+               "document_bf16_d64_s1000", "empty_rows_bf16_d64"):
+    q, k, v, make, arrays, w_out, w_lse, kwargs = test_gpu_mods._case(name)
+    attend = test_gpu_mods._attend(make, kwargs)
+    argnums = test_gpu_mods._float_argnums(arrays)
+    loss = test_gpu_mods._loss(attend, w_out, w_lse)
+    out, lse = _timed(f"forward mods {name}", lambda: jax.jit(attend)(q, k, v, *arrays))
+    grads = _timed(f"grad mods {name}", lambda: jax.jit(jax.grad(loss, argnums))(
+        q, k, v, *arrays))
+    assert np.isfinite(np.asarray(out, np.float32)).all(), name
+    for g in grads:
+      assert np.isfinite(np.asarray(g, np.float32)).all(), name
+
+
 def fp8_fwd():
   for d in (64, 128, 256):
     q, k, v = _qkv(d + 7, 1, 300, 300, 4, 2, d)
@@ -212,7 +233,10 @@ def decode():
 
 # scripts/gpu_check.sh starts the runs in this order (the longest first).
 FAMILIES = {f.__name__: f for f in (masked_bwd, masked_bwd_softcap_sink, dense_bwd, bias,
-                                    fp8_fwd, masked_fwd, decode, dense_fwd)}
+                                    fp8_fwd, masked_fwd, decode, dense_fwd, mods)}
+# Families whose variants are never shipped: run when named (`gpu_check.sh sanitize mods`), not
+# in the default list.
+NAMED_ONLY = ("mods",)
 
 
 def main(argv=None) -> int:
@@ -220,7 +244,7 @@ def main(argv=None) -> int:
   p.add_argument("family", choices=sorted(FAMILIES) + ["list"])
   args = p.parse_args(argv)
   if args.family == "list":
-    print(" ".join(FAMILIES))
+    print(" ".join(f for f in FAMILIES if f not in NAMED_ONLY))
     return 0
   FAMILIES[args.family]()
   print(f"calls.py {args.family}: done", flush=True)
