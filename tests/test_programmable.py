@@ -86,6 +86,15 @@ def _t5_bucket(qi, ki):
                    + (rel >= 32))
 
 
+def _t5_by_distance(table):
+  """T5 buckets the way the kernels run them fast: the table's entry per distance q - kv in
+  [0, 32] (the buckets are constant from 32 on and 0 on the other side), gathered once per
+  call, so jax.grad reaches `table` through the gather, and read per score."""
+  distance = jnp.arange(33)
+  rel = table[_t5_bucket(distance, jnp.zeros_like(distance))].T  # (H, 33)
+  return dict(causal=True, score_mod=lambda s, b, h, q, k: s + rel[h, jnp.clip(q - k, 0, 32)])
+
+
 _DOCS = np.repeat(np.arange(3), [25, 30, 15])
 
 # name: (extra float arrays the recipe differentiates, attention kwargs built from them).
@@ -94,6 +103,7 @@ RECIPES = {
         causal=True, score_mod=lambda s, b, h, q, k: s + slopes[h] * (k - q))),
     "t5_buckets": ((_t5_table,), lambda table: dict(
         causal=True, score_mod=lambda s, b, h, q, k: s + table[_t5_bucket(q, k), h])),
+    "t5_by_distance": ((_t5_table,), _t5_by_distance),
     "prefix_lm": ((), lambda: dict(mask_mod=lambda b, h, q, k: (k < 20) | (k <= q))),
     "chunked": ((), lambda: dict(mask_mod=lambda b, h, q, k: (q // 16 == k // 16) & (k <= q))),
     "documents": ((), lambda: dict(mask_mod=lambda b, h, q, k: (
