@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxflash import config
+from jaxflash import config, mod_refs
 
 IR_VERSION = 1
 # The highest rank of a closed-over array the kernels read (kernel_abi.h JAXFLASH_MAX_MOD_RANK).
@@ -59,7 +59,7 @@ class UnsupportedModError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class ModIR:
   """One traced function: inputs (names), eqns ((op, refs, params, dtype), ...), output ref.
-  Refs: ("in", name), ("arr", k), ("v", i), ("lit", value, dtype)."""
+  Refs: ("in", name), ("arr", k), ("v", i), ("lit", value, dtype) (mod_refs.py)."""
 
   inputs: tuple
   eqns: tuple
@@ -221,11 +221,7 @@ class _Trace:
     return ("v", len(self.eqns) - 1)
 
   def dtype(self, ref) -> str:
-    if ref[0] == "in":
-      return "float32" if ref[1] == "score" else "int32"
-    if ref[0] == "lit":
-      return ref[2]
-    return self.eqns[ref[1]][3]
+    return mod_refs.dtype(ref, [e[3] for e in self.eqns] if ref[0] == "v" else ())
 
   def const(self, value):
     """A closed-over value: an array operand; a rank-0 one is the operand of shape (1,), read
@@ -432,17 +428,7 @@ def evaluate(ir: ModIR, inputs: dict, arrays) -> Any:
   """The IR's output for scalar inputs {name: value} and the closed-over arrays (operand order).
   Traceable, vmappable, differentiable in the float inputs and arrays."""
   values = []
-
-  def get(ref):
-    kind = ref[0]
-    if kind == "in":
-      return inputs[ref[1]]
-    if kind == "lit":
-      return literal_value(ref)
-    if kind == "arr":
-      return arrays[ref[1]]
-    return values[ref[1]]
-
+  get = lambda ref: mod_refs.resolve(ref, inputs, values, arrays, literal_value)
   for op, refs, params, dtype in ir.eqns:
     args = [get(r) for r in refs]
     values.append(_apply(op, args, dict(params), dtype))

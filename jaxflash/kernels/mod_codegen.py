@@ -1,6 +1,6 @@
 """score_mod / mask_mod IR (jaxflash/mod_ir.py) -> CuTe DSL code on the S accumulator.
 
-Imports cutlass only. The IR arrives as the canonical JSON of a KernelVariant's `mods`; each
+Imports cutlass and jaxflash.mod_refs (no jax). The IR arrives as the canonical JSON of a KernelVariant's `mods`; each
 equation becomes DSL arithmetic while the kernel is traced, once per accumulator element
 (identical subexpressions of a row or a column, e.g. slopes[head] or q_idx // chunk, are left
 to LLVM's CSE). Values live as Float32 (float32, and float16 / bfloat16 rounded to their type
@@ -19,6 +19,8 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Uint32
 from cutlass._mlir.dialects import arith
 from cutlass.cutlass_dsl import T
+
+from jaxflash import mod_refs
 
 FLOATS = ("float16", "bfloat16", "float32")
 _NARROW = {"int8": (8, True), "int16": (16, True), "uint8": (8, False), "uint16": (16, False)}
@@ -57,24 +59,11 @@ def emit(ir, inputs: dict, arrays: tuple):
   """The DSL value of the IR's output: inputs {name: Float32 score or Int32 index}, arrays the
   closed-over arrays' tensors (operand order; a rank-0 array is a (1,) tensor)."""
   _, eqns, output = ir
-  values = []
-
-  def get(ref):
-    kind = ref[0]
-    if kind == "in":
-      return inputs[ref[1]]
-    if kind == "lit":
-      return _literal(ref)
-    if kind == "arr":
-      return arrays[ref[1]]
-    return values[ref[1]]
-
-  dtypes = []
-  dtype_of = lambda ref: (ref[2] if ref[0] == "lit" else dtypes[ref[1]] if ref[0] == "v"
-                          else "float32" if ref[1] == "score" else "int32")
+  values, dtypes = [], []
+  get = lambda ref: mod_refs.resolve(ref, inputs, values, arrays, _literal)
   for op, refs, params, dtype in eqns:
     args = [get(r) for r in refs]
-    arg_dtypes = [None if r[0] == "arr" else dtype_of(r) for r in refs]
+    arg_dtypes = [None if r[0] == "arr" else mod_refs.dtype(r, dtypes) for r in refs]
     values.append(_op(op, args, arg_dtypes, dict(params), dtype))
     dtypes.append(dtype)
   return get(output)
