@@ -194,8 +194,6 @@ def _attention(query, key, value, kv_lengths, *, causal: bool = False,
     check_learnable_sink(learnable_sink, query.shape[2], accept_float64=dtype == "float64")
   config = config.replace(has_segment_ids=has_segments)
   mods = programmable.check_mods(bias, score_mod, mask_mod, query, key, dtype)
-  if programmable.returns_its_score(mods):
-    mods = None  # the identity score_mod: the plain call
   if mods is not None and not programmable.functions_only(mods):
     # A bias alone: an operand of the primitives (kernels or reference), not a ScoreMods.
     config = config.replace(bias_dims=programmable.bias_dims(bias, query))
@@ -203,6 +201,9 @@ def _attention(query, key, value, kv_lengths, *, causal: bool = False,
   arrays = ()
   if mods is not None:
     kernel_config, arrays, reason = programmable.kernel_config(config, mods, implementation)
+    if kernel_config is not None and not kernel_config.has_mods:
+      mods = None  # a score_mod that returns its score: the plain call
+  if mods is not None:
     if kernel_config is None:
       impl = programmable.reference_instead(implementation, reason)
     else:

@@ -62,19 +62,6 @@ def functions_only(mods) -> bool:
   return mods is not None and (mods.score_mod is not None or mods.mask_mod is not None)
 
 
-def returns_its_score(mods) -> bool:
-  """Whether checked mods are a score_mod that returns its score unchanged (no eqns), with no
-  mask_mod and no bias: the plain call, which jaxflash.attention then runs (kernels and
-  reference alike) instead of a mods variant."""
-  if mods is None or mods.bias is not None or mods.mask_mod is not None or mods.score_mod is None:
-    return False
-  try:
-    score = mod_ir.trace_mods(mods.score_mod, None).spec.score
-  except mod_ir.UnsupportedModError:
-    return False
-  return not score.eqns and tuple(score.output) == ("in", "score")
-
-
 def _check_traceable(mods: reference.ScoreMods, dtype: str) -> None:
   """Traces score_mod / mask_mod once on scalars: each must return one scalar (a float score,
   a boolean mask) and be expressible as a jaxpr."""
@@ -110,7 +97,9 @@ _ARG_NAMES = {"score_mod": ("score", "batch", "head", "q_idx", "kv_idx"),
 
 def kernel_config(config: AttentionConfig, mods: reference.ScoreMods, requested):
   """(config with .mods set, the closed-over arrays, "") for a call whose score_mod / mask_mod
-  the kernels can run, else (None, (), why not). requested: the call's implementation."""
+  the kernels can run, else (None, (), why not); the config without .mods for a score_mod that
+  returns its score unchanged and no mask_mod (the plain call). requested: the call's
+  implementation."""
   if requested == "reference":
     return None, (), "implementation='reference'"
   if mods.bias is not None:
@@ -119,7 +108,10 @@ def kernel_config(config: AttentionConfig, mods: reference.ScoreMods, requested)
     traced = mod_ir.trace_mods(mods.score_mod, mods.mask_mod)
   except mod_ir.UnsupportedModError as e:
     return None, (), str(e)
-  return config.replace(mods=traced.spec.canonical()), traced.arrays, ""
+  spec = traced.spec
+  if spec.mask is None and not spec.score.eqns and spec.score.output == ("in", "score"):
+    return config, (), ""  # a score_mod that returns its score: the plain call's config
+  return config.replace(mods=spec.canonical()), traced.arrays, ""
 
 
 def reference_instead(requested, reason: str) -> str:
