@@ -158,17 +158,6 @@ def mods_fn(impl: str, slopes, table, implementation: str = "cute"):
         bias = (slopes[:, None, None] * (pos[None, :] - pos[:, None])[None]).astype(q.dtype)[None]
       return jax.nn.dot_product_attention(q, k, v, bias, implementation="cudnn")
     return cudnn
-  options = {
-      "jaxflash": {},
-      "identity": dict(score_mod=lambda s, b, h, i, j: s),
-      "alibi": dict(score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i).astype(jnp.float32)),
-      "t5": dict(score_mod=lambda s, b, h, i, j: s + table[t5_bucket(j - i), h]),
-      "t5 by distance": {},
-      "causal": dict(causal=True),
-      "causal mask_mod": dict(mask_mod=lambda b, h, i, j: j <= i),
-      "window": dict(causal=True, window_size=window),
-      "window mask_mod": dict(mask_mod=lambda b, h, i, j: (j <= i) & (i - j <= MODS_WINDOW)),
-  }[impl]
   if impl == "t5 by distance":
     def by_distance(q, k, v):  # the table's gather is part of every call
       distance = t5_distance_table(table)
@@ -177,6 +166,16 @@ def mods_fn(impl: str, slopes, table, implementation: str = "cute"):
           q, k, v, implementation=implementation,
           score_mod=lambda s, b, h, i, j: s + distance[h, jnp.clip(j - i, -m, m) + m])
     return by_distance
+  options = {
+      "jaxflash": {},
+      "identity": dict(score_mod=lambda s, b, h, i, j: s),
+      "alibi": dict(score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i).astype(jnp.float32)),
+      "t5": dict(score_mod=lambda s, b, h, i, j: s + table[t5_bucket(j - i), h]),
+      "causal": dict(causal=True),
+      "causal mask_mod": dict(mask_mod=lambda b, h, i, j: j <= i),
+      "window": dict(causal=True, window_size=window),
+      "window mask_mod": dict(mask_mod=lambda b, h, i, j: (j <= i) & (i - j <= MODS_WINDOW)),
+  }[impl]
   return lambda q, k, v: jaxflash.attention(q, k, v, implementation=implementation, **options)
 
 
