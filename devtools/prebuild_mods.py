@@ -63,7 +63,8 @@ def bench_variants() -> list:
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--cache-dir", type=Path, help="the kernel cache to build into (not with --write-specs)")
+  parser.add_argument("--cache-dir", type=Path,
+                      help="the kernel cache to build into or list (not with --write-specs)")
   parser.add_argument("--jobs", type=int, default=1)
   parser.add_argument("--list", action="store_true", help="print the keys and their state only")
   parser.add_argument("--write-specs", type=Path, metavar="DIR",
@@ -72,13 +73,18 @@ def main() -> int:
                       help="the variants of the specs in DIR (written by --write-specs under "
                            "another JAX) instead of tracing here")
   args = parser.parse_args()
+  if args.cache_dir is None and not args.write_specs:
+    parser.error("--cache-dir is required unless --write-specs is given")
   if args.from_specs:
     files = sorted(args.from_specs.glob("*.json"))
     if not files:
       raise SystemExit(f"--from-specs {args.from_specs}: no *.json spec in it")
     variants = {}
     for f in files:
-      v = config.variant_from_spec(json.loads(f.read_text()))
+      try:
+        v = config.variant_from_spec(json.loads(f.read_text()))
+      except ValueError as e:
+        raise SystemExit(f"--from-specs {f}: {e}") from e
       variants[v.key] = v
   else:
     from tests import test_gpu_mods
@@ -89,8 +95,6 @@ def main() -> int:
       (args.write_specs / f"{key}.json").write_text(json.dumps(dataclasses.asdict(v)))
     print(f"wrote {len(variants)} spec(s) to {args.write_specs}")
     return 0
-  if args.cache_dir is None:
-    parser.error("--cache-dir is required unless --write-specs is given")
   if args.list:
     for key, v in variants.items():
       print(f"{key}  {build.variant_state(v, args.cache_dir.resolve())}")
