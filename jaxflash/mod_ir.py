@@ -208,6 +208,7 @@ class _Trace:
 
   def __init__(self, builder: _Builder, fn_name: str):
     self.builder, self.fn_name, self.eqns = builder, fn_name, []
+    self.dtypes = []  # each equation's dtype, in order
 
   def error(self, what: str) -> UnsupportedModError:
     return UnsupportedModError(
@@ -218,10 +219,11 @@ class _Trace:
 
   def emit(self, op, refs, params, dtype):
     self.eqns.append((op, tuple(refs), tuple(params), dtype))
+    self.dtypes.append(dtype)
     return ("v", len(self.eqns) - 1)
 
   def dtype(self, ref) -> str:
-    return mod_refs.dtype(ref, [e[3] for e in self.eqns] if ref[0] == "v" else ())
+    return mod_refs.dtype(ref, self.dtypes)
 
   def const(self, value):
     """A closed-over value: an array operand; a rank-0 one is the operand of shape (1,), read
