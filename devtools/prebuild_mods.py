@@ -32,8 +32,8 @@ from jaxflash import build, config, mod_ir  # noqa: E402
 
 def bench_variants() -> list:
   """The mods variants of bench_modifiers.py --mods (bf16, BIAS_SHAPE's head_dim, forward and
-  backward): the identity, ALiBi, T5 (the bucket's log per score, and a table by distance) score_mods
-  and the causal and window mask_mods."""
+  backward): the identity, ALiBi, T5 (the bucket's log per score, and a table by distance)
+  score_mods and the causal and window mask_mods."""
   import bench_modifiers as bench  # imports bench_attention (devtools/ on its path)
   h, d = bench.BIAS_SHAPE["heads"], bench.BIAS_SHAPE["head_dim"]
   slopes = jnp.zeros((h,), jnp.float32)

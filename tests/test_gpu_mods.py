@@ -1,8 +1,9 @@
 """score_mod / mask_mod compiled into the kernels, on a Hopper GPU, against the float64 oracle
 (the reference evaluating the same functions in float64): the forward and every gradient (dq,
 dk, dv from the backward kernel where score_mod's derivative is a constant, else the
-reference; the closed-over float arrays' gradients from the reference) for each recipe, at lengths that straddle tiles, seq_q != seq_k, GQA 8:1, rows that
-see no key, a NaN in a closed-over array, and the raw custom call into poisoned buffers.
+reference; the closed-over float arrays' gradients from the reference) for each recipe, at
+lengths that straddle tiles, seq_q != seq_k, GQA 8:1, rows that see no key, a NaN in a
+closed-over array, and the raw custom call into poisoned buffers.
 
 The variants build on first use (nvidia-cutlass-dsl), or come from JAXFLASH_CACHE_DIR
 (`kernel_variants()` lists them for a prebuild).

@@ -441,10 +441,10 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
       scales = None
       if const_expr(self.fp8_cache):
         scales = self._scale_tensor(storage)
-      self.mma_decode(mOPart, mLSEPart, mSink, mO, mLSE, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, pipeline_q,
-                      pipeline_k, pipeline_v, softmax_scale, Int32(capped), tanh_scale, work,
-                      m_block, split, head_kv, batch, seqlen_q, window_left, window_right,
-                      mQ.shape[0], scales)
+      self.mma_decode(mOPart, mLSEPart, mSink, mO, mLSE, sQ, sK, sV, tiled_mma_qk,
+                      tiled_mma_pv, pipeline_q, pipeline_k, pipeline_v, softmax_scale,
+                      Int32(capped), tanh_scale, work, m_block, split, head_kv, batch,
+                      seqlen_q, window_left, window_right, mQ.shape[0], scales)
 
   def _scale_tensor(self, storage) -> cute.Tensor:
     """FP8 caches' descale buffer (_scale_floats) as (2 * boxes, num_stages + 1): a column per
@@ -1045,6 +1045,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
           mLSE[batch, head_kv, row] = lse[i]
         for j in cutlass.range_constexpr(cute.size(r_o_mn, mode=[1])):
           mO[batch, head_kv, row, tOcO_mn[i, j][1]] = r_o_mn[i, j]
+
 
 @dataclasses.dataclass(frozen=True)
 class _Work:
