@@ -129,20 +129,29 @@ def _segment_ids(lengths, seq: int, batch: int, pad_id: int):
   return jnp.where(jnp.arange(seq)[None, :] < lengths[:, None], 0, pad_id).astype(jnp.int32)
 
 
-def _row_states(band: _Band, seq_q: int, seq_k: int, q_lengths, kv_lengths):
-  """(valid, nonempty) per (batch or 1, seq_q) row, None when every row is both (static)."""
+def _row_states(band: _Band, seq_q: int, seq_k: int, q_lengths, kv_lengths, mask=None):
+  """(valid (B|1, seq_q), nonempty (B|1, seq_q, N|1)) per row, None when every row is both
+  (static). mask: None or _kernel_mask's (B|1, N|1, T|1, S|1): a row is empty where it keeps
+  no key of the band below the length."""
   lo, hi = band.row_bounds(seq_q, seq_k)
-  if q_lengths is None and kv_lengths is None:
+  if mask is None and q_lengths is None and kv_lengths is None:
     if np.all(lo <= hi):
       return None
-    nonempty = jnp.asarray(lo <= hi)[None]
-    return jnp.ones_like(nonempty), nonempty
+    nonempty = jnp.asarray(lo <= hi)[None, :, None]
+    return jnp.ones(nonempty.shape[:2], bool), nonempty
   rows = jnp.arange(seq_q)[None]
   valid = rows < q_lengths[:, None] if q_lengths is not None else jnp.ones((1, seq_q), bool)
-  hi = jnp.asarray(hi)[None]
+  if mask is None:
+    hi = jnp.asarray(hi)[None]
+    if kv_lengths is not None:
+      hi = jnp.minimum(hi, kv_lengths[:, None] - 1)
+    return valid, (valid & (jnp.asarray(lo)[None] <= hi))[..., None]
+  keys = np.arange(seq_k)
+  seen = jnp.asarray((lo[:, None] <= keys) & (keys <= hi[:, None]))[None, None]  # (1, 1, T, S)
   if kv_lengths is not None:
-    hi = jnp.minimum(hi, kv_lengths[:, None] - 1)
-  return valid, valid & (jnp.asarray(lo)[None] <= hi)
+    seen = seen & (keys < kv_lengths[:, None, None, None])
+  nonempty = jnp.any(mask & seen, axis=3)  # (B|1, N|1, T)
+  return valid, valid[..., None] & jnp.swapaxes(nonempty, 1, 2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -201,10 +210,40 @@ def _kernel_bias(bias, query, key):
   return bias
 
 
+def _kernel_mask(mask, query, key):
+  """jax.nn's boolean mask as (B|1, N|1, T|1, S|1) (rank padded to 4 in front), or None where
+  the kernels cannot take it as a mask_mod (not boolean, rank above 4, dims that do not
+  broadcast, float32 inputs, which jax.nn's materialised path serves as well): such calls
+  run jax.nn's XLA path."""
+  mask = jnp.asarray(mask)
+  if (mask.dtype != jnp.bool_ or mask.ndim > 4
+      or np.dtype(query.dtype).name not in ("float16", "bfloat16")):
+    return None
+  batch = query.shape[0] if query.ndim == 4 else 1
+  full = (batch, query.shape[-2], query.shape[-3], key.shape[-3])  # (B, N, T, S)
+  mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+  if any(d not in (1, f) for d, f in zip(mask.shape, full)):
+    return None
+  return mask
+
+
+def _mask_mod(mask):
+  """The mask_mod that reads _kernel_mask's mask at (batch, head, q_idx, kv_idx), index 0 on
+  its dims of size 1. The kernels call it with indices inside the call's (prefix of the)
+  sequences, so the read takes no negative-index wrap: its IR holds no extent of the mask, and
+  one variant serves every mask shape of a rank."""
+  def mask_mod(b, h, i, j):
+    index = tuple(x if n != 1 else jnp.int32(0) for x, n in zip((b, h, i, j), mask.shape))
+    return jax.lax.dynamic_slice(mask, index, (1, 1, 1, 1),
+                                 allow_negative_indices=False).reshape(())
+  return mask_mod
+
+
 def _mapped_attention(query, key, value, band: _Band, scale: float, q_lengths, kv_lengths,
-                      implementation, return_residual, bias=None):
+                      implementation, return_residual, bias=None, mask=None):
   """jaxflash on the kept prefix, then jax.nn's values for rows that see no key. bias: None or
-  _kernel_bias's (B|1, N|1, T|1, S)."""
+  _kernel_bias's (B|1, N|1, T|1, S); mask: None or _kernel_mask's (B|1, N|1, T|1, S|1), a
+  mask_mod of the call (its rows that keep no key are found in XLA, _row_states)."""
   batch, seq_q, heads, _ = query.shape
   seq_k, kv_heads = key.shape[1], key.shape[2]
   keep_q, keep_k, causal, window = band.to_jaxflash(seq_q, seq_k)
@@ -214,8 +253,11 @@ def _mapped_attention(query, key, value, band: _Band, scale: float, q_lengths, k
                    return_lse=return_residual, implementation=implementation)
     if bias is not None:  # the kept rows and keys of the bias
       options["bias"] = bias[:, :, :keep_q if bias.shape[2] != 1 else 1, :keep_k]
+    if mask is not None:
+      options["mask_mod"] = _mask_mod(mask)
     q, k, v = query[:, :keep_q], key[:, :keep_k], value[:, :keep_k]
-    if q_lengths is None and kv_lengths is not None:  # decoding: lengths reach the kernel
+    if q_lengths is None and kv_lengths is not None and mask is None:
+      # decoding: lengths reach the kernel
       lengths = kv_lengths
       if band == _Band(None, None):
         # jax.nn's fill for a sequence with no key, the uniform average of all its values, is
@@ -239,26 +281,26 @@ def _mapped_attention(query, key, value, band: _Band, scale: float, q_lengths, k
   else:
     out = jnp.zeros(query.shape, query.dtype)
     lse = jnp.full((batch, heads, seq_q), -jnp.inf, jnp.float32)
-  states = _row_states(band, seq_q, seq_k, q_lengths, kv_lengths)
+  states = _row_states(band, seq_q, seq_k, q_lengths, kv_lengths, mask)
   if states is not None and filled is None:
     valid, nonempty = states
     # jax.nn masks with a finite logit, so a real query with no visible key averages all
     # values uniformly; padded queries (past query_seq_lengths) are zeroed.
-    if kv_lengths is None:  # which rows are empty is static
+    if kv_lengths is None:  # no lengths: every sequence's mean over all of its keys
       mean = jnp.mean(value.astype(jnp.float32), axis=1)  # (batch, kv_heads, head_dim)
       mean = jnp.repeat(mean, heads // kv_heads, axis=1).astype(query.dtype)[:, None]
     else:
-      mean = _mean_of_values(key, value, jnp.any(valid & ~nonempty, axis=1), heads,
-                             implementation)
+      needed = jnp.any(valid[..., None] & ~nonempty, axis=(1, 2))
+      mean = _mean_of_values(key, value, needed, heads, implementation)
     fill = jnp.where(valid[..., None, None], mean, jnp.zeros((), query.dtype))
-    out = jnp.where(nonempty[..., None, None], out, fill)
+    out = jnp.where(nonempty[..., None], out, fill)
   if not return_residual:
     return out
   masked_lse = jnp.float32(_JAX_NN_MASK_FACTOR * np.finfo(np.float32).max) + jnp.log(
       jnp.float32(seq_k))
   residual = jnp.swapaxes(lse, 1, 2)  # (batch, seq_q, heads), as jax.nn
   if states is not None:
-    residual = jnp.where(states[1][..., None], residual, masked_lse)
+    residual = jnp.where(states[1], residual, masked_lse)
   # jax.nn returns the residual in the input dtype and without a gradient.
   return out, jax.lax.stop_gradient(residual.astype(query.dtype))
 
@@ -308,11 +350,12 @@ def dot_product_attention(
 
   A float `bias` (float32 / bfloat16 / float16, rank up to 4, broadcastable to (B, N, T, S))
   runs in jaxflash (the kernels' bias variants, or the reference), differentiable in the bias.
-  A `mask`, a bias jaxflash cannot take, or a traced or non-positive `scale` cannot be
-  expressed to jaxflash: with implementation None or "xla" such a call runs jax.nn's own XLA
-  attention (materialised scores, same results); with "cudnn" it raises a ValueError. (A
-  boolean mask stays on jax.nn: its rows with no visible key average all values, which a
-  -inf bias would turn into zeros.)
+  A boolean `mask` of float16 / bfloat16 inputs without a bias runs in jaxflash as a mask_mod
+  that reads it (block-sparse kernels: blocks the mask empties are skipped), its rows that keep
+  no key filled with jax.nn's average of all values. A mask with a bias or of float32 inputs,
+  a bias jaxflash cannot take, or a traced or non-positive `scale` cannot be expressed to
+  jaxflash: with implementation None or "xla" such a call runs jax.nn's own XLA attention
+  (materialised scores, same results); with "cudnn" it raises a ValueError.
   """
   query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
   if query_seq_lengths is not None:
@@ -325,15 +368,19 @@ def dot_product_attention(
   local_window_size = _check_window(local_window_size)
   static_scale = _static_scale(scale, query.shape[-1])
   kernel_bias = None if bias is None else _kernel_bias(bias, query, key)
+  kernel_mask = None if mask is None or bias is not None else _kernel_mask(mask, query, key)
   dense = [name for name, on in (
       ("bias (dtype or shape)", bias is not None and kernel_bias is None),
-      ("mask", mask is not None), ("scale (traced or <= 0)", static_scale is None)) if on]
+      ("mask (with a bias, not boolean, float32 inputs or shape)",
+       mask is not None and kernel_mask is None),
+      ("scale (traced or <= 0)", static_scale is None)) if on]
   if dense:
     if implementation == "cudnn":
-      raise ValueError(f"{', '.join(dense)}: the jaxflash kernels take no dense mask, a bias "
-                       f"only in float32 / bfloat16 / float16 broadcastable to (B, N, T, S) "
-                       f"and only a static scale > 0; use is_causal, local_window_size and the "
-                       f"*_seq_lengths arguments, or implementation=None/'xla' for "
+      raise ValueError(f"{', '.join(dense)}: the jaxflash kernels take a bias in float32 / "
+                       f"bfloat16 / float16 broadcastable to (B, N, T, S), a boolean mask of "
+                       f"float16 / bfloat16 inputs broadcastable to (B, N, T, S) without a "
+                       f"bias, and only a static scale > 0; use is_causal, local_window_size "
+                       f"and the *_seq_lengths arguments, or implementation=None/'xla' for "
                        f"materialised scores")
     return jax.nn.dot_product_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
@@ -346,7 +393,7 @@ def dot_product_attention(
   band = _Band.from_jax_nn(bool(is_causal), local_window_size)
   result = _mapped_attention(query, key, value, band, static_scale, query_seq_lengths,
                              key_value_seq_lengths, _IMPLEMENTATIONS[implementation],
-                             return_residual, kernel_bias)
+                             return_residual, kernel_bias, kernel_mask)
   if squeeze:
     result = jax.tree.map(lambda x: x[0], result)
   return result

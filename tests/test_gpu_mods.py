@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import block_ranges, config, ffi, mod_ir, primitives
+from jaxflash import block_ranges, config, ffi, mod_ir, nn, primitives
 from jaxflash.config import BWD_TARGET, FWD_TARGET, AttentionConfig, KernelVariant
 from tests import _mod_recipes as recipes
 from tests._cases import make_qkv, x64
@@ -53,6 +53,10 @@ RECIPES = {
     "causal": (lambda: (None, recipes.causal), lambda b, sq, sk, h: ()),
     "alibi_document": (lambda sl, d: (recipes.alibi(sl), recipes.document(d)),
                        lambda b, sq, sk, h: (recipes.alibi_slopes(h), _docs(b, sk))),
+    # jaxflash.dot_product_attention's boolean mask (batch, 1, seq_q, seq_k) as a mask_mod;
+    # about 2 % of the pairs kept, so that some rows keep no key.
+    "bool_mask": (lambda m: (None, nn._mask_mod(m)),
+                  lambda b, sq, sk, h: (np.random.default_rng(74).random((b, 1, sq, sk)) < 0.02,)),
     # Rows q_idx % 7 == 0 see no key: out 0, lse -inf (as the built-in masks give).
     "empty_rows": (lambda: (None, lambda b, h, q, k: (q % 7 != 0) & (k <= q + 50)),
                    lambda b, sq, sk, h: ()),
@@ -77,6 +81,8 @@ CASES = {
     "alibi_document_bf16_d128_sink": ("bfloat16", 128, (2, 400, 400, 4, 2), "alibi_document",
                                       {"sink": True}),
     "empty_rows_bf16_d64": ("bfloat16", 64, (2, 300, 200, 4, 4), "empty_rows", {}),
+    # The variant of tests/test_nn_dot_product_attention.py's GPU boolean-mask case.
+    "bool_mask_bf16_d128_gqa": ("bfloat16", 128, (2, 300, 520, 8, 1), "bool_mask", {}),
 }
 
 

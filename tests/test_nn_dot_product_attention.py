@@ -8,6 +8,7 @@ onto the jaxflash function. The second compares with jax.nn's XLA path over a gr
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import jax
@@ -251,16 +252,84 @@ def test_matches_jax_nn_head_layouts(option, heads):
   _check_grid_case(option, 16, 6, *heads)
 
 
-@pytest.mark.parametrize("option", ["causal", "lengths_window", "window_shifted"], ids=str)
+def _random_mask(seed, shape, keep=0.3):
+  """A boolean mask keeping about `keep` of the pairs, so that some rows keep no key."""
+  return jnp.asarray(np.random.default_rng(seed).random(shape) < keep)
+
+
+# Boolean masks of float16 / bfloat16 inputs run in jaxflash as mask_mods (rows that keep no
+# key get jax.nn's average of all values): option name -> (mask shape, the other options).
+_MASKS = {
+    "mask": ((2, 4, 16, 24), "plain"),
+    "mask_rank2_causal": ((16, 24), "causal"),
+    "mask_heads_lengths": ((1, 4, 16, 24), "lengths_causal"),
+    "mask_rows_kv_lengths": ((2, 1, 16, 1), "kv_lengths"),
+    "mask_keys_window": ((2, 1, 1, 24), "window_3_2"),
+}
+
+
+@pytest.mark.parametrize("option", ["causal", "lengths_window", "window_shifted"] + list(_MASKS),
+                         ids=str)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 def test_matches_jax_nn_half_precision(dtype, option):
   seq_q, seq_k = 16, 24
   q, k, v = (_normal(20 + i, (2, s, h, 32), dtype)
              for i, (s, h) in enumerate([(seq_q, 4), (seq_k, 2), (seq_k, 2)]))
   grad = _normal(23, (2, seq_q, 4, 32), dtype)
-  kw = _options(option, seq_q, seq_k)
+  if option in _MASKS:
+    shape, others = _MASKS[option]
+    kw = dict(_options(others, seq_q, seq_k), mask=_random_mask(24, shape),
+              return_residual=True)
+  else:
+    kw = _options(option, seq_q, seq_k)
   _assert_matches_jax_nn(functools.partial(dot_product_attention, **kw),
-                         functools.partial(jax_nn_xla, **kw), (q, k, v), grad, option)
+                         functools.partial(jax_nn_xla, **kw), (q, k, v), grad, option,
+                         residual="return_residual" in kw)
+
+
+def test_a_boolean_mask_runs_in_the_kernels_as_a_mask_mod():
+  """implementation="cudnn" on a CPU host lowers for CUDA: a boolean mask is an operand of the
+  mods variant's forward and backward custom calls (i1), and masks of one rank and one
+  pattern of broadcast dims share that variant whatever their sequence lengths."""
+  from jaxflash.config import BWD_TARGET, FWD_TARGET
+  def lowered(seq, mask_shape):
+    q, k, v = (_normal(i, (2, seq, 4, 64), jnp.bfloat16) for i in range(3))
+    mask = _random_mask(1, mask_shape(seq), keep=0.5)
+    loss = lambda q, k, v: jnp.sum(dot_product_attention(q, k, v, mask=mask,
+                                                         implementation="cudnn"))
+    return jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, v).lower(
+        lowering_platforms=("cuda",)).as_text()
+  keys = []
+  for seq in (96, 200):
+    text = lowered(seq, lambda s: (2, 1, s, s))
+    calls = [line for line in text.splitlines() if f"@{FWD_TARGET}(" in line
+             or f"@{BWD_TARGET}(" in line]
+    assert len(calls) == 2, calls
+    assert all(f"tensor<2x1x{seq}x{seq}xi1>" in c for c in calls), calls
+    keys.append(sorted(set(re.findall(r"(?:fwd|bwd)-sm90a-[\w-]*-mods\w+", text))))
+  assert len(keys[0]) == 2 and keys[0] == keys[1], keys
+  other = lowered(96, lambda s: (1, 4, s, s))  # another pattern of broadcast dims
+  assert keys[0][0] not in other
+
+
+_GPU_MASK_SHAPE = (2, 300, 520, 8, 1)  # tests/test_gpu_mods.py's bool_mask case runs its variant
+
+
+@pytest.mark.gpu
+def test_boolean_mask_on_the_kernels_matches_jax_nn():
+  """A boolean mask (batch, 1, T, S) with rows that keep no key, GQA 8:1, lengths that straddle
+  tiles, on the mods kernels (implementation="cudnn"): out, residual and gradients against
+  jax.nn's float64 oracle."""
+  b, seq_q, seq_k, heads, kv_heads = _GPU_MASK_SHAPE
+  q = _normal(70, (b, seq_q, heads, 128), jnp.bfloat16)
+  k, v = (_normal(71 + i, (b, seq_k, kv_heads, 128), jnp.bfloat16) for i in range(2))
+  grad = _normal(73, q.shape, jnp.bfloat16)
+  mask = _random_mask(74, (b, 1, seq_q, seq_k), keep=0.02)
+  kw = dict(mask=mask, return_residual=True)
+  ours = jax.jit(functools.partial(dot_product_attention, implementation="cudnn", **kw))
+  assert "-mods" in ours.lower(q, k, v).as_text()
+  _assert_matches_jax_nn(ours, functools.partial(jax_nn_xla, **kw), (q, k, v), grad,
+                         "bool_mask", residual=True)
 
 
 def test_rank3_inputs_and_residual_shape():
@@ -342,8 +411,12 @@ def test_value_shape_and_dtype_mismatch():
 
 @pytest.mark.parametrize("kwargs", [{"bias": jnp.zeros((1, 2, 8, 8), jnp.int32)},
                                     {"bias": jnp.zeros((1, 2, 3, 8))},
-                                    {"mask": jnp.ones((1, 1, 8, 8), bool)}],
-                         ids=["bias_int", "bias_rows", "mask"])
+                                    {"mask": jnp.ones((1, 1, 8, 8), jnp.int32)},
+                                    {"mask": jnp.ones((1, 1, 3, 8), bool)},
+                                    {"mask": jnp.ones((1, 1, 8, 8), bool),
+                                     "bias": jnp.zeros((1, 2, 8, 8))}],
+                         ids=["bias_int", "bias_rows", "mask_int", "mask_rows",
+                              "mask_with_bias"])
 def test_cudnn_refuses_dense_masks(kwargs):
   with pytest.raises(ValueError, match="implementation=None/'xla'"):
     dot_product_attention(*_qkv(dtype=jnp.bfloat16), implementation="cudnn", **kwargs)
