@@ -11,8 +11,8 @@ every column (forward 4 b h s^2 d, halved when causal; forward + backward 3.5x),
 compare as time ratios. Timing: that module's time_ms (warm-up, back-to-back calls, median).
 --gpt-oss: gpt-oss's shape (windows and sinks). --bias: an additive bias at head_dim 128, batch
 4, 16 heads (BIAS_SHAPE), bias (1, H, S, S) and (B, H, S, S) in bf16, jaxflash and cuDNN
-(jax.nn.dot_product_attention(bias=...)) next to each one's plain call; forward + backward
-differentiates the bias too. --mods: score_mod / mask_mod at BIAS_SHAPE (MODS_IMPLS): the
+(jax.nn.dot_product_attention(bias=...)), and tokamax's Mosaic GPU attention where tokamax
+imports, next to each one's plain call; forward + backward differentiates the bias too. --mods: score_mod / mask_mod at BIAS_SHAPE (MODS_IMPLS): the
 plain call, an identity score_mod, ALiBi, T5 buckets, causal and a sliding window as mask_mods
 next to the built-in causal mask and window, cuDNN plain and with ALiBi as a (1, H, S, S) bias;
 forward + backward differentiates q, k and v. Needs the kernels in JAXFLASH_CACHE_DIR (the mods
@@ -51,6 +51,9 @@ GPT_OSS_FA3 = "fa3 window+sink"
 BIAS_SHAPE = dict(batch=4, heads=16, head_dim=128)
 BIAS_KINDS = ("1H", "BH")
 BIAS_IMPLS = ("jaxflash", "jaxflash bias", "cudnn", "cudnn bias")
+# tokamax's Pallas Mosaic GPU attention (tokamax.dot_product_attention(implementation="mosaic"),
+# which raises where its kernel does not take a call), timed where tokamax imports.
+TOKAMAX_BIAS_IMPLS = ("tokamax", "tokamax bias")
 # --mods: the columns (issue #65's targets: identity >= 0.97x plain, ALiBi and T5 >= 0.85x,
 # causal and window as mask_mods >= 0.95x the built-in ones), and the window's left size.
 MODS_IMPLS = ("jaxflash", "identity", "alibi", "t5", "t5 by distance", "causal",
@@ -120,6 +123,10 @@ def bias_fn(impl: str, causal: bool, implementation: str = "cute"):
   """attend(q, k, v, bias) for one of BIAS_IMPLS (the plain ones ignore the bias);
   `implementation` is jaxflash's (the CPU tests pass "reference")."""
   with_bias = impl.endswith("bias")
+  if impl.startswith("tokamax"):
+    import tokamax  # a peer column: imported only where it is asked for
+    return lambda q, k, v, bias: tokamax.dot_product_attention(
+        q, k, v, bias if with_bias else None, is_causal=causal, implementation="mosaic")
   if impl.startswith("cudnn"):
     return lambda q, k, v, bias: jax.nn.dot_product_attention(
         q, k, v, bias if with_bias else None, is_causal=causal, implementation="cudnn")
@@ -229,6 +236,7 @@ def run_bias(args, rng) -> list:
   """BIAS_SHAPE at each --seq, each bias kind, forward and forward + backward; TFLOP/s of the
   plain call's flops, so a column's ratio to another is a time ratio."""
   b, h, d = BIAS_SHAPE["batch"], BIAS_SHAPE["heads"], BIAS_SHAPE["head_dim"]
+  impls = BIAS_IMPLS + (TOKAMAX_BIAS_IMPLS if tokamax_found() else ())
   records = []
   for s in args.seq:
     q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16) for _ in range(3))
@@ -239,26 +247,37 @@ def run_bias(args, rng) -> list:
       for mode in args.modes:
         flops = bench_attention.fwd_flops(b, h, s, d, d, args.causal)
         flops *= 1.0 if mode == "fwd" else 3.5
-        for impl in BIAS_IMPLS:
+        for impl in impls:
           attend = bias_fn(impl, args.causal)
           fn = jax.jit(attend if mode == "fwd" else bias_fwd_bwd_fn(attend, ct))
           records.append(timed_record(fn, (q, k, v, bias), flops, shape="bias", seq=s,
                                       bias=kind, causal=args.causal, mode=mode, impl=impl))
-  print("| seq | bias | mode | " + " | ".join(f"{i} ms" for i in BIAS_IMPLS)
-        + " | bias / plain (jaxflash) | jaxflash bias / cudnn bias (speed-up) |")
+  print("| seq | bias | mode | " + " | ".join(f"{i} ms" for i in impls)
+        + " | bias / plain (jaxflash) | jaxflash bias / cudnn bias (speed-up) | jaxflash bias / "
+        "tokamax bias (speed-up) |")
   for s in args.seq:
     for kind in BIAS_KINDS:
       for mode in args.modes:
         row = {r["impl"]: r for r in records if (r["seq"], r["bias"], r["mode"]) == (s, kind,
                                                                                       mode)}
         ms = lambda i: row.get(i, {}).get("ms")
-        cells = [f"{ms(i):.3f}" if ms(i) else "-" for i in BIAS_IMPLS]
-        slow = f"{ms('jaxflash bias') / ms('jaxflash'):.2f}" if ms("jaxflash bias") and ms(
-            "jaxflash") else "-"
-        speed = f"{ms('cudnn bias') / ms('jaxflash bias'):.2f}" if ms("jaxflash bias") and ms(
-            "cudnn bias") else "-"
-        print(f"| {s} | {kind} | {mode} | " + " | ".join(cells) + f" | {slow} | {speed} |")
+        cells = [f"{ms(i):.3f}" if ms(i) else "-" for i in impls]
+        ratio = lambda a, b: f"{ms(a) / ms(b):.2f}" if ms(a) and ms(b) else "-"
+        print(f"| {s} | {kind} | {mode} | " + " | ".join(cells)
+              + f" | {ratio('jaxflash bias', 'jaxflash')} | {ratio('cudnn bias', 'jaxflash bias')}"
+              f" | {ratio('tokamax bias', 'jaxflash bias')} |")
+  if not tokamax_found():
+    print("tokamax: not importable here, no tokamax columns")
   return records
+
+
+def tokamax_found() -> bool:
+  """Whether tokamax imports (its columns are timed only then)."""
+  try:
+    import tokamax  # noqa: F401
+  except ImportError:
+    return False
+  return True
 
 
 def kept_pairs(seq: int, window=None) -> int:

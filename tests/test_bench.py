@@ -518,6 +518,26 @@ def test_bias_columns_are_the_calls_they_name():
   assert modifiers.BIAS_SHAPE == dict(batch=4, heads=16, head_dim=128)
 
 
+def test_tokamax_bias_columns_call_its_mosaic_attention(monkeypatch):
+  """bench_modifiers --bias: where tokamax imports, its columns are
+  tokamax.dot_product_attention(implementation="mosaic") without and with the bias (a stand-in
+  module records the calls; the real one is a GPU host's)."""
+  import sys
+  import types
+  modifiers = load_script("benchmarks/bench_modifiers.py")
+  calls = []
+  fake = types.ModuleType("tokamax")
+  fake.dot_product_attention = lambda *args, **kwargs: calls.append((args, kwargs))
+  monkeypatch.setitem(sys.modules, "tokamax", fake)
+  assert modifiers.tokamax_found()
+  for impl in modifiers.TOKAMAX_BIAS_IMPLS:
+    modifiers.bias_fn(impl, True)("q", "k", "v", "bias")
+  assert calls == [(("q", "k", "v", None), dict(is_causal=True, implementation="mosaic")),
+                   (("q", "k", "v", "bias"), dict(is_causal=True, implementation="mosaic"))]
+  monkeypatch.setitem(sys.modules, "tokamax", None)  # import tokamax raises ImportError
+  assert not modifiers.tokamax_found()
+
+
 def test_mods_columns_are_the_calls_they_name():
   """bench_modifiers --mods: each mask_mod column equals its built-in twin, the identity the
   plain call, ALiBi the materialised bias that cuDNN's column takes (on the reference)."""
