@@ -59,7 +59,8 @@ class UnsupportedModError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class ModIR:
   """One traced function: inputs (names), eqns ((op, refs, params, dtype), ...), output ref.
-  Refs: ("in", name), ("arr", k), ("v", i), ("lit", value, dtype) (mod_refs.py)."""
+  Refs: ("in", name), ("arr", k), ("dim", k, axis), ("v", i), ("lit", value, dtype)
+  (mod_refs.py)."""
 
   inputs: tuple
   eqns: tuple
@@ -316,7 +317,24 @@ class _Trace:
       raise self.error(f"dynamic_slice of sizes {eqn.params['slice_sizes']} of a computed "
                        f"value (only single elements of closed-over arrays)")
     dtype = self.scalar_dtype(eqn.outvars[0].aval)
+    self.run_time_extents(array, indices, eqn.invars[0].aval.shape)
     return self.emit("read", (array, *indices), (("mode", "clip"), ("fill", None)), dtype)
+
+  def run_time_extents(self, array, indices, shape):
+    """JAX writes a read at a traced index i with the wrap select_n(i < 0, i, i + n), n the
+    extent of the array along that axis: its literal n becomes the ref ("dim", k, axis), the
+    extent at run time, so the IR (and the variant's digest) holds no extent and one variant
+    serves arrays of every extent (a document mask of any sequence length)."""
+    eqn = lambda ref: self.eqns[ref[1]] if ref[0] == "v" else (None, (), (), None)
+    for axis, (index, n) in enumerate(zip(indices, shape)):
+      op, refs, _, _ = eqn(index)
+      if op != "select_n" or len(refs) != 3:
+        continue
+      pred, x, wrapped = refs
+      (lt, lt_refs, _, _), (add, add_refs, add_params, add_dtype) = eqn(pred), eqn(wrapped)
+      if (lt == "lt" and len(lt_refs) == 2 and lt_refs[0] == x and lt_refs[1][:2] == ("lit", 0)
+          and add == "add" and add_refs == (x, ("lit", n, add_dtype))):
+        self.eqns[wrapped[1]] = (add, (x, ("dim", array[1], axis)), add_params, add_dtype)
 
   def gather(self, eqn, refs):
     """A single element of a closed-over array at a vector of scalar indices."""
@@ -338,6 +356,7 @@ class _Trace:
     for k, dim in enumerate(dn.start_index_map):
       ordered[dim] = vector[k]
     dtype = self.scalar_dtype(eqn.outvars[0].aval)
+    self.run_time_extents(array, ordered, eqn.invars[0].aval.shape)
     if mode != "FILL_OR_DROP":
       return self.emit("read", (array, *ordered), (("mode", "clip"), ("fill", None)), dtype)
     fill = p["fill_value"]
@@ -430,7 +449,8 @@ def evaluate(ir: ModIR, inputs: dict, arrays) -> Any:
   """The IR's output for scalar inputs {name: value} and the closed-over arrays (operand order).
   Traceable, vmappable, differentiable in the float inputs and arrays."""
   values = []
-  get = lambda ref: mod_refs.resolve(ref, inputs, values, arrays, literal_value)
+  get = lambda ref: mod_refs.resolve(ref, inputs, values, arrays, literal_value,
+                                     lambda array, axis: jnp.int32(array.shape[axis]))
   for op, refs, params, dtype in ir.eqns:
     args = [get(r) for r in refs]
     values.append(_apply(op, args, dict(params), dtype))

@@ -128,6 +128,25 @@ def test_gather_modes():
   np.testing.assert_array_equal(got, jax.vmap(clip)(s, zero, zero, q, k))
 
 
+def test_negative_indices_wrap_by_the_run_time_extent():
+  """JAX wraps a negative index by the array's extent: the IR takes that extent from the array
+  it reads (a ("dim", k, axis) ref, no literal), so evaluating one IR on arrays of other
+  extents matches JAX's own function of each."""
+  def make(table):
+    return lambda s, b, h, q, k: s + table[q, k - 3]
+  small = jnp.arange(12.0, dtype=jnp.float32).reshape(3, 4)
+  ir = mod_ir.trace_mods(make(small), None).spec.score
+  assert not any(r[:2] == ("lit", 3) or r[:2] == ("lit", 4) for e in ir.eqns for r in e[1]
+                 if e[0] == "add")
+  q = jnp.arange(-9, 9, dtype=jnp.int32)
+  k = jnp.flip(q)
+  zero = jnp.zeros_like(q)
+  s = jnp.zeros(q.shape, jnp.float32)
+  for table in (small, jnp.arange(35.0, dtype=jnp.float32).reshape(5, 7)):
+    got = _eval_ir(ir, (table,), s, (zero, zero, q, k))
+    np.testing.assert_array_equal(got, jax.vmap(make(table))(s, zero, zero, q, k))
+
+
 def test_integer_semantics_match_xla():
   """Integer div / rem toward zero, floor division and modulo by jnp, shifts, casts."""
   def fn(s, b, h, q, k):
@@ -158,7 +177,9 @@ def test_digest_ignores_array_values_and_sees_literals():
   assert one.digest == other.digest
   # Another length of the same dtype and rank: the same kernel (shapes are run-time operands).
   longer = mod_ir.trace_mods(recipes.alibi(jnp.ones((2 * H,), jnp.float32)), None).spec
-  assert longer.arrays == one.arrays
+  assert longer.arrays == one.arrays and longer.digest == one.digest
+  docs = lambda s: mod_ir.trace_mods(None, recipes.document(jnp.zeros((B, s), jnp.int32))).spec
+  assert docs(S).digest == docs(2 * S + 1).digest
   assert mod_ir.trace_mods(recipes.softcap(30.0), None).spec.digest != (
       mod_ir.trace_mods(recipes.softcap(20.0), None).spec.digest)
   assert mod_ir.trace_mods(None, recipes.sliding_window(96)).spec.digest != (

@@ -60,7 +60,8 @@ def emit(ir, inputs: dict, arrays: tuple):
   closed-over arrays' tensors (operand order; a rank-0 array is a (1,) tensor)."""
   _, eqns, output = ir
   values, dtypes = [], []
-  get = lambda ref: mod_refs.resolve(ref, inputs, values, arrays, _literal)
+  get = lambda ref: mod_refs.resolve(ref, inputs, values, arrays, _literal,
+                                     lambda array, axis: Int32(array.shape[axis]))
   for op, refs, params, dtype in eqns:
     args = [get(r) for r in refs]
     arg_dtypes = [None if r[0] == "arr" else mod_refs.dtype(r, dtypes) for r in refs]
