@@ -233,7 +233,9 @@ def _mask_mod(mask):
   sequences, so the read takes no negative-index wrap: its IR holds no extent of the mask, and
   one variant serves every mask shape of a rank."""
   def mask_mod(b, h, i, j):
-    index = tuple(x if n != 1 else jnp.int32(0) for x, n in zip((b, h, i, j), mask.shape))
+    # int32 indices: the reference's blocked path may pass int64 ones when x64 is on.
+    index = tuple(jax.lax.convert_element_type(x, jnp.int32) if n != 1 else jnp.int32(0)
+                  for x, n in zip((b, h, i, j), mask.shape))
     return jax.lax.dynamic_slice(mask, index, (1, 1, 1, 1),
                                  allow_negative_indices=False).reshape(())
   return mask_mod

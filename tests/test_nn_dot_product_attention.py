@@ -312,6 +312,20 @@ def test_a_boolean_mask_runs_in_the_kernels_as_a_mask_mod():
   assert keys[0][0] not in other
 
 
+def test_the_mask_mod_runs_on_the_float64_reference():
+  """The mask's mask_mod on the blocked reference with x64 on (the oracle of the GPU tests,
+  whose key indices are int64 there) equals jax.nn with the same mask."""
+  from jaxflash.nn import _mask_mod
+  with x64():
+    q, k, v = (_normal(80 + i, (2, s, 2, 16), jnp.float64) for i, s in enumerate((5, 9, 9)))
+    mask = _random_mask(83, (2, 1, 5, 9), keep=0.6)
+    out = jaxflash.attention(q, k, v, mask_mod=_mask_mod(mask), implementation="reference")
+    want = jax_nn_xla(q, k, v, mask=mask)
+    rows = np.asarray(jnp.any(mask, axis=-1))[:, 0]  # rows with a key (jax.nn fills the rest)
+    np.testing.assert_allclose(np.asarray(out)[rows], np.asarray(want)[rows], rtol=1e-5,
+                               atol=1e-6)
+
+
 _GPU_MASK_SHAPE = (2, 300, 520, 8, 1)  # tests/test_gpu_mods.py's bool_mask case runs its variant
 
 
