@@ -136,6 +136,15 @@ def test_fp8_cache_kernel_matches_float64_oracles(case, page_size):
   _check(q, k, v, lengths, options, page_size)
 
 
+@pytest.mark.parametrize("page_size", [None, 64], ids=["contiguous", "p64"])
+def test_fp8_cache_kernel_over_a_long_cache_in_one_split(page_size):
+  """One split of 160 key blocks per CTA: every ring stage is reused dozens of times, so a
+  converting warp that arrives on a stage's barrier more or fewer times than counted puts the
+  pipelines' phases apart within the call (the cases above hold at most 9 blocks)."""
+  q, k, v = _inputs(3, 2, 1, 16, 2, 128, 20480, "bfloat16")
+  _check(q, k, v, (20480, 19999), {"causal": False}, page_size, num_splits=1)
+
+
 def test_fp8_cache_kernel_with_sinks_and_auto_mode():
   """Sinks join each row's denominator, with the automatic split count and with one split
   (whose tiles write out and lse themselves, v reference included: no merge); implementation=
