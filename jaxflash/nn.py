@@ -193,45 +193,45 @@ _mean_of_values.defvjp(_mean_fwd, _mean_bwd)
 _BIAS_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _kernel_bias(bias, query, key):
-  """jax.nn's bias as jaxflash.attention takes it, (B|1, N|1, T|1, S) (rank padded to 4 in
-  front, a key dim of 1 broadcast to S), or None where jaxflash cannot take it (another dtype,
-  rank above 4, dims that do not broadcast): such calls run jax.nn's XLA path."""
-  bias = jnp.asarray(bias)
-  if bias.ndim > 4 or np.dtype(bias.dtype).name not in _BIAS_DTYPES:
+def _rank4(x, query, key):
+  """x padded to rank 4 in front, (B|1, N|1, T|1, S|1), or None where it has a rank above 4 or
+  dims that do not broadcast to (B, N, T, S)."""
+  if x.ndim > 4:
     return None
   batch = query.shape[0] if query.ndim == 4 else 1
   full = (batch, query.shape[-2], query.shape[-3], key.shape[-3])  # (B, N, T, S)
-  bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-  if any(d not in (1, f) for d, f in zip(bias.shape, full)):
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  return x if all(d in (1, f) for d, f in zip(x.shape, full)) else None
+
+
+def _kernel_bias(bias, query, key):
+  """jax.nn's bias as jaxflash.attention takes it, (B|1, N|1, T|1, S) (_rank4, a key dim of 1
+  broadcast to S), or None where jaxflash cannot take it (another dtype, rank above 4, dims
+  that do not broadcast): such calls run jax.nn's XLA path."""
+  bias = jnp.asarray(bias)
+  if np.dtype(bias.dtype).name not in _BIAS_DTYPES:
     return None
-  if bias.shape[3] != full[3]:
-    bias = jnp.broadcast_to(bias, bias.shape[:3] + (full[3],))
+  bias = _rank4(bias, query, key)
+  if bias is not None and bias.shape[3] != key.shape[-3]:
+    bias = jnp.broadcast_to(bias, bias.shape[:3] + (key.shape[-3],))
   return bias
 
 
 def _kernel_mask(mask, query, key):
-  """jax.nn's boolean mask as (B|1, N|1, T|1, S|1) (rank padded to 4 in front), or None where
-  the kernels cannot take it as a mask_mod (not boolean, rank above 4, dims that do not
-  broadcast, float32 inputs, which jax.nn's materialised path serves as well): such calls
-  run jax.nn's XLA path."""
+  """jax.nn's boolean mask as (B|1, N|1, T|1, S|1) (_rank4), or None where the kernels cannot
+  take it as a mask_mod (not boolean, rank above 4, dims that do not broadcast, float32 inputs,
+  which jax.nn's materialised path serves as well): such calls run jax.nn's XLA path."""
   mask = jnp.asarray(mask)
-  if (mask.dtype != jnp.bool_ or mask.ndim > 4
-      or np.dtype(query.dtype).name not in ("float16", "bfloat16")):
+  if mask.dtype != jnp.bool_ or np.dtype(query.dtype).name not in ("float16", "bfloat16"):
     return None
-  batch = query.shape[0] if query.ndim == 4 else 1
-  full = (batch, query.shape[-2], query.shape[-3], key.shape[-3])  # (B, N, T, S)
-  mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-  if any(d not in (1, f) for d, f in zip(mask.shape, full)):
-    return None
-  return mask
+  return _rank4(mask, query, key)
 
 
 def _mask_mod(mask):
   """The mask_mod that reads _kernel_mask's mask at (batch, head, q_idx, kv_idx), index 0 on
   its dims of size 1. The kernels call it with indices inside the call's (prefix of the)
-  sequences, so the read takes no negative-index wrap: its IR holds no extent of the mask, and
-  one variant serves every mask shape of a rank."""
+  sequences, so the read takes no negative-index wrap: one variant serves every mask with the
+  same dims of size 1, whatever its extents."""
   def mask_mod(b, h, i, j):
     # int32 indices: the reference's blocked path may pass int64 ones when x64 is on.
     index = tuple(jax.lax.convert_element_type(x, jnp.int32) if n != 1 else jnp.int32(0)
