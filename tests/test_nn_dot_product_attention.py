@@ -257,34 +257,44 @@ def _random_mask(seed, shape, keep=0.3):
   return jnp.asarray(np.random.default_rng(seed).random(shape) < keep)
 
 
+def _half_inputs(dtype):
+  """q (2, 16, 4, 32), k and v (2, 24, 2, 32) in dtype."""
+  return tuple(_normal(20 + i, (2, s, h, 32), dtype)
+               for i, (s, h) in enumerate([(16, 4), (24, 2), (24, 2)]))
+
+
+@pytest.mark.parametrize("option", ["causal", "lengths_window", "window_shifted"], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_matches_jax_nn_half_precision(dtype, option):
+  q, k, v = _half_inputs(dtype)
+  grad = _normal(23, q.shape, dtype)
+  seq_q, seq_k = q.shape[1], k.shape[1]
+  kw = _options(option, seq_q, seq_k)
+  _assert_matches_jax_nn(functools.partial(dot_product_attention, **kw),
+                         functools.partial(jax_nn_xla, **kw), (q, k, v), grad, option)
+
+
 # Boolean masks of float16 / bfloat16 inputs run in jaxflash as mask_mods (rows that keep no
-# key get jax.nn's average of all values): option name -> (mask shape, the other options).
+# key get jax.nn's average of all values): name -> (mask shape, the other options, dtype).
 _MASKS = {
-    "mask": ((2, 4, 16, 24), "plain"),
-    "mask_rank2_causal": ((16, 24), "causal"),
-    "mask_heads_lengths": ((1, 4, 16, 24), "lengths_causal"),
-    "mask_rows_kv_lengths": ((2, 1, 16, 1), "kv_lengths"),
-    "mask_keys_window": ((2, 1, 1, 24), "window_3_2"),
+    "full": ((2, 4, 16, 24), "plain", jnp.bfloat16),
+    "rank2_causal": ((16, 24), "causal", jnp.float16),
+    "heads_lengths": ((1, 4, 16, 24), "lengths_causal", jnp.bfloat16),
+    "rows_kv_lengths": ((2, 1, 16, 1), "kv_lengths", jnp.float16),
+    "keys_window": ((2, 1, 1, 24), "window_3_2", jnp.bfloat16),
 }
 
 
-@pytest.mark.parametrize("option", ["causal", "lengths_window", "window_shifted"] + list(_MASKS),
-                         ids=str)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
-def test_matches_jax_nn_half_precision(dtype, option):
-  seq_q, seq_k = 16, 24
-  q, k, v = (_normal(20 + i, (2, s, h, 32), dtype)
-             for i, (s, h) in enumerate([(seq_q, 4), (seq_k, 2), (seq_k, 2)]))
-  grad = _normal(23, (2, seq_q, 4, 32), dtype)
-  if option in _MASKS:
-    shape, others = _MASKS[option]
-    kw = dict(_options(others, seq_q, seq_k), mask=_random_mask(24, shape),
-              return_residual=True)
-  else:
-    kw = _options(option, seq_q, seq_k)
+@pytest.mark.parametrize("name", list(_MASKS), ids=str)
+def test_boolean_mask_matches_jax_nn(name):
+  shape, others, dtype = _MASKS[name]
+  q, k, v = _half_inputs(dtype)
+  grad = _normal(23, q.shape, dtype)
+  seq_q, seq_k = q.shape[1], k.shape[1]
+  kw = dict(_options(others, seq_q, seq_k), mask=_random_mask(24, shape), return_residual=True)
   _assert_matches_jax_nn(functools.partial(dot_product_attention, **kw),
-                         functools.partial(jax_nn_xla, **kw), (q, k, v), grad, option,
-                         residual="return_residual" in kw)
+                         functools.partial(jax_nn_xla, **kw), (q, k, v), grad, name,
+                         residual=True)
 
 
 def test_a_boolean_mask_runs_in_the_kernels_as_a_mask_mod():
