@@ -12,11 +12,12 @@ compare as time ratios. Timing: that module's time_ms (warm-up, back-to-back cal
 --gpt-oss: gpt-oss's shape (windows and sinks). --bias: an additive bias at head_dim 128, batch
 4, 16 heads (BIAS_SHAPE), bias (1, H, S, S) and (B, H, S, S) in bf16, jaxflash and cuDNN
 (jax.nn.dot_product_attention(bias=...)), and tokamax's Mosaic GPU attention where tokamax
-imports, next to each one's plain call; forward + backward differentiates the bias too. --mods: score_mod / mask_mod at BIAS_SHAPE (MODS_IMPLS): the
-plain call, an identity score_mod, ALiBi, T5 buckets, causal and a sliding window as mask_mods
-next to the built-in causal mask and window, cuDNN plain and with ALiBi as a (1, H, S, S) bias;
-forward + backward differentiates q, k and v. Needs the kernels in JAXFLASH_CACHE_DIR (the mods
-variants build on first use where nvidia-cutlass-dsl is installed).
+imports, next to each one's plain call; forward + backward differentiates the bias too.
+--mods: score_mod / mask_mod at BIAS_SHAPE (MODS_IMPLS): the plain call, an identity
+score_mod, ALiBi, T5 buckets, causal and a sliding window as mask_mods next to the built-in
+causal mask and window, cuDNN plain and with ALiBi as a (1, H, S, S) bias; forward + backward
+differentiates q, k and v. Needs the kernels in JAXFLASH_CACHE_DIR (the mods variants build on
+first use where nvidia-cutlass-dsl is installed).
 """
 
 from __future__ import annotations
@@ -236,7 +237,8 @@ def run_bias(args, rng) -> list:
   """BIAS_SHAPE at each --seq, each bias kind, forward and forward + backward; TFLOP/s of the
   plain call's flops, so a column's ratio to another is a time ratio."""
   b, h, d = BIAS_SHAPE["batch"], BIAS_SHAPE["heads"], BIAS_SHAPE["head_dim"]
-  impls = BIAS_IMPLS + (TOKAMAX_BIAS_IMPLS if tokamax_found() else ())
+  with_tokamax = tokamax_found()
+  impls = BIAS_IMPLS + (TOKAMAX_BIAS_IMPLS if with_tokamax else ())
   records = []
   for s in args.seq:
     q, k, v = (jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.bfloat16) for _ in range(3))
@@ -266,7 +268,7 @@ def run_bias(args, rng) -> list:
         print(f"| {s} | {kind} | {mode} | " + " | ".join(cells)
               + f" | {ratio('jaxflash bias', 'jaxflash')} | {ratio('cudnn bias', 'jaxflash bias')}"
               f" | {ratio('tokamax bias', 'jaxflash bias')} |")
-  if not tokamax_found():
+  if not with_tokamax:
     print("tokamax: not importable here, no tokamax columns")
   return records
 
