@@ -34,14 +34,16 @@ BOX_ROWS = 16
 _V_TAIL_BARRIER = 1
 _SCHEDULER_BARRIER_BASE = 2
 # (producer, consumer) registers per thread after setmaxnreg: one consumer warpgroup. The
-# warps that convert FP8 caches keep a 16-byte load and its 32 converted bytes in flight with
-# their addresses: at 56 registers the variants spilled, so they keep 128 (the pool of 256
-# threads holds both).
+# warps that convert FP8 caches keep 16-byte loads and their converted bytes in flight with
+# their addresses: at 56 registers the variants spilled, so the producer warpgroup and the
+# converting one keep 120 (the pool of 384 threads holds 2 x 120 + 256 per thread triple).
 _PRODUCER_REGS, _CONSUMER_REGS = 56, 256
-_FP8_PRODUCER_REGS = 128
-# FP8 caches: warps 1-3 of the producer warpgroup convert the e4m3 blocks (warp 0 issues the
-# TMA loads), 16 bytes of e4m3 per thread and step.
-_CONVERT_WARPS = 3
+_FP8_PRODUCER_REGS = 120
+# FP8 caches: warps 1-2 of the producer warpgroup (warp 0 issues the TMA loads, warp 3 idles)
+# and a fourth warpgroup, after the consumers, convert the e4m3 blocks, 16 bytes of e4m3 per
+# thread and step: six warps, at least one on each sub-partition, two on two of them.
+_HEAD_CONVERT_WARPS = 2
+_CONVERT_WARPS = _HEAD_CONVERT_WARPS + 4
 _CONVERT_THREADS = _CONVERT_WARPS * sm90_gemm.WARP_THREADS
 _CHUNK = 16
 # The most chunks a converting thread loads before converting them (independent loads in
@@ -183,7 +185,8 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
   tile_n blocks, masking only blocks that cross a bound.
 
   FP8 caches (variant.kv_dtype): TMA copies the e4m3 blocks into rings of their own
-  (schedule.fp8_stages deep), warps 1-3 of the producer warpgroup convert each block exactly
+  (schedule.fp8_stages deep), six converting warps (warps 1-2 of the producer warpgroup and a
+  warpgroup after the consumers) convert each block exactly
   into the 16-bit rings the GEMMs read (the query's dtype), in the producer's order, and put
   each K block's 16-key boxes' descales beside its 16-bit stage (convert_kv); the consumers
   scale each key's scores by its k descale before the softmax and its P by its v descale
@@ -219,6 +222,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     self.num_producer_regs, self.num_mma_regs = _PRODUCER_REGS, _CONSUMER_REGS
     if variant.kv_dtype is not None:
       self.num_producer_regs = _FP8_PRODUCER_REGS
+      self.num_threads += _WARPGROUP_THREADS  # the converting warpgroup
     self.pingpong = False
     self.persistent = False
     self.lpt = False
@@ -420,7 +424,11 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     work = self._work(mQ.shape[0], mK.shape[0], mPageTable, mLengths, mOPart.shape[1],
                       m_block, split, batch, seqlen_q, window_left, window_right)
     warpgroup_idx = cute.arch.make_warp_uniform(tidx // _WARPGROUP_THREADS)
-    if warpgroup_idx == 0:
+    converting_wg = self.num_mma_warpgroups + 1  # FP8 caches: the last warpgroup
+    producing = warpgroup_idx == 0
+    if const_expr(self.fp8_cache):
+      producing = (warpgroup_idx == 0) | (warpgroup_idx == converting_wg)
+    if producing:
       cute.arch.setmaxregister_decrease(self.num_producer_regs)
       if warp_idx == 0:
         self.load_decode(mQ, mK, mV, mKt, mVt, tma_atom_q, tma_atom_k, tma_atom_v,
@@ -428,12 +436,19 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
                          pipeline_k_load, pipeline_v_load, mPageTable, work, m_block, head_kv,
                          batch, BOX_ROWS)
       if const_expr(self.fp8_cache):
-        if warp_idx > 0:
+        # Converting thread index: warps 1-2 first, then the converting warpgroup.
+        thread = Int32(-1)
+        if warpgroup_idx == converting_wg:
+          thread = tidx - converting_wg * _WARPGROUP_THREADS + (
+              _HEAD_CONVERT_WARPS * sm90_gemm.WARP_THREADS)
+        elif (warp_idx > 0) & (warp_idx <= _HEAD_CONVERT_WARPS):
+          thread = tidx - sm90_gemm.WARP_THREADS
+        if thread >= 0:
           paging = self._paging(mPageTable, mK.shape[0], mK.shape[3], work, head_kv, batch)
           self.convert_kv(storage.sK8.data_ptr(), sK_load_layout, storage.sV8.data_ptr(),
                           sV_load_layout, storage.sK.data_ptr(), sK_layout,
                           storage.sV.data_ptr(), sV_layout, pipeline_k8, pipeline_v8,
-                          pipeline_k, pipeline_v, work, tidx - sm90_gemm.WARP_THREADS,
+                          pipeline_k, pipeline_v, work, thread,
                           _Descales(k=mKDescale, v=mVDescale, paging=paging,
                                     scales=self._scale_tensor(storage)))
     else:
@@ -581,7 +596,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
                  sK_layout: cute.ComposedLayout, v_ptr: cute.Pointer,
                  sV_layout: cute.ComposedLayout, pipeline_k8, pipeline_v8, pipeline_k,
                  pipeline_v, work, thread: Int32, descales):
-    """Warps 1-3 (FP8 caches; thread: 0-95 among them): each e4m3 K / V block TMA filled
+    """The converting warps (FP8 caches; thread: 0-191 among them): each e4m3 K / V block TMA filled
     becomes a 16-bit block of the ring the consumers' GEMMs read, in the producer's order
     (K(n_end - 1), then K(n - 1) before V(n), then V(n_start)). With each K block go its
     boxes' k and v descales (the latter over the v reference), into the descale buffer's
