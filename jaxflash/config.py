@@ -218,8 +218,9 @@ class DecodeSchedule:
   tile_m: int  # packed query rows per CTA: 64 (one consumer warpgroup), 128 when chunked
   tile_n: int  # key rows per step
   num_stages: int  # depth of the K and V rings (in the query's dtype)
-  # FP8 caches: depth of the e4m3 rings that TMA fills and warps 1-3 of the producer warpgroup
-  # convert into the 16-bit rings; 0: 16-bit caches (TMA fills the 16-bit rings).
+  # FP8 caches: depth of the e4m3 rings that TMA fills and six converting warps
+  # (kernels/decode_sm90.py) turn into the 16-bit rings; 0: 16-bit caches (TMA fills the 16-bit
+  # rings).
   fp8_stages: int = 0
   # Chunked prefill (kernels/chunked_sm90.py): the forward's 128-row tiles, two consumer
   # warpgroups taking turns at their GEMMs, one CTA per tile over all of its keys (no split),

@@ -77,9 +77,14 @@ def test_decode_variant_holds_the_split_kernel_and_the_merge_without_spills(expo
   for kind, ops in parts.items():
     _sass.assert_no_spills(ops, f"{variant.key} {kind}")
   assert "HGMMA" in parts["decode"] and "UTMALDG" in parts["decode"]
-  # FP8 caches: the converting warps' e4m3 -> float16 conversions (then bfloat16 packs).
+  # FP8 caches: the converting warps' e4m3 -> float16 conversions, with the register split
+  # that lets a fourth warpgroup (six converting warps in all) share the file with the
+  # consumers: 120 registers for the producer and converting warpgroups, 256 for the consumers.
   assert ("F2FP.F16.E4M3.UNPACK_B" in _sass.opcodes(sass, modifiers=True)) == (
       variant.kv_dtype is not None)
+  if variant.kv_dtype is not None:
+    assert "USETMAXREG.DEALLOC.CTAPOOL 0x78" in sass, variant.key
+    assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL U?P\d, 0x100", sass), variant.key
   assert "SHFL" in parts["combine"] and "HGMMA" not in parts["combine"]
   assert not {"LDS", "STS", "BAR"} & set(parts["combine"])
 
