@@ -40,11 +40,18 @@ def make_attention_fn(**attention_options) -> Callable[..., jax.Array]:
   Returns:
     fn(query, key, value, bias=None, mask=None, ...) with query (batch..., q_len, heads,
     head_dim) and key/value (batch..., kv_len, kv_heads, head_dim); leading batch dims are
-    folded. What the kernels cannot express raises a ValueError instead of being ignored: a
-    `mask` (use causal=True, or the jaxflash.flax blocks with segment_ids), a `bias`, active
-    dropout, sowing attention weights, and custom einsums. `precision` is not used (scores
-    and accumulation are float32) and the softmax is always float32. An `is_causal=True`
-    from the module (nnx) is honoured when q_len == kv_len.
+    folded. A Flax `mask` (broadcastable to (batch..., heads, q_len, kv_len); a nonzero or
+    True entry keeps a key) and / or `bias` (float, same shape) run through
+    `jaxflash.dot_product_attention`: in the kernels where it takes them (a boolean mask of
+    float16 / bfloat16 inputs as a block-sparse mask_mod, a bias with its gradient), with
+    Flax's semantics for a row whose mask keeps no key (the average of all values); causal and
+    window_size still apply (bottom-right aligned), softmax_scale and implementation too, while
+    softcap, score_mod, mask_mod and deterministic cannot join a dense mask or bias and raise.
+    Without them, jaxflash.attention runs the call. What cannot be expressed raises a
+    ValueError instead of being ignored: active dropout, sowing attention weights, custom
+    einsums. `precision` is not used (scores and accumulation are float32) and the softmax is
+    always float32. An `is_causal=True` from the module (nnx) is honoured when q_len ==
+    kv_len.
   """
   unknown = sorted(set(attention_options) - set(_STATIC_OPTIONS))
   if unknown:
@@ -60,8 +67,8 @@ def make_attention_fn(**attention_options) -> Callable[..., jax.Array]:
                    force_fp32_for_softmax=False, qk_attn_weights_einsum=None,
                    attn_weights_value_einsum=None):
     del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
-    _reject_unsupported(bias, mask, dropout_rate, deterministic, module,
-                        qk_attn_weights_einsum, attn_weights_value_einsum)
+    _reject_unsupported(dropout_rate, deterministic, module, qk_attn_weights_einsum,
+                        attn_weights_value_einsum)
     if dtype is None:
       dtype = jnp.result_type(query, key, value)
     query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
@@ -74,23 +81,14 @@ def make_attention_fn(**attention_options) -> Callable[..., jax.Array]:
             f"make_attention_fn(causal=True) for bottom-right, or "
             f"jaxflash.dot_product_attention for top-left")
       options["causal"] = True
+    if mask is not None or bias is not None:
+      return _dense_mask_attention(query, key, value, bias, mask, options)
     return _folded_attention(query, key, value, options)
 
   return attention_fn
 
 
-def _reject_unsupported(bias, mask, dropout_rate, deterministic, module, qk_einsum,
-                        value_einsum):
-  if mask is not None:
-    raise ValueError("mask: jaxflash attention takes no dense mask (it would be O(q_len x "
-                     "kv_len)); build the attention with make_attention_fn(causal=True, "
-                     "window_size=...) and pass mask=None, or use the jaxflash.flax "
-                     "attention blocks with segment_ids for padding and packed sequences")
-  if bias is not None:
-    raise ValueError("bias: this attention_fn takes no additive bias; call "
-                     "jaxflash.attention(..., bias=...) (the reference path, differentiable) or "
-                     "jax.nn.dot_product_attention (or jaxflash.dot_product_attention, which "
-                     "hands a bias to jax.nn) for biased attention")
+def _reject_unsupported(dropout_rate, deterministic, module, qk_einsum, value_einsum):
   if dropout_rate and not deterministic:
     raise ValueError(f"dropout_rate={dropout_rate}: jaxflash attention has no attention "
                      f"dropout; set dropout_rate=0.0 or deterministic=True")
@@ -100,6 +98,62 @@ def _reject_unsupported(bias, mask, dropout_rate, deterministic, module, qk_eins
   if qk_einsum is not None or value_einsum is not None:
     raise ValueError("qk_attn_weights_einsum/attn_weights_value_einsum: custom einsums "
                      "(e.g. quantised AQT) cannot run inside the fused attention")
+
+
+def _dense_mask_attention(query, key, value, bias, mask, options):
+  """A Flax mask and / or bias: jaxflash.dot_product_attention (jax.nn's semantics, which are
+  Flax's for rows that keep no key) on the folded batch, with make_attention_fn's causal and
+  window_size (bottom-right aligned) as jax.nn's top-left local_window_size."""
+  refused = [name for name in ("softcap", "score_mod", "mask_mod")
+             if options.get(name) is not None]
+  if options.get("deterministic"):
+    refused.append("deterministic")
+  given = " and ".join(name for name, x in (("mask", mask), ("bias", bias)) if x is not None)
+  if refused:
+    raise ValueError(f"{given}: a dense Flax {given} runs through "
+                     f"jaxflash.dot_product_attention, which takes no {', '.join(refused)}; "
+                     f"express the {given} as make_attention_fn(mask_mod=..., score_mod=...) "
+                     f"or drop {', '.join(refused)}")
+  window = options.get("window_size", (None, None))
+  if (not isinstance(window, (tuple, list)) or len(window) != 2
+      or not all(w is None or isinstance(w, int) for w in window)):
+    raise ValueError(f"window_size: expected (left, right), each None or an int, got "
+                     f"{window!r}")
+  left, right = window
+  if options.get("causal"):
+    right = 0 if right is None else min(right, 0)
+  seq_q, seq_k = query.shape[-3], key.shape[-3]
+  local_window_size = None
+  if left is not None or right is not None:
+    # jaxflash's diagonal sits at key i + seq_k - seq_q, jax.nn's at key i.
+    shift, far = seq_k - seq_q, seq_q + seq_k
+    local_window_size = (far if left is None else left - shift,
+                         far if right is None else right + shift)
+  implementation = {None: None, "cute": "cudnn", "reference": "xla"}.get(
+      options.get("implementation"), options.get("implementation"))
+  batch_dims = query.shape[:-3]
+  batch = math.prod(batch_dims)
+  fold = lambda x: x.reshape((batch,) + x.shape[-3:])
+
+  def fold_scores(x):  # (batch..., heads, q_len, kv_len) broadcastable -> (batch|1, ...)
+    if x is None:
+      return None
+    x = jnp.asarray(x)
+    lead = x.shape[:-3] if x.ndim > 3 else ()
+    if x.ndim > 3 and math.prod(lead) == 1:
+      return x.reshape((1,) + x.shape[-3:])
+    if x.ndim > 3:
+      x = jnp.broadcast_to(x, batch_dims + x.shape[-3:])
+      return x.reshape((batch,) + x.shape[-3:])
+    return x
+
+  if mask is not None:  # Flax keeps a key where the mask is nonzero (make_attention_mask: float)
+    mask = jnp.asarray(mask).astype(bool)
+  out = jaxflash.dot_product_attention(
+      fold(query), fold(key), fold(value), fold_scores(bias), fold_scores(mask),
+      scale=options.get("softmax_scale"), local_window_size=local_window_size,
+      implementation=implementation)
+  return out.reshape(batch_dims + out.shape[1:])
 
 
 def _folded_attention(query, key, value, options):

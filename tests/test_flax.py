@@ -87,6 +87,63 @@ def test_linen_mha_cross_attention_and_batch_dims():
                       params, xq, "linen cross")
 
 
+def _padding_mask(x, valid, causal):
+  """Flax's (batch, 1, q, kv) mask of valid[b] leading tokens, causal or not; with the key
+  padding at the front (valid < 0: the last -valid tokens), causal rows before it keep none."""
+  pos = jnp.arange(x.shape[1])
+  keep = jnp.stack([pos < v if v >= 0 else pos >= x.shape[1] + v for v in valid])
+  mask = nn.make_attention_mask(jnp.ones(x.shape[:2], bool), keep)
+  return nn.combine_masks(mask, nn.make_causal_mask(x[..., 0])) if causal else mask
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["padding", "padding_causal"])
+def test_linen_mha_with_a_flax_mask_matches_flax(causal):
+  """MultiHeadDotProductAttention's mask goes through the adapter: output and gradients
+  against Flax's own attention under the oracle rule, rows whose mask keeps no key included
+  (Flax and jax.nn give them the average of all values)."""
+  x = _normal(12, (B, T, D))
+  valid = [T - 3, -5]  # sequence 1: keys T-5..T-1, so its first causal rows keep none
+  ours = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=jf.make_attention_fn())
+  theirs = nn.MultiHeadDotProductAttention(num_heads=HEADS)
+  params = theirs.init(jax.random.PRNGKey(0), x)
+  mask = lambda x: _padding_mask(x, valid, causal)
+  assert_matches_flax(lambda p, x: ours.apply(p, x, mask=mask(x)),
+                      lambda p, x: theirs.apply(p, x, mask=mask(x)), params, x, "linen mask")
+
+
+def test_adapter_takes_a_bias_with_its_gradient():
+  """A Flax bias (broadcast over batch) reaches jaxflash.dot_product_attention: output and the
+  gradients of q, k, v and the bias against Flax's attention under the oracle rule."""
+  q, k, v = (_normal(20 + i, (B, T, HEADS, 8)) for i in range(3))
+  bias = _normal(23, (1, HEADS, T, T))
+  fn = jf.make_attention_fn()
+  ours = lambda args, x: fn(x, *args[:2], bias=args[2])
+  theirs = lambda args, x: nn.dot_product_attention(x, *args[:2], bias=args[2])
+  assert_matches_flax(ours, theirs, (k, v, bias), q, "bias")
+
+
+def test_adapter_aligns_causal_bottom_right_with_a_mask():
+  """make_attention_fn(causal=True, window_size=...) with q_len != kv_len and a mask that
+  keeps every key: the same band as jaxflash.attention (bottom-right), not jax.nn's top-left."""
+  q, kv = _normal(30, (B, 5, HEADS, 8)), _normal(31, (B, 11, HEADS, 8))
+  keep_all = jnp.ones((B, 1, 5, 11), bool)
+  for options in (dict(causal=True), dict(causal=True, window_size=(3, None)),
+                  dict(window_size=(2, 1))):
+    np.testing.assert_allclose(
+        jf.make_attention_fn(**options)(q, kv, kv, mask=keep_all),
+        jaxflash.attention(q, kv, kv, **options), rtol=2e-6, atol=2e-6, err_msg=str(options))
+
+
+def test_adapter_mask_with_batch_dims_and_a_head_mask():
+  """Two leading batch dims folded, a mask of (batch..., heads, q, kv) with a different
+  pattern per head: each folded sequence and head keeps its own keys."""
+  q, kv = _normal(40, (2, 3, 4, HEADS, 8)), _normal(41, (2, 3, 6, HEADS, 8))
+  mask = jnp.asarray(np.random.default_rng(42).random((2, 3, HEADS, 4, 6)) < 0.6)
+  out = jf.make_attention_fn()(q, kv, kv, mask=mask)
+  want = nn.dot_product_attention(q, kv, kv, mask=mask)
+  np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+
+
 def test_linen_inactive_dropout_is_accepted():
   x = _normal(3, (B, T, D))
   layer = nn.MultiHeadDotProductAttention(num_heads=HEADS, dropout_rate=0.1,
@@ -128,15 +185,22 @@ def _adapter_call(**kwargs):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"mask": jnp.ones((B, 1, T, T), bool)}, "make_attention_fn\\(causal=True"),
-    ({"bias": jnp.zeros((B, 1, T, T))}, "bias"),
     ({"dropout_rate": 0.1, "deterministic": False}, "dropout"),
     ({"module": object()}, "sow_weights"),
     ({"qk_attn_weights_einsum": jnp.einsum}, "einsum"),
-], ids=["mask", "bias", "dropout", "sow", "einsum"])
+], ids=["dropout", "sow", "einsum"])
 def test_adapter_refuses(kwargs, match):
   with pytest.raises(ValueError, match=match):
     _adapter_call(**kwargs)
+
+
+@pytest.mark.parametrize("option", [dict(softcap=30.0), dict(deterministic=True),
+                                    dict(mask_mod=lambda b, h, i, j: j <= i)],
+                         ids=["softcap", "deterministic", "mask_mod"])
+def test_adapter_refuses_a_dense_mask_with_options_jax_nn_lacks(option):
+  q = k = v = _normal(5, (B, T, HEADS, 8))
+  with pytest.raises(ValueError, match=f"mask: .*takes no {next(iter(option))}"):
+    jf.make_attention_fn(**option)(q, k, v, mask=jnp.ones((B, 1, T, T), bool))
 
 
 def test_adapter_takes_score_mod_and_mask_mod():
@@ -159,13 +223,6 @@ def test_adapter_refuses_top_left_causal_cross_attention():
 def test_adapter_unknown_option():
   with pytest.raises(TypeError, match="q_segment_ids"):
     jf.make_attention_fn(q_segment_ids=jnp.zeros((B, T), jnp.int32))
-
-
-def test_linen_mha_with_mask_raises():
-  x = _normal(8, (B, T, D))
-  layer = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=jf.make_attention_fn())
-  with pytest.raises(ValueError, match="mask"):
-    layer.init(jax.random.PRNGKey(0), x, mask=nn.make_causal_mask(x[..., 0]))
 
 
 def test_linen_mha_sow_weights_raises():
