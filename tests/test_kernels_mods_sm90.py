@@ -80,8 +80,14 @@ def test_mods_variant_key_and_schedule():
              for v in config.shipped_variants("sm90a", d))
 
 
+# The recipes whose registers could spill: ALiBi with a causal mask_mod holds ALiBi alone, and
+# identity (test_identity_score_mod_emits_nothing) and ALiBi (test_alibi_adds_few_instructions)
+# are compiled at head_dim 128 by the tests of their code.
+SPILL_CHECKED = ("alibi_causal_mask", "document", "t5")
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("name", SPILL_CHECKED)
 def test_mods_variant_compiles_without_spills(exported, name, head_dim, tmp_path):
   variant, _ = mods_variant(name, head_dim)
   e = exported(variant)
@@ -160,7 +166,7 @@ def test_linked_library_describes_its_arrays(exported, tmp_path):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("name", sorted(BWD_RECIPES))
+@pytest.mark.parametrize("name", SPILL_CHECKED + ("doubled",))
 def test_mods_backward_variant_compiles_without_spills(exported, name, head_dim):
   """The backward kernel with score_mod / mask_mod on S^T (64 x 128 swapped tiles at both head
   dims: at 128 the 80 x 128 tile spilled 110 LDL / STL with the document mask)."""
