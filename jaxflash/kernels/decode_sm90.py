@@ -186,13 +186,12 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
 
   FP8 caches (variant.kv_dtype): TMA copies the e4m3 blocks into rings of their own
   (schedule.fp8_stages deep), six converting warps (warps 1-2 of the producer warpgroup and a
-  warpgroup after the consumers) convert each block exactly
-  into the 16-bit rings the GEMMs read (the query's dtype), in the producer's order, and put
-  each K block's 16-key boxes' descales beside its 16-bit stage (convert_kv); the consumers
-  scale each key's scores by its k descale before the softmax and its P by its v descale
-  (over a reference) after it (the row sums keep the unscaled P), float32 descales per (page,
-  kv head): key j is k[...] * k_descale[its page, kv head]. A contiguous cache's page is its
-  sequence.
+  warpgroup after the consumers) convert each block exactly into the 16-bit rings the GEMMs
+  read (the query's dtype), in the producer's order, and put each K block's 16-key boxes'
+  descales beside its 16-bit stage (convert_kv); the consumers scale each key's scores by its
+  k descale before the softmax and its P by its v descale (over a reference) after it (the row
+  sums keep the unscaled P), float32 descales per (page, kv head): key j is k[...] *
+  k_descale[its page, kv head]. A contiguous cache's page is its sequence.
   """
 
   # Heights (keys) of the TMA boxes that load pages smaller than a key block, widest first; the
@@ -427,7 +426,7 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
     converting_wg = self.num_mma_warpgroups + 1  # FP8 caches: the last warpgroup
     producing = warpgroup_idx == 0
     if const_expr(self.fp8_cache):
-      producing = (warpgroup_idx == 0) | (warpgroup_idx == converting_wg)
+      producing = producing | (warpgroup_idx == converting_wg)
     if producing:
       cute.arch.setmaxregister_decrease(self.num_producer_regs)
       if warp_idx == 0:
@@ -596,9 +595,9 @@ class FlashAttentionDecodeSm90(FlashAttentionForwardSm90):
                  sK_layout: cute.ComposedLayout, v_ptr: cute.Pointer,
                  sV_layout: cute.ComposedLayout, pipeline_k8, pipeline_v8, pipeline_k,
                  pipeline_v, work, thread: Int32, descales):
-    """The converting warps (FP8 caches; thread: 0-191 among them): each e4m3 K / V block TMA filled
-    becomes a 16-bit block of the ring the consumers' GEMMs read, in the producer's order
-    (K(n_end - 1), then K(n - 1) before V(n), then V(n_start)). With each K block go its
+    """The converting warps (FP8 caches; thread: 0-191 among them): each e4m3 K / V block
+    TMA filled becomes a 16-bit block of the ring the consumers' GEMMs read, in the producer's
+    order (K(n_end - 1), then K(n - 1) before V(n), then V(n_start)). With each K block go its
     boxes' k and v descales (the latter over the v reference), into the descale buffer's
     column of the 16-bit K stage; the v reference, 1 / (the v descale of the split's first
     key, or 1 where that is not positive and finite), goes to its own slot first.
