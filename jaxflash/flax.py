@@ -129,30 +129,28 @@ def _dense_mask_attention(query, key, value, bias, mask, options):
     shift, far = seq_k - seq_q, seq_q + seq_k
     local_window_size = (far if left is None else left - shift,
                          far if right is None else right + shift)
-  implementation = {None: None, "cute": "cudnn", "reference": "xla"}.get(
-      options.get("implementation"), options.get("implementation"))
+  implementations = {None: None, "cute": "cudnn", "reference": "xla"}  # jax.nn's names
+  if options.get("implementation") not in implementations:
+    raise ValueError(f"implementation: expected None, 'cute' or 'reference', got "
+                     f"{options['implementation']!r}")
   batch_dims = query.shape[:-3]
-  batch = math.prod(batch_dims)
-  fold = lambda x: x.reshape((batch,) + x.shape[-3:])
+  fold = lambda x: x.reshape((-1,) + x.shape[-3:])
 
-  def fold_scores(x):  # (batch..., heads, q_len, kv_len) broadcastable -> (batch|1, ...)
-    if x is None:
-      return None
-    x = jnp.asarray(x)
-    lead = x.shape[:-3] if x.ndim > 3 else ()
-    if x.ndim > 3 and math.prod(lead) == 1:
-      return x.reshape((1,) + x.shape[-3:])
-    if x.ndim > 3:
+  def fold_scores(x):  # broadcastable to (batch..., heads, q_len, kv_len) -> (batch | 1, ...)
+    if x is None or x.ndim <= 3:
+      return x
+    if math.prod(x.shape[:-3]) > 1:
       x = jnp.broadcast_to(x, batch_dims + x.shape[-3:])
-      return x.reshape((batch,) + x.shape[-3:])
-    return x
+    return fold(x)
 
   if mask is not None:  # Flax keeps a key where the mask is nonzero (make_attention_mask: float)
     mask = jnp.asarray(mask).astype(bool)
+  if bias is not None:
+    bias = jnp.asarray(bias)
   out = jaxflash.dot_product_attention(
       fold(query), fold(key), fold(value), fold_scores(bias), fold_scores(mask),
       scale=options.get("softmax_scale"), local_window_size=local_window_size,
-      implementation=implementation)
+      implementation=implementations[options.get("implementation")])
   return out.reshape(batch_dims + out.shape[1:])
 
 

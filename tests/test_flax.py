@@ -134,6 +134,13 @@ def test_adapter_aligns_causal_bottom_right_with_a_mask():
         jaxflash.attention(q, kv, kv, **options), rtol=2e-6, atol=2e-6, err_msg=str(options))
 
 
+def test_adapter_refuses_an_unknown_implementation_with_a_mask():
+  q = k = v = _normal(5, (B, T, HEADS, 8))
+  with pytest.raises(ValueError, match="implementation: expected None, 'cute' or 'reference', "
+                                       "got 'cudnn'"):
+    jf.make_attention_fn(implementation="cudnn")(q, k, v, mask=jnp.ones((B, 1, T, T), bool))
+
+
 def test_adapter_mask_with_batch_dims_and_a_head_mask():
   """Two leading batch dims folded, a mask of (batch..., heads, q, kv) with a different
   pattern per head: each folded sequence and head keeps its own keys."""
