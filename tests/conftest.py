@@ -20,8 +20,8 @@ if "XLA_FLAGS" not in os.environ:
 # The suite compiles many identical XLA programs (the same oracle or reference call from
 # different tests, workers and child processes; jit caches only per function object): one
 # persistent compilation cache per session, shared by the workers (spawned with the parent's
-# environment) and their subprocesses, compiles each program once
-# (test_nn_dot_product_attention.py alone: 120 s without, 108 s with it, from an empty cache).
+# environment) and their subprocesses, compiles each program once. On 2 cores the whole suite
+# took 1370 s of test time with it against 1587 s without (test_flax.py 34 s against 81 s).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not os.environ.get("PYTEST_XDIST_WORKER"):
   _xla_cache = tempfile.mkdtemp(prefix="jaxflash-tests-xla-cache-")
   atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
