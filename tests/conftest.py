@@ -13,7 +13,8 @@ import pytest
 # optimisation of the generated code is wasted there (test_reference.py's gradient tests: 22.0 s
 # with it, 15.7 s without, on 2 cores). Where the caller sets XLA flags of its own
 # (scripts/gpu_check.sh for the GPU suite) they are left alone. Subprocesses inherit these.
-if "XLA_FLAGS" not in os.environ:
+_CALLER_XLA_FLAGS = "XLA_FLAGS" in os.environ
+if not _CALLER_XLA_FLAGS:
   os.environ["XLA_FLAGS"] = ("--xla_backend_optimization_level=0 "
                              "--xla_llvm_disable_expensive_passes=true")
 
@@ -22,7 +23,9 @@ if "XLA_FLAGS" not in os.environ:
 # persistent compilation cache per session, shared by the workers (spawned with the parent's
 # environment) and their subprocesses, compiles each program once. On 2 cores the whole suite
 # took 1370 s of test time with it against 1587 s without (test_flax.py 34 s against 81 s).
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not os.environ.get("PYTEST_XDIST_WORKER"):
+# Measured on the CPU only: runs with XLA flags of the caller's (the GPU suite's) go without it.
+if not (_CALLER_XLA_FLAGS or "JAX_COMPILATION_CACHE_DIR" in os.environ
+        or os.environ.get("PYTEST_XDIST_WORKER")):
   _xla_cache = tempfile.mkdtemp(prefix="jaxflash-tests-xla-cache-")
   atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
   os.environ.update(JAX_COMPILATION_CACHE_DIR=_xla_cache,
