@@ -24,8 +24,8 @@ if not _CALLER_XLA_FLAGS:
 # environment) and their subprocesses, compiles each program once. On 2 cores the whole suite
 # took 1370 s of test time with it against 1587 s without (test_flax.py 34 s against 81 s).
 # Measured on the CPU only: runs with XLA flags of the caller's (the GPU suite's) go without it.
-if not (_CALLER_XLA_FLAGS or "JAX_COMPILATION_CACHE_DIR" in os.environ
-        or os.environ.get("PYTEST_XDIST_WORKER")):
+# Workers see the parent's XLA_FLAGS (set above) and cache folder, so only the parent makes one.
+if not (_CALLER_XLA_FLAGS or "JAX_COMPILATION_CACHE_DIR" in os.environ):
   _xla_cache = tempfile.mkdtemp(prefix="jaxflash-tests-xla-cache-")
   atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
   os.environ.update(JAX_COMPILATION_CACHE_DIR=_xla_cache,
