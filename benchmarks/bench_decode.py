@@ -81,6 +81,9 @@ CASES = {
     # of one head).
     "b8_q8_8k_gqa8": Case(8, 8, 8192, 32, 4),
     "b4_q64_8k_mha": Case(4, 64, 8192, 16, 16),
+    # One layer of the Flax example's small config decoding at batch 64 (6 / 2 heads, d128),
+    # at the last step of bench_generate.py's defaults (767 cached positions).
+    "b64_q1_767_small": Case(64, 1, 767, 6, 2),
 }
 IMPLS = ("jaxflash", "paged64", "paged256", "fp8", "fp8-paged64", "fp8-paged256", "attention",
          "prefill", "nn", "cudnn", "xla", "read")

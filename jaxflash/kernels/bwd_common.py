@@ -55,11 +55,12 @@ def dq_tiled_mma(dtype, head_dim: int, rows: int = TILE_M, transposed: bool = Fa
                  split_rows: bool = False) -> cute.TiledMma:
   """dQ = dS K: both warpgroups cover the `rows` (64) query rows, each half of head_dim (N).
 
-  transposed (the backward schedule's dq_transposed, 80-row tiles): dQ^T = K^T dS^T, warpgroup w computes
-  head_dim rows [w * head_dim / 2, (w + 1) * head_dim / 2) (M) for all `rows` queries (N):
-  the same head_dim halves per warpgroup, coordinates (head_dim, query).
-  split_rows (the backward schedule's dq_split_m, rows = 128): warpgroup w computes 64-row block w for
-  all of head_dim (WGMMA N = head_dim instead of head_dim / 2; FA-4's AtomLayoutMdQ = 2). Its
+  transposed (the backward schedule's dq_transposed, 80-row tiles): dQ^T = K^T dS^T,
+  warpgroup w computes head_dim rows [w * head_dim / 2, (w + 1) * head_dim / 2) (M) for all
+  `rows` queries (N): the same head_dim halves per warpgroup, coordinates (head_dim, query).
+  split_rows (the backward schedule's dq_split_m, rows = 128): warpgroup w computes 64-row
+  block w for all of head_dim (WGMMA N = head_dim instead of head_dim / 2; FA-4's
+  AtomLayoutMdQ = 2). Its
   thread t holds, in value order, what thread t of warpgroups 0 and 1 hold in the 64-row layout
   above (values 0..15 the first head_dim half), so staged whole into one buffer it is block w
   of the accumulator layout unchanged (tests/test_kernels_bwd_sm90.py checks it).
