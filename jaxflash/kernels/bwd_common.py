@@ -60,10 +60,10 @@ def dq_tiled_mma(dtype, head_dim: int, rows: int = TILE_M, transposed: bool = Fa
   `rows` queries (N): the same head_dim halves per warpgroup, coordinates (head_dim, query).
   split_rows (the backward schedule's dq_split_m, rows = 128): warpgroup w computes 64-row
   block w for all of head_dim (WGMMA N = head_dim instead of head_dim / 2; FA-4's
-  AtomLayoutMdQ = 2). Its
-  thread t holds, in value order, what thread t of warpgroups 0 and 1 hold in the 64-row layout
-  above (values 0..15 the first head_dim half), so staged whole into one buffer it is block w
-  of the accumulator layout unchanged (tests/test_kernels_bwd_sm90.py checks it).
+  AtomLayoutMdQ = 2). Its thread t holds, in value order, what thread t of warpgroups 0 and 1
+  hold in the 64-row layout above (values 0..15 the first head_dim half), so staged whole into
+  one buffer it is block w of the accumulator layout unchanged (tests/test_kernels_bwd_sm90.py
+  checks it).
   """
   if split_rows:
     return sm90_utils.make_trivial_tiled_mma(
