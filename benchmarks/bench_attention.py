@@ -373,7 +373,8 @@ def main(argv=None) -> int:
   meta = {"device": device.device_kind, "jax": jax.__version__, "jaxflash": jaxflash.__version__,
           "dtype": args.dtype, "timing": f"{WARMUPS} warm-ups, median of {REPS} x {CALLS} calls",
           "flops": "fwd 2*b*h*s*s*(d+dv), fwd+bwd 2*b*h*s*s*(4d+3dv); halved if causal",
-          "note": BWD_NOTE, "fa3": fa3_where, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+          "note": BWD_NOTE, "fa3": fa3_where,
+          "date": datetime.datetime.now().isoformat(timespec="seconds"),
           "seconds": round(time.perf_counter() - start, 1)}
   (args.out / "bench_attention.json").write_text(
       json.dumps({"meta": meta, "results": records}, indent=1) + "\n")

@@ -19,8 +19,8 @@ batch, 0.75 / 0.85 for softcap at head_dim 64 / 128). Where FlashAttention-3's l
 (devtools/fa3_binding.py), the dense, packed and gpt-oss rows also time FA-3's own kernels on the
 same inputs (its varlen kernels over the documents' offsets; gpt-oss's sinks applied outside its
 kernel) and give FA-3's time over jaxflash's per round and its median. Rounds alternate which
-call of a row goes first. Timing: bench_attention.time_ms. Needs the kernels (JAXFLASH_CACHE_DIR or the kernel
-wheel; scripts/gpu_check.sh).
+call of a row goes first. Timing: bench_attention.time_ms. Needs the kernels (JAXFLASH_CACHE_DIR
+or the kernel wheel; scripts/gpu_check.sh).
 """
 
 from __future__ import annotations

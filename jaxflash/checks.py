@@ -77,7 +77,8 @@ def check_options(causal, softmax_scale, window_size, softcap, deterministic, re
   if softmax_scale is None:
     softmax_scale = head_dim ** -0.5
   elif not isinstance(softmax_scale, numbers.Real) or isinstance(softmax_scale, bool):
-    raise TypeError(f"softmax_scale: expected a static positive float or None, got {softmax_scale!r}")
+    raise TypeError(f"softmax_scale: expected a static positive float or None, got "
+                    f"{softmax_scale!r}")
   elif not np.isfinite(softmax_scale) or softmax_scale <= 0:
     raise ValueError(f"softmax_scale: expected a finite float > 0, got {softmax_scale!r}")
   if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2

@@ -69,7 +69,7 @@ def _reference_mods(config: AttentionConfig, bias, arrays):
 
 
 def mods_block_mask(config: AttentionConfig, arrays, batch: int, heads: int, seq_q: int,
-                seq_k: int):
+                    seq_k: int):
   """The block mask of the call's mask_mod over its arrays (block_mask.py), or None without
   one. The kernels' block ranges narrow to it: its empty blocks are never visited, and its full
   ones run without mask_mod (the mods variants apply mask_mod outside the full range only)."""

@@ -306,7 +306,8 @@ def _online_result(carry, query, cdt):
   # No key: l = 0, lse -inf. A NaN score makes l NaN, and lse NaN like out (the row max may
   # have skipped the NaN: XLA's CPU max can return the other operand).
   lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(jnp.where(l == 0, 1, l)))
-  return out.astype(query.dtype), lse.reshape(b, h, seq_q).astype(jnp.promote_types(cdt, jnp.float32))
+  lse_dtype = jnp.promote_types(cdt, jnp.float32)
+  return out.astype(query.dtype), lse.reshape(b, h, seq_q).astype(lse_dtype)
 
 
 def blocked_backward(query, key, value, out, lse, d_out, d_lse, config: AttentionConfig,

@@ -3,7 +3,8 @@
 Every shipped chunked variant is exported once per session (the bfloat16 ones; the float16 twin
 of head_dim 128 in tests/test_decode_variants.py's choice); the SASS checks assert structure:
 WGMMA of the two 64-row warpgroups, TMA loads (those of 64-key boxes beside the 16-key ones),
-the register split, the ping-pong barriers, one kernel (no merge) and no local-memory spills. Needs nvidia-cutlass-dsl (marker `cutlass`).
+the register split, the ping-pong barriers, one kernel (no merge) and no local-memory spills.
+Needs nvidia-cutlass-dsl (marker `cutlass`).
 """
 
 import re

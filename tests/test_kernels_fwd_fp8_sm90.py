@@ -44,7 +44,8 @@ def test_model_transpose_unit_writes_v_transposed_in_the_permuted_key_order():
   keys, dims = 16, 32
   v = rng.integers(0, 256, size=(keys, dims))  # V[key, dim], one byte each
   # ldmatrix: lane 8i + r addresses key 8 (i % 2) + r at dim 16 (i // 2): 8 pairs of bytes.
-  rows16 = [[[(v[8 * (i % 2) + r, 16 * (i // 2) + 2 * c], v[8 * (i % 2) + r, 16 * (i // 2) + 2 * c + 1])
+  rows16 = [[[(v[8 * (i % 2) + r, 16 * (i // 2) + 2 * c],
+               v[8 * (i % 2) + r, 16 * (i // 2) + 2 * c + 1])
               for c in range(8)] for r in range(8)] for i in range(4)]
   regs = _ldmatrix_x4_trans(rows16)
   vt = np.full((dims, keys), -1)

@@ -1,4 +1,4 @@
-"""KernelVariant -> fake-tensor signature -> cute.compile for sm_90a -> export_to_c (header + object).
+"""KernelVariant -> fake-tensor signature -> cute.compile for sm_90a -> export_to_c (header, .o).
 
 Imports cutlass, the stdlib, jaxflash.config and the kernel classes (never jax). Runs on a host
 without a GPU; docs/build.md describes the pipeline.

@@ -61,7 +61,7 @@ def num_masked_blocks(m_block: Int32, n_max: Int32, seqlen_q: Int32, seqlen_k: I
   """
   count = cutlass.min(n_max, Int32(1))
   if cutlass.const_expr(causal):
-    # Block n is fully visible to every row of the tile iff (n+1)*tile_n - 1 <= m_block*tile_m + off.
+    # Block n is fully visible to each row of the tile iff (n+1)*tile_n - 1 <= m_block*tile_m + off.
     first_key_limit = m_block * tile_m + seqlen_k - seqlen_q + 1
     first_masked = Int32(0)
     if first_key_limit > 0:

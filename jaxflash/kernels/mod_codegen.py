@@ -1,14 +1,14 @@
 """score_mod / mask_mod IR (jaxflash/mod_ir.py) -> CuTe DSL code on the S accumulator.
 
-Imports cutlass and jaxflash.mod_refs (no jax). The IR arrives as the canonical JSON of a KernelVariant's `mods`; each
-equation becomes DSL arithmetic while the kernel is traced, once per accumulator element
-(identical subexpressions of a row or a column, e.g. slopes[head] or q_idx // chunk, are left
-to LLVM's CSE). Values live as Float32 (float32, and float16 / bfloat16 rounded to their type
-after every op), Int32 (int8 / int16 / int32 / uint8 / uint16, narrow ones wrapped to their
-width after every op), Uint32 or Boolean. Every op follows XLA's semantics (mod_ir's module
-docstring), with the guards that make LLVM's undefined cases defined: integer division by 0,
-shifts by >= the width, float -> int casts of NaN or out-of-range values. Transcendentals use
-the accurate libdevice functions (fastmath off).
+Imports cutlass and jaxflash.mod_refs (no jax). The IR arrives as a KernelVariant's `mods`
+(canonical JSON); each equation becomes DSL arithmetic while the kernel is traced, once per
+accumulator element (identical subexpressions of a row or a column, e.g. slopes[head] or q_idx //
+chunk, are left to LLVM's CSE). Values live as Float32 (float32, and float16 / bfloat16 rounded to
+their type after every op), Int32 (int8 / int16 / int32 / uint8 / uint16, narrow ones wrapped to
+their width after every op), Uint32 or Boolean. Every op follows XLA's semantics (mod_ir's module
+docstring), with the guards that make LLVM's undefined cases defined: integer division by 0, shifts
+by >= the width, float -> int casts of NaN or out-of-range values. Transcendentals use the accurate
+libdevice functions (fastmath off).
 """
 
 import json
