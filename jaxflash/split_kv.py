@@ -71,10 +71,10 @@ def use_chunked(batch: int, seq_q: int, num_heads: int, num_kv_heads: int, dtype
   would take 16-key boxes, which ran the chunked variant below the split-KV kernel,
   docs/kernels.md "Chunked prefill"), each (sequence, kv head) has at least
   config.CHUNKED_MIN_ROWS packed query rows (seq_q * query heads per kv head: one whole tile),
-  and its tiles fill at least
-  config.CHUNKED_MIN_WAVE of the SMs (sms: num_sms() when None, the count of an H100 / H200
-  on a host without a GPU, so the choice is the same from static shapes wherever it is made):
-  with fewer tiles the decode kernel's splits of the keys keep the other SMs busy.
+  and its tiles fill at least config.CHUNKED_MIN_WAVE of the SMs (sms: num_sms() when None, the
+  count of an H100 / H200 on a host without a GPU, so the choice is the same from static shapes
+  wherever it is made): with fewer tiles the decode kernel's splits of the keys keep the other
+  SMs busy.
   """
   if not config.chunked_support(dtype, head_dim, head_dim_v, kv_dtype)[0]:
     return False
