@@ -201,9 +201,6 @@ class BwdSchedule:
   dq_transposed: bool  # dQ^T = K^T dS^T (tile_m is no multiple of WGMMA's M = 64)
   dq_copies: int  # fp32 dQ accumulators (deterministic: summed in index order), 1 or 2
   two_dq_copies_max_seq_q: Optional[int] = None  # above this seq_q a call uses one copy
-  # Staging buffers per warpgroup, a piece each, filled in turn (dq_pieces a multiple): the
-  # consumers stage a piece while the writer's bulk reduction reads out the one before.
-  dq_buffers: int = 1
 
   @property
   def key(self) -> str:
@@ -504,11 +501,10 @@ def bwd_schedule(head_dim: int, head_dim_v: int, causal: bool, deterministic: bo
                        dq_copies=2 if two_copies else 1,
                        two_dq_copies_max_seq_q=(4096 if head_dim_v > 128 else 8192)
                        if two_copies and causal else None)
-  # hdim 256: one dO stage and half a dQ block staged at a time, to fit 227 KiB (209 KiB), as
-  # four quarter pieces through two buffers in turn.
+  # hdim 256: one dO stage and half a dQ block staged at a time, to fit 227 KiB (209 KiB).
   return BwdSchedule(tile_m=64, tile_n=64, num_stages=2, swap_sdp=False, do_stages=1,
-                     dq_pieces=4, dv_after_ds=False, dq_split_m=False, dq_transposed=False,
-                     dq_copies=2 if two_copies else 1, dq_buffers=2)
+                     dq_pieces=2, dv_after_ds=False, dq_split_m=False, dq_transposed=False,
+                     dq_copies=2 if two_copies else 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -260,7 +260,7 @@ def test_backward_schedule_table():
     assert s.dq_transposed == (s.tile_m % 64 != 0)  # 80 rows: dQ^T = K^T dS^T
     assert s.dq_split_m == (s.tile_m == 128)  # one 64-row dQ block per warpgroup
     assert s.dv_after_ds == (s.tile_m > 64)  # fp32 S^T, dP^T, P^T fit only without dV in flight
-    assert (s.do_stages, s.dq_pieces, s.dq_buffers) == ((1, 4, 2) if d == 256 else (2, 1, 1))
+    assert (s.do_stages, s.dq_pieces) == ((1, 2) if d == 256 else (2, 1))
     two = v.deterministic and d > 128 and not (v.causal and d > 192)
     assert s.dq_copies == (2 if two else 1), v.key
     limit = {192: 4096, 128: 8192}[v.head_dim_v] if two and v.causal else None

@@ -35,15 +35,14 @@ _NUM_WG = bwd_common.NUM_MMA_WARPGROUPS
 _DS_FULL_BARRIER = 1
 _DS_EMPTY_BARRIER = 2
 _EPILOGUE_BARRIER = 3
-# + staging slot (buffer * _NUM_WG + warpgroup, _dq_slot): the slot is full / free again. Each
-# is shared by that consumer warpgroup and the dQ writer warp (128 + 32 threads).
-_MAX_DQ_BUFFERS = 2
+# + warpgroup: the warpgroup's half of the dQ staging buffer is full / free again. Each is shared
+# by that consumer warpgroup and the dQ writer warp (128 + 32 threads).
 _DQ_FULL_BARRIER = 4
-_DQ_EMPTY_BARRIER = _DQ_FULL_BARRIER + _MAX_DQ_BUFFERS * _NUM_WG
+_DQ_EMPTY_BARRIER = 4 + _NUM_WG
 _DQ_BARRIER_THREADS = _WG + sm90_gemm.WARP_THREADS
 # Deterministic: the dQ writer warp hands each step's semaphore release to the release warp
 # (full: this step's dQ writes have landed; empty: the previous release is issued), 2 warps.
-_DQ_RELEASE_FULL_BARRIER = _DQ_EMPTY_BARRIER + _MAX_DQ_BUFFERS * _NUM_WG
+_DQ_RELEASE_FULL_BARRIER = 4 + 2 * _NUM_WG
 _DQ_RELEASE_EMPTY_BARRIER = _DQ_RELEASE_FULL_BARRIER + 1
 _DQ_RELEASE_BARRIER_THREADS = 2 * sm90_gemm.WARP_THREADS
 _DQ_WRITER_WARP, _DQ_RELEASE_WARP = 1, 2
@@ -112,7 +111,7 @@ def _smem_buffers(variant: config.KernelVariant) -> dict:
   if not s.swap_sdp:
     buffers["sP"] = (dtype, m * n, align)
   buffers["sdS"] = (dtype, (stages if s.swap_sdp else 1) * m * n, align)
-  buffers["sdQ"] = (Float32, m * d * s.dq_buffers // s.dq_pieces, align)
+  buffers["sdQ"] = (Float32, m * d // s.dq_pieces, align)
   if s.swap_sdp:
     buffers["sLSE2"] = (Float32, m * stages, 128)
     buffers["sDelta"] = (Float32, m * stages, 128)
@@ -184,9 +183,6 @@ class FlashAttentionBackwardSm90:
     self.swap_sdp = schedule.swap_sdp
     self.do_stages = schedule.do_stages
     self.dq_pieces = schedule.dq_pieces
-    self.dq_buffers = schedule.dq_buffers
-    assert (self.dq_buffers <= _MAX_DQ_BUFFERS and self.dq_pieces % self.dq_buffers == 0
-            and _DQ_RELEASE_FULL_BARRIER + 1 < 16), schedule
     self.dv_after_ds = schedule.dv_after_ds
     self.dq_split_m = schedule.dq_split_m
     self.dq_transposed = schedule.dq_transposed
@@ -476,8 +472,7 @@ class FlashAttentionBackwardSm90:
       buffers = tuple(b for b in buffers if b[0] != "sP")
     smem = {name: getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
             for name, layout in buffers}
-    sdQ = storage.sdQ.get_tensor(
-        cute.make_layout(self.tile_m * self.head_dim * self.dq_buffers // self.dq_pieces))
+    sdQ = storage.sdQ.get_tensor(cute.make_layout(self.tile_m * self.head_dim // self.dq_pieces))
     stats = None
     if const_expr(self.swap_sdp):
       stats_layout = cute.make_layout((self.tile_m, self.num_stages))
@@ -1341,34 +1336,27 @@ class FlashAttentionBackwardSm90:
 
   @cute.jit
   def stage_dq(self, acc_dq: cute.Tensor, sdQ: cute.Tensor, wg: Int32):
-    """Writes this warpgroup's dQ half to its staging slots for the dQ writer warp.
+    """Writes this warpgroup's dQ half to its staging buffer for the dQ writer warp.
 
     In dq_pieces pieces (values [p * n, (p + 1) * n) of every thread: a contiguous run of the
-    accumulator layout) when a slot holds only a piece; piece p goes to the warpgroup's buffer
-    p % dq_buffers, so with two it stages one piece while the writer's reduction reads the other.
+    accumulator layout) when the buffer holds only a piece.
     """
     tidx, _, _ = cute.arch.thread_idx()
     buf = self.tile_m * self.head_dim // _NUM_WG // self.dq_pieces
     per_piece = cute.size(acc_dq) // self.dq_pieces
-    bufs = cute.make_tensor(sdQ.iterator, cute.make_layout((buf, _NUM_WG * self.dq_buffers)))
+    bufs = cute.make_tensor(sdQ.iterator, cute.make_layout((buf, _NUM_WG)))
+    # This thread's 4-float chunks of its warpgroup's buffer: 128-bit stores, and a warp's 32
+    # chunks fill 512 consecutive bytes (conflict-free).
+    tdQsdQ = bwd_common.fragment_chunks(bufs[None, wg], tidx % _WG)
     for p in cutlass.range_constexpr(self.dq_pieces):
-      slot = self._dq_slot(p, wg)
-      # This thread's 4-float chunks of the slot: 128-bit stores, and a warp's 32 chunks fill
-      # 512 consecutive bytes (conflict-free).
-      tdQsdQ = bwd_common.fragment_chunks(bufs[None, slot], tidx % _WG)
-      # The writer has seen the previous reduction out of this slot read out (bulk read done).
-      cute.arch.barrier(barrier_id=_DQ_EMPTY_BARRIER + slot,
-                        number_of_threads=_DQ_BARRIER_THREADS)
+      # The writer has seen the previous reduction of this buffer read out (bulk read done).
+      cute.arch.barrier(barrier_id=_DQ_EMPTY_BARRIER + wg, number_of_threads=_DQ_BARRIER_THREADS)
       piece = cute.make_tensor(acc_dq.iterator + p * per_piece, cute.make_layout(tdQsdQ.shape))
       cute.autovec_copy(piece, tdQsdQ)
       # Generic-proxy smem writes must be visible to the bulk copy (async proxy).
       cute.arch.fence_proxy("async.shared", space="cta")
-      cute.arch.barrier_arrive(barrier_id=_DQ_FULL_BARRIER + slot,
+      cute.arch.barrier_arrive(barrier_id=_DQ_FULL_BARRIER + wg,
                                number_of_threads=_DQ_BARRIER_THREADS)
-
-  def _dq_slot(self, piece: int, wg):
-    """The staging slot (barrier offset and buffer index) of a warpgroup's dQ piece."""
-    return (piece % self.dq_buffers) * _NUM_WG + wg
 
   @cute.jit
   def store_dq(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
@@ -1386,16 +1374,21 @@ class FlashAttentionBackwardSm90:
     half = self.dq_rows * self.head_dim // _NUM_WG
     buf = self.tile_m * self.head_dim // _NUM_WG // self.dq_pieces  # floats per staging buffer
     piece = half // self.dq_pieces  # floats per bulk reduction
+    # Deterministic: the buffers are handed back for the next step before the wait for this
+    # step's writes (the release), so the consumers stage the next dQ block meanwhile.
+    early_empty = self.deterministic
     shift, copy_blocks = self._dq_copy_layout(mdQaccum, seqlen_q)
     for g in cutlass.range(group, unroll=1):
       head = head_kv * group + g
       for step in cutlass.range(m_min, m_max, unroll=1):
         m_block = self._m_block_at(step, m_rot, m_max)
         for p in cutlass.range_constexpr(self.dq_pieces):
-          if const_expr(p == 0):
+          if const_expr(early_empty and p == 0):
             if g == 0 and step == m_min:
-              for b in cutlass.range_constexpr(self.dq_buffers):
-                self._hand_back_dq_slots(lane, b)  # nothing staged yet
+              self._hand_back_dq_buffers(lane)
+          else:
+            self._hand_back_dq_buffers(lane)
+          if const_expr(p == 0):
             acc_block = self._dq_accum_block(m_block, n_block, shift, copy_blocks)
             rank = None
             gdQ = cute.local_tile(mdQaccum[None, None, head, batch],
@@ -1410,28 +1403,22 @@ class FlashAttentionBackwardSm90:
                 bwd_common.wait_at_least(sem, rank)
                 cute.arch.fence_proxy("async.global")
           for wg in cutlass.range_constexpr(_NUM_WG):
-            slot = self._dq_slot(p, wg)
-            cute.arch.barrier(barrier_id=_DQ_FULL_BARRIER + slot,
+            cute.arch.barrier(barrier_id=_DQ_FULL_BARRIER + wg,
                               number_of_threads=_DQ_BARRIER_THREADS)
             if lane == 0:
               if const_expr(self.dq_split_m):
                 # Warpgroup wg staged 64-row block wg whole (both halves, in order).
-                self._add_dq(gdQ.iterator + wg * _NUM_WG * half, sdQ.iterator + slot * buf,
+                self._add_dq(gdQ.iterator + wg * _NUM_WG * half, sdQ.iterator + wg * buf,
                              buf * 4, rank)
               else:
                 # Piece p of warpgroup wg's half of the block: floats [p * piece,
                 # (p + 1) * piece) of that half.
-                self._add_dq(gdQ.iterator + wg * half + p * piece, sdQ.iterator + slot * buf,
+                self._add_dq(gdQ.iterator + wg * half + p * piece, sdQ.iterator + wg * buf,
                              piece * 4, rank)
               cute.arch.cp_async_bulk_commit_group()
-          # The slots of the piece dq_buffers on (this step's or the next's) go back once this
-          # piece's reductions have read them: the consumers stage the pieces in between
-          # meanwhile. Deterministic: before the wait for this step's writes (the release).
-          if const_expr(p + self.dq_buffers < self.dq_pieces):
-            self._hand_back_dq_slots(lane, p)
-          else:
-            if g < group - 1 or step < m_max - 1:
-              self._hand_back_dq_slots(lane, p)
+        if const_expr(early_empty):
+          if g < group - 1 or step < m_max - 1:
+            self._hand_back_dq_buffers(lane)
         if const_expr(self.deterministic):
           if lane == 0:
             # Written (not only read) before the next key block may add to the same floats.
@@ -1481,15 +1468,14 @@ class FlashAttentionBackwardSm90:
                                    number_of_threads=_DQ_RELEASE_BARRIER_THREADS)
 
   @cute.jit
-  def _hand_back_dq_slots(self, lane: Int32, piece: int):
-    """dQ writer: the slots of `piece` (those of the pieces dq_buffers apart) are free again:
-    the last reduction issued out of each (the latest groups, one per warpgroup) has read it."""
+  def _hand_back_dq_buffers(self, lane: Int32):
+    """dQ writer: each staging buffer is free again (its pending bulk reduction has read it)."""
     for wg in cutlass.range_constexpr(_NUM_WG):
-      # Groups complete in order: warpgroup wg's has been read once at most the _NUM_WG - 1 - wg
-      # after it are pending.
+      # Groups complete in order: the previous reduction out of buffer wg has been read once at
+      # most _NUM_WG - 1 - wg groups are pending.
       if lane == 0:
         cute.arch.cp_async_bulk_wait_group(_NUM_WG - 1 - wg, read=True)
-      cute.arch.barrier_arrive(barrier_id=_DQ_EMPTY_BARRIER + self._dq_slot(piece, wg),
+      cute.arch.barrier_arrive(barrier_id=_DQ_EMPTY_BARRIER + wg,
                                number_of_threads=_DQ_BARRIER_THREADS)
 
   def _dq_copy_layout(self, mdQaccum: cute.Tensor, seqlen_q: Int32):
